@@ -1,0 +1,35 @@
+# Two entry points (see README): `make run` and `make test`. Both create their own virtualenv.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test venv stubs bench lint clean
+
+$(BIN)/tandem: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/tandem
+
+run: venv
+	$(BIN)/tandem models fetch
+	$(BIN)/tandem generate --max-tokens 64 "Write a short poem about speculative decoding."
+
+test: venv
+	$(BIN)/tandem models fetch
+	$(BIN)/python -m pytest -q
+
+stubs: venv
+	$(BIN)/python -m tandem.protogen
+
+bench: venv
+	$(BIN)/tandem models fetch
+	$(BIN)/python benchmarks/runner_speed.py
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

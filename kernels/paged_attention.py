@@ -1,0 +1,147 @@
+"""Paged attention for a flattened variable-length batch (CPU torch reference).
+
+Every sequence in the batch contributes `q_len` new tokens (1 for decode, k+1 for verification,
+many for prefill) laid out back to back (cumulative offsets `cu_seqlens_q`). Their keys and
+values are written into a paged cache through `slot_mapping`; each query then attends causally
+to its own sequence's cached keys through its block table. The CUDA path in `kernels.flash` is
+checked against this one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-forward layout, built once and shared by every layer."""
+
+    cu_seqlens_q: torch.Tensor  # [batch + 1] int64, offsets of each sequence's new tokens
+    seq_lens: torch.Tensor  # [batch] int64, context length incl. the new tokens
+    block_tables: torch.Tensor  # [batch, max_blocks] int64, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # Derived gather/mask tensors for the CPU path (see build_attention_metadata).
+    kv_slots: torch.Tensor  # [batch, max_seqlen_k] int64, slot of every key position
+    q_rows: torch.Tensor  # [batch, max_seqlen_q] int64, row in the flat batch (padded: 0)
+    q_valid: torch.Tensor  # [batch * max_seqlen_q] bool, which padded rows are real
+    mask: torch.Tensor | None  # [batch, 1, max_seqlen_q, max_seqlen_k] bool, None = no mask
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def _check_int_list(name: str, values, minimum: int) -> None:
+    if any((not isinstance(v, int)) or v < minimum for v in values):
+        raise ValueError(f"{name} must be integers >= {minimum}, got {list(values)}")
+
+
+def build_attention_metadata(
+    q_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+) -> AttentionMetadata:
+    """Layout for sequences with `q_lens[i]` new tokens ending at context length `seq_lens[i]`."""
+    if not (len(q_lens) == len(seq_lens) == len(block_tables)) or not q_lens:
+        raise ValueError(
+            f"q_lens, seq_lens and block_tables must be non-empty and equally long, got "
+            f"{len(q_lens)}, {len(seq_lens)}, {len(block_tables)}"
+        )
+    _check_int_list("q_lens", q_lens, 1)
+    _check_int_list("seq_lens", seq_lens, 1)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    for i, (q, s, table) in enumerate(zip(q_lens, seq_lens, block_tables)):
+        if q > s:
+            raise ValueError(f"sequence {i}: {q} new tokens exceed its context length {s}")
+        if len(table) * block_size < s:
+            raise ValueError(
+                f"sequence {i}: block table of {len(table)} blocks cannot hold {s} tokens"
+            )
+    batch, max_q, max_k = len(q_lens), max(q_lens), max(seq_lens)
+    max_blocks = max(len(t) for t in block_tables)
+    tables = torch.zeros(batch, max_blocks, dtype=torch.int64)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+    q_len_t = torch.tensor(q_lens, dtype=torch.int64)
+    seq_len_t = torch.tensor(seq_lens, dtype=torch.int64)
+    cu = torch.zeros(batch + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(q_len_t, 0)
+
+    pos_k = torch.arange(max_k)
+    kv_slots = tables.gather(1, (pos_k // block_size).expand(batch, -1).clamp(max=max_blocks - 1))
+    kv_slots = kv_slots * block_size + pos_k % block_size  # [batch, max_k]
+    slot_mapping = torch.cat([kv_slots[i, s - q : s] for i, (q, s) in enumerate(zip(q_lens, seq_lens))])
+
+    pos_q = torch.arange(max_q)
+    q_valid = pos_q[None, :] < q_len_t[:, None]  # [batch, max_q]
+    q_rows = torch.where(q_valid, cu[:-1, None] + pos_q[None, :], 0)
+    # Query i of sequence b sits at absolute position seq_len - q_len + i and sees keys <= it.
+    q_abs = (seq_len_t - q_len_t)[:, None] + pos_q[None, :]  # [batch, max_q]
+    mask = pos_k[None, None, :] <= q_abs[:, :, None]  # [batch, max_q, max_k]
+    mask &= pos_k[None, None, :] < seq_len_t[:, None, None]
+    # Padded query rows see key 0 only, so softmax stays finite; their output is dropped.
+    mask |= (~q_valid[:, :, None]) & (pos_k[None, None, :] == 0)
+    needs_mask = not (batch == 1 and max_q in (1, max_k))
+    return AttentionMetadata(
+        cu_seqlens_q=cu,
+        seq_lens=seq_len_t,
+        block_tables=tables,
+        slot_mapping=slot_mapping,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        kv_slots=kv_slots,
+        q_rows=q_rows,
+        q_valid=q_valid.reshape(-1),
+        mask=mask[:, None] if needs_mask else None,
+    )
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Store the new tokens' keys and values in their cache slots."""
+    kvh, dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, kvh, dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, kvh, dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's new queries over its cached keys (GQA aware)."""
+    num_tokens, heads, dim = query.shape
+    kvh = key_cache.shape[2]
+    if heads % kvh:
+        raise ValueError(f"num_heads {heads} is not a multiple of num_kv_heads {kvh}")
+    batch, max_q = meta.q_rows.shape
+    flat_k = key_cache.view(-1, kvh, dim)
+    flat_v = value_cache.view(-1, kvh, dim)
+    # [batch, kv_heads, max_k, dim]: each sequence's keys gathered through its block table.
+    k = flat_k[meta.kv_slots].transpose(1, 2)
+    v = flat_v[meta.kv_slots].transpose(1, 2)
+    if batch == 1:
+        q = query[None].transpose(1, 2)  # no padding needed
+    else:
+        q = query[meta.q_rows].transpose(1, 2)  # [batch, heads, max_q, dim]
+    causal = meta.mask is None and max_q > 1
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=meta.mask, is_causal=causal, scale=scale, enable_gqa=heads != kvh
+    )  # [batch, heads, max_q, dim]
+    out = out.transpose(1, 2).reshape(batch * max_q, heads, dim)
+    if batch == 1:
+        return out
+    return out[meta.q_valid]

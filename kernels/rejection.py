@@ -1,0 +1,300 @@
+"""Batched lossless rejection sampler over a flattened, variable-length batch.
+
+Sequence i has k_i draft tokens at draft_token_ids[cu[i]:cu[i+1]] and owns the k_i + 1
+target rows cu[i] + i .. cu[i+1] + i: one per draft position plus the bonus row. For a draft
+token x with draft distribution q and target distribution p:
+accept with probability min(1, p(x) / q(x)); at the first rejection emit the recovered token
+~ norm(max(0, p - q)); if all k_i are accepted emit the bonus token ~ the bonus row.
+The emitted tokens are then distributed exactly as the target alone (Leviathan et al. 2023).
+Greedy sequences reduce to exact argmax matching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.sampling import sample
+
+PLACEHOLDER_TOKEN_ID = -1
+# Float32 softmax rows sum to 1 within ~1e-6; anything this far off is not a distribution.
+_SUM_TOL = 1e-3
+
+
+@dataclass(frozen=True)
+class SparseDraftProbs:
+    """Top-N truncated draft distribution q per draft token (what the wire carries)."""
+
+    token_ids: torch.Tensor  # [num_draft_tokens, N] int64
+    probs: torch.Tensor  # [num_draft_tokens, N] float32, rows sum to 1
+
+    def __post_init__(self) -> None:
+        ids, probs = self.token_ids, self.probs
+        if ids.ndim != 2 or ids.shape != probs.shape or ids.is_floating_point() or \
+                not probs.is_floating_point():
+            raise ValueError(
+                "SparseDraftProbs needs integer token_ids and float probs, both "
+                f"[num_draft_tokens, N]; got {ids.dtype} {tuple(ids.shape)} and "
+                f"{probs.dtype} {tuple(probs.shape)}"
+            )
+
+
+@dataclass(frozen=True)
+class RejectionOutput:
+    # accepted drafts, then the recovered or bonus token; PLACEHOLDER_TOKEN_ID padded
+    output_token_ids: torch.Tensor  # [batch_size, max_spec_len + 1] int64
+    num_accepted: torch.Tensor  # [batch_size] int64, draft tokens accepted per sequence
+    num_emitted: torch.Tensor  # [batch_size] int64, tokens written per sequence
+
+
+DraftProbs = SparseDraftProbs | torch.Tensor | None
+
+
+def _check_distribution(name: str, probs: torch.Tensor) -> None:
+    sums = probs.float().sum(dim=-1)
+    if not torch.isfinite(probs).all() or (probs < 0).any():
+        raise ValueError(f"{name} must be finite and non-negative")
+    bad = (sums - 1).abs() > _SUM_TOL
+    if bad.any():
+        row = int(bad.nonzero()[0])
+        raise ValueError(f"{name} row {row} sums to {float(sums[row]):.6f}, not 1")
+
+
+def _check_offsets(cu: torch.Tensor, num_draft_tokens: int) -> None:
+    if cu.ndim != 1 or cu.shape[0] < 1 or cu.is_floating_point():
+        raise ValueError(f"cu_num_draft_tokens must be a 1-D integer tensor, got {cu.shape}")
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_num_draft_tokens must start at 0, got {int(cu[0])}")
+    if (cu[1:] < cu[:-1]).any():
+        raise ValueError(f"cu_num_draft_tokens must be non-decreasing, got {cu.tolist()}")
+    if int(cu[-1]) != num_draft_tokens:
+        raise ValueError(
+            f"cu_num_draft_tokens ends at {int(cu[-1])}, "
+            f"but there are {num_draft_tokens} draft tokens"
+        )
+
+
+def _check_draft_probs(draft_probs: DraftProbs, num_draft_tokens: int, vocab: int) -> None:
+    if not (draft_probs is None or isinstance(draft_probs, (SparseDraftProbs, torch.Tensor))):
+        raise ValueError("draft_probs must be None, SparseDraftProbs or a tensor, got "
+                         f"{type(draft_probs).__name__}")
+    if isinstance(draft_probs, SparseDraftProbs):
+        ids = draft_probs.token_ids
+        if ids.shape[0] != num_draft_tokens:
+            raise ValueError(
+                f"sparse draft probs have {ids.shape[0]} rows, expected {num_draft_tokens}"
+            )
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(f"sparse draft token ids must be in [0, {vocab})")
+        _check_distribution("sparse draft probs", draft_probs.probs)
+    elif isinstance(draft_probs, torch.Tensor):
+        if tuple(draft_probs.shape) != (num_draft_tokens, vocab):
+            raise ValueError(
+                f"dense draft probs must be [{num_draft_tokens}, {vocab}], "
+                f"got {tuple(draft_probs.shape)}"
+            )
+        _check_distribution("dense draft probs", draft_probs)
+
+
+def _validate(
+    draft_token_ids: torch.Tensor,  # [T]
+    cu: torch.Tensor,  # [B + 1]
+    target_probs: torch.Tensor,  # [T + B, V]
+    draft_probs: DraftProbs,
+    is_greedy: torch.Tensor,  # [B]
+    generators: Sequence[torch.Generator | None] | None,
+    sample_bonus: torch.Tensor | None,  # [B]
+) -> None:
+    if draft_token_ids.ndim != 1 or draft_token_ids.is_floating_point():
+        raise ValueError(f"draft_token_ids must be 1-D integer, got {draft_token_ids.shape}")
+    num_draft_tokens = draft_token_ids.shape[0]
+    _check_offsets(cu, num_draft_tokens)
+    batch_size = cu.shape[0] - 1
+    if target_probs.ndim != 2 or target_probs.shape[0] != num_draft_tokens + batch_size:
+        raise ValueError(
+            f"target_probs must be [num_draft_tokens + batch_size = "
+            f"{num_draft_tokens + batch_size}, vocab], got {tuple(target_probs.shape)}"
+        )
+    vocab = target_probs.shape[1]
+    if num_draft_tokens and (draft_token_ids.min() < 0 or draft_token_ids.max() >= vocab):
+        raise ValueError(f"draft token ids must be in [0, {vocab}), got "
+                         f"[{int(draft_token_ids.min())}, {int(draft_token_ids.max())}]")
+    _check_distribution("target_probs", target_probs)
+    _check_draft_probs(draft_probs, num_draft_tokens, vocab)
+    for name, t in (("is_greedy", is_greedy), ("sample_bonus", sample_bonus)):
+        if name == "sample_bonus" and t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bool or t.shape != (batch_size,):
+            got = f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+            raise ValueError(f"{name} must be a bool tensor [{batch_size}], got {got}")
+    if generators is not None and len(generators) != batch_size:
+        raise ValueError(f"generators has {len(generators)} entries, batch has {batch_size}")
+
+
+def _draft_prob_at(
+    draft_token_ids: torch.Tensor,  # [T] int64
+    draft_probs: DraftProbs,
+) -> torch.Tensor:  # [T] float32, q(x) for each draft token
+    if draft_probs is None:  # deterministic proposer: q is one-hot at x
+        return torch.ones(draft_token_ids.shape, device=draft_token_ids.device)
+    if isinstance(draft_probs, SparseDraftProbs):
+        match = draft_probs.token_ids == draft_token_ids[:, None]
+        return (draft_probs.probs.float() * match).sum(dim=-1)
+    return draft_probs.float().gather(1, draft_token_ids[:, None]).squeeze(1)
+
+
+def _residual(
+    p: torch.Tensor,  # [R, V] float32 target rows at the first rejection
+    draft_index: torch.Tensor,  # [R] int64 index of the rejected draft token
+    draft_token_ids: torch.Tensor,  # [T] int64
+    draft_probs: DraftProbs,
+) -> torch.Tensor:  # [R, V] float32, unnormalised max(0, p - q); p where that has no mass
+    if draft_probs is None:
+        residual = p.scatter(1, draft_token_ids[draft_index, None], 0.0)
+    elif isinstance(draft_probs, SparseDraftProbs):
+        residual = p.scatter_add(1, draft_probs.token_ids[draft_index],
+                                 -draft_probs.probs[draft_index].float()).clamp_min_(0)
+    else:
+        residual = (p - draft_probs[draft_index].float()).clamp_min_(0)
+    # Zero mass means p <= q everywhere, i.e. p == q: rejection is then a float-rounding event.
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    return torch.where(empty, p, residual)  # sample() does not need normalised rows
+
+
+def _uniforms(
+    cu_list: list[int],
+    generators: Sequence[torch.Generator | None] | None,
+    device: torch.device,
+) -> torch.Tensor:  # [T] float32 in [0, 1)
+    u = torch.rand(cu_list[-1], device=device)
+    for i, gen in enumerate(generators or ()):
+        if gen is not None and cu_list[i + 1] > cu_list[i]:
+            u[cu_list[i]:cu_list[i + 1]] = torch.rand(
+                cu_list[i + 1] - cu_list[i], generator=gen, device=device
+            )
+    return u
+
+
+def _accept(
+    draft_token_ids: torch.Tensor,  # [T] int64
+    seq_of: torch.Tensor,  # [T] int64 owning sequence
+    target_probs: torch.Tensor,  # [T + B, V] float32
+    draft_probs: DraftProbs,
+    is_greedy: torch.Tensor,  # [B] bool
+    u: torch.Tensor,  # [T] float32 uniforms
+) -> torch.Tensor:  # [T] bool
+    """Whether each draft token is accepted, assuming every earlier one was."""
+    rows = torch.arange(draft_token_ids.shape[0], device=seq_of.device) + seq_of
+    p_x = target_probs[rows, draft_token_ids]
+    q_x = _draft_prob_at(draft_token_ids, draft_probs)
+    stochastic = ~is_greedy[seq_of]
+    if draft_probs is not None and (stochastic & (q_x <= 0)).any():
+        t = int((stochastic & (q_x <= 0)).nonzero()[0])
+        raise ValueError(f"draft token {t} (id {int(draft_token_ids[t])}) has q(x) = 0 in its "
+                         "draft distribution: the draft cannot have sampled it")
+    # u * q < p  <=>  u < p / q without dividing; u < 1 so p >= q always accepts.
+    stochastic_ok = u * q_x < p_x
+    greedy_ok = draft_token_ids == target_probs[rows].argmax(dim=-1)
+    return torch.where(stochastic, stochastic_ok, greedy_ok)
+
+
+def _first_rejection(
+    accepted: torch.Tensor,  # [T] bool
+    seq_of: torch.Tensor,  # [T] int64 owning sequence
+    pos: torch.Tensor,  # [T] int64 position within its sequence
+    num_draft: torch.Tensor,  # [B] int64
+    max_spec_len: int,
+) -> torch.Tensor:  # [B] int64
+    """Number of leading accepted drafts per sequence."""
+    batch_size = num_draft.shape[0]
+    rejected = torch.zeros(batch_size, max_spec_len + 1, dtype=torch.int8,
+                           device=num_draft.device)
+    rejected[seq_of, pos] = (~accepted).to(torch.int8)
+    # A sentinel just past each sequence's drafts: "all accepted" finds it.
+    rejected[torch.arange(batch_size, device=num_draft.device), num_draft] = 1
+    return rejected.argmax(dim=1)  # first maximum
+
+
+def _final_tokens(
+    target_probs: torch.Tensor,  # [T + B, V] float32
+    final_rows: torch.Tensor,  # [B] int64 row of the first rejection, or the bonus row
+    draft_index: torch.Tensor,  # [B] int64 the rejected draft token (valid where rejected)
+    rejected: torch.Tensor,  # [B] bool
+    is_greedy: torch.Tensor,  # [B] bool
+    draft_token_ids: torch.Tensor,  # [T] int64
+    draft_probs: DraftProbs,
+    generators: Sequence[torch.Generator | None] | None,
+    emit: torch.Tensor,  # [B] bool whether a final token is emitted
+) -> torch.Tensor:  # [B] int64
+    """Recovered token (rejected) or bonus token (all accepted) per sequence."""
+    probs = target_probs[final_rows].float()  # [B, V]
+    stochastic_rejected = (rejected & ~is_greedy).nonzero().squeeze(1)
+    if stochastic_rejected.numel():
+        probs[stochastic_rejected] = _residual(
+            probs[stochastic_rejected], draft_index[stochastic_rejected],
+            draft_token_ids, draft_probs)
+    tokens = probs.argmax(dim=-1)  # greedy: recovered and bonus are both the argmax
+    to_sample = (emit & ~is_greedy).nonzero().squeeze(1)
+    if to_sample.numel():
+        gens = None if generators is None else [generators[i] for i in to_sample.tolist()]
+        tokens[to_sample] = sample(probs[to_sample], gens)
+    return tokens
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens] int64, all sequences concatenated
+    cu_num_draft_tokens: torch.Tensor,  # [batch_size + 1] int64 cumulative offsets, cu[0] = 0
+    target_probs: torch.Tensor,  # [num_draft_tokens + batch_size, vocab] float32
+    draft_probs: DraftProbs,  # None (q one-hot) | sparse | dense [num_draft_tokens, vocab]
+    is_greedy: torch.Tensor,  # [batch_size] bool
+    generators: Sequence[torch.Generator | None] | None = None,  # batch_size entries
+    sample_bonus: torch.Tensor | None = None,  # [batch_size] bool, None = all True
+) -> RejectionOutput:
+    """Verify every sequence's drafts in one vectorised pass (see the module docstring).
+
+    target_probs are already after temperature / top-k / top-p. A sequence with 0 drafts just
+    samples its bonus token (a plain decode). With sample_bonus[i] False and every draft
+    accepted, no bonus is emitted: the caller carries that row into the next round to verify
+    a draft token that has already arrived.
+    """
+    _validate(draft_token_ids, cu_num_draft_tokens, target_probs, draft_probs, is_greedy,
+              generators, sample_bonus)
+    device = target_probs.device
+    cu = cu_num_draft_tokens.to(device=device, dtype=torch.int64)
+    draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
+    is_greedy = is_greedy.to(device)
+    batch_size, num_draft_tokens = cu.shape[0] - 1, draft_token_ids.shape[0]
+    arange_b = torch.arange(batch_size, device=device)
+    num_draft = cu[1:] - cu[:-1]  # [B]
+    max_spec_len = int(num_draft.max()) if batch_size else 0
+    seq_of = torch.repeat_interleave(arange_b, num_draft)  # [T] owning sequence
+    pos = torch.arange(num_draft_tokens, device=device) - cu[seq_of]  # [T] position in seq
+
+    u = _uniforms(cu.tolist(), generators, device)
+    accepted = _accept(draft_token_ids, seq_of, target_probs, draft_probs, is_greedy, u)
+    num_accepted = _first_rejection(accepted, seq_of, pos, num_draft, max_spec_len)
+    rejected = num_accepted < num_draft
+    emit = torch.ones_like(rejected) if sample_bonus is None else rejected | sample_bonus.to(device)
+
+    # Row cu[i] + i + a_i is the rejected position's row, or the bonus row when a_i == k_i.
+    final_rows = cu[:-1] + arange_b + num_accepted
+    draft_index = (cu[:-1] + num_accepted).clamp_max(max(num_draft_tokens - 1, 0))
+    final = _final_tokens(target_probs, final_rows, draft_index, rejected, is_greedy,
+                          draft_token_ids, draft_probs, generators, emit)
+
+    out = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
+                     dtype=torch.int64, device=device)
+    keep = pos < num_accepted[seq_of]
+    out[seq_of[keep], pos[keep]] = draft_token_ids[keep]
+    emit_idx = emit.nonzero().squeeze(1)
+    out[emit_idx, num_accepted[emit_idx]] = final[emit_idx]
+    return RejectionOutput(out, num_accepted, num_accepted + emit.long())
+
+
+def accepted_per_position(output: RejectionOutput) -> torch.Tensor:
+    """[max_spec_len] int64: how many sequences accepted a draft at each position (metrics)."""
+    width = output.output_token_ids.shape[1] - 1
+    positions = torch.arange(width, device=output.num_accepted.device)
+    return (positions[None, :] < output.num_accepted[:, None]).sum(dim=0)

@@ -1,0 +1,155 @@
+"""Sampling core: logits -> probabilities (temperature / top-k / top-p) -> token ids.
+
+The rejection sampler needs the *distributions* p and q, not just sampled tokens, so the
+filters here produce a probability tensor and sampling is a separate step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _check_2d(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor) or t.ndim != 2:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 2-D tensor [num_rows, vocab_size], got {shape}")
+
+
+def _check_per_row(name: str, t: torch.Tensor, num_rows: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.ndim != 1 or t.shape[0] != num_rows:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 1-D tensor of length {num_rows}, got {shape}")
+
+
+def _check_sampling_inputs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> None:
+    _check_2d("logits", logits)
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating tensor, got {logits.dtype}")
+    num_rows = logits.shape[0]
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        _check_per_row(name, t, num_rows)
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise ValueError("logits contain NaN or +inf")
+    if (logits == float("-inf")).all(dim=-1).any():
+        raise ValueError("a logits row is entirely -inf: no token can be sampled")
+    if not torch.isfinite(temperature).all() or (temperature < 0).any():
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature.tolist()}")
+    if top_k.is_floating_point() or (top_k < 0).any():
+        raise ValueError(f"top_k must be integers >= 0 (0 = off), got {top_k.tolist()}")
+    if not ((top_p > 0) & (top_p <= 1)).all():  # NaN fails both comparisons
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p.tolist()}")
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor,  # [N, V] float32, already divided by temperature
+    top_k: torch.Tensor,  # [N] int64, 0 = off
+    top_p: torch.Tensor,  # [N] float32, 1 = off
+) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1
+    if not (k_on.any() or p_on.any()):
+        return logits
+    # One descending sort serves both filters; masks are built in sorted order, then scattered.
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)
+    keep_k = torch.where(k_on, top_k, vocab)
+    drop = rank[None, :] >= keep_k[:, None]  # by rank, so exactly k survive even with ties
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Top-p on the top-k renormalised distribution (as vLLM / HF): keep a token while the
+    # mass before it is < top_p. Rows with top_p == 1 are untouched so float error in the
+    # cumulative sum cannot clip their tail.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= (mass_before >= top_p[:, None]) & p_on[:, None]
+    drop[:, 0] = False  # the top token always survives
+    mask = torch.empty_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V] float
+    temperature: torch.Tensor,  # [N] float32, 0 = greedy
+    top_k: torch.Tensor,  # [N] int64, 0 = off
+    top_p: torch.Tensor,  # [N] float32, 1 = off
+) -> torch.Tensor:  # [N, V] float32
+    """Per-row sampling distribution; greedy rows are one-hot at the argmax."""
+    _check_sampling_inputs(logits, temperature, top_k, top_p)
+    logits = logits.float()
+    temperature = temperature.to(device=logits.device, dtype=torch.float32)
+    greedy = temperature == 0
+    # Divide greedy rows by 1 instead of 0; their row is replaced by a one-hot below.
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    scaled = _apply_top_k_top_p(
+        scaled, top_k.to(logits.device, torch.int64), top_p.to(logits.device, torch.float32)
+    )
+    probs = scaled.softmax(dim=-1)
+    if greedy.any():
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def make_generator(
+    seed: int | None, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """A private RNG for a seeded request; None means 'use the global RNG'."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63) or None, got {seed!r}")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def sample(
+    probs: torch.Tensor,  # [N, V] float, rows need not be normalised
+    generators: Sequence[torch.Generator | None] | None = None,  # N entries
+) -> torch.Tensor:  # [N] int64
+    """Draw one token per row with the exponential race: argmax(p_i / E_i), E_i ~ Exp(1).
+
+    E_i / p_i ~ Exp(rate p_i) and the smallest of independent exponentials is index i with
+    probability p_i / sum(p), so this is exact and needs no cumsum/searchsorted per row.
+    """
+    _check_2d("probs", probs)
+    noise = torch.empty_like(probs, dtype=torch.float32).exponential_()
+    if generators is not None:
+        if len(generators) != probs.shape[0]:
+            raise ValueError(
+                f"generators has {len(generators)} entries, probs has {probs.shape[0]} rows"
+            )
+        # A seeded row redraws its own noise from its own generator, so its token does not
+        # depend on what else is in the batch.
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+    # Exp(1) can return exactly 0: 0/0 would be NaN, which argmax treats as the maximum.
+    noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs.float() / noise).argmax(dim=-1)
+
+
+def top_n_sparse(
+    probs: torch.Tensor,  # [N, V] float
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([N, n] int64 ids, [N, n] float32 probs)
+    """Top-n truncation of each row, renormalised to sum to 1.
+
+    A draft worker samples from exactly this distribution and sends it as the draft q, which
+    keeps verification lossless while the payload stays n (id, prob) pairs per token.
+    """
+    _check_2d("probs", probs)
+    vocab = probs.shape[-1]
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= vocab:
+        raise ValueError(f"n must be an int in [1, vocab_size={vocab}], got {n!r}")
+    top_probs, top_ids = probs.float().topk(n, dim=-1)
+    total = top_probs.sum(dim=-1, keepdim=True)
+    if not (total > 0).all():  # NaN fails too
+        raise ValueError("a probs row has no positive mass in its top-n entries")
+    return top_ids, top_probs / total

@@ -1,0 +1,46 @@
+"""Per-request sampling parameters (pure Python: the scheduler and gateway import this)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+_MAX_SEED = 2**63  # exclusive; seeds travel as int64 on the wire
+
+
+def _is_int(x: object) -> bool:
+    # bool is an int subclass; reject it so `top_k=True` does not silently mean 1
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns target logits into tokens.
+
+    temperature == 0 means greedy (argmax); top_k == 0 and top_p == 1 switch those filters off.
+    A seed makes the request's tokens reproducible whatever else shares its batch.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
+        if not (_is_real(t) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not (_is_int(k) and k >= 0):
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {k!r}")
+        if not (_is_real(p) and 0.0 < p <= 1.0):  # the comparison also rejects NaN
+            raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {p!r}")
+        if seed is not None and not (_is_int(seed) and 0 <= seed < _MAX_SEED):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

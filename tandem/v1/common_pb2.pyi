@@ -1,0 +1,76 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SpeculationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_METHOD_UNSPECIFIED: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_NONE: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_DRAFT_MODEL: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_NGRAM: _ClassVar[SpeculationMethod]
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_DRAFT: _ClassVar[WorkerRole]
+    WORKER_ROLE_VERIFIER: _ClassVar[WorkerRole]
+SPECULATION_METHOD_UNSPECIFIED: SpeculationMethod
+SPECULATION_METHOD_NONE: SpeculationMethod
+SPECULATION_METHOD_DRAFT_MODEL: SpeculationMethod
+SPECULATION_METHOD_NGRAM: SpeculationMethod
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_DRAFT: WorkerRole
+WORKER_ROLE_VERIFIER: WorkerRole
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("role", "model_id", "tokenizer_hash", "vocab_size", "max_context_length", "max_sessions", "max_speculative_tokens", "max_top_n", "methods", "version")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOP_N_FIELD_NUMBER: _ClassVar[int]
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    role: WorkerRole
+    model_id: str
+    tokenizer_hash: str
+    vocab_size: int
+    max_context_length: int
+    max_sessions: int
+    max_speculative_tokens: int
+    max_top_n: int
+    methods: _containers.RepeatedScalarFieldContainer[SpeculationMethod]
+    version: str
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ..., max_top_n: _Optional[int] = ..., methods: _Optional[_Iterable[_Union[SpeculationMethod, str]]] = ..., version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,190 @@
+"""Our Llama-family forward (Llama, SmolLM, Mistral, Qwen2-style qkv biases) over paged KV.
+
+Weights are loaded straight from HF safetensors. Q/K/V and gate/up projections are fused into
+one matmul each: on a CPU at batch 1 the forward is bound by per-op overhead and memory
+traffic, so fewer, larger matmuls are faster.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from tandem.models import ModelError, ModelPaths, read_hf_config
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope_scaling: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}"
+            )
+        if self.rope_scaling.get("rope_type", "default") not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling {self.rope_scaling}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LlamaConfig":
+        """Parse a HF config.json dict (transformers 4.x and 5.x rope layouts)."""
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=cfg.get("model_type") == "qwen2" or cfg.get("attention_bias", False),
+            rope_scaling=rope,
+        )
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # [head_dim // 2] float32
+    """Rotary inverse frequencies, with linear or Llama-3 style scaling."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    kind = cfg.rope_scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / cfg.rope_scaling["factor"]
+    elif kind == "llama3":
+        s = cfg.rope_scaling
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_ctx = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def _load_tensors(paths: ModelPaths) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in paths.safetensors():
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name.removeprefix("model.")] = f.get_tensor(name)
+    return tensors
+
+
+class LlamaModel:
+    """Weights plus a functional forward; the KV cache is owned by the model runner."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype=torch.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ModelError(f"checkpoint is missing tensor {name!r}")
+            return weights[name].to(dtype).contiguous()
+
+        self.embed = w("embed_tokens.weight")
+        self.final_norm = w("norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.layers = [self._layer(w, weights, i) for i in range(cfg.num_layers)]
+        inv = rope_inv_freq(cfg)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv)  # [max_pos, head_dim // 2]
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(dtype)  # [max_pos, head_dim]
+        self.sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(dtype)
+
+    def _layer(self, w, weights, i: int) -> LayerWeights:
+        p = f"layers.{i}."
+        qkv_names = [f"{p}self_attn.{n}_proj" for n in "qkv"]
+        bias = None
+        if self.cfg.qkv_bias:
+            bias = torch.cat([w(n + ".bias") for n in qkv_names])
+        return LayerWeights(
+            input_norm=w(p + "input_layernorm.weight"),
+            qkv=torch.cat([w(n + ".weight") for n in qkv_names]),
+            qkv_bias=bias,
+            o=w(p + "self_attn.o_proj.weight"),
+            post_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+            down=w(p + "mlp.down_proj.weight"),
+        )
+
+    @classmethod
+    def load(cls, paths: ModelPaths, dtype=torch.float32) -> "LlamaModel":
+        cfg = LlamaConfig.from_hf(read_hf_config(paths))
+        return cls(cfg, _load_tensors(paths), dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        meta: AttentionMetadata,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key, value) caches
+        logits_indices: torch.Tensor,  # [num_logits] int64, rows whose logits are returned
+    ) -> torch.Tensor:  # [num_logits, vocab] float32
+        cfg = self.cfg
+        n, hd = input_ids.shape[0], cfg.head_dim
+        q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        scale = hd**-0.5
+        h = self.embed[input_ids]  # [num_tokens, hidden]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
+            x = self._rms_norm(h, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = self._rope(q.view(n, cfg.num_heads, hd), cos, sin)
+            k = self._rope(k.view(n, cfg.num_kv_heads, hd), cos, sin)
+            write_kv(k, v.view(n, cfg.num_kv_heads, hd), k_cache, v_cache, meta.slot_mapping)
+            attn = paged_attention(q, k_cache, v_cache, meta, scale)
+            h = h + F.linear(attn.reshape(n, q_size), layer.o)
+            x = self._rms_norm(h, layer.post_norm)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = self._rms_norm(h[logits_indices], self.final_norm)
+        return F.linear(h, self.lm_head).float()
