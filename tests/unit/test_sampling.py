@@ -115,11 +115,13 @@ def test_logits_to_probs_rejects_bad_inputs():
         logits_to_probs(torch.tensor([[0.0, float("nan")], [0.0, 0.0]]), t, k, p)
     with pytest.raises(ValueError, match="entirely -inf"):
         logits_to_probs(torch.tensor([[float("-inf")] * 2, [0.0, 0.0]]), t, k, p)
-    with pytest.raises(ValueError, match="temperature must be finite and >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be finite and >= 0, got \[-0.5\]"):
         logits_to_probs(logits, torch.tensor([1.0, -0.5]), k, p)
-    with pytest.raises(ValueError, match="top_k must be integers >= 0"):
+    with pytest.raises(ValueError, match=r"top_k must be >= 0 \(0 = off\), got \[-1\]"):
         logits_to_probs(logits, t, torch.tensor([0, -1]), p)
-    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match="top_k must be an integer tensor"):
+        logits_to_probs(logits, t, torch.tensor([0.0, 1.0]), p)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\] \(1 = off\), got \[0.0\]"):
         logits_to_probs(logits, t, k, torch.tensor([1.0, 0.0]))
 
 

@@ -1,0 +1,121 @@
+"""`tandem` command line. Every option also reads an environment variable (TANDEM_*)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from tandem.models import DEFAULT_TARGET, ModelError
+
+
+def _env(name: str, default):
+    return os.environ.get(name, default)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=_env("TANDEM_MODEL", DEFAULT_TARGET),
+                   help="target model: the default name or a local HF checkpoint directory "
+                        "[env TANDEM_MODEL, default %(default)s]")
+    p.add_argument("--threads", type=int, default=int(_env("TANDEM_THREADS", 0)),
+                   help="torch CPU threads, 0 = torch's default [env TANDEM_THREADS]")
+    p.add_argument("--kv-cache-mb", type=int, default=int(_env("TANDEM_KV_CACHE_MB", 512)),
+                   help="KV cache budget in MiB [env TANDEM_KV_CACHE_MB, default %(default)s]")
+
+
+def _cmd_models_fetch(args) -> int:
+    from tandem.models import fetch_default_target
+
+    path = fetch_default_target(log=lambda m: print(m, file=sys.stderr), force=args.force)
+    print(path)
+    return 0
+
+
+def _cmd_models_path(args) -> int:
+    from tandem.models import resolve_model
+
+    print(resolve_model(args.model).root)
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from tandem.models import resolve_model
+    from tandem.sampling_params import SamplingParams
+    from verify_service.generate import LocalGenerator
+    from verify_service.llama import LlamaModel
+    from verify_service.model_runner import ModelRunner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    paths = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
+    model = LlamaModel.load(paths)
+    runner = ModelRunner.with_memory(model, args.kv_cache_mb << 20)
+    if args.raw or not tokenizer.chat_template:
+        prompt_ids = tokenizer(args.prompt).input_ids
+    else:
+        prompt_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+            tokenize=True, return_dict=False)
+    stop = tuple(t for t in [tokenizer.eos_token_id] if t is not None)
+    bar = tqdm(total=args.max_tokens, unit="tok", file=sys.stderr, disable=args.quiet)
+    start = time.perf_counter()
+    out = LocalGenerator(runner).generate([list(prompt_ids)], params, args.max_tokens, stop,
+                                          on_step=lambda n: bar.update(n))[0]
+    elapsed = time.perf_counter() - start
+    bar.close()
+    print(tokenizer.decode(out, skip_special_tokens=True))
+    print(f"[{len(out)} tokens in {elapsed:.2f} s: {len(out) / elapsed:.1f} tokens/s, "
+          f"prompt {len(prompt_ids)} tokens]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Disaggregated speculative decoding: draft workers propose, "
+        "verifier workers accept or reject losslessly, a gateway speaks the OpenAI API.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="fetch and locate model checkpoints")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    fetch = msub.add_parser("fetch", help=f"make the default target ({DEFAULT_TARGET}) "
+                            "available offline and print its directory")
+    fetch.add_argument("--force", action="store_true", help="convert again even if cached")
+    fetch.set_defaults(func=_cmd_models_fetch)
+    path = msub.add_parser("path", help="print the checkpoint directory a --model resolves to")
+    _add_model_args(path)
+    path.set_defaults(func=_cmd_models_path)
+
+    gen = sub.add_parser("generate", help="generate locally with the target runner (no services)")
+    gen.add_argument("prompt", help="the user message (or raw text with --raw)")
+    _add_model_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=128, help="default %(default)s")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ModelError, ValueError) as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
