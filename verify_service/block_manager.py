@@ -111,11 +111,9 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         """How many sequences hold `block_id` (for metrics, debugging and tests)."""
-        if not 0 <= block_id < self._num_blocks:
+        if _check_count("block_id", block_id) >= self._num_blocks:
             raise ValueError(f"block_id {block_id!r} is not in [0, {self._num_blocks})")
         return self._blocks[block_id].ref_count
-
-    # -- new sequences ------------------------------------------------------------------------
 
     def can_allocate(self, token_ids: Iterable[int]) -> bool:
         tokens = self._check_prompt(token_ids)
@@ -136,8 +134,6 @@ class BlockManager:
         num_cached = len(hits) * self._block_size
         self._seqs[seq_id] = _Sequence(tokens, table, num_cached, [h for _, h in hits])
         return num_cached
-
-    # -- growing, shrinking and committing ----------------------------------------------------
 
     def can_append(self, seq_id: str, num_tokens: int) -> bool:
         seq = self._get(seq_id)
@@ -191,8 +187,6 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._release(block_id)
 
-    # -- queries ------------------------------------------------------------------------------
-
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._get(seq_id).block_table)
 
@@ -213,8 +207,6 @@ class BlockManager:
             )
         bs, table = self._block_size, seq.block_table
         return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
-
-    # -- internals ----------------------------------------------------------------------------
 
     def _get(self, seq_id: str) -> _Sequence:
         seq = self._seqs.get(seq_id)
@@ -288,6 +280,7 @@ class BlockManager:
         block = self._blocks[block_id]
         if block.hash is not None:
             # Its KV is about to be overwritten: it must no longer answer prefix lookups.
+            del self._hash_to_block[block.hash]
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -40,8 +41,12 @@ def committed_seq(bm: BlockManager, seq_id: str, tokens: list[int]) -> int:
 
 @pytest.mark.parametrize(
     ("num_blocks", "block_size", "match"),
-    [(0, 4, "num_blocks must be positive"), (4, 0, "block_size must be positive"),
-     (-1, 4, "num_blocks must be a non-negative int"), (4, 2.0, "block_size must be")],
+    [
+        (0, 4, "num_blocks must be positive"),
+        (4, 0, "block_size must be positive"),
+        (-1, 4, "num_blocks must be a non-negative int"),
+        (4, 2.0, "block_size must be"),
+    ],
 )
 def test_constructor_rejects_bad_sizes(num_blocks, block_size, match):
     with pytest.raises(ValueError, match=match):
@@ -247,6 +252,7 @@ def test_a_freed_sequence_is_evicted_tail_first():
     committed_seq(bm, "a", list(range(9)))  # 2 cached blocks + 1 partial
     bm.free("a")
     bm.allocate("f", range(100, 112))  # 2 uncached blocks, then a's last cached block
+    bm.free("f")
     assert bm.allocate("b", list(range(9))) == 4
 
 
@@ -300,10 +306,14 @@ def test_block_hash_is_chained_and_deterministic_across_processes():
     assert h == block_hash(b"", (1, 2, 3, 4))
     assert h != block_hash(b"", (1, 2, 3, 5))
     assert block_hash(h, (1, 2, 3, 4)) != h
-    code = "from verify_service.block_manager import block_hash; print(block_hash(b'', (1, 2, 3, 4)).hex())"
+    code = (
+        "from verify_service.block_manager import block_hash as f; "
+        "print(f(b'', (1, 2, 3, 4)).hex())"
+    )
+    root = str(Path(bm_module.__file__).resolve().parents[1])
+    env = {"PYTHONHASHSEED": "12345", "PYTHONPATH": root}  # a different hash() salt
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
-        env={"PYTHONHASHSEED": "12345", "PYTHONPATH": "."},
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
     assert out.stdout.strip() == h.hex()
 
