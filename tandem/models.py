@@ -24,7 +24,7 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-class ModelError(Exception):
+class ModelError(ValueError):
     """A checkpoint is missing, malformed or unsupported; the message says which and why."""
 
 
