@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(func=_cmd_generate)
+
+    from verify_service.cli import register as register_verifier
+
+    register_verifier(sub)
     return parser
 
 

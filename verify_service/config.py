@@ -1,0 +1,37 @@
+"""Verifier worker configuration (flags and TANDEM_VERIFIER_* environment variables)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.models import DEFAULT_TARGET
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port
+    model: str = DEFAULT_TARGET
+    threads: int = 0  # torch threads, 0 = torch's default
+    kv_cache_mb: int = 512
+    block_size: int = 16
+    max_sessions: int = 64
+    max_num_seqs: int = 32
+    max_spec_tokens: int = 8
+    max_draft_wait_ms: float = 25.0
+    top_n: int = 8
+    draft_addresses: tuple[str, ...] = ()
+    redis_url: str = ""
+    worker_id: str = ""
+    advertise_address: str = ""  # what others dial; default host:port
+    drain_grace_s: float = 5.0
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("kv_cache_mb", "block_size", "max_sessions", "max_num_seqs", "top_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_spec_tokens <= 32:
+            raise ValueError(f"max_spec_tokens must be in [0, 32], got {self.max_spec_tokens}")
+        if self.max_draft_wait_ms < 0 or self.drain_grace_s < 0 or self.threads < 0:
+            raise ValueError("max_draft_wait_ms, drain_grace_s and threads must be >= 0")

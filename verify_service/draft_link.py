@@ -1,0 +1,127 @@
+"""The verifier's end of DraftService.Speculate: one stream per draft worker, many sessions.
+
+A DraftLink owns one bidirectional stream; control messages are queued without blocking the
+engine loop, proposals are handed to a callback. A broken stream only turns its sessions to
+plain decoding (speculation fails open); the DraftPool reconnects them elsewhere.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from tandem.v1 import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+STREAM_DEADLINE_S = 24 * 3600.0  # long-lived by design; a deadline still bounds a lost peer
+RETRY_BACKOFF_S = 5.0
+
+
+class DraftLink:
+    def __init__(self, address: str,
+                 on_message: Callable[[DraftLink, draft_pb2.DraftProposal], None],
+                 on_broken: Callable[[DraftLink], None]):
+        self.address = address
+        self.alive = False
+        self._on_message = on_message
+        self._on_broken = on_broken
+        self._queue: asyncio.Queue[draft_pb2.DraftControl | None] = asyncio.Queue()
+        self._channel: grpc.aio.Channel | None = None
+        self._reader: asyncio.Task | None = None
+
+    async def start(self, connect_timeout_s: float = 2.0) -> bool:
+        self._channel = grpc.aio.insecure_channel(self.address)
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), connect_timeout_s)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            await self._channel.close()
+            return False
+        call = draft_pb2_grpc.DraftServiceStub(self._channel).Speculate(
+            self._requests(), timeout=STREAM_DEADLINE_S)
+        self.alive = True
+        self._reader = asyncio.create_task(self._read(call))
+        return True
+
+    def send(self, control: draft_pb2.DraftControl) -> None:
+        if self.alive:
+            self._queue.put_nowait(control)
+
+    async def _requests(self):
+        while (msg := await self._queue.get()) is not None:
+            yield msg
+
+    async def _read(self, call) -> None:
+        try:
+            async for proposal in call:
+                self._on_message(self, proposal)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("draft stream to %s broke: %s", self.address, exc.code().name)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            was_alive, self.alive = self.alive, False
+            if was_alive:
+                self._on_broken(self)
+
+    async def close(self) -> None:
+        self.alive = False
+        self._queue.put_nowait(None)
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class DraftPool:
+    """Live links by address; picks one for a session, skipping recently failed workers."""
+
+    def __init__(self, static_addresses: list[str],
+                 discover: Callable[[], Awaitable[list[str]]] | None,
+                 on_message, on_broken, clock=time.monotonic):
+        self._static = list(static_addresses)
+        self._discover = discover
+        self._on_message = on_message
+        self._on_broken = on_broken
+        self._clock = clock
+        self.links: dict[str, DraftLink] = {}
+        self._failed_at: dict[str, float] = {}
+
+    def mark_failed(self, address: str) -> None:
+        self._failed_at[address] = self._clock()
+        self.links.pop(address, None)
+
+    def _usable(self, address: str) -> bool:
+        return self._clock() - self._failed_at.get(address, -1e9) > RETRY_BACKOFF_S
+
+    async def candidates(self) -> list[str]:
+        found = list(self._static)
+        if self._discover is not None:
+            try:
+                found += [a for a in await self._discover() if a not in found]
+            except Exception as exc:  # registry trouble must not stop decoding
+                log.warning("draft discovery failed: %s", exc)
+        return [a for a in found if self._usable(a)]
+
+    async def get(self, hint: str = "") -> DraftLink | None:
+        order = await self.candidates()
+        if hint and hint in order:
+            order.remove(hint)
+            order.insert(0, hint)
+        for address in order:
+            link = self.links.get(address)
+            if link is not None and link.alive:
+                return link
+            link = DraftLink(address, self._on_message, self._on_broken)
+            if await link.start():
+                self.links[address] = link
+                return link
+            self.mark_failed(address)
+        return None
+
+    async def close(self) -> None:
+        for link in list(self.links.values()):
+            await link.close()
+        self.links.clear()

@@ -1,0 +1,103 @@
+"""One verifier step on torch: target forward, sampling distributions, batched rejection.
+
+Runs in a worker thread on immutable snapshots (StepInput), so the event loop keeps serving
+health checks and draft streams during the forward.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.rejection import SparseDraftProbs, rejection_sample
+from kernels.sampling import logits_to_probs, make_generator
+from tandem.sampling_params import SamplingParams
+from verify_service.model_runner import ModelRunner, SeqChunk
+from verify_service.sequence import DraftToken
+
+
+@dataclass(frozen=True)
+class StepInput:
+    token_ids: list[int]  # [last committed token, *draft tokens] or a prefill chunk
+    start_pos: int
+    block_table: list[int]
+    drafts: list[DraftToken]  # the k draft tokens under verification
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    accepted: list[int]  # accepted draft tokens
+    next_token: int  # the recovered token (first rejection) or the bonus token
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    forward_ms: float
+    rejection_ms: float
+
+
+def round_seed(seed: int, position: int) -> int:
+    """Randomness keyed by (request seed, round start), independent of batch neighbours."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _draft_probs(inputs: list[StepInput]) -> SparseDraftProbs | None:
+    """Sparse q for the batch; one-hot rows (greedy, n-gram) padded with zero-mass ids."""
+    drafts = [d for s in inputs for d in s.drafts]
+    if all(not d.q_ids for d in drafts):
+        return None
+    width = max(len(d.q_ids) or 1 for d in drafts)
+    ids = torch.empty(len(drafts), width, dtype=torch.int64)
+    probs = torch.zeros(len(drafts), width, dtype=torch.float32)
+    for row, d in enumerate(drafts):
+        q_ids, q_probs = (d.q_ids, d.q_probs) if d.q_ids else ((d.token_id,), (1.0,))
+        ids[row] = d.token_id
+        ids[row, : len(q_ids)] = torch.tensor(q_ids)
+        probs[row, : len(q_probs)] = torch.tensor(q_probs)
+    return SparseDraftProbs(ids, probs / probs.sum(-1, keepdim=True))
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
+        t0 = time.perf_counter()
+        logits = self.runner.forward([
+            SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=len(s.drafts) + 1)
+            for s in inputs
+        ])  # [sum(k_i + 1), vocab]
+        t1 = time.perf_counter()
+        rows = [len(s.drafts) + 1 for s in inputs]
+
+        def per_row(values, dtype):
+            return torch.tensor([v for v, n in zip(values, rows) for _ in range(n)], dtype=dtype)
+
+        probs = logits_to_probs(
+            logits,
+            per_row([s.sampling.temperature for s in inputs], torch.float32),
+            per_row([s.sampling.top_k for s in inputs], torch.int64),
+            per_row([s.sampling.top_p for s in inputs], torch.float32),
+        )
+        counts = torch.tensor([0] + [len(s.drafts) for s in inputs], dtype=torch.int64)
+        out = rejection_sample(
+            draft_token_ids=torch.tensor([d.token_id for s in inputs for d in s.drafts],
+                                         dtype=torch.int64),
+            cu_num_draft_tokens=torch.cumsum(counts, 0),
+            target_probs=probs,
+            draft_probs=_draft_probs(inputs),
+            is_greedy=torch.tensor([s.sampling.is_greedy for s in inputs]),
+            generators=[
+                None if s.sampling.seed is None
+                else make_generator(round_seed(s.sampling.seed, s.start_pos))
+                for s in inputs
+            ],
+        )
+        tokens, accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()
+        outcomes = [RoundOutcome(row[:a], row[a]) for row, a in zip(tokens, accepted)]
+        t2 = time.perf_counter()
+        return outcomes, StepTimings((t1 - t0) * 1e3, (t2 - t1) * 1e3)

@@ -1,0 +1,151 @@
+"""Build, start, register and drain a verifier worker."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem import __version__
+from tandem.models import ModelPaths, resolve_model, tokenizer_hash
+from tandem.v1 import common_pb2, verify_pb2_grpc
+from verify_service.async_engine import AsyncEngine, EngineConfig
+from verify_service.block_manager import BlockManager
+from verify_service.config import VerifierConfig
+from verify_service.draft_link import DraftPool
+from verify_service.engine import EngineCore
+from verify_service.llama import LlamaModel
+from verify_service.model_runner import ModelRunner
+from verify_service.scheduler import Scheduler, SchedulerConfig
+from verify_service.server import SERVICE_NAME, VerifyServicer
+from verify_service.speculation import CostModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Verifier:
+    server: grpc.aio.Server
+    port: int
+    engine: AsyncEngine
+    servicer: VerifyServicer
+    health: health.HealthServicer
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    async def drain_and_stop(self, grace_s: float) -> None:
+        """Refuse new work, report NOT_SERVING, let running streams finish within grace_s."""
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        for task in self.tasks:
+            task.cancel()
+        await self.engine.close()
+
+
+def build_info(model: LlamaModel, paths: ModelPaths, config: VerifierConfig, model_id: str):
+    return common_pb2.WorkerInfo(
+        role=common_pb2.WORKER_ROLE_VERIFIER, model_id=model_id,
+        tokenizer_hash=tokenizer_hash(paths), vocab_size=model.cfg.vocab_size,
+        max_context_length=model.cfg.max_position_embeddings,
+        max_sessions=config.max_sessions, max_speculative_tokens=config.max_spec_tokens,
+        max_top_n=config.top_n, version=__version__,
+        methods=[common_pb2.SPECULATION_METHOD_NONE, common_pb2.SPECULATION_METHOD_DRAFT_MODEL,
+                 common_pb2.SPECULATION_METHOD_NGRAM])
+
+
+async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None,
+                         discover=None) -> Verifier:
+    """Start serving; `model` lets tests share one loaded target across servers."""
+    paths = resolve_model(config.model)
+    if model is None:
+        model = LlamaModel.load(paths)
+    runner = ModelRunner.with_memory(model, config.kv_cache_mb << 20, config.block_size)
+    sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                max_spec_tokens=config.max_spec_tokens,
+                                max_model_len=model.cfg.max_position_embeddings)
+    scheduler = Scheduler(BlockManager(runner.num_blocks, runner.block_size), sched_cfg,
+                          CostModel())
+    eng_cfg = EngineConfig(max_sessions=config.max_sessions,
+                           max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n)
+    engine = AsyncEngine(EngineCore(runner), scheduler, None, eng_cfg, model.cfg.vocab_size)
+    if config.draft_addresses or discover is not None:
+        engine.drafts = DraftPool(list(config.draft_addresses), discover,
+                                  engine.on_draft_message, engine.on_link_broken)
+    model_id = paths.root.name
+    default_method = "draft_model" if engine.drafts is not None else "none"
+    servicer = VerifyServicer(engine, build_info(model, paths, config, model_id),
+                              default_method)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \
+        health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    await _set_serving(health_servicer)
+    verifier = Verifier(server, port, engine, servicer, health_servicer)
+    verifier.tasks.append(asyncio.create_task(engine.run()))
+    return verifier
+
+
+async def _set_serving(servicer) -> None:
+    for name in ("", SERVICE_NAME):
+        result = servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if asyncio.iscoroutine(result):
+            await result
+
+
+async def serve(config: VerifierConfig) -> None:
+    """Run until SIGTERM/SIGINT, registered in Redis when config.redis_url is set."""
+    registry = None
+    discover = None
+    if config.redis_url:
+        import redis.asyncio as aioredis
+
+        from tandem.registry import WorkerRegistry
+
+        registry = WorkerRegistry(aioredis.from_url(config.redis_url))
+
+        async def discover():
+            return [r.address for r in await registry.list("draft")]
+
+    verifier = await start_verifier(config, discover=discover)
+    address = config.advertise_address or f"{config.host}:{verifier.port}"
+    print(f"verifier serving on {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    hb_stop = asyncio.Event()
+    if registry is not None:
+        verifier.tasks.append(asyncio.create_task(_heartbeat(registry, verifier, config,
+                                                             address, hb_stop)))
+    await stop.wait()
+    log.info("draining verifier")
+    hb_stop.set()
+    await asyncio.sleep(0)
+    await verifier.drain_and_stop(config.drain_grace_s)
+
+
+async def _heartbeat(registry, verifier: Verifier, config: VerifierConfig, address: str,
+                     stop: asyncio.Event) -> None:
+    from tandem.registry import WorkerRecord, heartbeat_loop
+
+    worker_id = config.worker_id or f"verifier-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    info = verifier.servicer.info
+
+    def record() -> WorkerRecord:
+        return WorkerRecord(role="verifier", worker_id=worker_id, address=address,
+                            capacity=config.max_sessions, load=verifier.engine.load,
+                            model_id=info.model_id, tokenizer_hash=info.tokenizer_hash,
+                            max_speculative_tokens=config.max_spec_tokens)
+
+    await heartbeat_loop(registry, record, 1.0, stop)

@@ -1,0 +1,170 @@
+"""Verifier scheduler: admits prefills, decides each step's batch, preempts when KV runs out.
+
+Pure Python, no torch (nano-vllm's layering). One step batches every running session (plain
+decode, or verification of the draft tokens that have arrived, up to its adaptive k) together
+with as many waiting prefills as the token budget allows, into one flattened forward.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from verify_service.block_manager import BlockManager, NoFreeBlocksError
+from verify_service.sequence import SeqStatus, Sequence
+from verify_service.speculation import CostModel, choose_k
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # running sessions at once
+    max_num_batched_tokens: int = 2048  # new tokens per forward (prefill chunks dominate)
+    max_spec_tokens: int = 8  # cap on k per round
+    max_verify_tokens: int = 64  # verification tokens per step; caps k under batch load
+    max_model_len: int = 8192
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_verify_tokens",
+                     "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_spec_tokens < 0:
+            raise ValueError(f"max_spec_tokens must be >= 0, got {self.max_spec_tokens}")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    token_ids: list[int]  # new tokens whose KV is computed now
+    start_pos: int  # absolute position of token_ids[0]
+    num_drafts: int  # draft tokens verified (0: prefill or plain decode)
+    is_prefill: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig, cost: CostModel):
+        self.blocks = blocks
+        self.config = config
+        self.cost = cost
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._arrivals = itertools.count()
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens + 1 > self.config.max_model_len:
+            raise ValueError(f"sequence of {seq.num_tokens} tokens exceeds the context "
+                             f"{self.config.max_model_len}")
+        seq.arrival = next(self._arrivals)
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        for seq in [*self.running, *self.waiting]:
+            if seq.seq_id == seq_id:
+                self.finish(seq, "abort")
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        if reason and not seq.finish_reason:
+            seq.finish_reason = reason
+        seq.status = SeqStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.blocks.has(seq.seq_id):
+            self.blocks.free(seq.seq_id)
+
+    def desired_k(self, seq: Sequence) -> int:
+        """The session's adaptive cap on draft tokens this round (before arrivals)."""
+        if not seq.speculating:
+            return 0
+        k_max = min(seq.params.num_speculative_tokens or self.config.max_spec_tokens,
+                    self.config.max_spec_tokens)
+        # Under batch load the verification tokens of all sessions share one forward.
+        per_seq = self.config.max_verify_tokens // max(1, len(self.running)) - 1
+        k_max = max(0, min(k_max, per_seq))
+        if seq.params.sampling.seed is not None and not seq.params.sampling.is_greedy:
+            return k_max  # a fixed round shape keeps seeded sampling reproducible
+        return choose_k(seq.acceptance_ema, k_max, self.cost)
+
+    def schedule(self) -> SchedulerOutput:
+        preempted: list[Sequence] = []
+        scheduled = self._schedule_running(preempted)
+        budget = self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in scheduled)
+        scheduled += self._schedule_prefills(budget, bool(scheduled))
+        return SchedulerOutput(scheduled, preempted)
+
+    def _schedule_running(self, preempted: list[Sequence]) -> list[ScheduledSeq]:
+        out = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted below while serving an earlier one
+            k = min(len(seq.drafts), self.desired_k(seq))
+            room = self.config.max_model_len - seq.num_tokens - 1
+            k = max(0, min(k, room))
+            new = [seq.tokens[-1], *(d.token_id for d in seq.drafts[:k])]
+            if not self._append_or_preempt(seq, new, preempted):
+                continue
+            out.append(ScheduledSeq(seq, new, seq.num_tokens - 1, k, False))
+        return out
+
+    def _append_or_preempt(self, seq: Sequence, new: list[int], preempted: list) -> bool:
+        while True:
+            try:
+                self.blocks.append(seq.seq_id, new)
+                return True
+            except NoFreeBlocksError:
+                victim = max(self.running, key=lambda s: s.arrival)  # newest goes back
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free its KV; it is recomputed from its committed tokens when re-admitted."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.drafts = []
+        seq.epoch += 1
+        self.waiting.appendleft(seq)
+
+    def _schedule_prefills(self, budget: int, have_work: bool) -> list[ScheduledSeq]:
+        out = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            tokens = seq.tokens
+            if (have_work or out) and len(tokens) > budget:
+                break  # a long prefill waits for a step of its own
+            if not self.blocks.can_allocate(tokens):
+                break
+            cached = self.blocks.allocate(seq.seq_id, tokens)
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, tokens[cached:], cached, 0, True))
+            budget -= len(tokens) - cached
+        return out
+
+    def update_from_output(self, sched: ScheduledSeq, num_accepted: int) -> None:
+        """Keep the KV of the round's first input and the accepted drafts; roll back the rest."""
+        seq = sched.seq
+        if sched.num_drafts > num_accepted:
+            self.blocks.rollback(seq.seq_id, sched.num_drafts - num_accepted)
+        self.blocks.commit(seq.seq_id, self.blocks.num_tokens(seq.seq_id))

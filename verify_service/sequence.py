@@ -1,0 +1,136 @@
+"""A verifier session: committed tokens, arrived draft tokens, epoch and statistics.
+
+Pure Python (no torch): the scheduler and the engine loop share it on the event-loop thread.
+Invariant between rounds: the KV cache holds every committed token but the last one, which is
+the first input of the next round.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tandem.sampling_params import SamplingParams
+
+METHODS = ("none", "draft_model", "ngram")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # needs a prefill (new, resumed or preempted)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class DraftToken:
+    """One proposal from a draft worker, already checked against the session."""
+
+    position: int
+    token_id: int
+    q_ids: tuple[int, ...] = ()  # empty: q is one-hot at token_id
+    q_probs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """What a Generate call asks for (validated where it enters: the servicer)."""
+
+    session_id: str
+    prompt: tuple[int, ...]
+    committed: tuple[int, ...]  # resumed after failover: already generated tokens
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    method: str = "none"
+    num_speculative_tokens: int = 0  # 0 = server default
+    draft_address: str = ""
+
+    def __post_init__(self):
+        if not self.session_id:
+            raise ValueError("session_id is empty")
+        if not self.prompt:
+            raise ValueError("prompt_token_ids is empty")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if len(self.committed) >= self.max_new_tokens:
+            raise ValueError(
+                f"{len(self.committed)} committed tokens already reach max_new_tokens "
+                f"{self.max_new_tokens}"
+            )
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculation method {self.method!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+
+
+@dataclass
+class SessionStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class Sequence:
+    params: GenerateParams
+    output: list[int] = field(default_factory=list)  # committed generated tokens
+    status: SeqStatus = SeqStatus.WAITING
+    epoch: int = 0
+    drafts: list[DraftToken] = field(default_factory=list)  # contiguous, from len(tokens)
+    stats: SessionStats = field(default_factory=SessionStats)
+    finish_reason: str | None = None
+    acceptance_ema: float = 0.7  # prior: a fresh session is assumed to speculate well
+    arrival: int = 0  # admission order, for FIFO and preemption choice
+
+    def __post_init__(self):
+        self.output = list(self.params.committed)
+
+    @property
+    def seq_id(self) -> str:
+        return self.params.session_id
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.params.prompt, *self.output]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.params.prompt) + len(self.output)
+
+    @property
+    def speculating(self) -> bool:
+        return self.params.method != "none"
+
+    def next_draft_position(self) -> int:
+        return self.num_tokens + len(self.drafts)
+
+    def commit(self, accepted: list[int], next_token: int | None) -> list[int]:
+        """Append a round's tokens, cut at a stop token or the length limit; returns them.
+
+        The epoch survives only when the final token is itself the draft's next proposal
+        (a bonus token equal to an arrived draft token): the draft's run-ahead then continues.
+        Otherwise it is bumped and the arrived drafts, now stale, are dropped.
+        """
+        new = [*accepted, *([] if next_token is None else [next_token])]
+        budget = self.params.max_new_tokens - len(self.output)
+        for i, tok in enumerate(new[:budget]):
+            if tok in self.params.stop_token_ids:
+                new, self.finish_reason = new[: i + 1], "stop"
+                break
+        else:
+            if len(new) >= budget:
+                new, self.finish_reason = new[:budget], "length"
+        self.output.extend(new)
+        k = len(accepted)
+        keep = next_token is not None and len(self.drafts) > k and \
+            self.drafts[k].token_id == next_token
+        if keep:
+            self.drafts = self.drafts[k + 1:]
+        else:
+            self.epoch += 1
+            self.drafts = []
+        return new
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,98 @@
+"""Thin grpc.aio servicer for VerifyService: protobuf <-> dataclasses, nothing else."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from tandem.sampling_params import SamplingParams
+from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from verify_service.async_engine import AsyncEngine, EngineFullError, RoundOutput
+from verify_service.sequence import GenerateParams
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
+_METHODS = {common_pb2.SPECULATION_METHOD_NONE: "none",
+            common_pb2.SPECULATION_METHOD_DRAFT_MODEL: "draft_model",
+            common_pb2.SPECULATION_METHOD_NGRAM: "ngram"}
+_FINISH = {None: verify_pb2.FINISH_REASON_UNSPECIFIED, "stop": verify_pb2.FINISH_REASON_STOP,
+           "length": verify_pb2.FINISH_REASON_LENGTH, "abort": verify_pb2.FINISH_REASON_ABORT}
+
+
+def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo,
+                      default_method: str) -> GenerateParams:
+    """Validates a request against the model's limits; ValueError says what is wrong."""
+    v = info.vocab_size
+    for name, ids in (("prompt_token_ids", req.prompt_token_ids),
+                      ("committed_token_ids", req.committed_token_ids),
+                      ("stop_token_ids", req.stopping.stop_token_ids)):
+        bad = [t for t in ids if not 0 <= t < v]
+        if bad:
+            raise ValueError(f"{name} has ids outside the vocabulary [0, {v}): {bad[:5]}")
+    s = req.sampling
+    sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k,
+                              top_p=s.top_p if s.top_p > 0 else 1.0,
+                              seed=s.seed if s.HasField("seed") else None)
+    total = len(req.prompt_token_ids) + req.stopping.max_new_tokens
+    if total > info.max_context_length:
+        raise ValueError(f"prompt ({len(req.prompt_token_ids)}) + max_new_tokens "
+                         f"({req.stopping.max_new_tokens}) exceeds the context "
+                         f"{info.max_context_length}")
+    spec = req.speculation
+    if spec.method == common_pb2.SPECULATION_METHOD_UNSPECIFIED:
+        method = default_method
+    elif spec.method in _METHODS:
+        method = _METHODS[spec.method]
+    else:
+        raise ValueError(f"unknown speculation method {spec.method}")
+    if spec.num_speculative_tokens > info.max_speculative_tokens:
+        raise ValueError(f"num_speculative_tokens {spec.num_speculative_tokens} exceeds "
+                         f"{info.max_speculative_tokens}")
+    return GenerateParams(
+        session_id=req.session_id, prompt=tuple(req.prompt_token_ids),
+        committed=tuple(req.committed_token_ids), sampling=sampling,
+        max_new_tokens=req.stopping.max_new_tokens,
+        stop_token_ids=frozenset(req.stopping.stop_token_ids), method=method,
+        num_speculative_tokens=spec.num_speculative_tokens, draft_address=spec.draft_address)
+
+
+def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
+    return verify_pb2.GenerateResponse(
+        token_ids=out.token_ids, num_committed=out.num_committed,
+        round=verify_pb2.RoundStats(
+            drafted=out.drafted, accepted=out.accepted, bonus=out.bonus,
+            draft_wait_ms=out.draft_wait_ms, verify_ms=out.verify_ms,
+            rejection_ms=out.rejection_ms),
+        totals=verify_pb2.SessionStats(rounds=out.rounds, drafted_tokens=out.drafted_total,
+                                       accepted_tokens=out.accepted_total),
+        finish_reason=_FINISH[out.finish_reason])
+
+
+class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
+    def __init__(self, engine: AsyncEngine, info: common_pb2.WorkerInfo, default_method: str):
+        self.engine, self.info, self.default_method = engine, info, default_method
+        self.draining = False
+
+    async def Generate(self, request, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is draining")
+        try:
+            params = params_from_proto(request, self.info, self.default_method)
+            queue = self.engine.submit(params)
+        except EngineFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            code = (grpc.StatusCode.ALREADY_EXISTS if "already generating" in str(exc)
+                    else grpc.StatusCode.INVALID_ARGUMENT)
+            await context.abort(code, str(exc))
+        try:
+            while True:
+                out = await queue.get()
+                yield output_to_proto(out)
+                if out.finish_reason is not None:
+                    return
+        finally:
+            self.engine.abort(params.session_id)  # no-op once finished; frees on cancel
+
+    async def Info(self, request, context):
+        return self.info

@@ -1,0 +1,68 @@
+"""How many draft tokens a round verifies: Leviathan's expected gain over the measured cost.
+
+Pure Python. With per-token acceptance a, a round verifying k draft tokens commits on average
+E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs one target forward over k + 1 tokens, whose
+time we measure. The best k maximises E(k) / cost(k + 1). Drafting overlaps verification
+(run-ahead), so its cost only shows up as drafts not having arrived yet, which caps k anyway.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Forward time over q new tokens relative to q = 1, measured on the 2-core target machine
+# (benchmarks/runner_speed.py); replaced by live measurements as rounds run.
+DEFAULT_RELATIVE_COST = {1: 1.0, 2: 1.04, 3: 1.41, 4: 1.38, 5: 1.64, 6: 1.91, 7: 2.0, 8: 2.1,
+                         9: 2.6, 12: 2.7, 16: 2.9}
+_EMA = 0.2
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens committed per round with k drafts and per-token acceptance alpha."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def leviathan_speedup(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al.'s S = (1 - a^(k+1)) / ((1 - a)(k c + 1)), drafting serial."""
+    return expected_tokens(alpha, k) / (k * c + 1.0)
+
+
+@dataclass
+class CostModel:
+    """Measured forward time (ms) by tokens per sequence, for single-sequence steps."""
+
+    ms: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, num_tokens: int, elapsed_ms: float) -> None:
+        old = self.ms.get(num_tokens)
+        self.ms[num_tokens] = elapsed_ms if old is None else (1 - _EMA) * old + _EMA * elapsed_ms
+
+    def cost(self, num_tokens: int) -> float:
+        if num_tokens in self.ms:
+            return self.ms[num_tokens]
+        base = self.ms.get(1, 30.0)
+        known = sorted(DEFAULT_RELATIVE_COST)
+        nearest = min(known, key=lambda q: (abs(q - num_tokens), q))
+        return base * DEFAULT_RELATIVE_COST[nearest] * max(1.0, num_tokens / max(nearest, 1))
+
+
+def choose_k(alpha: float, k_max: int, cost: CostModel) -> int:
+    """argmax_k E(k) / cost(k + 1) over 0..k_max (0 = plain decode)."""
+    best_k, best = 0, expected_tokens(alpha, 0) / cost.cost(1)
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(alpha, k) / cost.cost(k + 1)
+        if rate > best * 1.001:  # prefer the shorter round on near-ties
+            best_k, best = k, rate
+    return best_k
+
+
+def update_acceptance(ema: float, drafted: int, accepted: int) -> float:
+    """Per-token acceptance estimate: accepted / (accepted + rejections), smoothed."""
+    if drafted == 0:
+        return ema
+    rejected = 1 if accepted < drafted else 0
+    sample = accepted / (accepted + rejected) if accepted + rejected else ema
+    return (1 - _EMA) * ema + _EMA * sample
