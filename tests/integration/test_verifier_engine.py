@@ -1,0 +1,183 @@
+"""The verifier engine with scripted in-process draft links: lossless whatever the drafts."""
+import asyncio
+
+import pytest
+import torch
+
+from tandem.sampling_params import SamplingParams
+from tandem.v1 import common_pb2, draft_pb2
+from verify_service.async_engine import AsyncEngine, EngineConfig
+from verify_service.block_manager import BlockManager
+from verify_service.engine import EngineCore, StepInput
+from verify_service.generate import LocalGenerator
+from verify_service.model_runner import ModelRunner, SeqChunk
+from verify_service.scheduler import Scheduler, SchedulerConfig
+from verify_service.sequence import DraftToken, GenerateParams
+from verify_service.speculation import CostModel
+
+pytestmark = pytest.mark.integration
+GREEDY = SamplingParams(temperature=0.0)
+N_NEW = 24
+
+
+class ScriptedLink:
+    """Acts like a draft worker: run-ahead from the committed end, restart on a new epoch."""
+
+    def __init__(self, engine, script, wrong_every=0, break_after=None, garbage=False):
+        self.engine, self.script, self.alive = engine, script, True
+        self.wrong_every, self.break_after, self.garbage = wrong_every, break_after, garbage
+        self.address, self.sent, self.state = "scripted", 0, {}
+
+    def send(self, control):
+        kind = control.WhichOneof("control")
+        msg = getattr(control, kind)
+        if kind == "open":
+            self.state[msg.session_id] = [len(msg.token_ids), msg.epoch, len(msg.token_ids)]
+        elif kind == "commit":
+            st = self.state[msg.session_id]
+            st[0] = msg.start_position + len(msg.token_ids)
+            if msg.epoch != st[1]:
+                st[1], st[2] = msg.epoch, st[0]
+        else:
+            self.state.pop(msg.session_id, None)
+            return
+        asyncio.get_running_loop().call_soon(self._propose, msg.session_id)
+
+    def _propose(self, sid):
+        st = self.state.get(sid)
+        if st is None or not self.alive:
+            return
+        committed, epoch, nxt = st
+        prompt_len, full = self.script[sid]
+        while nxt < committed + 4 and nxt - prompt_len < len(full):
+            tok = full[nxt - prompt_len]
+            if self.wrong_every and nxt % self.wrong_every == 0:
+                tok = (tok + 1) % 49152
+            q = common_pb2.SparseDistribution()
+            if self.garbage and nxt % 3 == 0:  # malformed: must be dropped, not trusted
+                q = common_pb2.SparseDistribution(token_ids=[tok], probs=[0.3])
+            self.engine.on_draft_message(self, draft_pb2.DraftProposal(
+                session_id=sid, epoch=epoch, position=nxt, token_id=tok, q=q))
+            nxt += 1
+            self.sent += 1
+            if self.break_after is not None and self.sent >= self.break_after:
+                self.alive = False
+                self.engine.on_link_broken(self)
+                return
+        st[2] = nxt
+
+
+class ScriptedPool:
+    def __init__(self, link):
+        self.link = link
+
+    async def get(self, hint=""):
+        return self.link if self.link.alive else None
+
+    def mark_failed(self, address):
+        pass
+
+    async def close(self):
+        pass
+
+
+def chat(tokenizer, text):
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
+
+
+@pytest.fixture(scope="module")
+def reference(target_model, tokenizer):
+    prompts = [chat(tokenizer, t) for t in ("Name three rivers.", "Count from one to ten.",
+                                            "Describe a cat in one sentence.")]
+    gen = LocalGenerator(ModelRunner(target_model, 128, 16))
+    outs = gen.generate(prompts, GREEDY, N_NEW, (tokenizer.eos_token_id,))
+    return prompts, outs
+
+
+def run_engine(target_model, tokenizer, reference, **link_kw):
+    prompts, outs = reference
+
+    async def main():
+        runner = ModelRunner(target_model, 128, 16)
+        sched = Scheduler(BlockManager(128, 16), SchedulerConfig(max_spec_tokens=4), CostModel())
+        engine = AsyncEngine(EngineCore(runner), sched, None, EngineConfig(max_draft_wait_ms=50),
+                             target_model.cfg.vocab_size)
+        link = ScriptedLink(engine, {f"s{i}": (len(p), o) for i, (p, o) in
+                                     enumerate(zip(prompts, outs))}, **link_kw)
+        engine.drafts = ScriptedPool(link)
+        loop_task = asyncio.create_task(engine.run())
+        queues = [engine.submit(GenerateParams(
+            session_id=f"s{i}", prompt=tuple(p), committed=(), sampling=GREEDY,
+            max_new_tokens=N_NEW, stop_token_ids=frozenset({tokenizer.eos_token_id}),
+            method="draft_model")) for i, p in enumerate(prompts)]
+        results = []
+        for q in queues:
+            tokens, last = [], None
+            while last is None or last.finish_reason is None:
+                last = await asyncio.wait_for(q.get(), 60)
+                tokens += last.token_ids
+            results.append((tokens, last))
+        loop_task.cancel()
+        return results, engine
+
+    return asyncio.run(main())
+
+
+def test_perfect_drafts_are_accepted_and_identical(target_model, tokenizer, reference):
+    results, _ = run_engine(target_model, tokenizer, reference)
+    for (tokens, last), ref in zip(results, reference[1]):
+        assert tokens == ref
+        assert last.accepted_total > 0 and last.rounds < len(ref)  # fewer rounds than tokens
+
+
+def test_wrong_drafts_change_nothing(target_model, tokenizer, reference):
+    results, _ = run_engine(target_model, tokenizer, reference, wrong_every=3)
+    for (tokens, last), ref in zip(results, reference[1]):
+        assert tokens == ref
+        assert last.drafted_total > last.accepted_total  # some were rejected
+
+
+def test_malformed_proposals_are_dropped(target_model, tokenizer, reference):
+    results, _ = run_engine(target_model, tokenizer, reference, garbage=True)
+    assert [t for t, _ in results] == reference[1]
+
+
+def test_draft_link_breaking_fails_open(target_model, tokenizer, reference):
+    results, engine = run_engine(target_model, tokenizer, reference, break_after=5)
+    assert [t for t, _ in results] == reference[1]
+    assert not engine._links  # nothing still attached to the dead link
+
+
+def test_stochastic_verification_matches_target_distribution(target_model, tokenizer):
+    """Through the real engine step: first emitted token ~ target p, whatever q drafted."""
+    prompt = chat(tokenizer, "Pick a random fruit.")
+    n, top_k = 3000, 6
+    runner = ModelRunner(target_model, 8, 256)
+    runner.forward([SeqChunk(prompt[:-1], 0, [0])])  # shared cached prefix for all samples
+    sampling = SamplingParams(temperature=1.0, top_k=top_k)
+    logits = runner.forward([SeqChunk(prompt[-1:], len(prompt) - 1, [0])])[0]
+    top = logits.topk(top_k)
+    p = torch.softmax(top.values, -1)
+    ids = top.indices.tolist()
+    # A deliberately skewed sparse q over the same support, draft sampled from it.
+    q = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(q, n, replacement=True, generator=gen).tolist()
+    core = EngineCore(runner)
+    counts = torch.zeros(top_k)
+    # Batches of 500 sequences sharing block 0: their draft tokens' KV writes collide at one
+    # slot, but only row 0 (which attends to the shared prefix alone) decides the first token.
+    for start in range(0, n, 500):
+        inputs = [StepInput([prompt[-1], ids[j]], len(prompt) - 1, [0],
+                            [DraftToken(len(prompt), ids[j], tuple(ids), tuple(q.tolist()))],
+                            sampling) for j in draws[start:start + 500]]
+        outcomes, _ = core.execute(inputs)
+        for o in outcomes:
+            first = o.accepted[0] if o.accepted else o.next_token
+            counts[ids.index(first)] += 1
+    tv = 0.5 * (counts / n - p).abs().sum().item()
+    # E[TV] for an exact sampler ~ sqrt(K / (2 pi n)) = 0.018 at K=6, n=3000; 3x margin.
+    assert tv < 0.055, f"TV {tv:.4f}; p={p.tolist()} got={(counts / n).tolist()}"
+    assert 0.5 * (q - p).abs().sum().item() > 0.15  # q really differs from p

@@ -1,0 +1,179 @@
+"""Sequence commit/epoch rules, adaptive k, and the torch-free scheduler."""
+import sys
+
+import pytest
+
+from tandem.sampling_params import SamplingParams
+from verify_service.block_manager import BlockManager
+from verify_service.scheduler import Scheduler, SchedulerConfig
+from verify_service.sequence import DraftToken, GenerateParams, Sequence, SeqStatus
+from verify_service.speculation import (CostModel, choose_k, expected_tokens,
+                                        leviathan_speedup, update_acceptance)
+
+pytestmark = pytest.mark.unit
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def params(sid="s", prompt=(1, 2, 3), max_new=10, method="draft_model", **kw):
+    return GenerateParams(session_id=sid, prompt=tuple(prompt), committed=(), sampling=GREEDY,
+                          max_new_tokens=max_new, stop_token_ids=frozenset({0}), method=method,
+                          **kw)
+
+
+def drafts(seq, tokens):
+    start = seq.num_tokens
+    seq.drafts = [DraftToken(start + i, t) for i, t in enumerate(tokens)]
+
+
+def test_scheduler_module_has_no_torch():
+    import verify_service.scheduler  # noqa: F401
+    import verify_service.sequence  # noqa: F401
+    import verify_service.speculation  # noqa: F401
+
+    for mod in ("verify_service.scheduler", "verify_service.sequence",
+                "verify_service.speculation", "verify_service.block_manager"):
+        src = open(sys.modules[mod].__file__).read()
+        assert "import torch" not in src
+
+
+def test_commit_keeps_epoch_when_bonus_matches_next_draft():
+    seq = Sequence(params())
+    drafts(seq, [7, 8, 9, 10])
+    new = seq.commit([7, 8, 9], 10)
+    assert new == [7, 8, 9, 10] and seq.epoch == 0 and seq.drafts == []
+    drafts(seq, [5, 6])
+    seq.commit([5], 4)  # recovered token differs from the rejected draft 6
+    assert seq.epoch == 1 and seq.drafts == []
+
+
+def test_commit_keeps_run_ahead_beyond_the_round():
+    seq = Sequence(params())
+    drafts(seq, [7, 8, 9, 10, 11])
+    seq.commit([7, 8], 9)  # verified 2, bonus equals the third arrived draft
+    assert seq.epoch == 0 and [d.token_id for d in seq.drafts] == [10, 11]
+    assert seq.drafts[0].position == seq.num_tokens
+
+
+def test_commit_cuts_at_stop_token_and_length():
+    seq = Sequence(params(max_new=10))
+    assert seq.commit([5, 0, 6], 7) == [5, 0] and seq.finish_reason == "stop"
+    seq = Sequence(params(max_new=3))
+    assert seq.commit([5, 6, 7, 8], 9) == [5, 6, 7] and seq.finish_reason == "length"
+
+
+def test_generate_params_validation():
+    with pytest.raises(ValueError, match="session_id"):
+        params(sid="")
+    with pytest.raises(ValueError, match="prompt"):
+        params(prompt=())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        params(max_new=0)
+    with pytest.raises(ValueError, match="speculation method"):
+        params(method="medusa-9000")
+
+
+def test_expected_tokens_and_speedup():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert leviathan_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / (0.2 * 1.2))
+
+
+def test_choose_k_grows_with_acceptance():
+    cost = CostModel()
+    ks = [choose_k(a, 8, cost) for a in (0.0, 0.3, 0.6, 0.8, 0.95)]
+    assert ks[0] == 0 and ks == sorted(ks) and ks[-1] >= 4
+    assert choose_k(0.95, 2, cost) <= 2
+
+
+def test_update_acceptance_moves_towards_observation():
+    assert update_acceptance(0.5, 4, 4) > 0.5
+    assert update_acceptance(0.5, 4, 0) < 0.5
+    assert update_acceptance(0.5, 0, 0) == 0.5
+
+
+def make_sched(num_blocks=64, block_size=4, **kw):
+    return Scheduler(BlockManager(num_blocks, block_size), SchedulerConfig(**kw), CostModel())
+
+
+def test_prefill_then_verify_then_rollback():
+    sched = make_sched()
+    seq = Sequence(params(prompt=range(1, 10)))
+    sched.add(seq)
+    out = sched.schedule()
+    assert [s.is_prefill for s in out.scheduled] == [True]
+    assert out.scheduled[0].token_ids == list(range(1, 10))
+    sched.update_from_output(out.scheduled[0], 0)
+    seq.commit([], 42)
+    seq.acceptance_ema = 0.99
+    drafts(seq, [43, 44, 45])
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert s.token_ids == [42, 43, 44, 45] and s.start_pos == 9 and s.num_drafts == 3
+    sched.update_from_output(s, 1)  # one accepted: keep KV of 42 and 43
+    assert sched.blocks.num_tokens(seq.seq_id) == 11
+
+
+def test_plain_sessions_never_verify_drafts():
+    sched = make_sched()
+    seq = Sequence(params(method="none"))
+    sched.add(seq)
+    sched.update_from_output(sched.schedule().scheduled[0], 0)
+    seq.commit([], 9)
+    drafts(seq, [1, 2])
+    assert sched.schedule().scheduled[0].num_drafts == 0
+
+
+def test_batch_load_caps_k():
+    sched = make_sched(num_blocks=256, max_verify_tokens=16, max_spec_tokens=8)
+    seqs = [Sequence(params(sid=f"s{i}")) for i in range(8)]
+    for s in seqs:
+        sched.add(s)
+    for s in sched.schedule().scheduled:
+        sched.update_from_output(s, 0)
+        s.seq.commit([], 9)
+        s.seq.acceptance_ema = 0.99
+        drafts(s.seq, [1] * 8)
+    assert all(s.num_drafts <= 1 for s in sched.schedule().scheduled)  # 16 // 8 - 1
+
+
+def test_preemption_when_blocks_run_out_and_recompute():
+    sched = make_sched(num_blocks=6, block_size=4)
+    a = Sequence(params(sid="a", prompt=range(1, 9), max_new=50))
+    b = Sequence(params(sid="b", prompt=range(11, 19), max_new=50))
+    sched.add(a)
+    sched.add(b)
+    for s in sched.schedule().scheduled:
+        sched.update_from_output(s, 0)
+        s.seq.commit([], 50)
+    preempted = []
+    for _ in range(6):  # grow both until the cache is full
+        out = sched.schedule()
+        preempted += out.preempted
+        for s in out.scheduled:
+            sched.update_from_output(s, 0)
+            s.seq.commit([], 51)
+    # The newest session went back to waiting and lost its KV; the oldest kept running.
+    assert preempted[0] is b and a.status is SeqStatus.RUNNING
+    assert b.status is SeqStatus.WAITING and not sched.blocks.has("b")
+    sched.finish(a)
+    (s,) = sched.schedule().scheduled  # b re-admitted: recomputes its committed tokens...
+    assert s.seq is b and s.is_prefill and s.token_ids == b.tokens[s.start_pos:]
+    assert s.start_pos == 8  # ...except its prompt blocks, still in the prefix cache
+    sched.finish(b)
+    assert sched.blocks.num_free_blocks == 6  # no leak
+
+
+def test_context_limit():
+    sched = make_sched(max_model_len=8)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        sched.add(Sequence(params(prompt=range(1, 9))))
+
+
+def test_abort_frees_blocks():
+    sched = make_sched()
+    seq = Sequence(params())
+    sched.add(seq)
+    sched.schedule()
+    assert sched.abort("s") is seq and seq.finish_reason == "abort"
+    assert sched.blocks.num_free_blocks == 64 and sched.num_sessions == 0
