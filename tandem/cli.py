@@ -76,6 +76,39 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_up(args) -> int:
+    import signal
+
+    from tandem.launcher import Cluster, ClusterConfig, demo_completion
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    config = ClusterConfig(num_drafts=args.drafts, num_verifiers=args.verifiers,
+                           gateway_host=args.host, gateway_port=args.port, model=args.model,
+                           draft_model=args.draft_model,
+                           redis_url=os.environ.get("REDIS_URL", ""), threads=args.threads)
+    cluster = Cluster(config, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print("starting the Tandem cluster ...", file=sys.stderr, flush=True)
+    try:
+        cluster.start()
+        print(f"Tandem is up: OpenAI API at {cluster.gateway_url}/v1 (Ctrl-C stops it)",
+              flush=True)
+        if args.demo:
+            reply = demo_completion(cluster.gateway_url, args.demo)
+            print(f"\n> {args.demo}\n{reply['choices'][0]['message']['content']}\n"
+                  f"usage: {reply.get('usage')}\nspeculation: {reply.get('speculation')}",
+                  flush=True)
+        if not args.exit_after_demo:
+            cluster.wait()
+    except KeyboardInterrupt:
+        print("stopping ...", file=sys.stderr, flush=True)
+    finally:
+        cluster.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description="Disaggregated speculative decoding: draft workers propose, "
@@ -104,9 +137,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(func=_cmd_generate)
 
+    up = sub.add_parser("up", help="start a local cluster: redis, verifier, draft workers, "
+                        "gateway (separate processes)")
+    up.add_argument("--drafts", type=int, default=int(_env("TANDEM_UP_DRAFTS", 1)),
+                    help="draft workers [env TANDEM_UP_DRAFTS, default %(default)s]")
+    up.add_argument("--verifiers", type=int, default=int(_env("TANDEM_UP_VERIFIERS", 1)))
+    up.add_argument("--host", default=_env("TANDEM_GATEWAY_HOST", "127.0.0.1"))
+    up.add_argument("--port", type=int, default=int(_env("TANDEM_GATEWAY_PORT", 8000)),
+                    help="gateway HTTP port (default %(default)s)")
+    up.add_argument("--model", default=_env("TANDEM_MODEL", ""), help="target model")
+    up.add_argument("--draft-model", default=_env("TANDEM_DRAFT_MODEL", ""),
+                    help="draft model (default: the shipped draft)")
+    up.add_argument("--threads", type=int, default=int(_env("TANDEM_THREADS", 1)),
+                    help="torch threads per worker process (default %(default)s)")
+    up.add_argument("--demo", default="", metavar="PROMPT",
+                    help="send this chat message once the cluster is up and print the reply")
+    up.add_argument("--exit-after-demo", action="store_true", help="stop after the demo")
+    up.set_defaults(func=_cmd_up)
+
+    from draft_service.cli import register as register_draft
     from verify_service.cli import register as register_verifier
 
     register_verifier(sub)
+    register_draft(sub)
     return parser
 
 

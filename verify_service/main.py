@@ -4,8 +4,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
-import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -105,18 +103,9 @@ async def _set_serving(servicer) -> None:
 
 async def serve(config: VerifierConfig) -> None:
     """Run until SIGTERM/SIGINT, registered in Redis when config.redis_url is set."""
-    registry = None
-    discover = None
-    if config.redis_url:
-        import redis.asyncio as aioredis
+    from tandem.registration import Registration, draft_discovery, start_registration
 
-        from tandem.registry import WorkerRegistry
-
-        registry = WorkerRegistry(aioredis.from_url(config.redis_url))
-
-        async def discover():
-            return [r.address for r in await registry.list("draft")]
-
+    discover = draft_discovery(config.redis_url) if config.redis_url else None
     verifier = await start_verifier(config, discover=discover)
     address = config.advertise_address or f"{config.host}:{verifier.port}"
     print(f"verifier serving on {address}", flush=True)
@@ -124,28 +113,17 @@ async def serve(config: VerifierConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    hb_stop = asyncio.Event()
-    if registry is not None:
-        verifier.tasks.append(asyncio.create_task(_heartbeat(registry, verifier, config,
-                                                             address, hb_stop)))
+    beat = None
+    if config.redis_url:
+        info = verifier.servicer.info
+        beat = start_registration(
+            Registration(config.redis_url, "verifier", address, config.worker_id),
+            capacity=config.max_sessions, load=lambda: verifier.engine.load,
+            model_id=info.model_id, tokenizer_hash=info.tokenizer_hash,
+            max_speculative_tokens=config.max_spec_tokens)
     await stop.wait()
     log.info("draining verifier")
-    hb_stop.set()
-    await asyncio.sleep(0)
+    if beat is not None:  # leave the registry first so no new session is routed here
+        beat[1].set()
+        await asyncio.wait_for(beat[0], 5)
     await verifier.drain_and_stop(config.drain_grace_s)
-
-
-async def _heartbeat(registry, verifier: Verifier, config: VerifierConfig, address: str,
-                     stop: asyncio.Event) -> None:
-    from tandem.registry import WorkerRecord, heartbeat_loop
-
-    worker_id = config.worker_id or f"verifier-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-    info = verifier.servicer.info
-
-    def record() -> WorkerRecord:
-        return WorkerRecord(role="verifier", worker_id=worker_id, address=address,
-                            capacity=config.max_sessions, load=verifier.engine.load,
-                            model_id=info.model_id, tokenizer_hash=info.tokenizer_hash,
-                            max_speculative_tokens=config.max_spec_tokens)
-
-    await heartbeat_loop(registry, record, 1.0, stop)

@@ -1,0 +1,129 @@
+"""`tandem draft`: run a draft worker. Every flag also reads TANDEM_DRAFT_<FLAG> from the env."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+
+from draft_service.config import DTYPES, DraftConfig
+
+# (field, type, help); defaults come from DraftConfig so they are stated once.
+_FLAGS = (
+    ("host", str, "address to bind (0.0.0.0 in a container)"),
+    ("port", int, "port to bind, 0 = any free port"),
+    ("tokenizer", str, "with no draft model: checkpoint dir whose tokenizer.json names the "
+                       "token ids (default: the cached default target)"),
+    ("threads", int, "torch CPU threads"),
+    ("max_sessions", int, "sessions held at once, over all streams"),
+    ("max_run_ahead", int, "default draft tokens outstanding per session"),
+    ("max_run_ahead_cap", int, "largest run-ahead a verifier may ask for"),
+    ("top_n", int, "default size of the truncated q sent with each draft token"),
+    ("max_top_n", int, "largest top-N a verifier may ask for"),
+    ("kv_cache_mb", int, "draft KV cache budget in MiB"),
+    ("block_size", int, "KV cache block size in tokens"),
+    ("max_ngram_size", int, "default longest suffix matched by n-gram lookup"),
+    ("max_context_length", int, "longest sequence, 0 = the draft model's limit"),
+    ("dtype", str, "draft model weight dtype: " + ", ".join(DTYPES)),
+    ("drain_grace_s", float, "on SIGTERM, keep streams drafting this long before ending them"),
+)
+
+
+def _env_name(field: str) -> str:
+    return "TANDEM_DRAFT_" + field.upper()
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add `draft` to the `tandem` command's subparsers."""
+    p = subparsers.add_parser(
+        "draft", help="run a draft worker (DraftService over gRPC)",
+        description="Serve DraftService: draft tokens for the sessions verifiers open, with a "
+                    "draft model or n-gram prompt lookup. Every flag also reads "
+                    "TANDEM_DRAFT_<FLAG> (e.g. TANDEM_DRAFT_PORT).")
+    p.add_argument("--model", default=os.environ.get(_env_name("model")),
+                   help="draft checkpoint directory, or 'none' for n-gram lookup only "
+                        "[env TANDEM_DRAFT_MODEL; default: the shipped draft if present, "
+                        "else n-gram only]")
+    defaults = {f.name: f.default for f in dataclasses.fields(DraftConfig)}
+    for name, kind, text in _FLAGS:
+        env = _env_name(name)
+        default = os.environ.get(env, defaults[name])
+        # argparse converts string defaults with `type`, so a bad env value is a clean error.
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                       help=f"{text} [env {env}, default {defaults[name]}]")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
+                   help="register in this Redis worker registry [env REDIS_URL]")
+    p.add_argument("--worker-id", default=os.environ.get(_env_name("worker_id"), ""))
+    p.add_argument("--advertise-address", default=os.environ.get(
+        _env_name("advertise_address"), ""), help="address verifiers dial (default host:port)")
+    p.add_argument("--log-level", default=os.environ.get("TANDEM_DRAFT_LOG_LEVEL", "INFO"),
+                   help="logging level [env TANDEM_DRAFT_LOG_LEVEL, default INFO]")
+    p.set_defaults(func=run)
+    return p
+
+
+def _shipped_draft() -> Path | None:
+    try:
+        from draft_service.weights import default_draft_dir
+    except ImportError:  # no draft shipped with this build
+        return None
+    path = Path(default_draft_dir())
+    return path if (path / "config.json").is_file() else None
+
+
+def resolve_model_flag(value: str | None) -> str | None:
+    """The draft model directory to load, or None for n-gram lookup only."""
+    if value is not None and value.strip().lower() == "none":
+        return None
+    if value:
+        return value
+    shipped = _shipped_draft()
+    if shipped is None:
+        logging.getLogger(__name__).warning(
+            "no draft model given and none shipped: serving n-gram prompt lookup only "
+            "(pass --model DIR for a draft model, --model none to silence this)")
+        return None
+    return str(shipped)
+
+
+def config_from_args(args: argparse.Namespace) -> DraftConfig:
+    values = {name: getattr(args, name) for name, _, _ in _FLAGS}
+    return DraftConfig(model=resolve_model_flag(args.model), **values)
+
+
+def run(args: argparse.Namespace) -> int:
+    from draft_service.server import serve  # torch and grpc load only when serving
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    registration = None
+    if args.redis_url:
+        from tandem.registration import Registration
+
+        registration = Registration(args.redis_url, "draft",
+                                    args.advertise_address or config.address, args.worker_id)
+    asyncio.run(serve(config, registration=registration, ready=lambda addr: print(
+        f"tandem draft: serving on {addr} ({config.model or 'n-gram only'})", flush=True)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m draft_service.cli`) until `tandem` wires register() in."""
+    parser = argparse.ArgumentParser(prog="tandem")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

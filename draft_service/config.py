@@ -1,0 +1,65 @@
+"""Draft worker configuration (validated once, at construction)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # True must not mean 1
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    host: str = "127.0.0.1"  # 0.0.0.0 (or [::]) in a container
+    port: int = 50052  # 0 = any free port (tests)
+    model: str | None = None  # draft checkpoint directory; None = n-gram lookup only
+    tokenizer: str | None = None  # checkpoint dir naming the token ids when model is None
+    threads: int = 1  # torch threads: a batch-1 forward keeps one core busy anyway
+    max_sessions: int = 256
+    max_run_ahead: int = 8  # default drafts outstanding per session
+    max_run_ahead_cap: int = 16  # largest max_run_ahead a verifier may ask for
+    top_n: int = 8  # default size of the truncated q sent per draft token
+    max_top_n: int = 64
+    kv_cache_mb: int = 256
+    block_size: int = 16
+    max_ngram_size: int = 3
+    max_context_length: int = 0  # 0 = the draft model's limit (n-gram only: 32768)
+    dtype: str = "float32"
+    drain_grace_s: float = 5.0  # SIGTERM: streams keep drafting this long, then UNAVAILABLE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty string, got {self.host!r}")
+        if not (_is_int(self.port) and 0 <= self.port <= 65535):
+            raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port!r}")
+        for name in ("model", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be None or a non-empty path, got {value!r}")
+        positive = ("threads", "max_sessions", "max_run_ahead", "max_run_ahead_cap", "top_n",
+                    "max_top_n", "kv_cache_mb", "block_size", "max_ngram_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not (_is_int(value) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_run_ahead > self.max_run_ahead_cap:
+            raise ValueError(f"max_run_ahead {self.max_run_ahead} exceeds max_run_ahead_cap "
+                             f"{self.max_run_ahead_cap}")
+        if self.top_n > self.max_top_n:
+            raise ValueError(f"top_n {self.top_n} exceeds max_top_n {self.max_top_n}")
+        if not (_is_int(self.max_context_length) and self.max_context_length >= 0):
+            raise ValueError(f"max_context_length must be an int >= 0 (0 = the model's), got "
+                             f"{self.max_context_length!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        grace = self.drain_grace_s
+        if not (isinstance(grace, (int, float)) and math.isfinite(grace) and grace >= 0):
+            raise ValueError(f"drain_grace_s must be a finite number >= 0, got {grace!r}")
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"

@@ -1,0 +1,85 @@
+"""N-gram prompt lookup (PaddleNLP's inference_with_reference, HF's prompt_lookup_num_tokens).
+
+No model: match the last n tokens of the sequence (n from max_ngram_size down to 1) against
+earlier text (prompt and everything generated since), and propose the tokens that followed the
+most recent earlier match. Works well when the output copies from the prompt (code edits,
+summaries, RAG answers, quoting). q is one-hot, so nothing but the token ids goes on the wire.
+"""
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable, Sequence
+
+from draft_service.proposer import DraftRequest, DraftResult, DraftToken, Method
+
+_ITEM_BYTES = array("i").itemsize
+
+
+def ngram_lookup(
+    token_ids: Sequence[int], max_ngram_size: int, num_tokens: int, min_ngram_size: int = 1
+) -> list[int]:
+    """Up to num_tokens proposed continuations of token_ids ([] when nothing matches).
+
+    The copy may run into text it is itself proposing (a match one period back in a repeating
+    pattern): that continues the period, which is what the text so far predicts, and it is the
+    same as the classic lookup whenever the match lies at least num_tokens back.
+    """
+    if max_ngram_size < 1 or min_ngram_size < 1 or num_tokens < 1:
+        raise ValueError(
+            f"max_ngram_size, min_ngram_size and num_tokens must be >= 1, got "
+            f"{max_ngram_size}, {min_ngram_size}, {num_tokens}"
+        )
+    tokens = list(token_ids)
+    length = len(tokens)
+    # Search the ids as packed bytes: bytes.rfind runs in C, which keeps a lookup over a long
+    # context (thousands of tokens, hundreds of sessions per step) off the critical path.
+    packed = array("i", tokens).tobytes()
+    for n in range(min(max_ngram_size, length - 1), min_ngram_size - 1, -1):
+        start = _last_match(packed, length, n)
+        if start is None:
+            continue
+        src = start + n
+        for _ in range(num_tokens):  # may read tokens appended by this very loop
+            tokens.append(tokens[src])
+            src += 1
+        return tokens[length:]
+    return []
+
+
+def _last_match(packed: bytes, length: int, n: int) -> int | None:
+    """Start of the most recent earlier occurrence of the last n tokens, if any."""
+    width = _ITEM_BYTES
+    suffix = packed[(length - n) * width:]
+    end = (length - 1) * width  # an earlier match ends at the latest one token before the end
+    while (pos := packed.rfind(suffix, 0, end)) >= 0:
+        if pos % width == 0:
+            return pos // width
+        end = pos + len(suffix) - 1  # a hit straddling two ids: look further back
+    return None
+
+
+class NgramProposer:
+    """Prompt lookup behind the Proposer interface; stateless, so release() does nothing."""
+
+    method = Method.NGRAM
+
+    def __init__(self, max_ngram_size: int = 3, num_speculative_tokens: int = 8):
+        if max_ngram_size < 1 or num_speculative_tokens < 1:
+            raise ValueError(
+                f"max_ngram_size and num_speculative_tokens must be >= 1, got "
+                f"{max_ngram_size}, {num_speculative_tokens}"
+            )
+        self.max_ngram_size = max_ngram_size
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
+        results = []
+        for req in requests:
+            n = req.max_ngram_size or self.max_ngram_size
+            k = min(req.max_tokens, self.num_speculative_tokens)
+            ids = ngram_lookup(req.token_ids, n, k) if k > 0 else []
+            results.append(DraftResult([DraftToken(t) for t in ids]))
+        return results
+
+    def release(self, key: Hashable) -> None:
+        return None

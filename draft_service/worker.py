@@ -1,0 +1,341 @@
+"""The draft worker: sessions, run-ahead, commit / rollback by epoch, and the drafting loop.
+
+Transport-agnostic: the gRPC servicer turns DraftControl messages into Open / Commit / Close /
+Invalid and sends back whatever a Stream yields (Proposal or SessionError). One worker serves
+every stream of the process, so each step batches ALL sessions that want drafting into one
+proposer call per method (one forward for the draft model). The step runs on a single-thread
+executor: the event loop stays free for stream traffic and health checks, and the proposers
+(with their KV caches) are only ever touched by that one thread.
+
+Session state: `committed` (prompt + committed tokens) and `drafts` (tokens proposed and sent
+under the current epoch, not yet committed). The next draft's position is
+len(committed) + len(drafts); the worker drafts while len(drafts) < max_run_ahead.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from draft_service.proposer import (
+    Close,
+    Commit,
+    DraftRequest,
+    DraftResult,
+    ErrorCode,
+    Invalid,
+    Limits,
+    Method,
+    Open,
+    Proposal,
+    Proposer,
+    SessionError,
+    WorkerStats,
+    propose_isolated,
+)
+from kernels.sampling import make_generator
+from tandem.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Mixed into a request's seed so the draft's random stream is reproducible but independent of
+# the verifier's (drawing the same numbers on both sides would bias verification).
+_DRAFT_SEED_SALT = 0x5EED_D4AF_7A1D_C0DE
+# Longer suffixes almost never match again and each length tried costs a scan of the context.
+_MAX_NGRAM_SIZE = 64
+
+
+class SessionFailure(Exception):
+    """Raised inside the worker to report a per-session error and drop the session."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Stream:
+    """One verifier connection: its sessions and its outbox of proposals and errors."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self._outbox: asyncio.Queue[Proposal | SessionError | None] = asyncio.Queue()
+
+    def put(self, item: Proposal | SessionError | None) -> None:
+        self._outbox.put_nowait(item)
+
+    @property
+    def pending(self) -> int:
+        """Messages produced but not yet taken by the transport."""
+        return self._outbox.qsize()
+
+    async def get(self) -> Proposal | SessionError | None:
+        """The next message; None means the worker ended the stream (draining)."""
+        return await self._outbox.get()
+
+
+@dataclass(eq=False)
+class Session:
+    key: int
+    session_id: str
+    stream: Stream
+    method: Method
+    committed: list[int]
+    epoch: int
+    sampling: SamplingParams
+    max_run_ahead: int
+    top_n: int
+    max_ngram_size: int
+    generator: torch.Generator | None
+    drafts: list[int] = field(default_factory=list)
+    generation: int = 0  # bumped whenever outstanding drafts are discarded
+    stalled: bool = False  # the proposer had nothing for this exact sequence
+
+    @property
+    def length(self) -> int:
+        return len(self.committed) + len(self.drafts)
+
+
+class DraftWorker:
+    def __init__(self, proposers: Mapping[Method, Proposer], limits: Limits,
+                 default_method: Method | None = None):
+        if not proposers:
+            raise ValueError("a draft worker needs at least one proposer")
+        self.proposers = dict(proposers)
+        self.limits = limits
+        self.default_method = default_method or next(iter(self.proposers))
+        self._sessions: dict[int, Session] = {}
+        self._keys = itertools.count()
+        self._streams: set[Stream] = set()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tandem-draft")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._tokens_drafted = 0
+        self._steps = 0
+
+    # --- streams and control messages (event loop) ------------------------------------------
+
+    def open_stream(self) -> Stream:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        stream = Stream()
+        self._streams.add(stream)
+        return stream
+
+    def close_stream(self, stream: Stream) -> None:
+        """The verifier is gone: free every session it opened."""
+        for session in list(stream.sessions.values()):
+            self._drop(session)
+        self._streams.discard(stream)
+
+    def end_streams(self) -> None:
+        """Draining: tell every stream to end (the transport ends it with UNAVAILABLE)."""
+        for stream in list(self._streams):
+            stream.put(None)
+
+    def handle(self, stream: Stream, cmd: Open | Commit | Close | Invalid) -> None:
+        """Apply one control message; problems are reported in-band, never raised."""
+        sid = getattr(cmd, "session_id", "")
+        try:
+            if isinstance(cmd, Invalid):
+                raise SessionFailure(ErrorCode.INVALID_ARGUMENT, cmd.message)
+            if not sid:
+                raise SessionFailure(ErrorCode.INVALID_ARGUMENT, "empty session_id")
+            if isinstance(cmd, Open):
+                self._open(stream, cmd)
+            elif isinstance(cmd, Commit):
+                self._commit(stream, cmd)
+            elif isinstance(cmd, Close):
+                if sid in stream.sessions:
+                    self._drop(stream.sessions[sid])
+            else:
+                raise SessionFailure(ErrorCode.INVALID_ARGUMENT, f"unknown control {cmd!r}")
+        except SessionFailure as exc:
+            self._fail(stream, sid, exc.code, str(exc))
+        except Exception as exc:  # a bug must cost one session, never the stream
+            log.exception("control message for session %r failed", sid)
+            self._fail(stream, sid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def _open(self, stream: Stream, cmd: Open) -> None:
+        if cmd.session_id in stream.sessions:  # reopening replaces the session completely
+            self._drop(stream.sessions[cmd.session_id])
+        lim = self.limits
+        tokens = self._check_tokens(cmd.token_ids, allow_empty=False)
+        try:
+            sampling = SamplingParams(cmd.temperature, cmd.top_k, cmd.top_p, cmd.seed)
+        except ValueError as exc:
+            raise SessionFailure(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
+        try:
+            method = Method(cmd.method) or self.default_method  # UNSPECIFIED (0) is falsy
+        except ValueError:  # a method newer than this worker
+            method = None
+        if method not in self.proposers:  # includes values newer than this enum
+            raise SessionFailure(ErrorCode.UNSUPPORTED_METHOD, f"method {cmd.method} is not "
+                                 f"served here (have {[m.name for m in self.proposers]})")
+        if len(tokens) > lim.max_context_length:
+            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, f"sequence of {len(tokens)} "
+                                 f"tokens exceeds the context length {lim.max_context_length}")
+        if len(self._sessions) >= lim.max_sessions:
+            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED,
+                                 f"worker is full ({lim.max_sessions} sessions)")
+        seed = None if cmd.seed is None else (cmd.seed ^ _DRAFT_SEED_SALT) & (2**63 - 1)
+        session = Session(
+            key=next(self._keys), session_id=cmd.session_id, stream=stream, method=method,
+            committed=tokens, epoch=cmd.epoch, sampling=sampling,
+            max_run_ahead=min(cmd.max_run_ahead or lim.max_run_ahead, lim.max_run_ahead_cap),
+            top_n=min(cmd.top_n or lim.top_n, lim.max_top_n),
+            max_ngram_size=min(cmd.max_ngram_size or lim.max_ngram_size, _MAX_NGRAM_SIZE),
+            generator=make_generator(seed))
+        stream.sessions[cmd.session_id] = session
+        self._sessions[session.key] = session
+        self._wake.set()
+
+    def _commit(self, stream: Stream, cmd: Commit) -> None:
+        session = stream.sessions.get(cmd.session_id)
+        if session is None:
+            raise SessionFailure(ErrorCode.UNKNOWN_SESSION,
+                                 f"session {cmd.session_id!r} is not open on this stream")
+        tokens = self._check_tokens(cmd.token_ids, allow_empty=True)
+        if cmd.epoch < session.epoch:
+            raise SessionFailure(ErrorCode.INVALID_ARGUMENT,
+                                 f"epoch decreased from {session.epoch} to {cmd.epoch}")
+        committed, start = session.committed, cmd.start_position
+        if start > len(committed):
+            raise SessionFailure(ErrorCode.OUT_OF_SYNC, f"commit starts at {start}, beyond the "
+                                 f"{len(committed)} committed tokens")
+        resent = tokens[: len(committed) - start]
+        if committed[start:start + len(resent)] != resent:
+            raise SessionFailure(ErrorCode.OUT_OF_SYNC, "re-sent tokens disagree with the "
+                                 f"committed sequence from position {start}")
+        new = tokens[len(resent):]
+        if cmd.epoch == session.epoch:
+            # Same epoch: the new tokens are accepted drafts; later drafts stay valid.
+            if session.drafts[: len(new)] != new:
+                raise SessionFailure(ErrorCode.OUT_OF_SYNC, "commit under the same epoch is "
+                                     "not a prefix of the outstanding drafts")
+            del session.drafts[: len(new)]
+        else:
+            # Diverged: outstanding drafts are void; the proposer rolls its cache back to the
+            # committed sequence when it is next asked to continue it.
+            session.drafts.clear()
+            session.epoch = cmd.epoch
+            session.generation += 1
+            session.stalled = False
+        committed.extend(new)
+        if cmd.max_run_ahead:
+            session.max_run_ahead = min(cmd.max_run_ahead, self.limits.max_run_ahead_cap)
+        if len(committed) > self.limits.max_context_length:
+            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, f"sequence of {len(committed)} "
+                                 f"tokens exceeds the context length")
+        self._wake.set()
+
+    def _check_tokens(self, token_ids: list[int], allow_empty: bool) -> list[int]:
+        tokens = list(token_ids)
+        if not tokens and not allow_empty:
+            raise SessionFailure(ErrorCode.INVALID_ARGUMENT, "token_ids must not be empty")
+        vocab = self.limits.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise SessionFailure(ErrorCode.INVALID_ARGUMENT,
+                                 f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return tokens
+
+    def _fail(self, stream: Stream, sid: str, code: ErrorCode, message: str) -> None:
+        if sid in stream.sessions:
+            self._drop(stream.sessions[sid])
+        stream.put(SessionError(sid, code, message))
+
+    def _drop(self, session: Session) -> None:
+        if session.stream.sessions.get(session.session_id) is session:
+            del session.stream.sessions[session.session_id]
+        if self._sessions.pop(session.key, None) is None:
+            return
+        proposer = self.proposers[session.method]
+        # On the forward thread, after any step in flight that still uses the state; a
+        # RuntimeError means the executor is shut down because the worker is closing.
+        with contextlib.suppress(RuntimeError):
+            self._executor.submit(proposer.release, session.key)
+
+    # --- drafting loop ------------------------------------------------------------------------
+
+    def _wants_draft(self, s: Session) -> bool:
+        return (not s.stalled and len(s.drafts) < s.max_run_ahead
+                and s.length < self.limits.max_context_length)
+
+    def _request(self, s: Session) -> DraftRequest:
+        return DraftRequest(
+            key=s.key, token_ids=s.committed + s.drafts, num_committed=len(s.committed),
+            max_tokens=s.max_run_ahead - len(s.drafts), sampling=s.sampling, top_n=s.top_n,
+            max_ngram_size=s.max_ngram_size, generator=s.generator)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            ready = [s for s in self._sessions.values() if self._wants_draft(s)]
+            if not ready:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            jobs: dict[Method, list[tuple[Session, int, DraftRequest]]] = {}
+            for s in ready:
+                jobs.setdefault(s.method, []).append((s, s.generation, self._request(s)))
+            try:
+                results = await loop.run_in_executor(self._executor, self._run_step, jobs)
+            except RuntimeError:  # executor shut down under us: the worker is closing
+                return
+            self._steps += 1
+            for method, batch in jobs.items():
+                for (s, generation, req), res in zip(batch, results[method]):
+                    try:
+                        self._apply(s, generation, req, res)
+                    except Exception as exc:  # a bug costs this session, not the loop
+                        log.exception("applying drafts for session %r failed", s.session_id)
+                        self._fail(s.stream, s.session_id, ErrorCode.INTERNAL, repr(exc))
+
+    def _run_step(self, jobs) -> dict[Method, list[DraftResult]]:
+        """Forward thread: one propose call per method over all its sessions."""
+        return {method: propose_isolated(self.proposers[method], [req for _, _, req in batch])
+                for method, batch in jobs.items()}
+
+    def _apply(self, s: Session, generation: int, req: DraftRequest, res: DraftResult) -> None:
+        if s.key not in self._sessions:
+            return  # closed while the step ran
+        if res.error is not None:
+            self._fail(s.stream, s.session_id, res.error, res.message)
+            return
+        if s.generation != generation or s.length != len(req.token_ids):
+            return  # rolled back while the step ran: these drafts continue a stale sequence
+        room = min(s.max_run_ahead - len(s.drafts), self.limits.max_context_length - s.length)
+        tokens = res.tokens[: max(room, 0)]
+        if not res.tokens:
+            s.stalled = True  # same sequence, same answer: wait for a commit to change it
+        for tok in tokens:
+            s.stream.put(Proposal(s.session_id, s.epoch, s.length, tok))
+            s.drafts.append(tok.token_id)
+        self._tokens_drafted += len(tokens)
+
+    # --- introspection and shutdown -----------------------------------------------------------
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            sessions_open=len(self._sessions),
+            queue_depth=sum(1 for s in self._sessions.values() if self._wants_draft(s)),
+            tokens_drafted=self._tokens_drafted, steps=self._steps)
+
+    def load(self) -> int:
+        """Open sessions, for the registry heartbeat."""
+        return len(self._sessions)
+
+    async def aclose(self) -> None:
+        for stream in list(self._streams):
+            self.close_stream(stream)
+            stream.put(None)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)

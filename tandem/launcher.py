@@ -1,0 +1,150 @@
+"""`tandem up`: a whole local cluster as separate processes, healthy before it says so.
+
+Redis (started here unless REDIS_URL is given), one or more verifiers, N draft workers and the
+gateway, each its own `tandem <role>` process registering itself in Redis. Ctrl-C or SIGTERM
+stops everything (the workers drain first).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_drafts: int = 1
+    num_verifiers: int = 1
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    model: str = ""  # "" = each role's default
+    draft_model: str = ""
+    redis_url: str = ""
+    threads: int = 1  # per worker: a batch-1 forward keeps one core busy
+
+    def __post_init__(self):
+        if self.num_drafts < 0 or self.num_verifiers < 1:
+            raise ValueError("need num_verifiers >= 1 and num_drafts >= 0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def grpc_healthy(address: str, timeout: float = 1.0) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=timeout)
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def http_healthy(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+class Cluster:
+    """Owns the child processes; `stop()` terminates them in reverse start order."""
+
+    def __init__(self, config: ClusterConfig, log=print):
+        self.config, self.log = config, log
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.stack = ExitStack()
+        self.redis_url = config.redis_url
+        self.gateway_url = f"http://{config.gateway_host}:{config.gateway_port}"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "tandem.cli", *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def _wait(self, name: str, proc: subprocess.Popen, check) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not check():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during startup")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not healthy after {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.3)
+        self.log(f"  {name} healthy")
+
+    def start(self) -> None:
+        cfg = self.config
+        if not self.redis_url:
+            from tandem.redis_server import start_redis
+
+            redis = self.stack.enter_context(start_redis())
+            self.redis_url = redis.url
+            self.log(f"  redis-server on {redis.url}")
+        common = ["--redis-url", self.redis_url, "--threads", str(cfg.threads)]
+        for i in range(cfg.num_drafts):
+            port = free_port()
+            extra = ["--model", cfg.draft_model] if cfg.draft_model else []
+            proc = self._spawn(f"draft-{i}", ["draft", "--port", str(port), *common, *extra])
+            self._wait(f"draft-{i} (127.0.0.1:{port})", proc,
+                       lambda p=port: grpc_healthy(f"127.0.0.1:{p}"))
+        for i in range(cfg.num_verifiers):
+            port = free_port()
+            extra = ["--model", cfg.model] if cfg.model else []
+            proc = self._spawn(f"verifier-{i}", ["verifier", "--port", str(port), *common,
+                                                 *extra])
+            self._wait(f"verifier-{i} (127.0.0.1:{port})", proc,
+                       lambda p=port: grpc_healthy(f"127.0.0.1:{p}"))
+        extra = ["--model", cfg.model] if cfg.model else []
+        proc = self._spawn("gateway", ["gateway", "--host", cfg.gateway_host, "--port",
+                                       str(cfg.gateway_port), "--redis-url", self.redis_url,
+                                       *extra])
+        self._wait(f"gateway ({self.gateway_url})", proc,
+                   lambda: http_healthy(self.gateway_url + "/health"))
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.log(f"  {name} did not drain in time; killing it")
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        self.stack.close()
+
+    def wait(self) -> None:
+        """Block until a child dies or we are signalled."""
+        while all(proc.poll() is None for _, proc in self.procs):
+            time.sleep(0.5)
+        dead = [n for n, p in self.procs if p.poll() is not None]
+        raise RuntimeError(f"{', '.join(dead)} exited")
+
+
+def demo_completion(gateway_url: str, prompt: str, max_tokens: int = 48) -> dict:
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens,
+                       "temperature": 0, "messages": [{"role": "user", "content": prompt}]})
+    req = urllib.request.Request(gateway_url + "/v1/chat/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())

@@ -1,0 +1,389 @@
+"""DraftService over real gRPC (in-process grpc.aio on 127.0.0.1:0), driven as a verifier would.
+
+The draft model is a tiny random Llama on the real target's tokenizer (the shipped draft is
+trained separately); its lm_head is scaled up so greedy argmaxes are far from ties and token
+identity with a plain greedy run is a fair test (and greedy output is not one repeated token).
+"""
+import asyncio
+import shutil
+
+import grpc
+import pytest
+import torch
+import transformers
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from draft_service.config import DraftConfig
+from draft_service.ngram import ngram_lookup
+from draft_service.proposer import Method
+from draft_service.server import SERVICE_NAME, build_app, build_server
+from tandem.models import ModelPaths, tokenizer_hash
+from tandem.sampling_params import SamplingParams
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from verify_service.generate import LocalGenerator
+from verify_service.llama import LlamaModel
+from verify_service.model_runner import ModelRunner
+
+pytestmark = pytest.mark.contract
+
+DRAFT_MODEL = common_pb2.SPECULATION_METHOD_DRAFT_MODEL
+NGRAM = common_pb2.SPECULATION_METHOD_NGRAM
+E = draft_pb2  # error codes: E.DRAFT_ERROR_CODE_*
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory, target_paths):
+    path = tmp_path_factory.mktemp("tiny-draft")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # peaked logits: greedy argmaxes far from ties, varied tokens
+        model.lm_head.weight.mul_(30.0)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_paths.root / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_draft):
+    gen = LocalGenerator(ModelRunner(LlamaModel.load(ModelPaths(tiny_draft)), 64, 16))
+
+    def continuation(prompt, n):
+        return gen.generate([prompt], SamplingParams(temperature=0.0), n)[0]
+    return continuation
+
+
+def config(model, **kw):
+    return DraftConfig(host="127.0.0.1", port=0, model=None if model is None else str(model),
+                       kv_cache_mb=1, drain_grace_s=0.2, **kw)
+
+
+def open_msg(sid, tokens, method=DRAFT_MODEL, epoch=0, run_ahead=4, temperature=0.0, top_n=0,
+             **kw):
+    sampling = common_pb2.SamplingParams(temperature=temperature, **kw)
+    return draft_pb2.DraftControl(open=draft_pb2.OpenSession(
+        session_id=sid, token_ids=tokens, sampling=sampling, method=method,
+        max_run_ahead=run_ahead, epoch=epoch, top_n=top_n))
+
+
+def commit_msg(sid, epoch, start, tokens):
+    return draft_pb2.DraftControl(commit=draft_pb2.CommitTokens(
+        session_id=sid, epoch=epoch, start_position=start, token_ids=tokens))
+
+
+async def read(call, want, errors=0, timeout=10.0):
+    """Read until each session in `want` has that many proposals and `errors` errors came."""
+    got = {sid: [] for sid in want}
+    errs = []
+    while any(len(got[s]) < n for s, n in want.items()) or len(errs) < errors:
+        msg = await asyncio.wait_for(call.read(), timeout)
+        assert msg is not grpc.aio.EOF, "stream ended early"
+        if msg.HasField("error"):
+            errs.append(msg)
+        else:
+            got.setdefault(msg.session_id, []).append(msg)
+    return got, errs
+
+
+def with_server(cfg, scenario):
+    async def main():
+        app = await build_app(cfg)
+        await app.server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+                await scenario(app, channel)
+        finally:
+            await app.server.stop(None)
+            await app.worker.aclose()
+    asyncio.run(asyncio.wait_for(main(), 50))
+
+
+def test_sampled_and_greedy_sessions_commit_and_rollback(tiny_draft):
+    prompt_a, prompt_b = [1, 2, 3, 4, 5], list(range(100, 120))
+
+    async def scenario(app, channel):
+        call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+        await call.write(open_msg("a", prompt_a, epoch=2, temperature=1.0, seed=3, top_k=50,
+                                  run_ahead=4))
+        await call.write(open_msg("b", prompt_b, run_ahead=3))
+        got, _ = await read(call, {"a": 4, "b": 3})
+        assert [p.position for p in got["a"]] == [5, 6, 7, 8]
+        assert [p.position for p in got["b"]] == [20, 21, 22]
+        assert {p.epoch for p in got["a"]} == {2} and {p.epoch for p in got["b"]} == {0}
+        for p in got["a"]:  # the exact top-N truncated q the token was sampled from
+            assert 1 <= len(p.q.token_ids) <= 8 and len(p.q.probs) == len(p.q.token_ids)
+            assert abs(sum(p.q.probs) - 1.0) < 1e-5 and min(p.q.probs) > 0
+            assert p.token_id in p.q.token_ids
+            assert list(p.q.probs) == sorted(p.q.probs, reverse=True)
+        assert all(not p.q.token_ids and not p.q.probs for p in got["b"])  # greedy: ids only
+
+        # b: two drafts accepted, same epoch -> its third draft stays valid, drafting goes on.
+        b = [p.token_id for p in got["b"]]
+        await call.write(commit_msg("b", 0, 20, b[:2]))
+        more, _ = await read(call, {"b": 2})
+        assert [(p.position, p.epoch) for p in more["b"]] == [(23, 0), (24, 0)]
+
+        # a: first draft accepted, then a recovered token -> epoch 3, drafting from the end.
+        a = [p.token_id for p in got["a"]]
+        recovered = (a[1] + 1) % 49152
+        await call.write(commit_msg("a", 3, 5, [a[0], recovered]))
+        more, _ = await read(call, {"a": 4})
+        assert [(p.position, p.epoch) for p in more["a"]] == [(7, 3), (8, 3), (9, 3), (10, 3)]
+        call.cancel()
+        blocks = app.worker.proposers[Method.DRAFT_MODEL].blocks
+        for _ in range(100):  # the stream ending frees its sessions and their KV blocks
+            if app.worker.load() == 0 and blocks.num_free_blocks == blocks.num_blocks:
+                break
+            await asyncio.sleep(0.02)
+        assert app.worker.load() == 0 and blocks.num_free_blocks == blocks.num_blocks
+
+    with_server(config(tiny_draft), scenario)
+
+
+def test_bad_inputs_are_in_band_and_spare_other_sessions(tiny_draft):
+    async def scenario(app, channel):
+        call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+        await call.write(open_msg("good", [7, 8, 9], run_ahead=2))
+        await call.write(open_msg("victim", [7, 8], epoch=5, run_ahead=1))
+        got, _ = await read(call, {"good": 2, "victim": 1})
+        bad = [
+            (open_msg("oov", [1, 49152]), "oov", E.DRAFT_ERROR_CODE_INVALID_ARGUMENT),
+            (open_msg("", [1]), "", E.DRAFT_ERROR_CODE_INVALID_ARGUMENT),
+            (commit_msg("ghost", 0, 0, [1]), "ghost", E.DRAFT_ERROR_CODE_UNKNOWN_SESSION),
+            (commit_msg("victim", 4, 2, [1]), "victim", E.DRAFT_ERROR_CODE_INVALID_ARGUMENT),
+            (draft_pb2.DraftControl(), "", E.DRAFT_ERROR_CODE_INVALID_ARGUMENT),
+            (open_msg("t", [1], temperature=1.0, top_p=1.5), "t",
+             E.DRAFT_ERROR_CODE_INVALID_ARGUMENT),
+            (open_msg("none", [1], method=common_pb2.SPECULATION_METHOD_NONE), "none",
+             E.DRAFT_ERROR_CODE_UNSUPPORTED_METHOD),
+            (open_msg("long", [1] * 300), "long", E.DRAFT_ERROR_CODE_RESOURCE_EXHAUSTED),
+        ]
+        for msg, _, _ in bad:
+            await call.write(msg)
+        # The good session keeps drafting: accept its drafts and expect more.
+        await call.write(commit_msg("good", 0, 3, [p.token_id for p in got["good"]]))
+        more, errs = await read(call, {"good": 2}, errors=len(bad))
+        assert [(e.session_id, e.error.code) for e in errs] == [(s, c) for _, s, c in bad]
+        assert all(e.error.message for e in errs)
+        assert [p.position for p in more["good"]] == [5, 6]
+        assert app.worker.load() == 1
+        call.cancel()
+
+    with_server(config(tiny_draft), scenario)
+
+
+def test_greedy_drafts_equal_plain_greedy_decoding(tiny_draft, greedy_reference):
+    shared = list(range(300, 340))  # 40 tokens: full blocks shared between the sessions
+    prompts = {"x": shared + [1, 2], "y": shared + [5], "z": [42] * 7}
+
+    async def scenario(app, channel):
+        call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+        for sid, prompt in prompts.items():
+            await call.write(open_msg(sid, prompt, run_ahead=8))
+        got, _ = await read(call, {sid: 8 for sid in prompts})
+        for sid, prompt in prompts.items():
+            assert [p.token_id for p in got[sid]] == greedy_reference(prompt, 8), sid
+            assert len({p.token_id for p in got[sid]}) > 2  # a non-trivial continuation
+        # Accept x's drafts: the continuation goes on; diverge y: the rolled-back cache must
+        # continue the new sequence exactly like a fresh greedy run.
+        x = [p.token_id for p in got["x"]]
+        await call.write(commit_msg("x", 0, len(prompts["x"]), x))
+        y_new = prompts["y"] + [p.token_id for p in got["y"][:3]] + [999]
+        await call.write(commit_msg("y", 1, len(prompts["y"]), y_new[len(prompts["y"]):]))
+        more, _ = await read(call, {"x": 8, "y": 8})
+        assert x + [p.token_id for p in more["x"]] == greedy_reference(prompts["x"], 16)
+        assert [p.token_id for p in more["y"]] == greedy_reference(y_new, 8)
+        assert {p.epoch for p in more["y"]} == {1}
+        call.cancel()
+
+    with_server(config(tiny_draft), scenario)
+
+
+def test_full_kv_cache_fails_only_the_sessions_that_do_not_fit(tiny_draft):
+    async def scenario(app, channel):
+        blocks = app.worker.proposers[Method.DRAFT_MODEL].blocks
+        per_session = 200 // 16 + 1
+        fit = blocks.num_blocks // per_session
+        call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+        for i in range(fit + 2):  # distinct prompts: no prefix sharing
+            await call.write(open_msg(f"s{i}", [i + 1] * 200, run_ahead=1))
+        got, errs = await read(call, {f"s{i}": 1 for i in range(fit)}, errors=2)
+        assert {e.error.code for e in errs} == {E.DRAFT_ERROR_CODE_RESOURCE_EXHAUSTED}
+        assert app.worker.load() == fit
+        call.cancel()
+
+    with_server(config(tiny_draft), scenario)
+
+
+def test_ngram_sessions_send_one_message_per_token(tiny_draft):
+    prompt = [10, 11, 12, 13, 14, 15, 10, 11, 12]
+
+    async def scenario(app, channel):
+        call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+        await call.write(open_msg("n", prompt, method=NGRAM, run_ahead=5, epoch=1))
+        got, _ = await read(call, {"n": 5})
+        assert [p.token_id for p in got["n"]] == ngram_lookup(prompt, 3, 5)
+        assert [p.position for p in got["n"]] == list(range(9, 14))
+        assert all(not p.q.token_ids and p.epoch == 1 for p in got["n"])
+        call.cancel()
+
+    with_server(config(tiny_draft), scenario)
+
+
+def test_health_reflection_and_info(tiny_draft, target_paths):
+    async def scenario(app, channel):
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE_NAME):
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+        await refl.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        resp = await asyncio.wait_for(refl.read(), 5)
+        names = {s.name for s in resp.list_services_response.service}
+        assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+        refl.cancel()
+        info = await draft_pb2_grpc.DraftServiceStub(channel).Info(common_pb2.InfoRequest(),
+                                                                   timeout=5)
+        assert info.role == common_pb2.WORKER_ROLE_DRAFT
+        assert info.tokenizer_hash == tokenizer_hash(target_paths)
+        assert (info.vocab_size, info.max_context_length) == (49152, 256)
+        assert list(info.methods) == [DRAFT_MODEL, NGRAM]
+        assert info.max_speculative_tokens == 16 and info.max_top_n == 64 and info.version
+
+    with_server(config(tiny_draft), scenario)
+
+
+def test_ngram_only_worker_info(target_paths):
+    async def scenario(app, channel):
+        info = await draft_pb2_grpc.DraftServiceStub(channel).Info(common_pb2.InfoRequest(),
+                                                                   timeout=5)
+        assert list(info.methods) == [NGRAM] and info.model_id == "ngram"
+        assert info.tokenizer_hash == tokenizer_hash(target_paths)
+        call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+        await call.write(open_msg("d", [1, 2], method=DRAFT_MODEL))
+        _, errs = await read(call, {}, errors=1)
+        assert errs[0].error.code == E.DRAFT_ERROR_CODE_UNSUPPORTED_METHOD
+        call.cancel()
+
+    with_server(config(None, tokenizer=str(target_paths.root)), scenario)
+
+
+def test_drain_sets_not_serving_and_ends_streams_unavailable(tiny_draft):
+    async def main():
+        app = await build_app(config(tiny_draft))
+        await app.server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+            await call.write(open_msg("a", [1, 2, 3], run_ahead=2))
+            await read(call, {"a": 2})
+            draining = asyncio.create_task(app.drain(0.5))
+            await asyncio.sleep(0.1)
+            assert (await app.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+                    ).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            # Within the grace period the open stream still works: commit, get more drafts.
+            await call.write(commit_msg("a", 1, 3, [5]))
+            got, _ = await read(call, {"a": 2})
+            assert [(p.position, p.epoch) for p in got["a"]] == [(4, 1), (5, 1)]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while True:
+                    msg = await asyncio.wait_for(call.read(), 5)
+                    assert msg is not grpc.aio.EOF
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            await draining
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_build_server_helper_binds_an_ephemeral_port(tiny_draft):
+    async def main():
+        server, port = await build_server(config(None))
+        assert port > 0
+        await server.start()
+        await server.stop(None)
+    asyncio.run(main())
+
+
+def test_serve_drains_on_sigterm(target_paths):
+    import os
+    import signal
+
+    from draft_service.server import serve
+
+    addresses = []
+
+    def ready(address):
+        addresses.append(address)
+        # serve() installs its handlers right after this returns, well within 0.2 s.
+        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
+
+    cfg = config(None, tokenizer=str(target_paths.root), threads=torch.get_num_threads())
+    asyncio.run(asyncio.wait_for(serve(cfg, ready=ready), 10))
+    assert addresses and addresses[0].startswith("127.0.0.1:")
+    assert int(addresses[0].rsplit(":", 1)[1]) > 0
+
+
+def test_draft_model_cache_reuse_matches_a_fresh_computation(tiny_draft):
+    """Random appends, divergences (rollbacks) and commits on cached sessions, two of which
+    share a prefix, must propose exactly what a cold cache proposes for the same sequence."""
+    import random
+
+    from draft_service.draft_model import DraftModelProposer
+    from draft_service.proposer import DraftRequest
+
+    model = LlamaModel.load(ModelPaths(tiny_draft))
+    warm = DraftModelProposer(ModelRunner(model, num_blocks=256, block_size=4))
+    rng = random.Random(0)
+    shared = [rng.randrange(49152) for _ in range(9)]
+    seqs = {"a": shared + [1], "b": shared + [2]}
+    committed = {"a": 10, "b": 10}
+    for _ in range(40):
+        key = rng.choice("ab")
+        seq, op = seqs[key], rng.random()
+        if op < 0.3 and len(seq) > committed[key]:  # the verifier commits some drafts
+            committed[key] = rng.randint(committed[key], len(seq))
+        elif op < 0.6:  # diverge: cut back to a random point past the committed tokens
+            seqs[key] = seq[:rng.randint(committed[key], len(seq))] + [rng.randrange(49152)]
+        req = DraftRequest(key=key, token_ids=list(seqs[key]), num_committed=committed[key],
+                           max_tokens=1)
+        cold = DraftModelProposer(ModelRunner(model, num_blocks=64, block_size=4))
+        (got,), (want,) = warm.propose([req]), cold.propose([req])
+        assert got.tokens == want.tokens
+        if op >= 0.6:  # append the draft, as the worker does while running ahead
+            seqs[key] = seqs[key] + [got.tokens[0].token_id]
+    warm.release("a")
+    warm.release("b")
+    assert warm.blocks.num_free_blocks == warm.blocks.num_blocks
+
+
+def test_truncated_vocabulary_draft_speaks_target_ids(tmp_path, target_paths):
+    """A draft whose head keeps only some target tokens (draft_vocab.json, like the shipped
+    draft): its q and tokens are target ids from the kept set; Info shows the target vocab."""
+    from verify_service.llama import DraftVocab
+
+    kept = sorted(torch.randperm(49152, generator=torch.Generator().manual_seed(0))[:500])
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(kept), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    DraftVocab(tuple(int(t) for t in kept), 49152).write(tmp_path)
+    shutil.copy(target_paths.root / "tokenizer.json", tmp_path / "tokenizer.json")
+    kept_set = {int(t) for t in kept}
+
+    async def scenario(app, channel):
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        assert (await stub.Info(common_pb2.InfoRequest(), timeout=5)).vocab_size == 49152
+        call = stub.Speculate()
+        # Prompt ids outside the kept set are valid target ids: they must be accepted.
+        await call.write(open_msg("t", [49151, 3, 17], temperature=1.0, top_n=16, seed=1))
+        await call.write(open_msg("g", [5, 6], run_ahead=3))
+        got, _ = await read(call, {"t": 4, "g": 3})
+        for p in got["t"]:
+            assert set(p.q.token_ids) <= kept_set and len(p.q.token_ids) == 16
+        assert {p.token_id for p in got["t"] + got["g"]} <= kept_set
+        call.cancel()
+
+    with_server(config(tmp_path), scenario)
