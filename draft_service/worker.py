@@ -21,8 +21,6 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from draft_service.proposer import (
     Close,
     Commit,
@@ -39,7 +37,7 @@ from draft_service.proposer import (
     WorkerStats,
     propose_isolated,
 )
-from kernels.sampling import make_generator
+from kernels.sampling import keyed_seed, make_generator
 from tandem.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -91,7 +89,7 @@ class Session:
     max_run_ahead: int
     top_n: int
     max_ngram_size: int
-    generator: torch.Generator | None
+    seed: int | None  # the request seed, salted for the draft; None = unseeded
     drafts: list[int] = field(default_factory=list)
     generation: int = 0  # bumped whenever outstanding drafts are discarded
     stalled: bool = False  # the proposer had nothing for this exact sequence
@@ -190,7 +188,7 @@ class DraftWorker:
             max_run_ahead=min(cmd.max_run_ahead or lim.max_run_ahead, lim.max_run_ahead_cap),
             top_n=min(cmd.top_n or lim.top_n, lim.max_top_n),
             max_ngram_size=min(cmd.max_ngram_size or lim.max_ngram_size, _MAX_NGRAM_SIZE),
-            generator=make_generator(seed))
+            seed=seed)
         stream.sessions[cmd.session_id] = session
         self._sessions[session.key] = session
         self._wake.set()
@@ -268,10 +266,14 @@ class DraftWorker:
                 and s.length < self.limits.max_context_length)
 
     def _request(self, s: Session) -> DraftRequest:
+        position = len(s.committed) + len(s.drafts)
+        # Keyed by position, so a seeded request drafts the same tokens however its rounds,
+        # commits and batches interleave in time (the verifier keys its randomness likewise).
+        generator = None if s.seed is None else make_generator(keyed_seed(s.seed, position))
         return DraftRequest(
             key=s.key, token_ids=s.committed + s.drafts, num_committed=len(s.committed),
             max_tokens=s.max_run_ahead - len(s.drafts), sampling=s.sampling, top_n=s.top_n,
-            max_ngram_size=s.max_ngram_size, generator=s.generator)
+            max_ngram_size=s.max_ngram_size, generator=generator)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

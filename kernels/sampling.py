@@ -6,6 +6,7 @@ filters here produce a probability tensor and sampling is a separate step.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -110,6 +111,16 @@ def make_generator(
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
+
+
+def keyed_seed(seed: int, position: int) -> int:
+    """A seed for the randomness used at one sequence position of a seeded request.
+
+    Keying by position (not by a running stream) makes a seeded request reproducible however
+    its work is split into rounds, steps and batches.
+    """
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def sample(

@@ -5,14 +5,13 @@ health checks and draft streams during the forward.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 
 import torch
 
 from kernels.rejection import SparseDraftProbs, rejection_sample
-from kernels.sampling import logits_to_probs, make_generator
+from kernels.sampling import keyed_seed, logits_to_probs, make_generator
 from tandem.sampling_params import SamplingParams
 from verify_service.model_runner import ModelRunner, SeqChunk
 from verify_service.sequence import DraftToken
@@ -37,12 +36,6 @@ class RoundOutcome:
 class StepTimings:
     forward_ms: float
     rejection_ms: float
-
-
-def round_seed(seed: int, position: int) -> int:
-    """Randomness keyed by (request seed, round start), independent of batch neighbours."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def _draft_probs(inputs: list[StepInput]) -> SparseDraftProbs | None:
@@ -93,7 +86,7 @@ class EngineCore:
             is_greedy=torch.tensor([s.sampling.is_greedy for s in inputs]),
             generators=[
                 None if s.sampling.seed is None
-                else make_generator(round_seed(s.sampling.seed, s.start_pos))
+                else make_generator(keyed_seed(s.sampling.seed, s.start_pos))
                 for s in inputs
             ],
         )
