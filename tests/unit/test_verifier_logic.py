@@ -1,14 +1,20 @@
 """Sequence commit/epoch rules, adaptive k, and the torch-free scheduler."""
 import sys
+from pathlib import Path
 
 import pytest
 
 from tandem.sampling_params import SamplingParams
 from verify_service.block_manager import BlockManager
 from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import DraftToken, GenerateParams, Sequence, SeqStatus
-from verify_service.speculation import (CostModel, choose_k, expected_tokens,
-                                        leviathan_speedup, update_acceptance)
+from verify_service.sequence import DraftToken, GenerateParams, SeqStatus, Sequence
+from verify_service.speculation import (
+    CostModel,
+    choose_k,
+    expected_tokens,
+    leviathan_speedup,
+    update_acceptance,
+)
 
 pytestmark = pytest.mark.unit
 GREEDY = SamplingParams(temperature=0.0)
@@ -32,7 +38,7 @@ def test_scheduler_module_has_no_torch():
 
     for mod in ("verify_service.scheduler", "verify_service.sequence",
                 "verify_service.speculation", "verify_service.block_manager"):
-        src = open(sys.modules[mod].__file__).read()
+        src = Path(sys.modules[mod].__file__).read_text()
         assert "import torch" not in src
 
 
