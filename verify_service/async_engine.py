@@ -64,6 +64,7 @@ class AsyncEngine:
         self.sessions: dict[str, Sequence] = {}
         self._queues: dict[str, asyncio.Queue[RoundOutput]] = {}
         self._links: dict[str, DraftLink] = {}
+        self._attaching: set[str] = set()
         self._wakeup = asyncio.Event()
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="verify-forward")
@@ -96,7 +97,14 @@ class AsyncEngine:
 
     # ---- draft side -----------------------------------------------------------------------
     async def _attach_draft(self, seq: Sequence) -> None:
-        link = await self.drafts.get(seq.params.draft_address)
+        if seq.draft_attaches_left <= 0 or seq.seq_id in self._attaching:
+            return  # decodes plainly from now on / an attach is already under way
+        seq.draft_attaches_left -= 1
+        self._attaching.add(seq.seq_id)
+        try:
+            link = await self.drafts.get(seq.params.draft_address)
+        finally:
+            self._attaching.discard(seq.seq_id)
         if link is None or seq.finished or seq.seq_id not in self.sessions:
             return
         self._links[seq.seq_id] = link
@@ -157,7 +165,8 @@ class AsyncEngine:
     def _send_commit(self, seq: Sequence, start: int, tokens: list[int]) -> None:
         link = self._links.get(seq.seq_id)
         if link is None:
-            if seq.speculating and self.drafts is not None and not seq.finished:
+            if (seq.speculating and self.drafts is not None and not seq.finished
+                    and seq.draft_attaches_left > 0):
                 asyncio.get_running_loop().create_task(self._attach_draft(seq))
             return
         link.send(draft_pb2.DraftControl(commit=draft_pb2.CommitTokens(

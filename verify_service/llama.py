@@ -6,8 +6,10 @@ traffic, so fewer, larger matmuls are faster.
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +124,56 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    """A draft checkpoint's truncated vocabulary: draft row i is target token target_ids[i].
+
+    The draft's embedding and head hold only the kept rows (small and fast); to the rest of the
+    system the model still speaks target ids: inputs outside the kept set embed as row
+    `unk_index`, and logits of tokens outside it are -inf (the draft gives them probability 0,
+    so verification stays lossless). In transformers the checkpoint is a plain Llama whose
+    vocab_size is len(target_ids) and whose ids are draft rows.
+    """
+
+    target_ids: tuple[int, ...]
+    target_vocab_size: int
+    unk_index: int = 0
+
+    def __post_init__(self):
+        ids = self.target_ids
+        if not ids or len(set(ids)) != len(ids):
+            raise ModelError("draft vocabulary must be non-empty and without duplicates")
+        if min(ids) < 0 or max(ids) >= self.target_vocab_size:
+            raise ModelError(f"draft vocabulary ids must be in [0, {self.target_vocab_size})")
+        if not 0 <= self.unk_index < len(ids):
+            raise ModelError(f"unk_index {self.unk_index} outside the draft vocabulary")
+
+    @classmethod
+    def read(cls, root: Path) -> DraftVocab | None:
+        path = Path(root) / DRAFT_VOCAB_FILE
+        if not path.is_file():
+            return None
+        try:
+            d = json.loads(path.read_text())
+            return cls(tuple(d["target_ids"]), int(d["target_vocab_size"]),
+                       int(d.get("unk_index", 0)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelError(f"cannot read {path}: {exc}") from exc
+
+    def write(self, root: Path) -> None:
+        (Path(root) / DRAFT_VOCAB_FILE).write_text(json.dumps(
+            {"target_vocab_size": self.target_vocab_size, "unk_index": self.unk_index,
+             "target_ids": list(self.target_ids)}))
+
+    def input_map(self) -> torch.Tensor:  # [target_vocab_size] int64: target id -> draft row
+        m = torch.full((self.target_vocab_size,), self.unk_index, dtype=torch.int64)
+        m[torch.tensor(self.target_ids)] = torch.arange(len(self.target_ids))
+        return m
+
+
 def _load_tensors(paths: ModelPaths) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in paths.safetensors():
@@ -134,9 +186,20 @@ def _load_tensors(paths: ModelPaths) -> dict[str, torch.Tensor]:
 class LlamaModel:
     """Weights plus a functional forward; the KV cache is owned by the model runner."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype=torch.float32):
-        self.cfg = cfg
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
+                 draft_vocab: DraftVocab | None = None):
         self.dtype = dtype
+        # With a truncated draft vocabulary, vocab_map[i] is the target id of draft row i and
+        # cfg.vocab_size is the target's, so callers see target ids only.
+        self.vocab_map = self._input_map = None
+        if draft_vocab is not None:
+            if len(draft_vocab.target_ids) != cfg.vocab_size:
+                raise ModelError(f"{DRAFT_VOCAB_FILE} has {len(draft_vocab.target_ids)} ids, "
+                                 f"the checkpoint's vocab_size is {cfg.vocab_size}")
+            self.vocab_map = torch.tensor(draft_vocab.target_ids, dtype=torch.int64)
+            self._input_map = draft_vocab.input_map()
+            cfg = replace(cfg, vocab_size=draft_vocab.target_vocab_size)
+        self.cfg = cfg
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -172,7 +235,7 @@ class LlamaModel:
     @classmethod
     def load(cls, paths: ModelPaths, dtype=torch.float32) -> LlamaModel:
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
-        return cls(cfg, _load_tensors(paths), dtype)
+        return cls(cfg, _load_tensors(paths), dtype, DraftVocab.read(paths.root))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
@@ -195,6 +258,8 @@ class LlamaModel:
         q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         scale = hd**-0.5
+        if self._input_map is not None:
+            input_ids = self._input_map[input_ids]  # target ids -> draft rows
         h = self.embed[input_ids]  # [num_tokens, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
             x = self._rms_norm(h, layer.input_norm)
@@ -209,4 +274,8 @@ class LlamaModel:
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, layer.down)
         h = self._rms_norm(h[logits_indices], self.final_norm)
-        return linear(h, self.lm_head).float()
+        logits = linear(h, self.lm_head).float()
+        if self.vocab_map is None:
+            return logits
+        full = logits.new_full((logits.shape[0], cfg.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.vocab_map, logits)

@@ -81,6 +81,7 @@ class Sequence:
     finish_reason: str | None = None
     acceptance_ema: float = 0.7  # prior: a fresh session is assumed to speculate well
     arrival: int = 0  # admission order, for FIFO and preemption choice
+    draft_attaches_left: int = 3  # a session reopens its draft stream at most this often
 
     def __post_init__(self):
         self.output = list(self.params.committed)

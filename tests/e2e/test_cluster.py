@@ -1,0 +1,184 @@
+"""The whole system as separate processes: redis-server, 2 draft workers, 2 verifiers, gateway.
+
+Started through `tandem up`'s launcher, talked to over HTTP like a user would. The process
+kills come last: they change the cluster.
+"""
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tandem.launcher import Cluster, ClusterConfig, free_port
+
+pytestmark = pytest.mark.e2e
+PROMPTS = ["What is the capital of France?", "List three colours.",
+           "Repeat exactly: alpha beta gamma delta alpha beta gamma delta"]
+MAX_TOKENS = 32
+
+
+def tiny_draft(root: Path, target: Path) -> Path:
+    """A random 2-layer draft on the target's tokenizer (used when no draft is shipped)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=2048,
+                                   tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(root)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / f, root / f)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cluster(target_paths, tmp_path_factory):
+    try:
+        from draft_service.weights import default_draft_dir
+        shipped = Path(default_draft_dir())
+    except ImportError:
+        shipped = None
+    if shipped is not None and (shipped / "config.json").is_file():
+        draft = str(shipped)
+    else:
+        draft = str(tiny_draft(tmp_path_factory.mktemp("draft"), target_paths.root))
+    c = Cluster(ClusterConfig(num_drafts=2, num_verifiers=2, gateway_port=free_port(),
+                              draft_model=draft, threads=1), log=lambda m: None)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def chat(cluster, prompt, stream=False, **kw):
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream, **kw}
+    url = cluster.gateway_url + "/v1/chat/completions"
+    if not stream:
+        r = httpx.post(url, json=body, timeout=300)
+        r.raise_for_status()
+        return r.json()["choices"][0]["message"]["content"], r.json()
+    text, last = "", None
+    with httpx.stream("POST", url, json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[6:])
+            for choice in last.get("choices", []):
+                text += choice.get("delta", {}).get("content") or ""
+    return text, last
+
+
+def spec(method, k=4):
+    return {"speculation": {"method": method, "num_speculative_tokens": k}}
+
+
+@pytest.fixture(scope="module")
+def plain(cluster):
+    return [chat(cluster, p, **spec("none"))[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_greedy_identical_to_plain_decoding(cluster, plain, method):
+    for prompt, ref in zip(PROMPTS, plain):
+        text, body = chat(cluster, prompt, **spec(method))
+        assert text == ref
+        stats = body["speculation"]
+        assert stats["rounds"] >= 1 and body["usage"]["completion_tokens"] >= 1
+        assert stats["accepted_tokens"] <= stats["drafted_tokens"]
+
+
+def test_eight_concurrent_streams_identical(cluster, plain):
+    jobs = [(PROMPTS[i % 3], plain[i % 3]) for i in range(8)]
+    with cf.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda j: chat(cluster, j[0], stream=True,
+                                            **spec("draft_model"))[0], jobs))
+    assert outs == [ref for _, ref in jobs]
+
+
+def test_openai_client(cluster, plain):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key="unused")
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=MAX_TOKENS,
+                                       temperature=0, messages=[{"role": "user",
+                                                                 "content": PROMPTS[0]}])
+    assert r.choices[0].message.content == plain[0] and r.usage.completion_tokens > 0
+    chunks = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        messages=[{"role": "user", "content": PROMPTS[0]}], extra_body=spec("ngram"))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain[0]
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+
+
+def test_seeded_sampling_is_reproducible_and_unbiased(cluster):
+    kw = {"temperature": 0.9, "top_k": 3, "max_tokens": 2}
+    a = chat(cluster, "Say a random word.", seed=11, **kw, **spec("draft_model"))[0]
+    b = chat(cluster, "Say a random word.", seed=11, **kw, **spec("draft_model"))[0]
+    assert a == b
+    n = 40
+
+    def sample(method, seed):
+        return chat(cluster, "Say a random word.", seed=seed, **kw, **spec(method))[0]
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        on = Counter(pool.map(lambda s: sample("draft_model", s), range(n)))
+        off = Counter(pool.map(lambda s: sample("none", 1000 + s), range(n)))
+    # Two-sample chi-square over the outcomes seen; 0.1% critical values (df <= 8).
+    keys = set(on) | set(off)
+    chi2 = sum((on[k] - off[k]) ** 2 / (on[k] + off[k]) for k in keys)
+    crit = {1: 10.8, 2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5, 6: 22.5, 7: 24.3, 8: 26.1}
+    assert chi2 < crit.get(len(keys) - 1, 30.0), (on, off)
+
+
+BAD = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": -2}, "top_k"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "model"),
+    ({"messages": [{"role": "user", "content": "hi"}], **spec("medusa-x")}, "method"),
+    ({"messages": [{"role": "user", "content": "hi"}], **spec("draft_model", 999)},
+     "num_speculative_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, "context"),
+]
+
+
+def test_bad_input_gets_400_and_services_keep_serving(cluster, plain):
+    url = cluster.gateway_url + "/v1/chat/completions"
+    for body, word in BAD:
+        r = httpx.post(url, json={"model": "SmolLM2-135M-Instruct", **body}, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert word in r.json()["error"]["message"], (word, r.text)
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert chat(cluster, PROMPTS[0], **spec("draft_model"))[0] == plain[0]
+
+
+def _kill_during_streams(cluster, plain, victim, n_streams):
+    jobs = [(PROMPTS[i % 3], plain[i % 3]) for i in range(n_streams)]
+    with cf.ThreadPoolExecutor(n_streams) as pool:
+        futures = [pool.submit(chat, cluster, p, True, **spec("draft_model")) for p, _ in jobs]
+        time.sleep(1.5)  # streams are under way
+        proc = dict(cluster.procs)[victim]
+        os.kill(proc.pid, signal.SIGKILL)
+        outs = [f.result(timeout=300)[0] for f in futures]
+    assert outs == [ref for _, ref in jobs]
+
+
+def test_kill_draft_worker_during_streams(cluster, plain):
+    _kill_during_streams(cluster, plain, "draft-0", 8)
+
+
+def test_kill_verifier_streams_continue_on_the_other(cluster, plain):
+    _kill_during_streams(cluster, plain, "verifier-0", 4)
