@@ -32,6 +32,9 @@ class EngineFullError(Exception):
 class EngineConfig:
     max_sessions: int = 64
     max_draft_wait_ms: float = 25.0  # longest a step waits for missing draft tokens
+    # Seeded sampling is reproducible only with a fixed round shape, so those sessions wait
+    # longer for their k drafts (still failing open when the draft worker is gone or stuck).
+    seeded_draft_wait_ms: float = 1000.0
     top_n: int = 8  # size of the sparse q asked from draft workers
 
     def __post_init__(self):
@@ -69,6 +72,7 @@ class AsyncEngine:
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="verify-forward")
         self._arrival_ms = 5.0  # EMA of the gap between draft tokens, for the wait bound
+        self._last_arrival = 0.0
 
     # ---- requests -------------------------------------------------------------------------
     def submit(self, params: GenerateParams) -> asyncio.Queue[RoundOutput]:
@@ -136,6 +140,11 @@ class AsyncEngine:
             seq.drafts = []
             return
         seq.drafts.append(token)
+        now = time.perf_counter()
+        gap_ms = (now - self._last_arrival) * 1e3
+        if gap_ms < 200:  # gaps across idle periods say nothing about drafting speed
+            self._arrival_ms = 0.8 * self._arrival_ms + 0.2 * gap_ms
+        self._last_arrival = now
         self._arrived.set()
 
     def _checked_draft(self, seq: Sequence, msg) -> DraftToken | None:
@@ -218,15 +227,20 @@ class AsyncEngine:
     async def _wait_for_drafts(self) -> float:
         """Wait (bounded) until speculating sessions have the drafts they could use."""
         start = time.perf_counter()
-        deadline = start + self.config.max_draft_wait_ms / 1e3
         while True:
-            missing = 0
+            limit_ms = 0.0
             for seq in self.scheduler.running:
-                if seq.seq_id in self._links:
-                    missing = max(missing, self.scheduler.desired_k(seq) - len(seq.drafts))
+                missing = self.scheduler.desired_k(seq) - len(seq.drafts)
+                if seq.seq_id not in self._links or missing <= 0:
+                    continue
+                s = seq.params.sampling
+                allowed = (self.config.seeded_draft_wait_ms
+                           if s.seed is not None and not s.is_greedy else
+                           min(self.config.max_draft_wait_ms, missing * self._arrival_ms * 1.5))
+                limit_ms = max(limit_ms, allowed)
             now = time.perf_counter()
-            budget = min(deadline, start + missing * self._arrival_ms / 1e3 * 1.5) - now
-            if missing <= 0 or budget <= 0:
+            budget = start + limit_ms / 1e3 - now
+            if budget <= 0:
                 return (now - start) * 1e3
             self._arrived.clear()
             try:

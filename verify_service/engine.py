@@ -86,7 +86,9 @@ class EngineCore:
             is_greedy=torch.tensor([s.sampling.is_greedy for s in inputs]),
             generators=[
                 None if s.sampling.seed is None
-                else make_generator(keyed_seed(s.sampling.seed, s.start_pos))
+                # keyed by the first position sampled: independent of prefix-cache hits
+                else make_generator(keyed_seed(s.sampling.seed, s.start_pos + len(s.token_ids)
+                                               - len(s.drafts)))
                 for s in inputs
             ],
         )

@@ -1,0 +1,131 @@
+"""`tandem gateway`: flags, each with an environment variable, then uvicorn."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from gateway.config import GatewayConfig
+
+
+def _env(name: str, default=None):
+    return os.environ.get(name, default)
+
+
+def _csv(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `gateway` subcommand to the `tandem` parser."""
+    d = GatewayConfig()
+    p = subparsers.add_parser(
+        "gateway", help="serve the OpenAI API, routing to verifier and draft workers",
+        description="OpenAI-compatible HTTP gateway. Workers are found in the Redis registry; "
+                    "--verifier/--draft are used when none is registered. Without --redis-url "
+                    "(or REDIS_URL) a private redis-server is started.")
+    a = p.add_argument
+    a("--host", default=_env("TANDEM_GATEWAY_HOST", d.host),
+      help="bind address [env TANDEM_GATEWAY_HOST, default %(default)s]")
+    a("--port", type=int, default=int(_env("TANDEM_GATEWAY_PORT", d.port)),
+      help="[env TANDEM_GATEWAY_PORT, default %(default)s]")
+    a("--redis-url", default=_env("REDIS_URL"),
+      help="Redis for registry, sessions, rate limits [env REDIS_URL; unset = start one]")
+    a("--redis-prefix", default=_env("TANDEM_REDIS_PREFIX", d.redis_prefix),
+      help="key namespace [env TANDEM_REDIS_PREFIX, default %(default)s]")
+    a("--api-keys", default=_env("TANDEM_API_KEYS", ""),
+      help="comma-separated API keys; empty = no auth [env TANDEM_API_KEYS]")
+    a("--rate-limit-rpm", type=int, default=int(_env("TANDEM_GATEWAY_RATE_LIMIT_RPM", 0)),
+      help="requests per minute per key, 0 = off [env TANDEM_GATEWAY_RATE_LIMIT_RPM]")
+    a("--model", default=_env("TANDEM_MODEL", "default"),
+      help="target checkpoint (for the tokenizer) [env TANDEM_MODEL, default %(default)s]")
+    a("--served-model-name", default=_env("TANDEM_GATEWAY_MODEL_NAME"),
+      help="name clients send as 'model' [env TANDEM_GATEWAY_MODEL_NAME, default: the "
+           "checkpoint's directory name]")
+    a("--context-length", type=int, default=_int_env("TANDEM_GATEWAY_CONTEXT_LENGTH"),
+      help="[env TANDEM_GATEWAY_CONTEXT_LENGTH, default: max_position_embeddings]")
+    a("--default-speculative-tokens", type=int,
+      default=int(_env("TANDEM_GATEWAY_DEFAULT_SPECULATIVE_TOKENS", 0)),
+      help="0 = the verifier's default [env TANDEM_GATEWAY_DEFAULT_SPECULATIVE_TOKENS]")
+    a("--max-speculative-tokens", type=int,
+      default=int(_env("TANDEM_GATEWAY_MAX_SPECULATIVE_TOKENS", d.max_speculative_tokens)),
+      help="limit when verifiers do not report one [env TANDEM_GATEWAY_MAX_SPECULATIVE_TOKENS]")
+    a("--request-timeout", type=float,
+      default=float(_env("TANDEM_GATEWAY_REQUEST_TIMEOUT", d.request_timeout_s)),
+      help="seconds per request [env TANDEM_GATEWAY_REQUEST_TIMEOUT, default %(default)s]")
+    a("--verifier", action="append", default=None,
+      help="static verifier host:port, repeatable [env TANDEM_GATEWAY_VERIFIERS, comma list]")
+    a("--draft", action="append", default=None,
+      help="static draft worker host:port, repeatable [env TANDEM_GATEWAY_DRAFTS]")
+    a("--log-level", default=_env("TANDEM_LOG_LEVEL", "info"),
+      choices=["debug", "info", "warning", "error"], help="[env TANDEM_LOG_LEVEL]")
+    p.set_defaults(func=run_gateway)
+    return p
+
+
+def _int_env(name: str) -> int | None:
+    value = _env(name)
+    return int(value) if value else None
+
+
+def _context_length(model_root, given: int | None) -> int:
+    if given:
+        return given
+    try:
+        cfg = json.loads((model_root / "config.json").read_text())
+        return int(cfg.get("max_position_embeddings") or GatewayConfig.context_length)
+    except (OSError, ValueError):
+        return GatewayConfig.context_length
+
+
+def build_config(args, redis_url: str, model_root) -> GatewayConfig:
+    from tandem.models import DEFAULT_TARGET
+
+    name = args.served_model_name or (DEFAULT_TARGET if args.model in ("default", "", None)
+                                      else model_root.name)
+    return GatewayConfig(
+        host=args.host, port=args.port, redis_url=redis_url, redis_prefix=args.redis_prefix,
+        api_keys=_csv(args.api_keys), rate_limit_rpm=args.rate_limit_rpm, model_name=name,
+        model_path=str(model_root), context_length=_context_length(model_root,
+                                                                   args.context_length),
+        default_speculative_tokens=args.default_speculative_tokens,
+        max_speculative_tokens=args.max_speculative_tokens,
+        request_timeout_s=args.request_timeout,
+        # flags replace the environment's list rather than adding to it
+        static_verifiers=tuple(args.verifier or _csv(_env("TANDEM_GATEWAY_VERIFIERS"))),
+        static_drafts=tuple(args.draft or _csv(_env("TANDEM_GATEWAY_DRAFTS"))))
+
+
+def run_gateway(args) -> int:
+    import redis.asyncio as aioredis
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from gateway.app import create_app
+    from tandem.models import resolve_model, tokenizer_hash
+    from tandem.redis_server import start_redis
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    paths = resolve_model(args.model)
+    embedded = None
+    redis_url = args.redis_url
+    if not redis_url:
+        embedded = start_redis()
+        redis_url = embedded.url
+        print(f"tandem gateway: started redis-server at {redis_url}", file=sys.stderr)
+    try:
+        config = build_config(args, redis_url, paths.root)
+        config = GatewayConfig(**{**config.__dict__, "tokenizer_hash": tokenizer_hash(paths)})
+        tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
+        # short socket timeouts: the gateway falls back when Redis is slow (RedisBreaker)
+        client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0,
+                                         socket_timeout=config.redis_timeout_s)
+        app = create_app(config, redis=client, tokenizer=tokenizer)
+        uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level)
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0

@@ -1,0 +1,99 @@
+"""Gateway configuration: one frozen, validated value built by the CLI (or by tests)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tandem.models import DEFAULT_TARGET
+
+
+def _check_address(addr: str, what: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be host:port, got {addr!r}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway process needs; invalid combinations fail at construction."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Key namespace in Redis, shared with the workers' registry.
+    redis_prefix: str = "tandem"
+    # Empty = no authentication.
+    api_keys: tuple[str, ...] = ()
+    # Requests per minute per API key (per client address without keys); 0 = off.
+    rate_limit_rpm: int = 0
+    # Name clients put in "model"; model_path is what the tokenizer was loaded from.
+    model_name: str = DEFAULT_TARGET
+    model_path: str = ""
+    context_length: int = 8192
+    # Completions default like OpenAI's legacy API; chat defaults to the rest of the context.
+    default_max_tokens: int = 16
+    default_speculative_tokens: int = 0  # 0 = the verifier's default
+    max_speculative_tokens: int = 16
+    request_timeout_s: float = 600.0
+    # A verifier stream silent this long counts as dead and the session fails over.
+    stall_timeout_s: float = 60.0
+    info_timeout_s: float = 2.0
+    # Attempts per request across verifiers (the first call plus failovers).
+    max_attempts: int = 4
+    # Registry TTL the gateway assumes when it reads worker records.
+    registry_ttl_s: float = 6.0
+    # Per Redis call; after a failure Redis is skipped for redis_cooldown_s (fail open).
+    redis_timeout_s: float = 1.0
+    redis_cooldown_s: float = 5.0
+    session_ttl_s: float = 3600.0
+    affinity_ttl_s: float = 1800.0
+    # Retry-After sent with 429 when a verifier says RESOURCE_EXHAUSTED.
+    retry_after_s: int = 1
+    # Used when no worker is registered in Redis: the gateway works without a registry.
+    static_verifiers: tuple[str, ...] = ()
+    static_drafts: tuple[str, ...] = ()
+    # Sessions a static verifier is assumed to hold when its Info call gives no answer.
+    static_capacity: int = 64
+    # sha256 of tokenizer.json; verifiers registered with another hash are never picked.
+    tokenizer_hash: str = ""
+
+    def __post_init__(self) -> None:
+        self._check_ints()
+        self._check_floats()
+        if not self.model_name:
+            raise ValueError("model_name must be non-empty")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must be a redis:// URL, got {self.redis_url!r}")
+        if any(not k or "," in k or k.strip() != k for k in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings without commas or spaces")
+        for addr in self.static_verifiers:
+            _check_address(addr, "a static verifier address")
+        for addr in self.static_drafts:
+            _check_address(addr, "a static draft address")
+        if self.default_speculative_tokens > self.max_speculative_tokens:
+            raise ValueError("default_speculative_tokens must be <= max_speculative_tokens")
+
+    def _check_ints(self) -> None:
+        ranges = {"port": (0, 65535), "rate_limit_rpm": (0, None), "context_length": (2, None),
+                  "default_max_tokens": (1, None), "default_speculative_tokens": (0, None),
+                  "max_speculative_tokens": (0, 1024), "max_attempts": (1, 32),
+                  "retry_after_s": (1, None), "static_capacity": (1, None)}
+        for name, (lo, hi) in ranges.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+            if value < lo or (hi is not None and value > hi):
+                bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise ValueError(f"{name} must be {bound}, got {value}")
+
+    def _check_floats(self) -> None:
+        for name in ("request_timeout_s", "stall_timeout_s", "info_timeout_s",
+                     "registry_ttl_s", "session_ttl_s", "affinity_ttl_s",
+                     "redis_timeout_s", "redis_cooldown_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)

@@ -1,0 +1,120 @@
+"""OpenAI-compatible errors: `{"error": {"message", "type", "param", "code"}}` bodies."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+class APIError(Exception):
+    """An error the client gets as an OpenAI error body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type_: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or _TYPES.get(status, "api_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def rate_limited(message: str, retry_after_s: int) -> APIError:
+    return APIError(429, message, code="rate_limit_exceeded",
+                    headers={"Retry-After": str(max(1, int(retry_after_s)))})
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, code="no_verifier_available")
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _loc_to_param(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """The first problem, naming the field: clients fix one thing at a time anyway."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    params = [_param(e) for e in errors]
+    param = params[0]
+    # A value matching no member of a union fails once per member: show them together.
+    msgs = list(dict.fromkeys(e.get("msg", "invalid value") for e, p in zip(errors, params)
+                              if p == param))
+    msg = msgs[0] if len(msgs) == 1 else "; or ".join(msgs[:4])
+    others = sum(p != param for p in params)
+    more = f" (and {others} more problem(s))" if others else ""
+    text = f"{param}: {msg}{more}" if param else f"{msg}{more}"
+    return bad_request(text, param=param, code="invalid_value")
+
+
+def _param(error: dict) -> str | None:
+    loc = tuple(p for p in error.get("loc", ()) if p != "body")
+    # Union members show up as extra loc parts ('prompt', 'str'); they do not name a field.
+    loc = tuple(p for p in loc if not (isinstance(p, str) and (p in _TYPE_NAMES or "[" in p)))
+    return _loc_to_param(loc) or None
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI body; nothing unexpected takes the process down."""
+
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+        return err.response()
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in the gateway")
+        return APIError(500, f"internal error: {type(exc).__name__}").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

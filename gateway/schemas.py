@@ -1,0 +1,243 @@
+"""OpenAI request models (pydantic, strict types) and response/chunk builders.
+
+Requests are parsed strictly: "10" is not an int and true is not 1, so a client's type bug
+comes back as a 400 naming the field instead of silently meaning something else. Fields the
+gateway cannot honour (logprobs, penalties, best_of > 1, ...) are rejected, not ignored.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import bad_request
+
+SPECULATION_METHODS = ("draft_model", "ngram", "none")
+_MAX_SEED = 2**63  # seeds travel as uint64 on the wire; int64 keeps every language happy
+_MAX_STOP_STRINGS = 16
+
+_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class SpeculationOptions(BaseModel):
+    """The `speculation` extension: which proposer and how many draft tokens per round."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    method: Literal["draft_model", "ngram", "none"] | None = None
+    num_speculative_tokens: Annotated[int, Field(ge=0)] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = _STRICT
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=_MAX_SEED)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculation: SpeculationOptions | None = None
+    user: str | None = None
+    # Accepted only at their no-op values (see check_unsupported).
+    best_of: int | None = None
+    echo: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+def check_common(req: _GenerationRequest, *, max_speculative_tokens: int) -> None:
+    """Checks that pydantic cannot express; each raises a 400 naming the field."""
+    if req.n is not None and req.n != 1:
+        raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n",
+                          code="unsupported_value")
+    stops = req.stop_strings()
+    if any(not s for s in stops):
+        raise bad_request("stop: stop strings must be non-empty", param="stop")
+    if len(stops) > _MAX_STOP_STRINGS:
+        raise bad_request(f"stop: at most {_MAX_STOP_STRINGS} stop strings", param="stop")
+    spec = req.speculation
+    if spec and spec.num_speculative_tokens is not None and (
+            spec.num_speculative_tokens > max_speculative_tokens):
+        raise bad_request(
+            f"speculation.num_speculative_tokens must be in [0, {max_speculative_tokens}], "
+            f"got {spec.num_speculative_tokens}", param="speculation.num_speculative_tokens")
+    check_unsupported(req)
+
+
+def check_unsupported(req: _GenerationRequest) -> None:
+    checks = [("best_of", req.best_of not in (None, 1)), ("echo", bool(req.echo)),
+              ("presence_penalty", bool(req.presence_penalty)),
+              ("frequency_penalty", bool(req.frequency_penalty)),
+              ("logit_bias", bool(req.logit_bias)),
+              ("logprobs", bool(getattr(req, "logprobs", None))),
+              ("suffix", bool(getattr(req, "suffix", None))),
+              ("tools", bool(getattr(req, "tools", None)))]
+    for name, is_set in checks:
+        if is_set:
+            raise bad_request(f"{name}: not supported by this server", param=name,
+                              code="unsupported_parameter")
+
+
+def prompt_token_ids(req: CompletionRequest | ChatCompletionRequest,
+                     tokenizer: Any) -> tuple[list[int], str]:
+    """Token ids of the prompt, and the text that identifies the conversation (affinity)."""
+    if isinstance(req, ChatCompletionRequest):
+        if not req.messages:
+            raise bad_request("messages: must be a non-empty list", param="messages")
+        msgs = req.template_messages()
+        try:
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+        except Exception as exc:  # jinja raises its own types; any failure is the input's
+            raise bad_request(f"messages: chat template failed: {exc}", param="messages") from None
+        firsts = [m["content"] for m in msgs if m["role"] == "system"]
+        firsts += [m["content"] for m in msgs if m["role"] == "user"][:1]
+        return list(ids), "\x00".join(firsts)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise bad_request("prompt: batched prompts are not supported (send one)",
+                              param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt: must be a non-empty string", param="prompt")
+        return list(tokenizer(prompt).input_ids), prompt
+    if not prompt:
+        raise bad_request("prompt: must be non-empty", param="prompt")
+    vocab = len(tokenizer)
+    if any(t < 0 or t >= vocab for t in prompt):
+        raise bad_request(f"prompt: token ids must be in [0, {vocab})", param="prompt")
+    return list(prompt), " ".join(map(str, prompt[:128]))
+
+
+def resolve_max_tokens(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+                       context_length: int, default_max_tokens: int) -> int:
+    """Tokens to generate; 400 when the prompt (plus what was asked for) cannot fit."""
+    ctx = context_length
+    if prompt_len >= ctx:
+        raise bad_request(f"prompt: {prompt_len} tokens leave no room in the context length "
+                          f"of {ctx} tokens", param="prompt", code="context_length_exceeded")
+    chat = isinstance(req, ChatCompletionRequest)
+    asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    param = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+    if asked is None:  # chat: the rest of the context; completions: OpenAI's small default
+        return ctx - prompt_len if chat else min(default_max_tokens, ctx - prompt_len)
+    if prompt_len + asked > ctx:
+        raise bad_request(f"{param}: prompt ({prompt_len} tokens) + {param} ({asked}) exceeds "
+                          f"the context length of {ctx} tokens", param=param,
+                          code="context_length_exceeded")
+    return asked
+
+
+# ---- responses (plain dicts: they go straight to JSON) ------------------------------------
+
+
+def speculation_stats(method: str, rounds: int, drafted: int, accepted: int,
+                      committed: int) -> dict:
+    """The `speculation` extension object of every response."""
+    return {"method": method, "rounds": rounds, "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": committed / rounds if rounds else 0.0}
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _envelope(rid: str, obj: str, created: int, model: str, choices: list) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+
+
+def completion_response(rid: str, created: int, model: str, text: str, finish: str,
+                        usage: dict, speculation: dict) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    body = _envelope(rid, "text_completion", created, model, [choice])
+    return {**body, "usage": usage, "speculation": speculation}
+
+
+def chat_response(rid: str, created: int, model: str, text: str, finish: str,
+                  usage: dict, speculation: dict) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "logprobs": None, "finish_reason": finish}
+    body = _envelope(rid, "chat.completion", created, model, [choice])
+    return {**body, "usage": usage, "speculation": speculation}
+
+
+def stream_chunk(chat: bool, rid: str, created: int, model: str, *, text: str | None = None,
+                 role: bool = False, finish: str | None = None) -> dict:
+    """One streamed choice: a text delta, the assistant role opener, or the finish."""
+    if chat:
+        delta: dict = {"role": "assistant", "content": ""} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return _envelope(rid, "chat.completion.chunk", created, model, [choice])
+    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    return _envelope(rid, "text_completion", created, model, [choice])
+
+
+def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: dict,
+                speculation: dict) -> dict:
+    """The include_usage chunk: no choices, the whole request's usage and speculation."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    return {**_envelope(rid, obj, created, model, []), "usage": usage,
+            "speculation": speculation}

@@ -1,0 +1,247 @@
+"""Per-session and per-key state in Redis: session records, affinity, rate limits.
+
+Key layout (prefix defaults to "tandem"; every key expires):
+  {prefix}:session:{id}            HASH    status, model, prompt_token_ids (JSON), verifier,
+                                           draft, attempts, finish_reason, error,
+                                           created_at, updated_at
+  {prefix}:session:{id}:committed  LIST    committed token ids, appended as they stream
+  {prefix}:affinity:{hash}         STRING  address of the verifier that served the prefix
+  {prefix}:ratelimit:{who}:{win}   STRING  requests of `who` in minute `win` (INCR/EXPIRE)
+
+The committed list is what a resumed session sends back to the next verifier, so it is
+appended (RPUSH) before the tokens are shown to the client.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+STATUSES = ("queued", "running", "resuming", "finished", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session_id: str
+    status: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    committed_token_ids: tuple[int, ...]
+    verifier: str
+    draft: str
+    attempts: int
+    finish_reason: str
+    error: str
+    created_at: float
+    updated_at: float
+
+
+class SessionStore(Protocol):
+    async def create(self, session_id: str, *, model: str,
+                     prompt_token_ids: Sequence[int]) -> None: ...
+
+    async def assign(self, session_id: str, *, verifier: str, draft: str,
+                     status: str) -> None: ...
+
+    async def append(self, session_id: str, token_ids: Sequence[int]) -> None: ...
+
+    async def finish(self, session_id: str, *, status: str, finish_reason: str = "",
+                     error: str = "") -> None: ...
+
+    async def committed(self, session_id: str) -> list[int]: ...
+
+    async def get(self, session_id: str) -> SessionRecord | None: ...
+
+
+class AffinityStore(Protocol):
+    async def get(self, key: str) -> str | None: ...
+
+    async def set(self, key: str, address: str) -> None: ...
+
+
+class RateLimiter(Protocol):
+    async def hit(self, who: str) -> float | None:
+        """Count one request; None when allowed, else seconds until the window resets."""
+
+
+def _s(value: bytes | str | None, default: str = "") -> str:
+    if value is None:
+        return default
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisSessionStore:
+    def __init__(self, redis: aioredis.Redis, *, prefix: str = "tandem", ttl_s: float = 3600.0,
+                 clock: Callable[[], float]):
+        self._redis = redis
+        self._prefix = prefix
+        self._ttl = max(1, math.ceil(ttl_s))
+        self._clock = clock
+
+    def key(self, session_id: str) -> str:
+        return f"{self._prefix}:session:{session_id}"
+
+    def committed_key(self, session_id: str) -> str:
+        return f"{self.key(session_id)}:committed"
+
+    async def _write(self, session_id: str, mapping: dict, *, incr_attempts: bool = False,
+                     tokens: Sequence[int] = ()) -> None:
+        key, ckey = self.key(session_id), self.committed_key(session_id)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={**mapping, "updated_at": repr(self._clock())})
+        if incr_attempts:
+            pipe.hincrby(key, "attempts", 1)
+        if tokens:
+            pipe.rpush(ckey, *tokens)
+        pipe.expire(key, self._ttl)
+        pipe.expire(ckey, self._ttl)
+        await pipe.execute()
+
+    async def create(self, session_id: str, *, model: str,
+                     prompt_token_ids: Sequence[int]) -> None:
+        now = repr(self._clock())
+        await self._redis.delete(self.committed_key(session_id))
+        await self._write(session_id, {
+            "status": "queued", "model": model, "created_at": now, "attempts": 0,
+            "prompt_token_ids": json.dumps(list(prompt_token_ids)), "verifier": "",
+            "draft": "", "finish_reason": "", "error": ""})
+
+    async def assign(self, session_id: str, *, verifier: str, draft: str,
+                     status: str = "running") -> None:
+        await self._write(session_id, {"status": status, "verifier": verifier, "draft": draft},
+                          incr_attempts=True)
+
+    async def append(self, session_id: str, token_ids: Sequence[int]) -> None:
+        if token_ids:
+            await self._write(session_id, {}, tokens=list(token_ids))
+
+    async def finish(self, session_id: str, *, status: str, finish_reason: str = "",
+                     error: str = "") -> None:
+        await self._write(session_id, {"status": status, "finish_reason": finish_reason,
+                                       "error": error})
+
+    async def committed(self, session_id: str) -> list[int]:
+        return [int(t) for t in await self._redis.lrange(self.committed_key(session_id), 0, -1)]
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        raw = await self._redis.hgetall(self.key(session_id))
+        if not raw:
+            return None
+        h = {_s(k): _s(v) for k, v in raw.items()}
+        return SessionRecord(
+            session_id=session_id, status=h.get("status", ""), model=h.get("model", ""),
+            prompt_token_ids=tuple(json.loads(h.get("prompt_token_ids") or "[]")),
+            committed_token_ids=tuple(await self.committed(session_id)),
+            verifier=h.get("verifier", ""), draft=h.get("draft", ""),
+            attempts=int(h.get("attempts") or 0), finish_reason=h.get("finish_reason", ""),
+            error=h.get("error", ""), created_at=float(h.get("created_at") or 0),
+            updated_at=float(h.get("updated_at") or 0))
+
+
+class RedisAffinityStore:
+    def __init__(self, redis: aioredis.Redis, *, prefix: str = "tandem", ttl_s: float = 1800.0):
+        self._redis = redis
+        self._prefix = prefix
+        self._ttl = max(1, math.ceil(ttl_s))
+
+    async def get(self, key: str) -> str | None:
+        value = await self._redis.get(f"{self._prefix}:affinity:{key}")
+        return _s(value) or None
+
+    async def set(self, key: str, address: str) -> None:
+        await self._redis.set(f"{self._prefix}:affinity:{key}", address, ex=self._ttl)
+
+
+class RedisRateLimiter:
+    """Fixed one-minute windows: INCR a per-window counter; the first hit sets its expiry."""
+
+    WINDOW_S = 60
+
+    def __init__(self, redis: aioredis.Redis, *, rpm: int, prefix: str = "tandem",
+                 clock: Callable[[], float]):
+        self._redis = redis
+        self._rpm = rpm
+        self._prefix = prefix
+        self._clock = clock
+
+    async def hit(self, who: str) -> float | None:
+        if self._rpm <= 0:
+            return None
+        now = self._clock()
+        window = int(now // self.WINDOW_S)
+        key = f"{self._prefix}:ratelimit:{who}:{window}"
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.incr(key)
+        pipe.expire(key, self.WINDOW_S + 1)
+        count, _ = await pipe.execute()
+        if int(count) <= self._rpm:
+            return None
+        return (window + 1) * self.WINDOW_S - now
+
+
+def identity(api_key: str | None, client_host: str | None) -> str:
+    """Who a rate limit counts: a hash of the key (never the key itself) or the client host."""
+    if api_key:
+        return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+    return "ip-" + (client_host or "unknown")
+
+
+class RedisSkipped(RedisError):
+    """Redis failed recently, so the call was not even tried (see RedisBreaker)."""
+
+
+class RedisBreaker:
+    """Stops paying Redis timeouts per call while Redis is down.
+
+    A request touches Redis a dozen times; each failing call would cost the client's
+    connect timeout and retries. After one failure every call fails fast for cooldown_s,
+    then one call probes again. Callers already treat RedisError as "fall back".
+    """
+
+    def __init__(self, *, timeout_s: float = 1.0, cooldown_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self._timeout = timeout_s
+        self._cooldown = cooldown_s
+        self._clock = clock
+        self._open_until = 0.0
+
+    @property
+    def is_open(self) -> bool:
+        return self._clock() < self._open_until
+
+    async def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        if self.is_open:
+            raise RedisSkipped("redis unavailable (recent failure); call skipped")
+        try:
+            return await asyncio.wait_for(fn(*args, **kwargs), timeout=self._timeout)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._open_until = self._clock() + self._cooldown
+            if isinstance(exc, RedisError):
+                raise
+            raise RedisSkipped(f"redis call failed: {exc!r}") from exc
+
+
+class Guarded:
+    """`target` with every coroutine method routed through a RedisBreaker."""
+
+    def __init__(self, target: Any, breaker: RedisBreaker):
+        self._target = target
+        self._breaker = breaker
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+
+        async def guarded(*args, **kwargs):
+            return await self._breaker.call(attr, *args, **kwargs)
+        return guarded

