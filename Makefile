@@ -15,7 +15,7 @@ venv: $(BIN)/tandem
 
 run: venv
 	$(BIN)/tandem models fetch
-	$(BIN)/tandem generate --max-tokens 64 "Write a short poem about speculative decoding."
+	$(BIN)/tandem up --demo "Write a short poem about speculative decoding."
 
 test: venv
 	$(BIN)/tandem models fetch
