@@ -59,6 +59,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--worker-id", default=os.environ.get(_env_name("worker_id"), ""))
     p.add_argument("--advertise-address", default=os.environ.get(
         _env_name("advertise_address"), ""), help="address verifiers dial (default host:port)")
+    p.add_argument("--metrics-port", type=int,
+                   default=int(os.environ.get(_env_name("metrics_port"), -1)),
+                   help="Prometheus /metrics HTTP port: -1 off (default), 0 any free port")
     p.add_argument("--log-level", default=os.environ.get("TANDEM_DRAFT_LOG_LEVEL", "INFO"),
                    help="logging level [env TANDEM_DRAFT_LOG_LEVEL, default INFO]")
     p.set_defaults(func=run)
@@ -106,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
         registration = Registration(args.redis_url, "draft",
                                     args.advertise_address or config.address, args.worker_id)
-    asyncio.run(serve(config, registration=registration, ready=lambda addr: print(
+    asyncio.run(serve(config, registration=registration, metrics_port=args.metrics_port,
+                      ready=lambda addr: print(
         f"tandem draft: serving on {addr} ({config.model or 'n-gram only'})", flush=True)))
     return 0
 

@@ -20,6 +20,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
 
 from draft_service.config import DraftConfig
 from draft_service.draft_model import DraftModelProposer
@@ -36,6 +37,7 @@ from draft_service.proposer import (
     SessionError,
 )
 from draft_service.worker import DraftWorker, Stream
+from tandem import telemetry
 from tandem.models import (
     ModelError,
     ModelPaths,
@@ -81,6 +83,47 @@ def proposal_to_proto(item: Proposal | SessionError) -> draft_pb2.DraftProposal:
         q=common_pb2.SparseDistribution(token_ids=tok.q_ids, probs=tok.q_probs))
 
 
+class _SessionSpans:
+    """One span per traced session on a stream, a child of the verifier's session span."""
+
+    def __init__(self):
+        self.tracer = telemetry.tracer("draft")
+        self.spans: dict[str, trace.Span] = {}
+        self.tokens: dict[str, int] = {}
+
+    def control(self, msg: draft_pb2.DraftControl) -> None:
+        which = msg.WhichOneof("control")
+        if which == "open" and msg.open.trace_context:
+            self.end(msg.open.session_id)  # a reopen replaces the session
+            sid = msg.open.session_id
+            self.spans[sid] = self.tracer.start_span(
+                telemetry.SPAN_DRAFT, context=telemetry.extract_context(msg.open.trace_context),
+                kind=trace.SpanKind.SERVER, attributes={telemetry.ATTR_SESSION: sid})
+            self.tokens[sid] = 0
+        elif which == "close":
+            self.end(msg.close.session_id)
+
+    def proposal(self, item) -> None:
+        if item.session_id not in self.spans:
+            return
+        if isinstance(item, SessionError):
+            self.end(item.session_id, error=item.message)
+        else:
+            self.tokens[item.session_id] += 1
+
+    def end(self, sid: str, error: str = "") -> None:
+        span = self.spans.pop(sid, None)
+        if span is not None:
+            span.set_attribute(telemetry.ATTR_TOKENS_DRAFTED, self.tokens.pop(sid, 0))
+            if error:
+                span.set_status(trace.StatusCode.ERROR, error)
+            span.end()
+
+    def end_all(self) -> None:
+        for sid in list(self.spans):
+            self.end(sid)
+
+
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, worker: DraftWorker, info: common_pb2.WorkerInfo):
         self.worker = worker
@@ -92,20 +135,24 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Speculate(self, request_iterator, context):  # noqa: N802
         stream = self.worker.open_stream()
-        reader = asyncio.create_task(self._read(request_iterator, stream))
+        spans = _SessionSpans()
+        reader = asyncio.create_task(self._read(request_iterator, stream, spans))
         try:
             while (item := await stream.get()) is not None:
+                spans.proposal(item)
                 yield proposal_to_proto(item)
         finally:
+            spans.end_all()
             reader.cancel()
             self.worker.close_stream(stream)  # the verifier is gone: free its sessions
         if self.draining:
             context.set_code(grpc.StatusCode.UNAVAILABLE)
             context.set_details("draft worker is draining; reconnect to another one")
 
-    async def _read(self, request_iterator, stream: Stream) -> None:
+    async def _read(self, request_iterator, stream: Stream, spans: _SessionSpans) -> None:
         try:
             async for msg in request_iterator:
+                spans.control(msg)
                 self.worker.handle(stream, control_from_proto(msg))
         except asyncio.CancelledError:
             raise
@@ -211,14 +258,25 @@ async def build_server(config: DraftConfig, worker: DraftWorker | None = None
     return app.server, app.port
 
 
+def draft_metrics(worker: DraftWorker) -> telemetry.DraftMetrics:
+    return telemetry.DraftMetrics(sessions=lambda: worker.stats().sessions_open,
+                                  queue_depth=lambda: worker.stats().queue_depth,
+                                  tokens=lambda: worker.stats().tokens_drafted)
+
+
 async def serve(config: DraftConfig, ready: Callable[[str], None] | None = None,
-                registration: Registration | None = None) -> None:
+                registration: Registration | None = None, metrics_port: int = -1) -> None:
     """Serve until SIGTERM / SIGINT, then drain gracefully."""
     torch.set_num_threads(config.threads)
+    telemetry.setup_tracing("tandem-draft")
     app = await build_app(config)
     await app.server.start()
     if ready is not None:
         ready(f"{config.host}:{app.port}")
+    if metrics_port >= 0:
+        port = telemetry.start_metrics_server(metrics_port, draft_metrics(app.worker).registry,
+                                              config.host)
+        log.info("metrics on http://%s:%d/metrics", config.host, port)
     beat = None
     if registration is not None:
         if registration.address.endswith(":0"):  # the port was picked at bind time

@@ -10,12 +10,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
@@ -38,6 +40,7 @@ from gateway.generation import (
     TextStream,
     run_session,
 )
+from gateway.observe import observed, start_request_span
 from gateway.routing import Router, affinity_key
 from gateway.sessions import (
     Guarded,
@@ -48,8 +51,10 @@ from gateway.sessions import (
     RedisSessionStore,
     identity,
 )
+from tandem import telemetry
 from tandem.registry import WorkerRegistry
 from tandem.sampling_params import SamplingParams
+from tandem.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,8 @@ class _Gateway:
     limiter: RateLimiter
     deps: GenerationDeps
     started: int
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    tracer: Any = field(default_factory=lambda: telemetry.tracer("gateway"))
 
 
 def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
@@ -109,6 +116,10 @@ def _add_routes(app: FastAPI, gw: _Gateway) -> None:
     @app.get("/health")
     async def health() -> dict:
         return await _health(gw)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(telemetry.render(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(guard)])
     async def models() -> dict:
@@ -212,14 +223,26 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     req = await _parse(request, schemas.ChatCompletionRequest if chat
                        else schemas.CompletionRequest)
     sid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    plan, text = await _plan(gw, req, sid)
+    endpoint = "chat" if chat else "completions"
+    span = start_request_span(gw.tracer, request.headers, chat=chat, sid=sid, req=req)
     try:
-        await gw.deps.store.create(sid, model=gw.config.model_name,
-                                   prompt_token_ids=plan.prompt_token_ids)
-    except (RedisError, OSError) as exc:
-        log.warning("session %s not recorded: %s", sid, exc)
+        with trace.use_span(span, end_on_exit=False):
+            plan, text = await _plan(gw, req, sid)
+            plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()))
+            try:
+                await gw.deps.store.create(sid, model=gw.config.model_name,
+                                           prompt_token_ids=plan.prompt_token_ids)
+            except (RedisError, OSError) as exc:
+                log.warning("session %s not recorded: %s", sid, exc)
+    except BaseException as exc:  # refused before generating: the span ends here
+        span.set_status(trace.StatusCode.ERROR, str(exc))
+        span.end()
+        gw.metrics.requests.labels(endpoint=endpoint,
+                                   status=str(getattr(exc, "status", "error"))).inc()
+        raise
     meta = _Meta(chat, sid, int(gw.clock()), gw.config.model_name, len(plan.prompt_token_ids))
-    events = run_session(plan, gw.deps, text)
+    events = observed(run_session(plan, gw.deps, text), span, gw.metrics, endpoint,
+                      meta.prompt_tokens)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _stream(events, meta, include_usage)

@@ -106,9 +106,11 @@ def run_gateway(args) -> int:
     from gateway.app import create_app
     from tandem.models import resolve_model, tokenizer_hash
     from tandem.redis_server import start_redis
+    from tandem.telemetry import setup_tracing
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("tandem-gateway")
     paths = resolve_model(args.model)
     embedded = None
     redis_url = args.redis_url

@@ -55,6 +55,7 @@ class GenerationPlan:
     method: str
     num_speculative_tokens: int
     affinity_key: str | None = None
+    trace_metadata: tuple[tuple[str, str], ...] = ()  # W3C context for the verifier call
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,8 @@ class _Failover:
                                                 status="resuming" if attempt else "running"))
         await deps.router.remember(plan.affinity_key, addr)
         call = deps.channels.stub(addr).Generate(build_request(plan, committed, draft_addr),
-                                                 timeout=timeout)
+                                                 timeout=timeout,
+                                                 metadata=plan.trace_metadata or None)
         deps.router.acquire(addr, *([draft_addr] if draft_addr else []))
         try:
             while not self.finish_reason:

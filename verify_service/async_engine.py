@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, draft_pb2
 from verify_service.draft_link import DraftLink, DraftPool
 from verify_service.engine import EngineCore, StepInput
@@ -60,8 +61,9 @@ class RoundOutput:
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, scheduler: Scheduler, drafts: DraftPool | None,
-                 config: EngineConfig, vocab_size: int):
+                 config: EngineConfig, vocab_size: int, metrics: VerifierMetrics | None = None):
         self.core, self.scheduler, self.config = core, scheduler, config
+        self.metrics = metrics
         self.vocab_size = vocab_size
         self.drafts = drafts
         self.sessions: dict[str, Sequence] = {}
@@ -116,6 +118,7 @@ class AsyncEngine:
         p = seq.params
         link.send(draft_pb2.DraftControl(open=draft_pb2.OpenSession(
             session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
+            trace_context=dict(p.trace_context),
             method=_METHOD_PB[p.method], max_run_ahead=self.scheduler.config.max_spec_tokens,
             top_n=self.config.top_n,
             sampling=common_pb2.SamplingParams(
@@ -262,6 +265,9 @@ class AsyncEngine:
         if s.num_drafts:
             seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts,
                                                    len(accepted))
+        if self.metrics is not None:
+            self.metrics.observe_round(s.num_drafts, len(accepted), wait_ms,
+                                       timings.forward_ms, timings.rejection_ms)
         out = self._output(seq, new, s.num_drafts, len(accepted), wait_ms,
                            timings.forward_ms, timings.rejection_ms)
         self._queues[seq.seq_id].put_nowait(out)

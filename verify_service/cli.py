@@ -41,6 +41,8 @@ def register(sub) -> None:
     p.add_argument("--advertise-address", default=_env("advertise_address", ""),
                    help="address others dial (default host:port)")
     p.add_argument("--drain-grace-s", type=float, default=_env("drain_grace_s", 5.0))
+    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", -1),
+                   help="Prometheus /metrics HTTP port: -1 off (default), 0 any free port")
     p.set_defaults(func=_run)
 
 

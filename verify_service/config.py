@@ -24,8 +24,11 @@ class VerifierConfig:
     worker_id: str = ""
     advertise_address: str = ""  # what others dial; default host:port
     drain_grace_s: float = 5.0
+    metrics_port: int = -1  # Prometheus /metrics over HTTP: -1 = off, 0 = any free port
 
     def __post_init__(self):
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be -1 (off) or a port, got {self.metrics_port}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("kv_cache_mb", "block_size", "max_sessions", "max_num_seqs", "top_n"):

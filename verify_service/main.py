@@ -10,8 +10,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem import __version__
+from tandem import __version__, telemetry
 from tandem.models import ModelPaths, resolve_model, tokenizer_hash
+from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2_grpc
 from verify_service.async_engine import AsyncEngine, EngineConfig
 from verify_service.block_manager import BlockManager
@@ -71,14 +72,19 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
                           CostModel())
     eng_cfg = EngineConfig(max_sessions=config.max_sessions,
                            max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n)
-    engine = AsyncEngine(EngineCore(runner), scheduler, None, eng_cfg, model.cfg.vocab_size)
+    metrics = VerifierMetrics()
+    metrics.bind_load(running=lambda: len(scheduler.running),
+                      waiting=lambda: len(scheduler.waiting),
+                      kv_usage=lambda: scheduler.blocks.usage)
+    engine = AsyncEngine(EngineCore(runner), scheduler, None, eng_cfg, model.cfg.vocab_size,
+                         metrics)
     if config.draft_addresses or discover is not None:
         engine.drafts = DraftPool(list(config.draft_addresses), discover,
                                   engine.on_draft_message, engine.on_link_broken)
     model_id = paths.root.name
     default_method = "draft_model" if engine.drafts is not None else "none"
     servicer = VerifyServicer(engine, build_info(model, paths, config, model_id),
-                              default_method)
+                              default_method, metrics)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \
@@ -105,10 +111,15 @@ async def serve(config: VerifierConfig) -> None:
     """Run until SIGTERM/SIGINT, registered in Redis when config.redis_url is set."""
     from tandem.registration import Registration, draft_discovery, start_registration
 
+    telemetry.setup_tracing("tandem-verifier")
     discover = draft_discovery(config.redis_url) if config.redis_url else None
     verifier = await start_verifier(config, discover=discover)
     address = config.advertise_address or f"{config.host}:{verifier.port}"
     print(f"verifier serving on {address}", flush=True)
+    if config.metrics_port >= 0:
+        registry = verifier.servicer.metrics.registry
+        port = telemetry.start_metrics_server(config.metrics_port, registry, config.host)
+        print(f"verifier metrics on http://{config.host}:{port}/metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

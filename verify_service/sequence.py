@@ -43,6 +43,7 @@ class GenerateParams:
     method: str = "none"
     num_speculative_tokens: int = 0  # 0 = server default
     draft_address: str = ""
+    trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers for the draft's span
 
     def __post_init__(self):
         if not self.session_id:

@@ -1,11 +1,16 @@
 """Thin grpc.aio servicer for VerifyService: protobuf <-> dataclasses, nothing else."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 
 import grpc
+from opentelemetry import trace
 
+from tandem import telemetry
 from tandem.sampling_params import SamplingParams
+from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.async_engine import AsyncEngine, EngineFullError, RoundOutput
 from verify_service.sequence import GenerateParams
@@ -69,29 +74,58 @@ def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
-    def __init__(self, engine: AsyncEngine, info: common_pb2.WorkerInfo, default_method: str):
+    def __init__(self, engine: AsyncEngine, info: common_pb2.WorkerInfo, default_method: str,
+                 metrics: VerifierMetrics | None = None):
         self.engine, self.info, self.default_method = engine, info, default_method
+        self.metrics = metrics
+        self.tracer = telemetry.tracer("verifier")
         self.draining = False
 
     async def Generate(self, request, context):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is draining")
+        parent = telemetry.extract_context(context.invocation_metadata())
+        span = self.tracer.start_span(telemetry.SPAN_VERIFY, context=parent,
+                                      kind=trace.SpanKind.SERVER)
+        span.set_attributes({telemetry.ATTR_SESSION: request.session_id,
+                             telemetry.GEN_AI_REQUEST_MODEL: self.info.model_id,
+                             telemetry.GEN_AI_REQUEST_MAX_TOKENS: request.stopping.max_new_tokens,
+                             telemetry.GEN_AI_REQUEST_TEMPERATURE: request.sampling.temperature,
+                             telemetry.GEN_AI_USAGE_INPUT: len(request.prompt_token_ids)})
         try:
             params = params_from_proto(request, self.info, self.default_method)
+            params = dataclasses.replace(params, trace_context=tuple(
+                telemetry.inject_context(span).items()))
             queue = self.engine.submit(params)
-        except EngineFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except ValueError as exc:
-            code = (grpc.StatusCode.ALREADY_EXISTS if "already generating" in str(exc)
+        except (EngineFullError, ValueError) as exc:
+            span.set_status(trace.StatusCode.ERROR, str(exc))
+            span.end()
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, EngineFullError)
+                    else grpc.StatusCode.ALREADY_EXISTS if "already generating" in str(exc)
                     else grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(code, str(exc))
+        start, generated = time.perf_counter(), 0
         try:
             while True:
                 out = await queue.get()
+                if not generated and out.token_ids:
+                    ttft_ms = (time.perf_counter() - start) * 1e3
+                    span.set_attribute(telemetry.ATTR_TTFT_MS, ttft_ms)
+                    if self.metrics is not None:
+                        self.metrics.ttft.observe(ttft_ms / 1e3)
+                generated += len(out.token_ids)
+                span.add_event(telemetry.EVENT_ROUND, {
+                    telemetry.ATTR_DRAFTED: out.drafted, telemetry.ATTR_ACCEPTED: out.accepted,
+                    telemetry.ATTR_DRAFT_WAIT_MS: out.draft_wait_ms,
+                    telemetry.ATTR_VERIFY_MS: out.verify_ms,
+                    telemetry.ATTR_REJECTION_MS: out.rejection_ms})
                 yield output_to_proto(out)
                 if out.finish_reason is not None:
+                    span.set_attribute(telemetry.GEN_AI_FINISH_REASONS, [out.finish_reason])
                     return
         finally:
+            span.set_attribute(telemetry.GEN_AI_USAGE_OUTPUT, generated)
+            span.end()
             self.engine.abort(params.session_id)  # no-op once finished; frees on cancel
 
     async def Info(self, request, context):

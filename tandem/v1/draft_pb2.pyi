@@ -36,7 +36,14 @@ class DraftControl(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., commit: _Optional[_Union[CommitTokens, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "method", "max_run_ahead", "top_n", "epoch", "max_ngram_size")
+    __slots__ = ("session_id", "token_ids", "sampling", "method", "max_run_ahead", "top_n", "epoch", "max_ngram_size", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +52,7 @@ class OpenSession(_message.Message):
     TOP_N_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MAX_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -53,7 +61,8 @@ class OpenSession(_message.Message):
     top_n: int
     epoch: int
     max_ngram_size: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_run_ahead: _Optional[int] = ..., top_n: _Optional[int] = ..., epoch: _Optional[int] = ..., max_ngram_size: _Optional[int] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_run_ahead: _Optional[int] = ..., top_n: _Optional[int] = ..., epoch: _Optional[int] = ..., max_ngram_size: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CommitTokens(_message.Message):
     __slots__ = ("session_id", "epoch", "start_position", "token_ids", "max_run_ahead")

@@ -247,6 +247,8 @@ def _documented_elements(fd: descriptor_pb2.FileDescriptorProto):
                 continue
             yield path + (_MSG_ONEOF, i), f"oneof {name}.{o.name}"
         for i, n in enumerate(m.nested_type):
+            if n.options.map_entry:  # synthetic entry of a `map<,>` field, documented there
+                continue
             yield from message(path + (_MSG_NESTED, i), n, f"{name}.")
         for i, e in enumerate(m.enum_type):
             yield from enum(path + (_MSG_ENUM, i), e, f"{name}.")

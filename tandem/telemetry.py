@@ -1,0 +1,183 @@
+"""Every telemetry name in one place: metrics, span names and attributes, tracing setup.
+
+Tracing follows the standard OTEL_* environment: OTEL_TRACES_EXPORTER=otlp|console|none and
+OTEL_EXPORTER_OTLP_ENDPOINT (OTLP over HTTP); with neither set, tracing is off (no-op tracer).
+W3C trace context travels in HTTP headers, gRPC metadata, and OpenSession.trace_context.
+Metrics use one prometheus_client registry per service object (no process-global state).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+from opentelemetry import propagate, trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger(__name__)
+
+# ---- span names and attributes (OpenTelemetry GenAI semantic conventions + ours) ----------
+SPAN_GATEWAY = "gateway {operation}"
+SPAN_VERIFY = "verify"
+SPAN_DRAFT = "draft"
+SPAN_REDIS = "redis {op}"
+EVENT_ROUND = "tandem.round"
+GEN_AI_OPERATION = "gen_ai.operation.name"
+GEN_AI_SYSTEM = "gen_ai.system"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_USAGE_INPUT = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT = "gen_ai.usage.output_tokens"
+GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
+ATTR_SESSION = "tandem.session_id"
+ATTR_METHOD = "tandem.speculation.method"
+ATTR_TTFT_MS = "tandem.time_to_first_token_ms"
+ATTR_DRAFTED = "tandem.round.drafted"
+ATTR_ACCEPTED = "tandem.round.accepted"
+ATTR_DRAFT_WAIT_MS = "tandem.round.draft_wait_ms"
+ATTR_VERIFY_MS = "tandem.round.verify_ms"
+ATTR_REJECTION_MS = "tandem.round.rejection_ms"
+ATTR_TOKENS_DRAFTED = "tandem.draft.tokens"
+DB_SYSTEM = "db.system"
+DB_OPERATION = "db.operation.name"
+
+
+def setup_tracing(service_name: str) -> bool:
+    """Install a global tracer provider from OTEL_* env; returns whether tracing is on."""
+    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "").lower()
+    endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    if exporter_name == "none" or (not exporter_name and not endpoint):
+        return False
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    name = os.environ.get("OTEL_SERVICE_NAME", service_name)
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    if exporter_name == "console":
+        exporter = ConsoleSpanExporter()
+    else:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            log.warning("OTLP exporter not installed (pip install "
+                        "opentelemetry-exporter-otlp-proto-http): tracing off")
+            return False
+        exporter = OTLPSpanExporter()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return True
+
+
+def tracer(component: str) -> trace.Tracer:
+    return trace.get_tracer(f"tandem.{component}")
+
+
+def inject_context(span: trace.Span | None = None) -> dict[str, str]:
+    """W3C headers ("traceparent", "tracestate") for `span` (default: the current one)."""
+    carrier: dict[str, str] = {}
+    ctx = trace.set_span_in_context(span) if span is not None else None
+    propagate.inject(carrier, context=ctx)
+    return carrier
+
+
+def extract_context(pairs: Iterable[tuple[str, str]] | dict | None):
+    """A parent context from headers, gRPC metadata pairs or a dict (None = a new root)."""
+    if not pairs:
+        return None
+    items = pairs.items() if isinstance(pairs, dict) else pairs
+    return propagate.extract({str(k).lower(): str(v) for k, v in items})
+
+
+# ---- Prometheus metrics ------------------------------------------------------------------
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class VerifierMetrics:
+    """vLLM spec-decode counters, round phases, and the gauges the autoscalers read."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.num_drafts = Counter("tandem_spec_num_drafts", "Rounds that verified >= 1 draft "
+                                  "token", registry=r)
+        self.num_draft_tokens = Counter("tandem_spec_num_draft_tokens",
+                                        "Draft tokens verified", registry=r)
+        self.num_accepted_tokens = Counter("tandem_spec_num_accepted_tokens",
+                                           "Draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter("tandem_spec_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted by position in the round",
+                                        ["position"], registry=r)
+        self.rounds = Counter("tandem_verifier_rounds", "Verification rounds", registry=r)
+        self.round_phase = Histogram("tandem_round_phase_seconds", "Time of a round by phase",
+                                     ["phase"], buckets=_PHASE_BUCKETS, registry=r)
+        self.ttft = Histogram("tandem_verifier_time_to_first_token_seconds", "Request arrival "
+                              "to first committed token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("tandem_verifier_running_sessions", "Sessions decoding",
+                             registry=r)
+        self.waiting = Gauge("tandem_verifier_waiting_sessions", "Sessions queued or "
+                             "preempted", registry=r)
+        self.kv_usage = Gauge("tandem_verifier_kv_cache_usage_ratio", "Fraction of KV blocks "
+                              "in use", registry=r)
+
+    def bind_load(self, running: Callable[[], int], waiting: Callable[[], int],
+                  kv_usage: Callable[[], float]) -> None:
+        self.running.set_function(running)
+        self.waiting.set_function(waiting)
+        self.kv_usage.set_function(kv_usage)
+
+    def observe_round(self, drafted: int, accepted: int, wait_ms: float, verify_ms: float,
+                      rejection_ms: float) -> None:
+        self.rounds.inc()
+        if drafted:
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(drafted)
+            self.num_accepted_tokens.inc(accepted)
+            for pos in range(accepted):
+                self.accepted_per_pos.labels(position=str(pos)).inc()
+        self.round_phase.labels(phase="draft_wait").observe(wait_ms / 1e3)
+        self.round_phase.labels(phase="verify").observe(verify_ms / 1e3)
+        self.round_phase.labels(phase="rejection").observe(rejection_ms / 1e3)
+
+
+class DraftMetrics:
+    def __init__(self, sessions: Callable[[], int], queue_depth: Callable[[], int],
+                 tokens: Callable[[], int]):
+        r = self.registry = CollectorRegistry()
+        Gauge("tandem_draft_sessions", "Sessions open on this draft worker",
+              registry=r).set_function(sessions)
+        Gauge("tandem_draft_queue_depth", "Sessions waiting to be drafted",
+              registry=r).set_function(queue_depth)
+        # A counter mirrored from the worker's own count (read at scrape time).
+        Gauge("tandem_draft_tokens_drafted", "Draft tokens produced since start",
+              registry=r).set_function(tokens)
+
+
+class GatewayMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("tandem_gateway_requests", "Requests by outcome",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("tandem_gateway_requests_in_flight", "Requests being served",
+                               registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Request to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Gap between streamed "
+                             "tokens (a round's tokens share one gap)", buckets=_PHASE_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> int:
+    """Serve /metrics over HTTP on a daemon thread; returns the bound port (0 = any free)."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server.server_address[1]
