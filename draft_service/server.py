@@ -152,7 +152,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def _read(self, request_iterator, stream: Stream, spans: _SessionSpans) -> None:
         try:
             async for msg in request_iterator:
-                spans.control(msg)
+                try:
+                    spans.control(msg)
+                except Exception:  # telemetry must never break the stream
+                    log.exception("tracing a draft session failed")
                 self.worker.handle(stream, control_from_proto(msg))
         except asyncio.CancelledError:
             raise

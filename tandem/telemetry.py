@@ -87,7 +87,7 @@ def extract_context(pairs: Iterable[tuple[str, str]] | dict | None):
     """A parent context from headers, gRPC metadata pairs or a dict (None = a new root)."""
     if not pairs:
         return None
-    items = pairs.items() if isinstance(pairs, dict) else pairs
+    items = pairs.items() if hasattr(pairs, "items") else pairs  # dicts, protobuf maps
     return propagate.extract({str(k).lower(): str(v) for k, v in items})
 
 
