@@ -66,17 +66,22 @@ def http_healthy(url: str, timeout: float = 1.0) -> bool:
 class Cluster:
     """Owns the child processes; `stop()` terminates them in reverse start order."""
 
-    def __init__(self, config: ClusterConfig, log=print):
+    def __init__(self, config: ClusterConfig, log=print, env: dict | None = None,
+                 output=None):
         self.config, self.log = config, log
+        self.env = env or {}  # extra environment for the children (e.g. OTEL_*)
+        self.output = output  # children's stdout/stderr (None = inherit)
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.addresses: dict[str, str] = {}  # worker name -> host:port
         self.stack = ExitStack()
         self.redis_url = config.redis_url
         self.gateway_url = f"http://{config.gateway_host}:{config.gateway_port}"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "tandem.cli", *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                stdout=self.output, stderr=self.output)
         self.procs.append((name, proc))
         return proc
 
@@ -103,6 +108,7 @@ class Cluster:
             port = free_port()
             extra = ["--model", cfg.draft_model] if cfg.draft_model else []
             proc = self._spawn(f"draft-{i}", ["draft", "--port", str(port), *common, *extra])
+            self.addresses[f"draft-{i}"] = f"127.0.0.1:{port}"
             self._wait(f"draft-{i} (127.0.0.1:{port})", proc,
                        lambda p=port: grpc_healthy(f"127.0.0.1:{p}"))
         for i in range(cfg.num_verifiers):
@@ -110,6 +116,7 @@ class Cluster:
             extra = ["--model", cfg.model] if cfg.model else []
             proc = self._spawn(f"verifier-{i}", ["verifier", "--port", str(port), *common,
                                                  *extra])
+            self.addresses[f"verifier-{i}"] = f"127.0.0.1:{port}"
             self._wait(f"verifier-{i} (127.0.0.1:{port})", proc,
                        lambda p=port: grpc_healthy(f"127.0.0.1:{p}"))
         extra = ["--model", cfg.model] if cfg.model else []
