@@ -73,6 +73,7 @@ class Cluster:
         self.output = output  # children's stdout/stderr (None = inherit)
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.addresses: dict[str, str] = {}  # worker name -> host:port
+        self.metrics_urls: dict[str, str] = {}
         self.stack = ExitStack()
         self.redis_url = config.redis_url
         self.gateway_url = f"http://{config.gateway_host}:{config.gateway_port}"
@@ -105,15 +106,19 @@ class Cluster:
             self.log(f"  redis-server on {redis.url}")
         common = ["--redis-url", self.redis_url, "--threads", str(cfg.threads)]
         for i in range(cfg.num_drafts):
-            port = free_port()
+            port, mport = free_port(), free_port()
             extra = ["--model", cfg.draft_model] if cfg.draft_model else []
+            extra += ["--metrics-port", str(mport)]
+            self.metrics_urls[f"draft-{i}"] = f"http://127.0.0.1:{mport}/metrics"
             proc = self._spawn(f"draft-{i}", ["draft", "--port", str(port), *common, *extra])
             self.addresses[f"draft-{i}"] = f"127.0.0.1:{port}"
             self._wait(f"draft-{i} (127.0.0.1:{port})", proc,
                        lambda p=port: grpc_healthy(f"127.0.0.1:{p}"))
         for i in range(cfg.num_verifiers):
-            port = free_port()
+            port, mport = free_port(), free_port()
             extra = ["--model", cfg.model] if cfg.model else []
+            extra += ["--metrics-port", str(mport)]
+            self.metrics_urls[f"verifier-{i}"] = f"http://127.0.0.1:{mport}/metrics"
             proc = self._spawn(f"verifier-{i}", ["verifier", "--port", str(port), *common,
                                                  *extra])
             self.addresses[f"verifier-{i}"] = f"127.0.0.1:{port}"
@@ -125,6 +130,9 @@ class Cluster:
                                        *extra])
         self._wait(f"gateway ({self.gateway_url})", proc,
                    lambda: http_healthy(self.gateway_url + "/health"))
+        self.metrics_urls["gateway"] = self.gateway_url + "/metrics"
+        for name, url in self.metrics_urls.items():
+            self.log(f"  metrics of {name}: {url}")
 
     def stop(self) -> None:
         for _, proc in reversed(self.procs):
