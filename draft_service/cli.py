@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import sys
 from pathlib import Path
 
 from draft_service.config import DTYPES, DraftConfig
@@ -114,20 +113,3 @@ def run(args: argparse.Namespace) -> int:
         f"tandem draft: serving on {addr} ({config.model or 'n-gram only'})", flush=True)))
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m draft_service.cli`) until `tandem` wires register() in."""
-    parser = argparse.ArgumentParser(prog="tandem")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as exc:
-        print(f"tandem: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
