@@ -37,7 +37,6 @@ from gateway.generation import (
     GenerationDeps,
     GenerationPlan,
     TextDelta,
-    TextStream,
     run_session,
 )
 from gateway.observe import observed, start_request_span
@@ -51,6 +50,7 @@ from gateway.sessions import (
     RedisSessionStore,
     identity,
 )
+from gateway.text import TextStream
 from tandem import telemetry
 from tandem.registry import WorkerRegistry
 from tandem.sampling_params import SamplingParams

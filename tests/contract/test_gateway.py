@@ -24,9 +24,9 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.generation import TextStream
 from gateway.routing import Router, affinity_key, pick_draft, pick_verifier
 from gateway.sessions import RedisSessionStore
+from gateway.text import TextStream
 from tandem.redis_server import start_redis
 from tandem.registry import WorkerRecord, WorkerRegistry, heartbeat_loop
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc

@@ -1,0 +1,79 @@
+"""Incremental detokenisation with stop strings: what the client sees of committed tokens.
+
+Tokens arrive a round at a time; text is released only once it can no longer change (a
+multi-byte character split across tokens, or a possible stop string straddling rounds).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class TextStream:
+    """Committed token ids in, client-visible text out.
+
+    Detokenizes incrementally (vLLM's prefix/read offsets): a token that ends inside a
+    multi-byte character decodes to U+FFFD, so its text is held until the character
+    completes. Holds back len(longest stop string) - 1 characters so a stop string split
+    across rounds is never half shown; text from a stop string (or stop token) on is dropped.
+    """
+
+    def __init__(self, tokenizer: Decoder, stop_strings: Sequence[str] = (),
+                 stop_token_ids: Sequence[int] = ()):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = self._read = 0
+        self._stops = tuple(stop_strings)
+        self._stop_ids = frozenset(stop_token_ids)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self.text = ""  # visible text so far (emitted and held back)
+        self._emitted = 0
+        self.stopped = False  # a stop string or stop token ended the text
+        self._done = False  # the text is final: nothing more is ever shown
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tok.decode(self._ids[start:end], skip_special_tokens=True)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; returns the text that may be shown now."""
+        if self._done:
+            return ""
+        for t in token_ids:
+            if t in self._stop_ids:  # the stop/eos token itself is never shown
+                self.stopped = True
+                break
+            self._ids.append(t)
+        prefix_text = self._decode(self._prefix, self._read)
+        new_text = self._decode(self._prefix)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self._ids)
+        if self.stopped:
+            return self.finish()
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Generation ended: flush whatever is left (even an incomplete character)."""
+        if self._done:
+            return ""
+        if self._read < len(self._ids):
+            prefix_text = self._decode(self._prefix, self._read)
+            self.text += self._decode(self._prefix)[len(prefix_text):]
+            self._prefix = self._read = len(self._ids)
+        out = self._release(final=True)
+        self._done = True
+        return out
+
+    def _release(self, final: bool) -> str:
+        hits = [i for i in (self.text.find(s, self._emitted) for s in self._stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self.text = self.text[:min(hits)]
+            final = self._done = True
+        end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
+        out, self._emitted = self.text[self._emitted:end], end
+        return out
