@@ -12,10 +12,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, draft_pb2
 from verify_service.draft_link import DraftLink, DraftPool
-from verify_service.engine import EngineCore, StepInput
+from verify_service.engine import EngineCore, RoundOutcome, StepInput
 from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import DraftToken, GenerateParams, Sequence
 from verify_service.speculation import update_acceptance
@@ -70,6 +72,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RoundOutput]] = {}
         self._links: dict[str, DraftLink] = {}
         self._attaching: set[str] = set()
+        self._carried: dict[str, torch.Tensor] = {}  # [vocab] probs of carried sessions
         self._wakeup = asyncio.Event()
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="verify-forward")
@@ -189,6 +192,7 @@ class AsyncEngine:
         if link is not None:
             link.send(draft_pb2.DraftControl(close=draft_pb2.CloseSession(session_id=seq.seq_id)))
         self.sessions.pop(seq.seq_id, None)
+        self._carried.pop(seq.seq_id, None)
         queue = self._queues.pop(seq.seq_id, None)
         if queue is not None and seq.finish_reason == "abort":
             queue.put_nowait(self._output(seq, [], 0, 0, 0.0, 0.0, 0.0))
@@ -221,11 +225,22 @@ class AsyncEngine:
             if len(inputs) == 1:
                 self.scheduler.cost.observe(len(inputs[0].token_ids), timings.forward_ms)
             for s, outcome in zip(sched.scheduled, outcomes):
-                self._apply(s, outcome.accepted, outcome.next_token, wait_ms, timings)
+                self._apply(s, outcome, wait_ms, timings)
 
     def _snapshot(self, s: ScheduledSeq) -> StepInput:
+        seq = s.seq
         return StepInput(s.token_ids, s.start_pos, list(self.scheduler.blocks.block_table(
-            s.seq.seq_id)), list(s.seq.drafts[: s.num_drafts]), s.seq.params.sampling)
+            seq.seq_id)), list(seq.drafts[: s.num_drafts]), seq.params.sampling,
+            carried=self._carried.get(seq.seq_id) if seq.carried else None,
+            sample_bonus=not self._may_carry(seq, s.num_drafts))
+
+    def _may_carry(self, seq: Sequence, k: int) -> bool:
+        """Skip the bonus token when the draft's next token is already here (stochastic only:
+        greedy is identical either way, and seeded runs keep a fixed round shape)."""
+        s = seq.params.sampling
+        return (k >= 1 and len(seq.drafts) > k and not s.is_greedy and s.seed is None
+                and seq.seq_id in self._links
+                and len(seq.output) + k < seq.params.max_new_tokens)
 
     async def _wait_for_drafts(self) -> float:
         """Wait (bounded) until speculating sessions have the drafts they could use."""
@@ -251,13 +266,19 @@ class AsyncEngine:
             except asyncio.TimeoutError:
                 return (time.perf_counter() - start) * 1e3
 
-    def _apply(self, s: ScheduledSeq, accepted, next_token, wait_ms, timings) -> None:
+    def _apply(self, s: ScheduledSeq, outcome: RoundOutcome, wait_ms, timings) -> None:
         seq = s.seq
         if seq.finished or seq.seq_id not in self.sessions:
             return  # aborted while the step ran; its blocks are already freed
+        accepted, next_token = outcome.accepted, outcome.next_token
         self.scheduler.update_from_output(s, len(accepted))
         start = seq.num_tokens
         new = seq.commit(accepted, next_token)
+        seq.carried = next_token is None and not seq.finished
+        if seq.carried:
+            self._carried[seq.seq_id] = outcome.carry
+        else:
+            self._carried.pop(seq.seq_id, None)
         st = seq.stats
         st.rounds += 1
         st.drafted += s.num_drafts
@@ -269,7 +290,8 @@ class AsyncEngine:
             self.metrics.observe_round(s.num_drafts, len(accepted), wait_ms,
                                        timings.forward_ms, timings.rejection_ms)
         out = self._output(seq, new, s.num_drafts, len(accepted), wait_ms,
-                           timings.forward_ms, timings.rejection_ms)
+                           timings.forward_ms, timings.rejection_ms,
+                           bonus=next_token is not None and len(accepted) == s.num_drafts)
         self._queues[seq.seq_id].put_nowait(out)
         if seq.finished:
             self.scheduler.finish(seq)
@@ -279,11 +301,12 @@ class AsyncEngine:
 
     @staticmethod
     def _output(seq: Sequence, new: list[int], drafted: int, accepted: int,
-                wait_ms: float, verify_ms: float, rejection_ms: float) -> RoundOutput:
+                wait_ms: float, verify_ms: float, rejection_ms: float,
+                bonus: bool = False) -> RoundOutput:
         st = seq.stats
         return RoundOutput(
             token_ids=new, num_committed=len(seq.output), drafted=drafted, accepted=accepted,
-            bonus=bool(new) and accepted == drafted, draft_wait_ms=wait_ms,
+            bonus=bonus, draft_wait_ms=wait_ms,
             verify_ms=verify_ms, rejection_ms=rejection_ms, rounds=st.rounds,
             drafted_total=st.drafted, accepted_total=st.accepted,
             finish_reason=seq.finish_reason)

@@ -19,17 +19,20 @@ from verify_service.sequence import DraftToken
 
 @dataclass(frozen=True)
 class StepInput:
-    token_ids: list[int]  # [last committed token, *draft tokens] or a prefill chunk
+    token_ids: list[int]  # [last committed token, *drafts], a prefill chunk, or carried: drafts
     start_pos: int
     block_table: list[int]
     drafts: list[DraftToken]  # the k draft tokens under verification
     sampling: SamplingParams
+    carried: torch.Tensor | None = None  # [vocab] target probs of the first draft's position
+    sample_bonus: bool = True  # False: if all drafts pass, carry the bonus row instead
 
 
 @dataclass(frozen=True)
 class RoundOutcome:
     accepted: list[int]  # accepted draft tokens
-    next_token: int  # the recovered token (first rejection) or the bonus token
+    next_token: int | None  # recovered (first rejection) or bonus token; None when carried
+    carry: torch.Tensor | None = None  # [vocab] the unsampled bonus row, when next_token is None
 
 
 @dataclass(frozen=True)
@@ -58,14 +61,16 @@ class EngineCore:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
+    def _target_probs(self, inputs: list[StepInput]) -> tuple[torch.Tensor, float]:
+        """[sum(k_i + 1), vocab]: carried rows (if any) then each forward's rows; forward ms."""
+        rows = [len(s.drafts) + (0 if s.carried is not None else 1) for s in inputs]
+        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=n)
+                  for s, n in zip(inputs, rows) if s.token_ids]
+        if not chunks:  # carried sessions whose drafts vanished: no forward needed
+            return torch.stack([s.carried for s in inputs]), 0.0
         t0 = time.perf_counter()
-        logits = self.runner.forward([
-            SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=len(s.drafts) + 1)
-            for s in inputs
-        ])  # [sum(k_i + 1), vocab]
-        t1 = time.perf_counter()
-        rows = [len(s.drafts) + 1 for s in inputs]
+        logits = self.runner.forward(chunks)  # [sum(rows), vocab]
+        forward_ms = (time.perf_counter() - t0) * 1e3
 
         def per_row(values, dtype):
             return torch.tensor([v for v, n in zip(values, rows) for _ in range(n)], dtype=dtype)
@@ -76,6 +81,19 @@ class EngineCore:
             per_row([s.sampling.top_k for s in inputs], torch.int64),
             per_row([s.sampling.top_p for s in inputs], torch.float32),
         )
+        if all(s.carried is None for s in inputs):
+            return probs, forward_ms
+        parts, at = [], 0
+        for s, n in zip(inputs, rows):
+            if s.carried is not None:
+                parts.append(s.carried[None])
+            parts.append(probs[at:at + n])
+            at += n
+        return torch.cat(parts), forward_ms
+
+    def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
+        t0 = time.perf_counter()
+        probs, forward_ms = self._target_probs(inputs)
         counts = torch.tensor([0] + [len(s.drafts) for s in inputs], dtype=torch.int64)
         out = rejection_sample(
             draft_token_ids=torch.tensor([d.token_id for s in inputs for d in s.drafts],
@@ -84,6 +102,7 @@ class EngineCore:
             target_probs=probs,
             draft_probs=_draft_probs(inputs),
             is_greedy=torch.tensor([s.sampling.is_greedy for s in inputs]),
+            sample_bonus=torch.tensor([s.sample_bonus for s in inputs]),
             generators=[
                 None if s.sampling.seed is None
                 # keyed by the first position sampled: independent of prefix-cache hits
@@ -93,6 +112,13 @@ class EngineCore:
             ],
         )
         tokens, accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()
-        outcomes = [RoundOutcome(row[:a], row[a]) for row, a in zip(tokens, accepted)]
-        t2 = time.perf_counter()
-        return outcomes, StepTimings((t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        emitted = out.num_emitted.tolist()
+        outcomes, last_row = [], -1
+        for s, row, a, e in zip(inputs, tokens, accepted, emitted):
+            last_row += len(s.drafts) + 1
+            if e > a:
+                outcomes.append(RoundOutcome(row[:a], row[a]))
+            else:  # every draft accepted and no bonus sampled: carry the bonus row
+                outcomes.append(RoundOutcome(row[:a], None, probs[last_row].clone()))
+        total_ms = (time.perf_counter() - t0) * 1e3
+        return outcomes, StepTimings(forward_ms, total_ms - forward_ms)

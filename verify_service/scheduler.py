@@ -118,10 +118,14 @@ class Scheduler:
             k = min(len(seq.drafts), self.desired_k(seq))
             room = self.config.max_model_len - seq.num_tokens - 1
             k = max(0, min(k, room))
-            new = [seq.tokens[-1], *(d.token_id for d in seq.drafts[:k])]
+            drafts = [d.token_id for d in seq.drafts[:k]]
+            # A carried session's last token is already in the cache: only drafts go in (none:
+            # the engine samples from the carried distribution without a forward).
+            new = drafts if seq.carried else [seq.tokens[-1], *drafts]
             if not self._append_or_preempt(seq, new, preempted):
                 continue
-            out.append(ScheduledSeq(seq, new, seq.num_tokens - 1, k, False))
+            start = seq.num_tokens - (0 if seq.carried else 1)
+            out.append(ScheduledSeq(seq, new, start, k, False))
         return out
 
     def _append_or_preempt(self, seq: Sequence, new: list[int], preempted: list) -> bool:
@@ -142,6 +146,7 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
         seq.drafts = []
+        seq.carried = False  # the re-prefill recomputes that distribution
         seq.epoch += 1
         self.waiting.appendleft(seq)
 

@@ -2,7 +2,9 @@
 
 Pure Python (no torch): the scheduler and the engine loop share it on the event-loop thread.
 Invariant between rounds: the KV cache holds every committed token but the last one, which is
-the first input of the next round.
+the first input of the next round; except for a *carried* session (all drafts of its last
+round accepted, the next draft already waiting), whose KV holds every committed token and
+whose next-position target distribution the engine kept (DESIGN.md, speculation loop step 5).
 """
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ class Sequence:
     acceptance_ema: float = 0.7  # prior: a fresh session is assumed to speculate well
     arrival: int = 0  # admission order, for FIFO and preemption choice
     draft_attaches_left: int = 3  # a session reopens its draft stream at most this often
+    carried: bool = False  # see the module docstring
 
     def __post_init__(self):
         self.output = list(self.params.committed)
@@ -111,7 +114,9 @@ class Sequence:
 
         The epoch survives only when the final token is itself the draft's next proposal
         (a bonus token equal to an arrived draft token): the draft's run-ahead then continues.
-        Otherwise it is bumped and the arrived drafts, now stale, are dropped.
+        With no final token (a carried round: every draft accepted, no bonus sampled) the
+        drafts stay valid too. Otherwise the epoch is bumped and the arrived drafts, now stale,
+        are dropped.
         """
         new = [*accepted, *([] if next_token is None else [next_token])]
         budget = self.params.max_new_tokens - len(self.output)
@@ -124,9 +129,9 @@ class Sequence:
                 new, self.finish_reason = new[:budget], "length"
         self.output.extend(new)
         k = len(accepted)
-        keep = next_token is not None and len(self.drafts) > k and \
-            self.drafts[k].token_id == next_token
-        if keep:
+        if next_token is None:
+            self.drafts = self.drafts[k:]
+        elif len(self.drafts) > k and self.drafts[k].token_id == next_token:
             self.drafts = self.drafts[k + 1:]
         else:
             self.epoch += 1

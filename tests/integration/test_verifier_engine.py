@@ -4,6 +4,7 @@ import asyncio
 import pytest
 import torch
 
+from kernels.sampling import logits_to_probs
 from tandem.sampling_params import SamplingParams
 from tandem.v1 import common_pb2, draft_pb2
 from verify_service.async_engine import AsyncEngine, EngineConfig
@@ -96,7 +97,7 @@ def reference(target_model, tokenizer):
     return prompts, outs
 
 
-def run_engine(target_model, tokenizer, reference, **link_kw):
+def run_engine(target_model, tokenizer, reference, sampling=GREEDY, **link_kw):
     prompts, outs = reference
 
     async def main():
@@ -109,45 +110,57 @@ def run_engine(target_model, tokenizer, reference, **link_kw):
         engine.drafts = ScriptedPool(link)
         loop_task = asyncio.create_task(engine.run())
         queues = [engine.submit(GenerateParams(
-            session_id=f"s{i}", prompt=tuple(p), committed=(), sampling=GREEDY,
+            session_id=f"s{i}", prompt=tuple(p), committed=(), sampling=sampling,
             max_new_tokens=N_NEW, stop_token_ids=frozenset({tokenizer.eos_token_id}),
             method="draft_model")) for i, p in enumerate(prompts)]
-        results = []
+        results, all_rounds = [], []
         for q in queues:
-            tokens, last = [], None
-            while last is None or last.finish_reason is None:
-                last = await asyncio.wait_for(q.get(), 60)
-                tokens += last.token_ids
-            results.append((tokens, last))
+            tokens, rounds = [], []
+            while not rounds or rounds[-1].finish_reason is None:
+                rounds.append(await asyncio.wait_for(q.get(), 60))
+                tokens += rounds[-1].token_ids
+            results.append((tokens, rounds[-1]))
+            all_rounds += rounds
         loop_task.cancel()
-        return results, engine
+        return results, engine, all_rounds
 
     return asyncio.run(main())
 
 
 def test_perfect_drafts_are_accepted_and_identical(target_model, tokenizer, reference):
-    results, _ = run_engine(target_model, tokenizer, reference)
+    results, _, _ = run_engine(target_model, tokenizer, reference)
     for (tokens, last), ref in zip(results, reference[1]):
         assert tokens == ref
         assert last.accepted_total > 0 and last.rounds < len(ref)  # fewer rounds than tokens
 
 
 def test_wrong_drafts_change_nothing(target_model, tokenizer, reference):
-    results, _ = run_engine(target_model, tokenizer, reference, wrong_every=3)
+    results, _, _ = run_engine(target_model, tokenizer, reference, wrong_every=3)
     for (tokens, last), ref in zip(results, reference[1]):
         assert tokens == ref
         assert last.drafted_total > last.accepted_total  # some were rejected
 
 
 def test_malformed_proposals_are_dropped(target_model, tokenizer, reference):
-    results, _ = run_engine(target_model, tokenizer, reference, garbage=True)
+    results, _, _ = run_engine(target_model, tokenizer, reference, garbage=True)
     assert [t for t, _ in results] == reference[1]
 
 
 def test_draft_link_breaking_fails_open(target_model, tokenizer, reference):
-    results, engine = run_engine(target_model, tokenizer, reference, break_after=5)
+    results, engine, _ = run_engine(target_model, tokenizer, reference, break_after=5)
     assert [t for t, _ in results] == reference[1]
     assert not engine._links  # nothing still attached to the dead link
+
+
+def test_stochastic_sessions_carry_the_bonus_row(target_model, tokenizer, reference):
+    """Sampling sessions whose next draft is waiting skip the bonus and keep run-ahead."""
+    results, engine, rounds = run_engine(target_model, tokenizer, reference,
+                                         sampling=SamplingParams(temperature=0.3))
+    assert all(len(t) == N_NEW or last.finish_reason == "stop" for t, last in results)
+    carried = [r for r in rounds if r.drafted and not r.bonus
+               and r.accepted == r.drafted]
+    assert carried, "no round carried its bonus row"
+    assert not engine._carried  # released with their sessions
 
 
 def test_stochastic_verification_matches_target_distribution(target_model, tokenizer):
@@ -181,3 +194,36 @@ def test_stochastic_verification_matches_target_distribution(target_model, token
     # E[TV] for an exact sampler ~ sqrt(K / (2 pi n)) = 0.018 at K=6, n=3000; 3x margin.
     assert tv < 0.055, f"TV {tv:.4f}; p={p.tolist()} got={(counts / n).tolist()}"
     assert 0.5 * (q - p).abs().sum().item() > 0.15  # q really differs from p
+
+
+def test_carried_distribution_verifies_the_waiting_draft_losslessly(target_model, tokenizer):
+    """DESIGN step 5: the unsampled bonus row of one round verifies the next draft."""
+    prompt = chat(tokenizer, "Name a colour.")
+    n, top_k, L = 3000, 5, len(prompt)
+    runner = ModelRunner(target_model, 8, 256)
+    sampling = SamplingParams(temperature=1.0, top_k=top_k)
+    logits = runner.forward([SeqChunk(prompt, 0, [0])])  # the whole prompt is cached
+    carried = logits_to_probs(logits, torch.tensor([1.0]), torch.tensor([top_k]),
+                              torch.tensor([1.0]))[0]
+    ids = carried.topk(top_k).indices.tolist()
+    p = carried[ids]
+    q = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.1])
+    draws = torch.multinomial(q, n, replacement=True,
+                              generator=torch.Generator().manual_seed(1)).tolist()
+    core, counts = EngineCore(runner), torch.zeros(top_k)
+    for start in range(0, n, 500):
+        inputs = [StepInput([ids[j]], L, [0],
+                            [DraftToken(L, ids[j], tuple(ids), tuple(q.tolist()))], sampling,
+                            carried=carried) for j in draws[start:start + 500]]
+        for o in core.execute(inputs)[0]:
+            counts[ids.index(o.accepted[0] if o.accepted else o.next_token)] += 1
+    tv = 0.5 * (counts / n - p).abs().sum().item()
+    assert tv < 0.05, f"TV {tv:.4f}"  # E[TV] ~ sqrt(5 / (2 pi 3000)) = 0.016
+    # And a round that accepts everything with sample_bonus off hands back its bonus row.
+    inp = StepInput([ids[0]], L, [0], [DraftToken(L, ids[0], (ids[0],), (1.0,))],
+                    SamplingParams(temperature=1.0), carried=torch.nn.functional.one_hot(
+                        torch.tensor(ids[0]), carried.shape[0]).float(), sample_bonus=False)
+    (out,), _ = core.execute([inp])
+    assert out.accepted == [ids[0]] and out.next_token is None
+    expected = torch.softmax(runner.forward([SeqChunk([ids[0]], L, [0])])[0], -1)
+    torch.testing.assert_close(out.carry, expected, atol=1e-5, rtol=1e-4)

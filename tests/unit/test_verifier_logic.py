@@ -183,3 +183,28 @@ def test_abort_frees_blocks():
     sched.schedule()
     assert sched.abort("s") is seq and seq.finish_reason == "abort"
     assert sched.blocks.num_free_blocks == 64 and sched.num_sessions == 0
+
+
+def test_carried_round_keeps_drafts_and_feeds_only_drafts():
+    sched = make_sched()
+    seq = Sequence(params(prompt=range(1, 10)))
+    sched.add(seq)
+    sched.update_from_output(sched.schedule().scheduled[0], 0)
+    seq.commit([], 42)
+    seq.acceptance_ema = 0.99
+    drafts(seq, [43, 44, 45])
+    (s,) = sched.schedule().scheduled
+    sched.update_from_output(s, 3)
+    epoch = seq.epoch
+    assert seq.commit([43, 44, 45], None) == [43, 44, 45]  # no bonus: carried
+    assert seq.epoch == epoch  # every committed token was a draft: run-ahead continues
+    seq.carried = True
+    seq.drafts = [DraftToken(seq.num_tokens, 46), DraftToken(seq.num_tokens + 1, 47)]
+    (s,) = sched.schedule().scheduled
+    # The last committed token (45) is already cached: only the waiting drafts go in.
+    assert s.token_ids == [46, 47] and s.start_pos == seq.num_tokens and s.num_drafts == 2
+    sched.update_from_output(s, 0)
+    assert sched.blocks.num_tokens(seq.seq_id) == seq.num_tokens
+    seq.carried, seq.drafts = True, []
+    (s,) = sched.schedule().scheduled  # drafts vanished: a round without a forward
+    assert s.token_ids == [] and s.num_drafts == 0
