@@ -85,6 +85,12 @@ class AsyncEngine:
             raise ValueError(f"session {params.session_id!r} is already generating here")
         if len(self.sessions) >= self.config.max_sessions:
             raise EngineFullError(f"verifier is full ({self.config.max_sessions} sessions)")
+        blocks = self.scheduler.blocks
+        need = -(-(len(params.prompt) + params.max_new_tokens) // blocks.block_size)
+        if need > blocks.num_blocks:  # would wait forever: refuse, another verifier may fit it
+            raise EngineFullError(
+                f"the session needs {need} KV blocks, this verifier's cache has "
+                f"{blocks.num_blocks} (of {blocks.block_size} tokens)")
         seq = Sequence(params)
         self.scheduler.add(seq)  # raises ValueError if it cannot fit the context
         self.sessions[seq.seq_id] = seq

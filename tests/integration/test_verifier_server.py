@@ -1,0 +1,115 @@
+"""The verifier's gRPC surface: status codes, cancellation, health during a forward."""
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from verify_service.config import VerifierConfig
+from verify_service.main import start_verifier
+
+pytestmark = pytest.mark.integration
+
+
+def request(sid="s", prompt=(1, 2, 3, 4), max_new=8, **kw):
+    kw.setdefault("sampling", common_pb2.SamplingParams(temperature=0))
+    return verify_pb2.GenerateRequest(
+        session_id=sid, prompt_token_ids=list(prompt),
+        stopping=verify_pb2.StoppingCriteria(max_new_tokens=max_new), **kw)
+
+
+def with_verifier(target_model, body, **config):
+    async def main():
+        config.setdefault("kv_cache_mb", 64)
+        v = await start_verifier(VerifierConfig(**config), model=target_model)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{v.port}") as ch:
+                return await body(v, verify_pb2_grpc.VerifyServiceStub(ch), ch)
+        finally:
+            await v.drain_and_stop(0)
+
+    return asyncio.run(main())
+
+
+async def status_of(stub, req) -> grpc.StatusCode:
+    try:
+        async for _ in stub.Generate(req, timeout=60):
+            pass
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details()
+    return grpc.StatusCode.OK, ""
+
+
+BAD = [
+    (request(prompt=()), "prompt_token_ids is empty"),
+    (request(prompt=(1, 60000)), "outside the vocabulary"),
+    (request(sid=""), "session_id is empty"),
+    (request(max_new=0), "max_new_tokens"),
+    (request(max_new=9000), "exceeds the context"),
+    (request(sampling=common_pb2.SamplingParams(temperature=-1)), "temperature"),
+    (request(sampling=common_pb2.SamplingParams(top_p=1.5)), "top_p"),
+    (request(speculation=verify_pb2.SpeculationConfig(num_speculative_tokens=99)),
+     "num_speculative_tokens"),
+    (request(speculation=verify_pb2.SpeculationConfig(method=42)), "unknown speculation method"),
+]
+
+
+def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(target_model):
+    async def body(v, stub, ch):
+        for req, words in BAD:
+            code, details = await status_of(stub, req)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and words in details, (req, details)
+        return await status_of(stub, request())
+
+    assert with_verifier(target_model, body)[0] == grpc.StatusCode.OK
+
+
+def test_full_duplicate_and_cancel(target_model):
+    async def body(v, stub, ch):
+        first = stub.Generate(request("a", max_new=200), timeout=60)
+        await first.read()  # "a" is generating
+        dup = await status_of(stub, request("a"))
+        full = await status_of(stub, request("b"))
+        first.cancel()
+        for _ in range(100):  # the cancelled session is released promptly
+            if not v.engine.sessions:
+                break
+            await asyncio.sleep(0.05)
+        after = await status_of(stub, request("c"))
+        return dup[0], full[0], v.engine.sessions, after[0], v.engine.scheduler.blocks.usage
+
+    dup, full, sessions, after, usage = with_verifier(target_model, body, max_sessions=1)
+    assert dup == grpc.StatusCode.ALREADY_EXISTS
+    assert full == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert sessions == {} and after == grpc.StatusCode.OK and usage == 0.0
+
+
+def test_health_answers_during_a_long_forward(target_model):
+    async def body(v, stub, ch):
+        health = health_pb2_grpc.HealthStub(ch)
+        # A 1500-token prefill keeps the forward thread busy for seconds.
+        call = stub.Generate(request("long", prompt=[5] * 1500, max_new=2), timeout=120)
+        reader = asyncio.create_task(call.read())
+        await asyncio.sleep(0.3)
+        latencies = []
+        while not reader.done():
+            t = time.perf_counter()
+            resp = await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            latencies.append(time.perf_counter() - t)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            await asyncio.sleep(0.1)
+        await reader
+        return latencies
+
+    latencies = with_verifier(target_model, body, kv_cache_mb=128)
+    assert len(latencies) >= 3 and max(latencies) < 1.0
+
+
+def test_a_session_larger_than_the_cache_is_refused_not_queued(target_model):
+    async def body(v, stub, ch):
+        return await status_of(stub, request(prompt=[5] * 2000, max_new=8))
+
+    code, details = with_verifier(target_model, body, kv_cache_mb=16)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV blocks" in details
