@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from tandem.models import ModelError, ModelPaths, read_hf_config
+from verify_service.linear import LinearRouter
 
 
 @dataclass(frozen=True)
@@ -70,28 +71,6 @@ class LlamaConfig:
             qkv_bias=cfg.get("model_type") == "qwen2" or cfg.get("attention_bias", False),
             rope_scaling=rope,
         )
-
-
-def linear(
-    x: torch.Tensor,  # [m, in_features]
-    weight: torch.Tensor,  # [out_features, in_features]
-    bias: torch.Tensor | None = None,  # [out_features]
-) -> torch.Tensor:  # [m, out_features]
-    """x @ weight.T, routed around the CPU BLAS slow paths for small m.
-
-    Measured on the 2-core target machine with cold weights: a 1-row product runs as gemv at
-    ~10 GB/s, while `weight @ x.T` with 2..16 rows streams the weight ~3x faster; m = 9..15 is
-    slower than 16 and 1 slower than 2, so those are padded up. Large m (prefill) uses
-    F.linear, which wins there.
-    """
-    m = x.shape[0]
-    if m > 16 or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    padded = 2 if m == 1 else 16 if m > 8 else m
-    if padded != m:
-        x = torch.cat([x, x[:1].expand(padded - m, -1)])
-    out = torch.mm(weight, x.t())[:, :m].t().contiguous()
-    return out if bias is None else out + bias
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # [head_dim // 2] float32
@@ -189,6 +168,7 @@ class LlamaModel:
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
                  draft_vocab: DraftVocab | None = None):
         self.dtype = dtype
+        self.linear = LinearRouter()
         # With a truncated draft vocabulary, vocab_map[i] is the target id of draft row i and
         # cfg.vocab_size is the target's, so callers see target ids only.
         self.vocab_map = self._input_map = None
@@ -233,9 +213,21 @@ class LlamaModel:
         )
 
     @classmethod
-    def load(cls, paths: ModelPaths, dtype=torch.float32) -> LlamaModel:
+    def load(cls, paths: ModelPaths, dtype=torch.float32, tune: bool = True) -> LlamaModel:
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
-        return cls(cfg, _load_tensors(paths), dtype, DraftVocab.read(paths.root))
+        model = cls(cfg, _load_tensors(paths), dtype, DraftVocab.read(paths.root))
+        if tune:
+            model.tune_kernels()
+        return model
+
+    def tune_kernels(self) -> None:
+        """Measure the faster matmul layout per weight shape and row count (verify_service.linear).
+
+        Call after torch.set_num_threads: the answer depends on the thread count.
+        """
+        groups = [[getattr(layer, name) for layer in self.layers]
+                  for name in ("qkv", "o", "gate_up", "down")]
+        self.linear.tune([*groups, [self.lm_head]])
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
@@ -263,18 +255,18 @@ class LlamaModel:
         h = self.embed[input_ids]  # [num_tokens, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
             x = self._rms_norm(h, layer.input_norm)
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            qkv = self.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = self._rope(q.view(n, cfg.num_heads, hd), cos, sin)
             k = self._rope(k.view(n, cfg.num_kv_heads, hd), cos, sin)
             write_kv(k, v.view(n, cfg.num_kv_heads, hd), k_cache, v_cache, meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, scale)
-            h = h + linear(attn.reshape(n, q_size), layer.o)
+            h = h + self.linear(attn.reshape(n, q_size), layer.o)
             x = self._rms_norm(h, layer.post_norm)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.down)
+            gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + self.linear(F.silu(gate) * up, layer.down)
         h = self._rms_norm(h[logits_indices], self.final_norm)
-        logits = linear(h, self.lm_head).float()
+        logits = self.linear(h, self.lm_head).float()
         if self.vocab_map is None:
             return logits
         full = logits.new_full((logits.shape[0], cfg.vocab_size), float("-inf"))
