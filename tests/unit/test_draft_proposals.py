@@ -1,0 +1,84 @@
+"""The verifier's intake of draft proposals: bad ones are dropped, others are unharmed."""
+import asyncio
+
+import pytest
+
+from tandem.sampling_params import SamplingParams
+from tandem.v1 import common_pb2, draft_pb2
+from verify_service.async_engine import AsyncEngine, EngineConfig
+from verify_service.block_manager import BlockManager
+from verify_service.scheduler import Scheduler, SchedulerConfig
+from verify_service.sequence import GenerateParams
+from verify_service.speculation import CostModel
+
+pytestmark = pytest.mark.unit
+VOCAB = 100
+
+
+class Link:
+    address = "draft:1"
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, control):
+        self.sent.append(control)
+
+
+def make_engine():
+    sched = Scheduler(BlockManager(32, 4), SchedulerConfig(), CostModel())
+    engine = AsyncEngine(None, sched, None, EngineConfig(), VOCAB)
+    link = Link()
+    for sid in ("a", "b"):
+        engine.submit(GenerateParams(session_id=sid, prompt=(1, 2, 3), committed=(),
+                                     sampling=SamplingParams(temperature=0.0),
+                                     max_new_tokens=8, stop_token_ids=frozenset(),
+                                     method="draft_model"))
+        engine._links[sid] = link
+    return engine, link
+
+
+def proposal(sid="a", epoch=0, position=3, token=7, ids=(), probs=()):
+    return draft_pb2.DraftProposal(session_id=sid, epoch=epoch, position=position,
+                                   token_id=token, q=common_pb2.SparseDistribution(
+                                       token_ids=list(ids), probs=list(probs)))
+
+
+@pytest.mark.parametrize("bad", [
+    proposal(sid="nobody"),  # unknown session
+    proposal(epoch=5),  # stale or future epoch
+    proposal(token=VOCAB),  # out of vocabulary
+    proposal(position=9),  # gap
+    proposal(ids=(7, 8), probs=(0.5,)),  # ids and probs of different lengths
+    proposal(ids=(7, 8), probs=(0.5, 0.2)),  # does not sum to 1
+    proposal(ids=(7, VOCAB), probs=(0.5, 0.5)),  # q outside the vocabulary
+    proposal(ids=(8, 9), probs=(0.5, 0.5)),  # q does not contain the token
+    proposal(ids=(7, 8), probs=(1.5, -0.5)),  # negative mass
+])
+def test_bad_proposals_are_dropped_and_others_unharmed(bad):
+    async def main():
+        engine, link = make_engine()
+        engine.on_draft_message(link, bad)
+        engine.on_draft_message(link, proposal(sid="b", token=9))  # a healthy neighbour
+        return engine
+
+    engine = asyncio.run(main())
+    assert engine.sessions["a"].drafts == []
+    assert [d.token_id for d in engine.sessions["b"].drafts] == [9]
+
+
+def test_good_proposals_accumulate_in_order_and_errors_detach():
+    async def main():
+        engine, link = make_engine()
+        engine.on_draft_message(link, proposal(token=7, ids=(7, 8), probs=(0.75, 0.25)))
+        engine.on_draft_message(link, proposal(position=4, token=8))
+        before = [d.token_id for d in engine.sessions["a"].drafts]
+        engine.on_draft_message(link, draft_pb2.DraftProposal(
+            session_id="a", error=draft_pb2.DraftError(
+                code=draft_pb2.DRAFT_ERROR_CODE_INTERNAL, message="boom")))
+        return engine, before
+
+    engine, before = asyncio.run(main())
+    assert before == [7, 8]
+    assert engine.sessions["a"].drafts == [] and "a" not in engine._links
+    assert "b" in engine._links  # the other session keeps its draft stream
