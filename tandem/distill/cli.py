@@ -1,6 +1,7 @@
 """`tandem distill` and `tandem acceptance` sub-commands (registered by tandem/cli.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -9,18 +10,7 @@ from pathlib import Path
 from tandem.models import DEFAULT_TARGET
 
 
-def _add_distill(sub) -> None:
-    from tandem.distill.data import DataConfig
-    from tandem.distill.train import DraftArch, TrainConfig
-
-    d, a, t = DataConfig(), DraftArch(), TrainConfig()
-    p = sub.add_parser("distill", help="train a draft model for a target by distillation on "
-                       "text the target generates", description=__doc__)
-    p.add_argument("--target", default=os.environ.get("TANDEM_MODEL", DEFAULT_TARGET),
-                   help="target: default name or HF checkpoint dir [default %(default)s]")
-    p.add_argument("--out", type=Path, required=True, help="output draft directory")
-    p.add_argument("--data-dir", type=Path, default=None,
-                   help="generation cache (resumable) [default: OUT.data]")
+def _add_data_args(p, d) -> None:
     g = p.add_argument_group("data (text the target generates)")
     g.add_argument("--num-prompts", type=int, default=d.num_prompts)
     g.add_argument("--gen-batch", type=int, default=d.batch_size)
@@ -30,10 +20,32 @@ def _add_distill(sub) -> None:
     g.add_argument("--sampled-every", type=int, default=d.sampled_every,
                    help="every n-th batch samples at --gen-temperature, the rest are greedy")
     g.add_argument("--gen-temperature", type=float, default=d.temperature)
+    g.add_argument("--chat-prompts", type=int, default=0,
+                   help="also generate for N everyday chat requests (0 = none)")
+    g.add_argument("--chat-data-dir", type=Path, default=None,
+                   help="cache for the chat prompt set [default: OUT.chat-data]")
     g.add_argument("--gen-dtype", default=d.dtype, choices=("bfloat16", "float32"),
                    help="target dtype while generating [%(default)s]")
     g.add_argument("--gen-minutes", type=float, default=0.0,
                    help="stop generating after this long (0 = all prompts)")
+
+
+def _add_distill(sub) -> None:
+    from tandem.distill.data import DataConfig
+    from tandem.distill.train import DraftArch, TrainConfig
+
+    d, a, t = DataConfig(), DraftArch(), TrainConfig()
+    p = sub.add_parser("distill", help="train a draft model for a target by distillation on "
+                       "text the target generates", description=(
+                           "Generate text with the target (cached, resumable), distil a small "
+                           "Llama-family draft from its top-K log-probs (KL + CE), and export a "
+                           "HF-format draft directory with a model card."))
+    p.add_argument("--target", default=os.environ.get("TANDEM_MODEL", DEFAULT_TARGET),
+                   help="target: default name or HF checkpoint dir [default %(default)s]")
+    p.add_argument("--out", type=Path, required=True, help="output draft directory")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="generation cache (resumable) [default: OUT.data]")
+    _add_data_args(p, d)
     g = p.add_argument_group("draft architecture")
     g.add_argument("--layers", type=int, default=a.layers)
     g.add_argument("--hidden", type=int, default=a.hidden)
@@ -42,6 +54,10 @@ def _add_distill(sub) -> None:
     g.add_argument("--intermediate", type=int, default=a.intermediate)
     g.add_argument("--draft-vocab", type=int, default=a.vocab,
                    help="keep the N most frequent target tokens (0 = full vocabulary)")
+    g.add_argument("--init-from-target", action="store_true",
+                   help="copy the target's first --layers layers (needs the target's widths)")
+    g.add_argument("--freeze-embeddings", action="store_true",
+                   help="do not train the (tied) embedding / output head")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=t.steps)
     g.add_argument("--time-budget", type=float, default=t.time_budget_min,
@@ -66,15 +82,20 @@ def _cmd_distill(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    data = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
+                      max_new_tokens=args.max_new_tokens, top_k=args.teacher_top_k,
+                      sampled_every=args.sampled_every, temperature=args.gen_temperature,
+                      seed=args.seed, dtype=args.gen_dtype)
+    chat = dataclasses.replace(data, num_prompts=args.chat_prompts, mix="chat") \
+        if args.chat_prompts else None
     job = DistillJob(
         target=args.target, out_dir=args.out,
         data_dir=args.data_dir or args.out.with_name(args.out.name + ".data"),
-        data=DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
-                        max_new_tokens=args.max_new_tokens, top_k=args.teacher_top_k,
-                        sampled_every=args.sampled_every, temperature=args.gen_temperature,
-                        seed=args.seed, dtype=args.gen_dtype),
+        data=data, chat_data=chat, chat_data_dir=(
+            args.chat_data_dir or args.out.with_name(args.out.name + ".chat-data"))
+        if chat else None,
         arch=DraftArch(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate,
-                       args.draft_vocab),
+                       args.draft_vocab, args.init_from_target, args.freeze_embeddings),
         train=TrainConfig(steps=args.steps, time_budget_min=args.time_budget,
                           batch_tokens=args.batch_tokens, lr=args.lr,
                           ce_weight=args.ce_weight, seed=args.seed,
@@ -88,7 +109,8 @@ def _cmd_distill(args) -> int:
 def _add_acceptance(sub) -> None:
     p = sub.add_parser("acceptance", help="measure a draft's acceptance rate and cost ratio "
                        "against a target on held-out prompts")
-    p.add_argument("--draft", required=True, help="draft checkpoint directory")
+    p.add_argument("--draft", default=None,
+                   help="draft checkpoint directory [default: the shipped default draft]")
     p.add_argument("--target", default=os.environ.get("TANDEM_MODEL", DEFAULT_TARGET))
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSONL of {\"prompt\": ...} [default: the committed held-out set]")
@@ -110,6 +132,10 @@ def _cmd_acceptance(args) -> int:
     temps = tuple(float(x) for x in args.temperatures.split(",") if x.strip())
     cfg = AcceptanceConfig(k=args.k, max_new_tokens=args.max_new_tokens, temperatures=temps,
                            seed=args.seed, timing_threads=args.threads)
+    if args.draft is None:
+        from draft_service.weights import default_draft_dir
+
+        args.draft = str(default_draft_dir())
     result = measure(args.draft, args.target, args.prompts, cfg,
                      log=lambda m: print(m, file=sys.stderr))
     print(format_table(result))

@@ -50,6 +50,36 @@ _QUESTION_TEMPLATES = (
 )
 
 
+# General chat ("chat" mix): everyday assistant requests, the bulk of real traffic.
+_TASKS = (
+    "Give me some tips for {s}.", "What should a beginner know about {s}?",
+    "Write a short email to a friend about {s}.", "Explain {s} in simple words.",
+    "Write a short poem about {s}.", "What are common mistakes people make with {s}?",
+    "Make a step-by-step plan for {s}.", "Write a short story about {s}.",
+    "Summarise the key ideas of {s} in a few bullet points.", "Is {s} a good idea? Why?",
+    "Write a product description related to {s}.", "Tell me an interesting fact about {s}.",
+    "Compare two different approaches to {s}.", "Write a short dialogue about {s}.",
+    "What questions should I ask before starting {s}?", "Give me a checklist for {s}.",
+    "Describe a typical day involving {s}.", "Write a formal letter about {s}.",
+    "What is the history of {s}?", "How would you teach {s} to a child?",
+)
+_SUBJECTS = (
+    "cooking pasta", "learning the guitar", "saving for retirement", "running a marathon",
+    "growing tomatoes", "writing a CV", "public speaking", "travelling on a budget",
+    "training a puppy", "time management", "baking bread", "starting a small business",
+    "learning Spanish", "moving to a new city", "painting with watercolours", "camping",
+    "job interviews", "recycling at home", "online privacy", "first aid", "cycling to work",
+    "reading more books", "organising a wedding", "home workouts", "caring for houseplants",
+    "writing a novel", "negotiating a salary", "photography", "studying for exams",
+    "making friends as an adult", "buying a used car", "renting a flat", "volunteering",
+    "reducing stress", "learning to swim", "a rainy weekend", "a school science fair",
+    "chess openings", "a birthday surprise", "debugging a program", "using spreadsheets",
+    "writing clean code", "learning statistics", "space exploration", "the ocean",
+    "ancient Egypt", "electric bikes", "solar panels", "healthy eating", "coffee brewing",
+    "a visit to the dentist", "the first day at school", "winter holidays", "a football match",
+)
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One prompt: chat messages (rendered with the target's template) or raw text."""
@@ -130,10 +160,23 @@ def _clip(text: str, rng: random.Random, lo: int = 150, hi: int = 500) -> str:
     return text if len(text) <= n else text[:n].rsplit(" ", 1)[0]
 
 
-def build_prompts(n: int, seed: int, chat_fraction: float = 0.85) -> list[Prompt]:
-    """A deterministic mix: chat about Austen / code / general questions, plus raw text."""
+def chat_prompts(n: int, seed: int) -> list[Prompt]:
+    """Everyday chat requests (task template x subject), deterministic for a seed."""
+    rng = random.Random(seed)
+    return [Prompt("chat", rng.choice(_TASKS).format(s=rng.choice(_SUBJECTS)), "chat")
+            for _ in range(n)]
+
+
+def build_prompts(n: int, seed: int, chat_fraction: float = 0.85,
+                  mix: str = "corpus") -> list[Prompt]:
+    """A deterministic prompt set. mix="corpus": chat about Austen / code / topic questions
+    plus raw text; mix="chat": everyday chat requests only."""
     if n < 1 or not 0 <= chat_fraction <= 1:
         raise ValueError(f"need n >= 1 and chat_fraction in [0, 1], got {n}, {chat_fraction}")
+    if mix == "chat":
+        return chat_prompts(n, seed)
+    if mix != "corpus":
+        raise ValueError(f"prompt mix must be 'corpus' or 'chat', got {mix!r}")
     rng = random.Random(seed)
     prose, code = austen_paragraphs(), stdlib_snippets(seed=seed)
     prompts = []

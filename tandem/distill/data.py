@@ -36,6 +36,7 @@ class DataConfig:
     # bf16 generates ~4x faster on CPUs with AVX512-BF16 and its greedy tokens agree with
     # fp32 on 98.8% of positions (KL 6e-4 nats), so the teacher barely changes.
     dtype: str = "bfloat16"
+    mix: str = "corpus"  # prompt set: "corpus" (Austen / code / questions) or "chat"
 
     def __post_init__(self):
         for name in ("num_prompts", "batch_size", "max_new_tokens", "max_prompt_tokens",
@@ -109,15 +110,18 @@ def generate_shard(gen: _RecordingGenerator, prompts: list[list[int]], params, c
 
 
 def generate_dataset(target_root: Path, tokenizer, runner, cfg: DataConfig, data_dir: Path,
-                     log=print, deadline: float | None = None) -> None:
-    """Generate every missing shard of the prompt set into data_dir (resumable)."""
+                     log=print, deadline: float | None = None,
+                     part: tuple[int, int] = (0, 1)) -> None:
+    """Generate every missing shard of the prompt set into data_dir (resumable). With
+    part=(i, n), only shards s with s % n == i: n processes can fill one cache together."""
     data_dir.mkdir(parents=True, exist_ok=True)
     prompts = _load_or_build_prompts(data_dir, cfg)
     stop = tuple(t for t in [tokenizer.eos_token_id] if t is not None)
     gen = _RecordingGenerator(runner, cfg.top_k)
     num_shards = -(-len(prompts) // cfg.batch_size)
-    todo = [s for s in range(num_shards) if not _shard_path(data_dir, s).exists()]
-    log(f"data: {num_shards - len(todo)}/{num_shards} shards cached in {data_dir}")
+    mine = [s for s in range(num_shards) if s % part[1] == part[0]]
+    todo = [s for s in mine if not _shard_path(data_dir, s).exists()]
+    log(f"data: {len(mine) - len(todo)}/{len(mine)} shards cached in {data_dir}")
     start, tokens = time.perf_counter(), 0
     for n, s in enumerate(todo):
         if deadline is not None and time.time() > deadline:
@@ -142,7 +146,7 @@ def _load_or_build_prompts(data_dir: Path, cfg: DataConfig) -> list[Prompt]:
         prompts = [Prompt(**json.loads(line)) for line in path.read_text().splitlines()]
         if len(prompts) >= cfg.num_prompts:
             return prompts[:cfg.num_prompts]
-    prompts = build_prompts(cfg.num_prompts, cfg.seed)
+    prompts = build_prompts(cfg.num_prompts, cfg.seed, mix=cfg.mix)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(p.__dict__) + "\n" for p in prompts))
     tmp.rename(path)
@@ -160,10 +164,14 @@ class Example:
     sampled: bool
 
 
-def load_examples(data_dir: Path) -> list[Example]:
-    """Every cached shard, split back into sequences."""
+def load_examples(data_dir: Path, cfg: DataConfig | None = None) -> list[Example]:
+    """The cached shards of cfg's prompt set (every shard if cfg is None), as sequences."""
     out = []
-    for path in sorted(data_dir.glob("shard-*.safetensors")):
+    paths = sorted(data_dir.glob("shard-*.safetensors"))
+    if cfg is not None:  # shards past num_prompts belong to a larger run: leave them out
+        num_shards = -(-cfg.num_prompts // cfg.batch_size)
+        paths = [p for s in range(num_shards) if (p := _shard_path(data_dir, s)).exists()]
+    for path in paths:
         t = load_file(str(path))
         with safe_open(str(path), framework="pt") as f:
             sampled = float(f.metadata()["temperature"]) > 0
@@ -184,7 +192,9 @@ def data_stats(examples: list[Example]) -> dict:
             "sampled_sequences": sum(e.sampled for e in examples)}
 
 
-def main(argv=None) -> None:  # `python -m tandem.distill.data TARGET DATA_DIR [N]`: data only
+def main(argv=None) -> None:
+    """Data only: `python -m tandem.distill.data TARGET DATA_DIR [N [MINUTES [I/PARTS]]]` (the
+    same DataConfig defaults as `tandem distill`; run PARTS processes to use more cores)."""
     from transformers import AutoTokenizer
 
     from tandem.models import resolve_model
@@ -193,12 +203,14 @@ def main(argv=None) -> None:  # `python -m tandem.distill.data TARGET DATA_DIR [
 
     argv = sys.argv[1:] if argv is None else argv
     paths = resolve_model(argv[0])
-    cfg = DataConfig(num_prompts=int(argv[2]) if len(argv) > 2 else 3000)
+    cfg = DataConfig(num_prompts=int(argv[2]) if len(argv) > 2 else 3000,
+                     mix=argv[5] if len(argv) > 5 else "corpus")
     runner = ModelRunner.with_memory(LlamaModel.load(paths, cfg.torch_dtype),
                                      cfg.kv_cache_mb << 20)
     tok = AutoTokenizer.from_pretrained(str(paths.root))
     deadline = time.time() + 60 * float(argv[3]) if len(argv) > 3 else None
-    generate_dataset(paths.root, tok, runner, cfg, Path(argv[1]), deadline=deadline)
+    part = tuple(int(x) for x in argv[4].split("/")) if len(argv) > 4 else (0, 1)
+    generate_dataset(paths.root, tok, runner, cfg, Path(argv[1]), deadline=deadline, part=part)
 
 
 if __name__ == "__main__":

@@ -47,10 +47,19 @@ class DistillJob:
     gen_minutes: float = 0.0  # 0 = generate every prompt; else stop generating after this
     resume: bool = False
     val_sequences: int = 48
+    # Optional second prompt set of everyday chat requests (its own resumable cache).
+    chat_data_dir: Path | None = None
+    chat_data: DataConfig | None = None
 
     def __post_init__(self):
         if self.gen_minutes < 0 or self.val_sequences < 0:
             raise ValueError("--gen-minutes and --val-sequences must be >= 0")
+        if (self.chat_data_dir is None) != (self.chat_data is None):
+            raise ValueError("chat_data_dir and chat_data go together")
+
+    def data_sets(self) -> list[tuple[Path, DataConfig]]:
+        extra = [(self.chat_data_dir, self.chat_data)] if self.chat_data else []
+        return [(self.data_dir, self.data), *extra]
 
 
 def check_target(name: str) -> tuple[ModelPaths, dict]:
@@ -88,7 +97,8 @@ def _generate(job: DistillJob, paths: ModelPaths, tokenizer, log) -> None:
     runner = ModelRunner.with_memory(LlamaModel.load(paths, job.data.torch_dtype),
                                      job.data.kv_cache_mb << 20)
     deadline = time.time() + 60 * job.gen_minutes if job.gen_minutes else None
-    generate_dataset(paths.root, tokenizer, runner, job.data, job.data_dir, log, deadline)
+    for data_dir, cfg in job.data_sets():
+        generate_dataset(paths.root, tokenizer, runner, cfg, data_dir, log, deadline)
 
 
 def run_distill(job: DistillJob, log=print) -> Path:
@@ -97,10 +107,11 @@ def run_distill(job: DistillJob, log=print) -> Path:
     from transformers import AutoTokenizer
 
     paths, target_cfg = check_target(job.target)
-    _check_data_dir(job.data_dir, paths)
+    for data_dir, _ in job.data_sets():
+        _check_data_dir(data_dir, paths)
     tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
     _generate(job, paths, tokenizer, log)
-    examples = load_examples(job.data_dir)
+    examples = [e for d, cfg in job.data_sets() for e in load_examples(d, cfg)]
     if len(examples) < 2:
         raise ValueError(f"only {len(examples)} sequences in {job.data_dir}: generate more")
     rng = random.Random(job.train.seed)
@@ -112,8 +123,10 @@ def run_distill(job: DistillJob, log=print) -> Path:
     state = read_state(state_path) if job.resume and state_path.exists() else None
     vocab = state_vocab(state) if state else _vocab(job, examples, target_cfg, tokenizer)
     embed = _target_embedding(paths, load_file)
+    if job.arch.init_from_target:
+        target_cfg = {**target_cfg, "_weights": _target_weights(paths, load_file)}
     model = make_draft(job.arch, target_cfg, vocab, embed, job.train.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=job.train.lr,
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=job.train.lr,
                             weight_decay=job.train.weight_decay, betas=(0.9, 0.98))
     step, elapsed, tokens = 0, 0.0, 0
     if state:
@@ -121,6 +134,9 @@ def run_distill(job: DistillJob, log=print) -> Path:
         log(f"resumed from {state_path} at step {step}")
     val_batches = make_batches(val, vocab, job.train.batch_tokens, random.Random(0))
     card = _card(job, paths, examples, train, vocab)
+    if state:  # a resumed run records every command that trained these weights
+        old = _read_card(job.out_dir)
+        card["earlier_commands"] = [*old.get("earlier_commands", []), old.get("command", "?")]
     bar = tqdm(total=job.train.steps, initial=step, unit="step", file=sys.stderr)
     losses: list[float] = []
     step, elapsed, tokens = _train_loop(job, model, opt, train, vocab, bar, rng, (
@@ -155,6 +171,13 @@ def _with_losses(card: dict, losses: list[float]) -> dict:
     head, tail = losses[:10], losses[-10:]
     return {**card, "loss": {"first_steps": round(sum(head) / len(head), 4),
                              "last_steps": round(sum(tail) / len(tail), 4)}}
+
+
+def _target_weights(paths: ModelPaths, load_file) -> dict:
+    weights = {}
+    for f in paths.safetensors():
+        weights.update(load_file(str(f)))
+    return weights
 
 
 def _train_loop(job, model, opt, train, vocab, bar, rng, state, losses, checkpoint):
@@ -202,6 +225,8 @@ def _card(job, paths, examples, train, vocab) -> dict:
                  "train_sequences": len(train), "generation_wall_s": round(span, 1),
                  "sources": "janeaustenr (r-cran) + Python stdlib source + topic questions"},
         "train": asdict(job.train),
+        **({"chat_data": {**asdict(job.chat_data), **data_stats(
+            load_examples(job.chat_data_dir, job.chat_data))}} if job.chat_data else {}),
     }
 
 

@@ -28,6 +28,12 @@ class DraftArch:
     kv_heads: int = 2
     intermediate: int = 768
     vocab: int = 8192  # kept target tokens; 0 = the target's full vocabulary
+    # Start from the target's own first `layers` layers, norm and (kept) embedding rows: an
+    # early-exit copy of the target learns far faster than a random draft on little data.
+    init_from_target: bool = False
+    # Keep the embedding (= tied output head) fixed: with little data, training it overfits
+    # the rows of tokens the data happens to contain.
+    freeze_embeddings: bool = False
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
@@ -92,7 +98,9 @@ def make_draft(arch: DraftArch, target_cfg: dict, vocab: DraftVocab, target_embe
         bos_token_id=target_cfg.get("bos_token_id"), eos_token_id=target_cfg.get("eos_token_id"),
         pad_token_id=target_cfg.get("pad_token_id"))
     model = transformers.LlamaForCausalLM(cfg)
-    if target_embed is not None:
+    if arch.init_from_target:
+        _copy_target_layers(model, target_cfg, vocab, arch)
+    elif target_embed is not None:
         rows = target_embed[torch.tensor(vocab.target_ids)].float()
         rows = rows - rows.mean(0)
         _, _, v = torch.linalg.svd(rows[:8192], full_matrices=False)
@@ -101,7 +109,29 @@ def make_draft(arch: DraftArch, target_cfg: dict, vocab: DraftVocab, target_embe
         init[:, :proj.shape[1]] = proj / proj.std() * cfg.initializer_range
         with torch.no_grad():
             model.model.embed_tokens.weight.copy_(init)
+    model.model.embed_tokens.weight.requires_grad_(not arch.freeze_embeddings)
     return model
+
+
+def _copy_target_layers(model, target_cfg: dict, vocab: DraftVocab, arch: DraftArch) -> None:
+    want = {"hidden": target_cfg["hidden_size"], "heads": target_cfg["num_attention_heads"],
+            "kv_heads": target_cfg.get("num_key_value_heads"),
+            "intermediate": target_cfg["intermediate_size"]}
+    bad = {k: v for k, v in want.items() if v is not None and getattr(arch, k) != v}
+    if bad or arch.layers > target_cfg["num_hidden_layers"]:
+        raise ValueError(f"--init-from-target needs the target's shape {want} and at most "
+                         f"{target_cfg['num_hidden_layers']} layers; differing: {bad}")
+    weights = target_cfg["_weights"]
+    state = {}
+    for name, param in model.state_dict().items():
+        src = weights.get(name)
+        if name == "model.embed_tokens.weight" or (name == "lm_head.weight" and src is None):
+            src = weights["model.embed_tokens.weight"][torch.tensor(vocab.target_ids)]
+        elif name == "lm_head.weight":
+            src = src[torch.tensor(vocab.target_ids)]
+        if src is not None:
+            state[name] = src.to(param.dtype)
+    model.load_state_dict(state, strict=False)
 
 
 def _rope_theta(cfg: dict) -> float:
