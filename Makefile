@@ -27,6 +27,7 @@ stubs: venv
 bench: venv
 	$(BIN)/tandem models fetch
 	$(BIN)/python benchmarks/runner_speed.py
+	$(BIN)/tandem bench --quick
 
 lint: venv
 	$(BIN)/ruff check .

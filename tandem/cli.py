@@ -156,12 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_cmd_up)
 
     from draft_service.cli import register as register_draft
+    from tandem.bench.cli import register as register_bench
     from gateway.cli import register as register_gateway
     from verify_service.cli import register as register_verifier
 
     register_verifier(sub)
     register_draft(sub)
     register_gateway(sub)
+    register_bench(sub)
     from tandem.distill.cli import register as register_distill
 
     register_distill(sub)

@@ -1,0 +1,11 @@
+"""`tandem bench`: Tandem against its anchors, side by side in one run, with plots.
+
+  prompts.jsonl  the fixed prompt set (chat, story, code rewriting, summarisation, lists)
+  baselines.py   transformers generate / assisted generation / prompt lookup, in process
+  client.py      the gateway (streaming, concurrency) and the verifier's gRPC (round stats)
+  runner.py      one run: peers, then a local cluster; a JSON-able dict
+  stats.py       percentiles, acceptance, Leviathan's bound, round breakdown (pure Python)
+  summary.py     raw results -> tables and targets (pure Python)
+  report.py      results.json, Markdown report, docs/benchmarks.md; plots.py the PNGs
+  cli.py         `register(subparsers)` and `python -m tandem.bench.cli`
+"""

@@ -1,0 +1,171 @@
+"""The in-process peers, all through transformers `generate` on the same prompts:
+
+- plain target decoding (the everyday baseline);
+- assisted generation with the same draft the draft worker serves (`assistant_model=`);
+- prompt lookup decoding (`prompt_lookup_num_tokens=`), the in-process twin of our n-gram.
+
+Timing comes from a streamer (each `put` is one step's new tokens), so TTFT and decode
+tokens/s are defined exactly as for the streamed HTTP responses.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+from tandem.bench.stats import decode_tps
+
+PEER_METHODS = ("plain", "assisted", "prompt_lookup")
+
+
+class _Clock(BaseStreamer):
+    """Records when each step's tokens exist; the first `put` is the prompt itself."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.counts.append(int(value.numel()))
+
+    def end(self):
+        pass
+
+
+class _MappedEmbedding(torch.nn.Module):
+    """Target ids in, draft rows looked up (ids outside the draft vocabulary use its unk row)."""
+
+    def __init__(self, embed: torch.nn.Embedding, input_map: torch.Tensor):
+        super().__init__()
+        self.embed = embed
+        self.register_buffer("input_map", input_map, persistent=False)
+
+    def forward(self, ids):
+        return self.embed(self.input_map[ids])
+
+
+class _ScatterHead(torch.nn.Module):
+    """The draft's small head, scattered into the target vocabulary; tokens the draft cannot
+    produce get -inf, exactly as verify_service.llama.LlamaModel does. The matmul stays the
+    draft's own size, so the peer pays the same head cost as our draft worker."""
+
+    def __init__(self, head: torch.nn.Linear, target_ids: torch.Tensor, vocab: int):
+        super().__init__()
+        self.weight = head.weight
+        self.vocab = vocab
+        self.register_buffer("target_ids", target_ids, persistent=False)
+
+    def forward(self, hidden):
+        small = hidden @ self.weight.T
+        out = small.new_full((*small.shape[:-1], self.vocab), float("-inf"))
+        out[..., self.target_ids] = small
+        return out
+
+
+def load_target(path: str | Path):
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def load_assistant(draft_dir: str | Path, target_vocab: int):
+    """The draft as transformers loads it. A truncated-vocabulary draft (draft_vocab.json)
+    speaks draft row ids, so it is re-wired to speak target ids, as our workers do."""
+    from verify_service.llama import DraftVocab
+
+    model = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    vocab = DraftVocab.read(Path(draft_dir))
+    if vocab is not None:  # even a full-size one may order its rows differently
+        inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        head = model.lm_head
+        inner.embed_tokens = _MappedEmbedding(inner.embed_tokens, vocab.input_map())
+        model.lm_head = _ScatterHead(head, torch.tensor(vocab.target_ids), target_vocab)
+        model.config.vocab_size = target_vocab
+        model.config.tie_word_embeddings = False
+    return model
+
+
+def _generation_config(model, tokens: int, temperature: float, method: str, k: int):
+    """Exactly `tokens` new tokens (EOS does not stop, like the gateway's ignore_eos) with the
+    request's sampling: temperature only, no top-k / top-p, as Tandem's defaults."""
+    cfg = copy.deepcopy(model.generation_config)
+    cfg.max_new_tokens, cfg.min_new_tokens = tokens, None
+    cfg.eos_token_id = []  # not None: generate() would fill None from the model's defaults
+    if cfg.pad_token_id is None:
+        cfg.pad_token_id = model.config.eos_token_id
+    cfg.do_sample = temperature > 0
+    cfg.temperature = temperature if temperature > 0 else None
+    cfg.top_k, cfg.top_p = (0, 1.0) if temperature > 0 else (None, None)
+    if method == "prompt_lookup":
+        cfg.prompt_lookup_num_tokens = k
+    elif method == "assisted":
+        cfg.num_assistant_tokens = k  # its heuristic schedule then adapts it, like ours
+    return cfg
+
+
+@torch.inference_mode()
+def run_peer(model, assistant, ids: list[int], method: str, tokens: int, temperature: float,
+             k: int, seed: int = 0) -> dict:
+    """One generation; returns tokens, TTFT and decode tokens/s."""
+    if method not in PEER_METHODS:
+        raise ValueError(f"unknown peer method {method!r}")
+    torch.manual_seed(seed)
+    cfg = _generation_config(model, tokens, temperature, method, k)
+    kwargs = {"assistant_model": assistant} if method == "assisted" else {}
+    clock = _Clock()
+    out = model.generate(torch.tensor([ids]), generation_config=cfg, streamer=clock, **kwargs)
+    n = int(out.shape[1]) - len(ids)
+    first = clock.times[0] if clock.times else time.perf_counter()
+    last = clock.times[-1] if clock.times else first
+    return {"tokens": n, "ttft_s": first - clock.start,
+            "decode_tps": decode_tps(n, first, last), "steps": len(clock.times),
+            "e2e_s": last - clock.start}
+
+
+def _forward_ms(model, reps: int, prefix: int = 128) -> float:
+    """Median batch-1, 1-token forward on a cached prefix through our ModelRunner (ms)."""
+    import statistics
+
+    from verify_service.model_runner import ModelRunner, SeqChunk
+
+    blocks = -(-(prefix + 2) // 16)
+    runner = ModelRunner(model, num_blocks=blocks, block_size=16)
+    table = list(range(blocks))
+    runner.forward([SeqChunk([(7 * j) % 1000 + 100 for j in range(prefix)], 0, table, 1)])
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        runner.forward([SeqChunk([42], prefix, table, 1)])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def measure_c(draft: str, target: str, reps: int = 40) -> dict:
+    """The draft/target cost ratio c for Leviathan's formula: median batch-1 1-token forward
+    of each through our runner on one thread. tandem.distill.acceptance's measurement when it
+    is there (so this report and `tandem acceptance` agree), else the same thing here."""
+    from tandem.models import resolve_model
+    from verify_service.llama import LlamaModel
+
+    dm = LlamaModel.load(resolve_model(draft))
+    tm = LlamaModel.load(resolve_model(target))
+    try:
+        from tandem.distill.acceptance import AcceptanceConfig, measure_cost
+
+        return measure_cost(dm, tm, AcceptanceConfig(timing_reps=reps))
+    except (ImportError, TypeError, AttributeError):  # that module is still being finished
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            d, t = _forward_ms(dm, reps), _forward_ms(tm, max(5, reps // 4))
+        finally:
+            torch.set_num_threads(threads)
+        return {"draft_ms": d, "target_ms": t, "c": d / t, "threads": 1}

@@ -1,0 +1,129 @@
+"""`tandem bench`: wire with `register(subparsers)`; also runnable as `python -m tandem.bench.cli`.
+
+  tandem bench --quick                   # ~5 min: one prompt per category, 64 tokens
+  tandem bench                           # everything: 15 prompts, 128 tokens, T=0 and 0.7
+  tandem bench --report results/bench-2026-11-21/results.json   # re-render only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="subset in under five minutes: one prompt per category, 64 tokens, "
+                        "greedy-only peers and round stats, concurrency 1,4,8")
+    p.add_argument("--max-tokens", type=int, help="new tokens per request (default 128; "
+                   "--quick 64)")
+    p.add_argument("--k", type=int, default=8, help="draft tokens per round at most, for "
+                   "Tandem and the transformers peers (default %(default)s)")
+    p.add_argument("--temperatures", type=_floats, help="Tandem temperatures (default 0,0.7)")
+    p.add_argument("--round-temperatures", type=_floats, help="temperatures of the direct "
+                   "verifier runs that give per-round stats (default 0,0.7; --quick 0)")
+    p.add_argument("--concurrency", type=_ints, help="concurrent sessions to run "
+                   "(default 1,2,4,8,16; --quick 1,4,8)")
+    p.add_argument("--per-category", type=int, help="prompts per category, 0 = all "
+                   "(default 0; --quick 1)")
+    p.add_argument("--prompts", type=lambda t: tuple(x for x in t.split(",") if x),
+                   help="only these prompt ids of tandem/bench/prompts.jsonl (smoke runs)")
+    p.add_argument("--model", default="", help="target model (default: the default target)")
+    p.add_argument("--draft-model", default="", help="draft checkpoint directory (default: "
+                   "the shipped draft, draft_service/weights/smollm2-135m-draft)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker process "
+                   "(default %(default)s: verifier and draft each keep one core busy)")
+    p.add_argument("--peer-threads", type=int, help="torch threads of the transformers "
+                   "peers (default 1, like each worker; 0 = torch's default)")
+    p.add_argument("--seed", type=int, help="send this seed with sampled Tandem requests "
+                   "(default none: seeded sessions keep a fixed k and wait for every draft)")
+    p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    p.add_argument("--out", default="", help="results folder (default results/bench-<date>)")
+    p.add_argument("--docs", default="docs", help="write <docs>/benchmarks.md and <docs>/img "
+                   "(default %(default)s); '' to skip")
+    p.add_argument("--report", metavar="RESULTS_JSON", help="only re-render the report and "
+                   "plots from a saved results.json")
+
+
+def config_from_args(args):
+    from tandem.bench.runner import BenchConfig, quick_config
+
+    overrides = {"k": args.k, "model": args.model, "draft_model": args.draft_model,
+                 "threads": args.threads, "peers": not args.no_peers,
+                 "prompt_ids": args.prompts or ()}
+    for name in ("max_tokens", "temperatures", "round_temperatures", "concurrency",
+                 "per_category", "peer_threads", "seed"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    return quick_config(**overrides) if args.quick else BenchConfig(**overrides)
+
+
+def _print_summary(s: dict, out: Path) -> None:
+    from tandem.bench.report import concurrency_md, targets_md, throughput_md
+
+    print("\n" + throughput_md(s) + "\n\n" + concurrency_md(s) + "\n\n" + targets_md(s))
+    print(f"\nwrote {out}/results.json, report.md and plots")
+
+
+def cmd_bench(args) -> int:
+    from tandem.bench.report import write_outputs
+
+    docs = Path(args.docs) if args.docs else None
+    if args.report:
+        result = json.loads(Path(args.report).read_text())
+        result = _restore(result)
+        out = Path(args.out) if args.out else Path(args.report).parent
+        _print_summary(write_outputs(result, out, docs), out)
+        return 0
+    from tandem.bench.runner import run_bench
+
+    cfg = config_from_args(args)
+    out = Path(args.out or f"results/bench-{time.strftime('%Y-%m-%d', time.gmtime())}")
+    result: dict = {}
+    code = 0
+    try:
+        run_bench(cfg, result, out)
+    except KeyboardInterrupt:
+        print("interrupted: writing what was measured", file=sys.stderr)
+        result.setdefault("meta", {})["incomplete"] = "interrupted"
+        code = 130
+    if not result.get("runs") and not result.get("concurrency"):
+        return code or 1
+    _print_summary(write_outputs(result, out, docs), out)
+    return code
+
+
+def _restore(result: dict) -> dict:
+    """results.json holds the raw result plus its summary; only the raw part is needed."""
+    return {k: v for k, v in result.items() if k != "summary"}
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench", help="benchmark Tandem against transformers peers, side by side, with plots",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The four PNGs of the report (matplotlib, headless). Each takes the summary only."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on servers; must precede pyplot
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _nan0(x) -> float:
+    return 0.0 if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def speedup(s: dict, path: Path, labels: dict) -> Path:
+    temps = sorted({k[2] for k in s["speedup"]})
+    cats = []
+    for row in s["throughput"].values():
+        cats += [c for c in row["by_category"] if c not in cats]
+    groups = cats + ["all"]
+    fig, axes = plt.subplots(len(temps) or 1, 1, figsize=(12, 3.6 * max(1, len(temps))),
+                             squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, temp in zip(axes[:, 0], temps):
+        # a fixed colour per method, so the panels read alike
+        series = [(lab, colors[i], s["speedup"][(sy, me, temp)])
+                  for i, ((sy, me), lab) in enumerate(labels.items())
+                  if (sy, me, temp) in s["speedup"]]
+        width = 0.8 / max(1, len(series))
+        for i, (lab, color, sp) in enumerate(series):
+            ys = [_nan0(sp["by_category"].get(g)) for g in cats] + [_nan0(sp["all"])]
+            ax.bar([g + i * width - 0.4 + width / 2 for g in range(len(groups))], ys, width,
+                   label=lab, color=color)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.axhline(1.8, color="red", lw=0.8, ls="--", label="target 1.8x (draft_model)")
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_ylabel("decode tokens/s\nvs Tandem plain")
+        ax.set_title(f"Speedup by method and prompt type, T={temp:g}")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, path)
+
+
+def concurrency(s: dict, path: Path) -> Path:
+    conc = sorted(s["concurrency"], key=lambda c: c["sessions"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [c["sessions"] for c in conc]
+    ax.plot(xs, [c["total_tps"] for c in conc], "o-", label="total tokens/s")
+    one = next((c["total_tps"] for c in conc if c["sessions"] == 1), None)
+    if one:
+        ax.axhline(one * 4, ls=":", color="grey", label="target at 16 sessions: 4x one")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("concurrent sessions (draft_model, greedy)")
+    ax.set_ylabel("total tokens/s")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [c["itl_p50_ms"] for c in conc], "s--", color="tab:orange", label="ITL p50")
+    ax2.plot(xs, [c["itl_p99_ms"] for c in conc], "^--", color="tab:red", label="ITL p99")
+    ax2.set_ylabel("inter-token latency (ms)")
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper left")
+    ax.set_title("Tokens/s versus concurrency")
+    return _save(fig, path)
+
+
+def acceptance(s: dict, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    longest = 1
+    for (method, temp), v in sorted(s["speculation"].items(), key=lambda kv: str(kv[0])):
+        pos = v["per_position"]
+        longest = max(longest, len(pos))
+        if pos:
+            # NaN (a position no round reached) leaves a gap in the line
+            ax.plot(range(1, len(pos) + 1), pos, "o-", label=f"{method} T={temp:g}")
+    ax.set_ylim(0, 1.05)
+    ax.set_xticks(range(1, longest + 1))
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("P(accepted | positions before accepted)")
+    ax.set_title("Acceptance by draft position")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def breakdown(s: dict, path: Path, parts) -> Path:
+    rows = [(f"{m} T={t:g}", v["breakdown"]) for (m, t), v in sorted(s["speculation"].items(),
+                                                                      key=lambda kv: str(kv[0]))
+            if v["breakdown"]]
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.6 * max(1, len(rows))))
+    left = [0.0] * len(rows)
+    for key, name in parts:
+        vals = [max(0.0, _nan0(b[key])) for _, b in rows]
+        ax.barh(range(len(rows)), vals, left=left, label=name)
+        left = [a + b for a, b in zip(left, vals)]
+    for y, ((_, b), x) in enumerate(zip(rows, left)):
+        ax.text(x, y, f" {b['gap_ms']:.0f} ms", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.set_xlabel("ms per round (mean; the first round, with the prefill, left out)")
+    ax.set_title("Where a speculation round's time goes")
+    ax.set_xlim(0, max(left + [1.0]) * 1.15)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, path)
+
+
+def write_all(s: dict, out_dir: Path, names: dict, parts, labels: dict) -> list[Path]:
+    return [speedup(s, out_dir / names["speedup"], labels),
+            concurrency(s, out_dir / names["concurrency"]),
+            acceptance(s, out_dir / names["acceptance"]),
+            breakdown(s, out_dir / names["breakdown"], parts)]

@@ -1,0 +1,235 @@
+"""The run as people read it: results.json, a Markdown report and four PNG plots in
+results/bench-<date>/, and the same report as docs/benchmarks.md with the plots in docs/img/.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+from pathlib import Path
+
+from tandem.bench.summary import LABELS, summarize
+
+PLOTS = {"speedup": "bench-speedup.png", "concurrency": "bench-concurrency.png",
+         "acceptance": "bench-acceptance-by-position.png",
+         "breakdown": "bench-round-breakdown.png"}
+BREAKDOWN_PARTS = (("draft_wait_ms", "waiting for drafts"), ("verify_ms", "verify forward"),
+                   ("rejection_ms", "rejection sampling"),
+                   ("other_ms", "network + serialization + scheduling"))
+
+
+def fmt(x, spec: str = ".1f", suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:{spec}}{suffix}"
+
+
+def table(header: list[str], rows: list[list[str]], text_cols: tuple[int, ...] = (0,)) -> str:
+    """A GitHub Markdown table: text columns left-aligned, figures right-aligned."""
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(":---" if i in text_cols else "---:" for i in range(len(header)))
+             + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _categories(s: dict) -> list[str]:
+    cats = []
+    for row in s["throughput"].values():
+        cats += [c for c in row["by_category"] if c not in cats]
+    return cats
+
+
+def throughput_md(s: dict) -> str:
+    cats = _categories(s)
+    rows = []
+    for temp in sorted({k[2] for k in s["throughput"]}):
+        for (system, method), label in LABELS.items():
+            row = s["throughput"].get((system, method, temp))
+            if row is None:
+                continue
+            sp = s["speedup"].get((system, method, temp), {})
+            rows.append([f"{label}, T={temp:g}"] +
+                        [fmt(row["by_category"].get(c)) for c in cats] +
+                        [f"**{fmt(row['all'])}**", fmt(row["grounded"]),
+                         fmt(sp.get("all"), ".2f", "x"), fmt(row["ttft_s"] * 1e3, ".0f")])
+    return table(["method", *cats, "all", "input-grounded", "vs Tandem plain", "TTFT ms"], rows)
+
+
+def speculation_md(s: dict) -> str:
+    rows = []
+    for (method, temp), v in sorted(s["speculation"].items(), key=lambda kv: kv[0][1]):
+        reached = list(v["per_position"])
+        while reached and math.isnan(reached[-1]):  # positions no round verified
+            reached.pop()
+        pos = ", ".join(fmt(x, ".2f") for x in reached) or "–"
+        rows.append([f"{method}, T={temp:g}", fmt(v["acceptance_rate"], ".2f"),
+                     fmt(v["spec_share"] * 100, ".0f", "%"),
+                     fmt(v["alpha"], ".2f") + ("" if v["alpha_source"] == "rounds" else "*"),
+                     pos, fmt(v["mean_accepted_length"], ".2f"),
+                     fmt(v["mean_k"], ".1f") + ("" if v["alpha_source"] == "rounds" else "*"),
+                     fmt(v["c"], ".3f"), fmt(v["bound"], ".2f", "x"),
+                     f"{fmt(v['best_bound'], '.2f', 'x')} (k={v['best_k']})",
+                     fmt(v["measured"], ".2f", "x"), fmt(v["of_bound"] * 100, ".0f", "%")])
+    return table(["method", "accepted / drafted", "rounds with drafts", "a",
+                  "per-position acceptance 1..k",
+                  "tokens / round", "mean k", "c", "Leviathan S", "best S", "measured",
+                  "of S"], rows)
+
+
+def acceptance_md(s: dict) -> str:
+    cats = _categories(s)
+    rows = [[f"{m}, T={t:g}"] + [fmt(v.get(c), ".2f") for c in cats]
+            for (m, t), v in sorted(s["acceptance_by_category"].items(), key=lambda kv: kv[0][1])]
+    return table(["accepted / drafted", *cats], rows)
+
+
+def breakdown_md(s: dict) -> str:
+    rows = []
+    for (method, temp), v in sorted(s["speculation"].items(), key=lambda kv: kv[0][1]):
+        b = v["breakdown"]
+        if not b:
+            continue
+        rows.append([f"{method}, T={temp:g}", fmt(b["gap_ms"])] +
+                    [fmt(b[key]) for key, _ in BREAKDOWN_PARTS] +
+                    [fmt(v["rounds_mean_accepted_length"], ".2f"), str(b["rounds"])])
+    for (system, method, temp), row in sorted(s["throughput"].items(), key=lambda kv: kv[0][2]):
+        if (system, method) == ("tandem", "none") and row["all"] > 0:
+            # the reference a speculative round must beat: one plain step per token
+            rows.append([f"plain step (none), T={temp:g}", fmt(1e3 / row["all"])] +
+                        ["", "", "", ""] + ["1.00", "from tokens/s"])
+    return table(["method", "round (ms)"] + [name for _, name in BREAKDOWN_PARTS] +
+                 ["tokens / round", "rounds"], rows)
+
+
+def concurrency_md(s: dict) -> str:
+    rows = [[str(c["sessions"]), fmt(c["total_tps"]), fmt(c["itl_p50_ms"], ".0f"),
+             fmt(c["itl_p99_ms"], ".0f"), fmt(c["ttft_p50_s"] * 1e3, ".0f"),
+             fmt(c["ttft_p99_s"] * 1e3, ".0f")] for c in s["concurrency"]]
+    return table(["sessions", "total tokens/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms",
+                  "TTFT p99 ms"], rows)
+
+
+def targets_md(s: dict) -> str:
+    mark = {True: "met", False: "**missed**", None: "not measured"}
+    rows = [[t["name"], fmt(t["goal"], ".2f"), fmt(t["measured"], ".2f"), mark[t["met"]],
+             t["note"]] for t in s["targets"]]
+    return table(["target", "goal", "measured", "", "note"], rows, text_cols=(0, 3, 4))
+
+
+def _draft(meta: dict) -> str:
+    info = meta.get("draft_info") or {}
+    source = info.get("source", meta["draft"])
+    with contextlib.suppress(ValueError):  # repo-relative when it is inside the checkout
+        source = str(Path(source).relative_to(Path.cwd()))
+    text = f"`{source}`"
+    if info.get("snapshot"):
+        text += " (copied at the start of the run"
+        prog = info.get("progress") or {}
+        if prog:
+            text += f": {prog.get('steps')} training steps, validation top-1 " \
+                    f"{fmt(prog.get('val_top1_teacher_forced'), '.3f')}"
+        text += ")"
+    arch = info.get("architecture")
+    if arch:
+        text += f", {arch.get('layers')} layers, hidden {arch.get('hidden')}, " \
+                f"vocab {arch.get('vocab')}"
+    return text
+
+
+def render_markdown(result: dict, s: dict, img_prefix: str) -> str:
+    m, cfg = result["meta"], result["meta"]["config"]
+    mach = m["machine"]
+    load = ", ".join(f"{x:.2f}" for x in mach.get("load_avg_at_start", []))
+    parts = [
+        "# Tandem benchmarks", "",
+        "Generated by `tandem bench" + (" --quick" if cfg["quick"] else "") + "`; do not edit "
+        "by hand. Every figure below comes from one run, side by side.", "",
+        f"- **Date:** {m['date']} (finished {m.get('finished', 'incomplete')})",
+        f"- **Machine:** {mach['cpu']}, {mach['cores']} cores, no GPU; torch {mach['torch']}, "
+        f"transformers {mach['transformers']}, Python {mach['python']}; load average at "
+        f"start {load}",
+        f"- **Models:** target `{Path(m['target']).name}`, draft {_draft(m)}; draft/target "
+        f"1-token forward {fmt((m.get('cost') or {}).get('draft_ms'), '.2f')} / "
+        f"{fmt((m.get('cost') or {}).get('target_ms'), '.2f')} ms, "
+        f"c = {fmt((m.get('cost') or {}).get('c'), '.3f')}",
+        f"- **Run:** {len(m['prompt_tokens'])} prompts, {cfg['max_tokens']} new tokens each "
+        f"(EOS ignored), k <= {cfg['k']}; cluster of 1 verifier + 1 draft worker, "
+        f"{cfg['threads']} torch thread each, gateway over HTTP (streaming); transformers "
+        f"peers in the benchmark process, {cfg.get('peer_threads', 1)} torch thread, "
+        "before the cluster starts",
+        "- **Wall time:** " + (", ".join(f"{k} {v:.0f} s" for k, v in m.get("phase_s", {}).items())
+                               + f"; total {fmt(m.get('wall_s'), '.0f')} s"), ""]
+    parts += [f"> **Error:** {e}\n" for e in m.get("errors", [])] + [
+        "## Targets", "", targets_md(s), "",
+        "## Single-session decode tokens/s", "", throughput_md(s), "",
+        f"![speedup]({img_prefix}{PLOTS['speedup']})", "",
+        "## Speculation", "", speculation_md(s), "", acceptance_md(s), "",
+        f"![acceptance by position]({img_prefix}{PLOTS['acceptance']})", "",
+        "## Where a round's time goes", "", breakdown_md(s), "",
+        f"![round breakdown]({img_prefix}{PLOTS['breakdown']})", "",
+        "## Concurrency (draft_model, greedy)", "", concurrency_md(s), "",
+        f"![concurrency]({img_prefix}{PLOTS['concurrency']})", "",
+        "## Definitions", "", DEFINITIONS]
+    return "\n".join(parts) + "\n"
+
+
+DEFINITIONS = """\
+- *Decode tokens/s* = (n − 1) / (time of last token − time of first token), from the client's
+  side: SSE chunks for Tandem, transformers' streamer for the peers. TTFT is separate.
+  Aggregates are total tokens over total time.
+- *vs Tandem plain*: tokens/s over Tandem with `speculation.method = none` at the same
+  temperature, through the same gateway, so only speculation differs.
+- *a*: per-token acceptance, accepted / (accepted + rejections) over the verifier's rounds
+  (\\* = accepted / drafted from the gateway's totals and k = the cap, when no round stats
+  were collected at that temperature). *Rounds with drafts*: n-gram drafts nothing without a
+  match, and the verifier may choose k = 0; S assumes every round drafts.
+  *Per-position acceptance*: P(draft i accepted | drafts before it accepted).
+- *Leviathan S* = (1 − a^(k+1)) / ((1 − a)(k·c + 1)) at the measured a, the mean k the
+  verifier chose and c = draft / target 1-token forward time (0 for n-gram lookup); *best S*
+  at the best k <= the cap. *of S* = measured speedup / S.
+- *Round breakdown*: from the verifier's `GenerateResponse.round` (draft_wait_ms, verify_ms,
+  rejection_ms), streamed straight from its gRPC `Generate`; the rest of the client-observed
+  gap between two rounds is network, serialization and scheduling. The first round (prefill)
+  is left out.
+- *ITL*: each SSE chunk's gap spread evenly over its tokens (re-tokenized from its text).
+- *Peers*: transformers `generate` on the same chat-templated prompts with EOS not stopping
+  (like the gateway's `ignore_eos`), temperature only (no top-k/top-p, as Tandem's
+  defaults); assisted generation with `num_assistant_tokens = k` (its own schedule and
+  confidence threshold then adapt it) and the shipped draft re-wired to target ids; prompt
+  lookup with `prompt_lookup_num_tokens = k`. Tandem requests carry no seed."""
+
+
+def write_plots(s: dict, out_dir: Path) -> list[Path]:
+    from tandem.bench import plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return plots.write_all(s, out_dir, PLOTS, BREAKDOWN_PARTS, LABELS)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {(" ".join(map(str, k)) if isinstance(k, tuple) else k): _jsonable(v)
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    return obj
+
+
+def write_outputs(result: dict, out_dir: Path, docs_dir: Path | None) -> dict:
+    """results.json (raw + summary), report.md and PNGs; then docs/benchmarks.md + docs/img."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    s = summarize(result)
+    (out_dir / "results.json").write_text(json.dumps(_jsonable({**result, "summary": s}),
+                                                     indent=1))
+    pngs = write_plots(s, out_dir)
+    (out_dir / "report.md").write_text(render_markdown(result, s, ""))
+    if docs_dir is not None:
+        (docs_dir / "img").mkdir(parents=True, exist_ok=True)
+        for p in pngs:
+            shutil.copy(p, docs_dir / "img" / p.name)
+        (docs_dir / "benchmarks.md").write_text(render_markdown(result, s, "img/"))
+    return s

@@ -1,0 +1,295 @@
+"""One benchmark run, side by side: the transformers peers in this process, then a local
+Tandem cluster (redis, 1 verifier, 1 draft worker, gateway as real processes) called over HTTP
+and, for per-round stats, over the verifier's gRPC. Returns one JSON-able dict.
+
+The peers run before the cluster starts, so the two never share the CPU; within a system the
+methods are interleaved per prompt, so drift (a noisy neighbour) hits every method alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tandem.bench.stats import percentile
+
+PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
+TANDEM_METHODS = ("none", "draft_model", "ngram")
+SPEC_METHODS = ("draft_model", "ngram")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    max_tokens: int = 128
+    k: int = 8  # draft tokens per round at most, for every speculating method
+    temperatures: tuple[float, ...] = (0.0, 0.7)  # Tandem through the gateway
+    peer_temperatures: tuple[float, ...] = (0.0, 0.7)  # the transformers peers
+    round_temperatures: tuple[float, ...] = (0.0, 0.7)  # direct gRPC runs for round stats
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
+    per_category: int = 0  # prompts per category, 0 = all
+    prompt_ids: tuple[str, ...] = ()  # only these prompts (smoke runs); () = no filter
+    model: str = ""  # target; "" = the default
+    draft_model: str = ""  # "" = the shipped draft
+    threads: int = 1  # torch threads per worker process
+    peer_threads: int = 1  # torch threads of the transformers peers (1 is as fast as 2 here)
+    peers: bool = True
+    # None: Tandem requests carry no seed, as most users send them. A seeded sampled session
+    # keeps a fixed round shape (k drafts, waiting up to 1 s for them): pass one to measure that.
+    seed: int | None = None
+    quick: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 2 or not 1 <= self.k <= 32 or self.per_category < 0:
+            raise ValueError("need max_tokens >= 2, 1 <= k <= 32, per_category >= 0")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+
+
+def quick_config(**overrides) -> BenchConfig:
+    """--quick: one prompt per category, 64 tokens, greedy-only peers and round stats,
+    concurrency 1/4/8: under five minutes on the 2-core machine."""
+    base = dict(max_tokens=64, peer_temperatures=(0.0,), round_temperatures=(0.0,),
+                concurrency=(1, 4, 8), per_category=1, quick=True)
+    return BenchConfig(**{**base, **overrides})
+
+
+@dataclass
+class _Ctx:
+    cfg: BenchConfig
+    prompts: list[dict]
+    ids: dict[str, list[int]]
+    target: str
+    draft: str
+    bar: tqdm
+    out_dir: Path
+    result: dict = field(default_factory=dict)
+
+
+def load_prompts(per_category: int = 0, ids: tuple[str, ...] = (),
+                 path: Path = PROMPTS_FILE) -> list[dict]:
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    if ids:
+        rows = [r for r in rows if r["id"] in ids]
+    if not per_category:
+        return rows
+    seen: dict[str, int] = {}
+    out = []
+    for r in rows:
+        seen[r["category"]] = seen.get(r["category"], 0) + 1
+        if seen[r["category"]] <= per_category:
+            out.append(r)
+    return out
+
+
+def resolve_draft(draft_model: str, out_dir: Path) -> tuple[str, dict]:
+    """The draft directory every phase loads, and what to say about it. The shipped draft is
+    copied first: a distillation may swap a new checkpoint in mid-run, and the peers and the
+    cluster must measure the same weights."""
+    if draft_model:
+        return draft_model, {"source": draft_model}
+    from draft_service.weights import default_draft_dir
+
+    shipped = Path(default_draft_dir())
+    if not (shipped / "config.json").is_file():
+        raise SystemExit(f"no shipped draft at {shipped}; pass --draft-model DIR")
+    snap = out_dir / "draft-snapshot"
+    shutil.rmtree(snap, ignore_errors=True)
+    shutil.copytree(shipped, snap)
+    info = {"source": str(shipped), "snapshot": str(snap)}
+    try:
+        card = json.loads((snap / "tandem_draft.json").read_text())
+        info.update(architecture=card.get("architecture"), progress=card.get("progress"))
+    except (OSError, ValueError):
+        pass
+    return str(snap), info
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": "none",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "load_avg_at_start": os.getloadavg()}
+
+
+def _row(p: dict, system: str, method: str, temperature: float, out: dict) -> dict:
+    return {"system": system, "method": method, "temperature": temperature,
+            "prompt_id": p["id"], "category": p["category"], "grounded": p["grounded"], **out}
+
+
+def run_peers(ctx: _Ctx) -> None:
+    import torch
+
+    from tandem.bench.baselines import PEER_METHODS, load_assistant, load_target, run_peer
+
+    cfg = ctx.cfg
+    torch.set_num_threads(cfg.peer_threads or torch.get_num_threads())
+    model = load_target(ctx.target)
+    assistant = load_assistant(ctx.draft, model.config.vocab_size)
+    warm = ctx.ids[ctx.prompts[0]["id"]]
+    for method in PEER_METHODS:  # first calls pay one-off costs (allocator, kernels)
+        run_peer(model, assistant, warm, method, 4, 0.0, cfg.k)
+    for p in ctx.prompts:
+        for temp in cfg.peer_temperatures:
+            for method in PEER_METHODS:
+                ctx.bar.set_description(f"transformers {method} T={temp} {p['id']}")
+                out = run_peer(model, assistant, ctx.ids[p["id"]], method, cfg.max_tokens,
+                               temp, cfg.k, cfg.seed or 0)
+                ctx.result["runs"].append(_row(p, "transformers", method, temp, out))
+                ctx.bar.update()
+    del model, assistant
+    gc.collect()  # the cluster's processes get the memory back
+
+
+def run_gateway(ctx: _Ctx, url: str) -> None:
+    from tandem.bench.client import chat_body, run_single
+
+    cfg = ctx.cfg
+    for method in TANDEM_METHODS:  # warm-up: connections, draft worker caches
+        run_single(url, chat_body(ctx.prompts[0]["prompt"], 8, 0.0, method, cfg.k))
+    for p in ctx.prompts:
+        for temp in cfg.temperatures:
+            for method in TANDEM_METHODS:
+                ctx.bar.set_description(f"tandem {method} T={temp} {p['id']}")
+                body = chat_body(p["prompt"], cfg.max_tokens, temp, method, cfg.k, cfg.seed)
+                ctx.result["runs"].append(_row(p, "tandem", method, temp,
+                                               run_single(url, body)))
+                ctx.bar.update()
+
+
+def run_rounds(ctx: _Ctx, verifier: str, draft: str) -> None:
+    from tandem.bench.client import verifier_rounds
+
+    cfg = ctx.cfg
+    for p in ctx.prompts:
+        for temp in cfg.round_temperatures:
+            for method in SPEC_METHODS:
+                ctx.bar.set_description(f"verifier rounds {method} T={temp} {p['id']}")
+                out = verifier_rounds(verifier, ctx.ids[p["id"]], cfg.max_tokens, temp,
+                                      method, cfg.k, cfg.seed, draft)
+                ctx.result["rounds"].append(_row(p, "tandem-grpc", method, temp, out))
+                ctx.bar.update()
+
+
+def run_concurrency(ctx: _Ctx, url: str, tokenizer) -> None:
+    from tandem.bench.client import chat_body, run_concurrent
+
+    cfg = ctx.cfg
+    for n in cfg.concurrency:
+        ctx.bar.set_description(f"tandem draft_model x{n} concurrent")
+        bodies = [chat_body(ctx.prompts[i % len(ctx.prompts)]["prompt"], cfg.max_tokens, 0.0,
+                            "draft_model", cfg.k) for i in range(n)]
+        out = run_concurrent(url, bodies, tokenizer)
+        itl, ttft = out.pop("itl_s"), out.pop("ttft_s")
+        out.update(itl_p50_ms=percentile(itl, 50) * 1e3, itl_p99_ms=percentile(itl, 99) * 1e3,
+                   ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99))
+        ctx.result["concurrency"].append(out)
+        ctx.bar.update()
+
+
+@contextlib.contextmanager
+def _children_log_to(path: Path):
+    """Point this process's stdout/stderr at `path` while the cluster's processes are
+    spawned: they inherit the descriptors, so their logs land in the file instead of tearing
+    up the progress bar, and ours come back afterwards."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
+def _phase(ctx: _Ctx, name: str, fn, *args) -> None:
+    """Run one phase, timing it; a failure is recorded and the next phase still runs, so
+    one broken method does not cost the whole run's figures."""
+    start = time.perf_counter()
+    try:
+        fn(ctx, *args)
+    except Exception as exc:  # reported in the results and on screen, not swallowed
+        ctx.result["meta"].setdefault("errors", []).append(f"{name}: {exc!r}")
+        tqdm.write(f"{name} failed: {exc!r}")
+    ctx.result["meta"].setdefault("phase_s", {})[name] = round(time.perf_counter() - start, 1)
+
+
+def _jobs(cfg: BenchConfig, n_prompts: int) -> int:
+    peers = n_prompts * len(cfg.peer_temperatures) * 3 if cfg.peers else 0
+    return (peers + n_prompts * len(cfg.temperatures) * len(TANDEM_METHODS)
+            + n_prompts * len(cfg.round_temperatures) * len(SPEC_METHODS)
+            + len(cfg.concurrency))
+
+
+def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
+    """Fills `result` as it goes, so a caller that catches an interruption still has every
+    measurement made before it."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from tandem.bench.baselines import measure_c
+    from tandem.bench.client import worker_addresses
+    from tandem.launcher import Cluster, ClusterConfig, free_port
+    from tandem.models import resolve_model
+
+    hf_logging.set_verbosity_error()  # generate()'s deprecation chatter would bury the bar
+    start = time.perf_counter()
+    target = str(resolve_model(cfg.model or None).root)
+    draft, draft_info = resolve_draft(cfg.draft_model, out_dir)
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = load_prompts(cfg.per_category, cfg.prompt_ids)
+    ids = {p["id"]: list(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
+                                                 add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)) for p in prompts}
+    result.update({"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                            "machine": machine(), "config": asdict(cfg), "target": target,
+                            "draft": draft, "draft_info": draft_info,
+                            "prompt_tokens": {p["id"]: len(ids[p["id"]]) for p in prompts}},
+                   "runs": [], "rounds": [], "concurrency": []})
+    with tqdm(total=_jobs(cfg, len(prompts)), unit="run") as bar:
+        ctx = _Ctx(cfg, prompts, ids, target, draft, bar, out_dir, result)
+        if cfg.peers:
+            _phase(ctx, "peers", run_peers)
+        bar.set_description("draft/target forward cost (c)")
+        _phase(ctx, "cost", lambda c: c.result["meta"].update(cost=measure_c(draft, target)))
+        bar.set_description("starting the cluster")
+        cluster = Cluster(ClusterConfig(num_drafts=1, num_verifiers=1, gateway_port=free_port(),
+                                        model=cfg.model, draft_model=draft, threads=cfg.threads),
+                          log=lambda m: None)
+        try:
+            with _children_log_to(ctx.out_dir / "cluster.log"):
+                cluster.start()
+            workers = worker_addresses(cluster.redis_url)
+            _phase(ctx, "gateway", run_gateway, cluster.gateway_url)
+            _phase(ctx, "rounds", run_rounds, workers["verifier"][0], workers["draft"][0])
+            _phase(ctx, "concurrency", run_concurrency, cluster.gateway_url, tok)
+        finally:
+            cluster.stop()
+    result["meta"]["wall_s"] = round(time.perf_counter() - start, 1)
+    result["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return result

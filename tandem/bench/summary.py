@@ -1,0 +1,159 @@
+"""From a run's raw JSON to the figures the report shows and the targets it checks.
+
+Pure Python, like stats.py: a saved results.json can be re-summarised without a model.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from tandem.bench.stats import (
+    best_bound,
+    leviathan_bound,
+    ratio,
+    round_breakdown,
+    spec_summary,
+    throughput,
+)
+
+# (system, method) in the order the tables list them, with their display names.
+LABELS = {("transformers", "plain"): "transformers generate",
+          ("transformers", "assisted"): "transformers assisted (draft)",
+          ("transformers", "prompt_lookup"): "transformers prompt lookup",
+          ("tandem", "none"): "Tandem plain (none)",
+          ("tandem", "draft_model"): "Tandem draft_model",
+          ("tandem", "ngram"): "Tandem ngram"}
+BASELINE = ("tandem", "none")
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def throughput_table(runs: list[dict]) -> dict:
+    """{(system, method, temperature): {"all", "grounded", "ttft_s", "by_category": {...}}}."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in runs:
+        groups[(r["system"], r["method"], r["temperature"])].append(r)
+    out = {}
+    for key, rs in groups.items():
+        cats = defaultdict(list)
+        for r in rs:
+            cats[r["category"]].append(r)
+        out[key] = {"all": throughput(rs), "grounded": throughput(r for r in rs if r["grounded"]),
+                    "ttft_s": _mean(r["ttft_s"] for r in rs), "n": len(rs),
+                    "by_category": {c: throughput(v) for c, v in cats.items()}}
+    return out
+
+
+def speedups(table: dict) -> dict:
+    """Every row's tokens/s over Tandem plain at the same temperature, overall and per
+    category (the same gateway, so only speculation differs)."""
+    out = {}
+    for (system, method, temp), row in table.items():
+        base = table.get((*BASELINE, temp))
+        if base is None:
+            continue
+        out[(system, method, temp)] = {
+            "all": ratio(row["all"], base["all"]),
+            "by_category": {c: ratio(v, base["by_category"].get(c, math.nan))
+                            for c, v in row["by_category"].items()}}
+    return out
+
+
+def _gateway_acceptance(runs: list[dict], method: str, temp: float,
+                        category: str | None = None) -> dict:
+    rs = [r for r in runs if (r["system"], r["method"], r["temperature"]) ==
+          ("tandem", method, temp) and r.get("speculation")
+          and category in (None, r["category"])]
+    drafted = sum(r["speculation"].get("drafted_tokens", 0) for r in rs)
+    accepted = sum(r["speculation"].get("accepted_tokens", 0) for r in rs)
+    rounds = sum(r["speculation"].get("rounds", 0) for r in rs)
+    return {"acceptance_rate": accepted / drafted if drafted else math.nan,
+            "mean_accepted_length": sum(r["tokens"] for r in rs) / rounds if rounds else math.nan}
+
+
+def speculation_table(result: dict, table: dict) -> dict:
+    """Per (method, temperature): acceptance (gateway totals; per-position and a from the
+    verifier's rounds where measured), Leviathan's bound and the measured speedup."""
+    k = result["meta"]["config"]["k"]
+    c_draft = (result["meta"].get("cost") or {}).get("c", math.nan)
+    out = {}
+    temps = sorted({r["temperature"] for r in result["runs"] if r["system"] == "tandem"} |
+                   {r["temperature"] for r in result["rounds"]})
+    for method in ("draft_model", "ngram"):
+        c = c_draft if method == "draft_model" else 0.0  # a lookup costs no forward
+        for temp in temps:
+            rows = [x for r in result["rounds"] if (r["method"], r["temperature"]) ==
+                    (method, temp) for x in r["rounds"]]
+            gw = _gateway_acceptance(result["runs"], method, temp)
+            rs = spec_summary(rows, k) if rows else {}
+            alpha = rs.get("alpha", gw["acceptance_rate"])  # accepted/drafted if no rounds
+            mean_k = rs["mean_k"] if rows else k
+            measured = ratio(table.get(("tandem", method, temp), {}).get("all", math.nan),
+                             table.get(("tandem", "none", temp), {}).get("all", math.nan))
+            bound = leviathan_bound(alpha, mean_k, c)
+            best_k, best = best_bound(alpha, k, c)
+            out[(method, temp)] = {
+                **gw, "alpha": alpha, "alpha_source": "rounds" if rows else "gateway",
+                "per_position": rs.get("per_position", []), "mean_k": mean_k, "c": c,
+                "spec_share": ratio(rs.get("spec_rounds", math.nan), rs.get("rounds", math.nan)),
+                "bound": bound, "best_k": best_k, "best_bound": best, "measured": measured,
+                "of_bound": ratio(measured, bound), "breakdown": round_breakdown(rows),
+                "rounds_mean_accepted_length": rs.get("mean_accepted_length", math.nan)}
+    return out
+
+
+def acceptance_by_category(runs: list[dict]) -> dict:
+    """{(method, temperature): {category: accepted / drafted}} from the gateway's totals."""
+    out: dict = {}
+    for r in runs:
+        if r["system"] == "tandem" and r["method"] != "none":
+            key = (r["method"], r["temperature"])
+            out.setdefault(key, {})[r["category"]] = _gateway_acceptance(
+                runs, *key, r["category"])["acceptance_rate"]
+    return out
+
+
+def _target(name: str, goal: float, measured: float, note: str = "") -> dict:
+    met = None if measured is None or math.isnan(measured) else measured >= goal
+    return {"name": name, "goal": goal, "measured": measured, "met": met, "note": note}
+
+
+def targets(table: dict, spec: dict, conc: list[dict]) -> list[dict]:
+    def tps(system, method, key="all", temp=0.0):
+        return table.get((system, method, temp), {}).get(key, math.nan)
+
+    out = [
+        _target("Tandem draft_model >= 1.8x Tandem plain, greedy, 1 session", 1.8,
+                ratio(tps("tandem", "draft_model"), tps("tandem", "none"))),
+        _target("Tandem draft_model >= transformers assisted, greedy", 1.0,
+                ratio(tps("tandem", "draft_model"), tps("transformers", "assisted"))),
+        _target("Tandem ngram >= transformers prompt lookup, input-grounded, greedy", 1.0,
+                ratio(tps("tandem", "ngram", "grounded"),
+                      tps("transformers", "prompt_lookup", "grounded")))]
+    for method in ("draft_model", "ngram"):
+        s = spec.get((method, 0.0))
+        note = "" if not s or math.isnan(s["bound"]) else (
+            f"S = {s['bound']:.2f}x at a = {s['alpha']:.2f}, k = {s['mean_k']:.1f}, "
+            f"c = {s['c']:.3f}")
+        out.append(_target(f"{method} speedup >= 80% of Leviathan's bound, greedy", 0.8,
+                           s["of_bound"] if s else math.nan, note))
+    if len(conc) > 1:
+        one = next((c for c in conc if c["sessions"] == 1), None)
+        top = max(conc, key=lambda c: c["sessions"])
+        out.append(_target(f"{top['sessions']} concurrent sessions >= 4x one session's total "
+                           "tokens/s", 4.0,
+                           ratio(top["total_tps"], one["total_tps"]) if one else math.nan,
+                           "" if top["sessions"] == 16 else "16 not run (--quick): largest level"))
+    return out
+
+
+def summarize(result: dict) -> dict:
+    table = throughput_table(result["runs"])
+    spec = speculation_table(result, table)
+    return {"throughput": table, "speedup": speedups(table), "speculation": spec,
+            "acceptance_by_category": acceptance_by_category(result["runs"]),
+            "concurrency": result["concurrency"],
+            "targets": targets(table, spec, result["concurrency"])}
