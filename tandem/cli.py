@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_cmd_up)
 
     from draft_service.cli import register as register_draft
-    from tandem.bench.cli import register as register_bench
     from gateway.cli import register as register_gateway
+    from tandem.bench.cli import register as register_bench
     from verify_service.cli import register as register_verifier
 
     register_verifier(sub)
