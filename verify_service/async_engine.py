@@ -228,8 +228,11 @@ class AsyncEngine:
                     self.scheduler.finish(s.seq, "abort")
                     self._release(s.seq)
                 continue
-            if len(inputs) == 1:
-                self.scheduler.cost.observe(len(inputs[0].token_ids), timings.forward_ms)
+            only = sched.scheduled[0]
+            if len(inputs) == 1 and not only.is_prefill:
+                # The whole round, drafting wait and sampling included: what k really costs.
+                self.scheduler.cost.observe(only.num_drafts + 1, wait_ms + timings.forward_ms
+                                            + timings.rejection_ms)
             for s, outcome in zip(sched.scheduled, outcomes):
                 self._apply(s, outcome, wait_ms, timings)
 
@@ -258,8 +261,10 @@ class AsyncEngine:
                 if seq.seq_id not in self._links or missing <= 0:
                     continue
                 s = seq.params.sampling
+                # n-gram drafts are instant or absent: only a draft model is worth the wait.
+                seeded = s.seed is not None and not s.is_greedy
                 allowed = (self.config.seeded_draft_wait_ms
-                           if s.seed is not None and not s.is_greedy else
+                           if seeded and seq.params.method == "draft_model" else
                            min(self.config.max_draft_wait_ms, missing * self._arrival_ms * 1.5))
                 limit_ms = max(limit_ms, allowed)
             now = time.perf_counter()

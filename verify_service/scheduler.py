@@ -14,6 +14,8 @@ from verify_service.block_manager import BlockManager, NoFreeBlocksError
 from verify_service.sequence import SeqStatus, Sequence
 from verify_service.speculation import CostModel, choose_k
 
+EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -101,7 +103,10 @@ class Scheduler:
         k_max = max(0, min(k_max, per_seq))
         if seq.params.sampling.seed is not None and not seq.params.sampling.is_greedy:
             return k_max  # a fixed round shape keeps seeded sampling reproducible
-        return choose_k(seq.acceptance_ema, k_max, self.cost)
+        k = choose_k(seq.acceptance_ema, k_max, self.cost)
+        if k == 0 and k_max and seq.stats.rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            k = 1  # speculation is off for this session: probe now and then, estimates move
+        return k
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []

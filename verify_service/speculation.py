@@ -32,7 +32,12 @@ def leviathan_speedup(alpha: float, k: int, c: float) -> float:
 
 @dataclass
 class CostModel:
-    """Measured forward time (ms) by tokens per sequence, for single-sequence steps."""
+    """Measured round time (ms) by tokens verified per round (k + 1), single-session steps.
+
+    A round's time includes waiting for drafts and sampling, not just the forward: with a
+    weak draft those make a k = 1 round dearer than the tokens it yields, and choose_k then
+    switches speculation off.
+    """
 
     ms: dict[int, float] = field(default_factory=dict)
 

@@ -208,3 +208,19 @@ def test_carried_round_keeps_drafts_and_feeds_only_drafts():
     seq.carried, seq.drafts = True, []
     (s,) = sched.schedule().scheduled  # drafts vanished: a round without a forward
     assert s.token_ids == [] and s.num_drafts == 0
+
+
+def test_measured_round_costs_switch_speculation_off_and_probes_continue():
+    cost = CostModel()
+    cost.observe(1, 46.0)  # a plain round
+    cost.observe(2, 62.0)  # a k = 1 round incl. draft wait and sampling (measured here)
+    assert choose_k(0.3, 1, cost) == 0  # 1.3 tokens per 62 ms < 1 per 46 ms
+    assert choose_k(0.9, 1, cost) == 1  # 1.9 per 62 ms wins
+    sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_spec_tokens=1), cost)
+    seq = Sequence(params())
+    seq.acceptance_ema = 0.3
+    ks = []
+    for r in range(32):
+        seq.stats.rounds = r
+        ks.append(sched.desired_k(seq))
+    assert ks.count(1) == 2 and ks.count(0) == 30  # off, with a probe every 16 rounds
