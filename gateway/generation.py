@@ -21,15 +21,13 @@ from gateway.routing import Assignment, Router
 from gateway.schemas import speculation_stats
 from gateway.sessions import SessionStore
 from gateway.text import TextStream
+from tandem.methods import METHOD_TO_PB
 from tandem.registry import WorkerRecord
 from tandem.sampling_params import SamplingParams
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-METHODS = {"none": common_pb2.SPECULATION_METHOD_NONE,
-           "draft_model": common_pb2.SPECULATION_METHOD_DRAFT_MODEL,
-           "ngram": common_pb2.SPECULATION_METHOD_NGRAM}
 _FINISH = {verify_pb2.FINISH_REASON_STOP: "stop", verify_pb2.FINISH_REASON_LENGTH: "length"}
 # A dead or draining verifier: resume elsewhere. RESOURCE_EXHAUSTED / ALREADY_EXISTS are
 # about this verifier only, so another one may still take the session.
@@ -136,7 +134,7 @@ def build_request(plan: GenerationPlan, committed: Sequence[int],
                                              stop_token_ids=plan.stop_token_ids,
                                              ignore_eos=plan.ignore_eos),
         speculation=verify_pb2.SpeculationConfig(
-            method=METHODS[plan.method], num_speculative_tokens=plan.num_speculative_tokens,
+            method=METHOD_TO_PB[plan.method], num_speculative_tokens=plan.num_speculative_tokens,
             draft_address=draft_address))
 
 

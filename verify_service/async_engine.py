@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.methods import METHOD_TO_PB
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, draft_pb2
 from verify_service.draft_link import DraftLink, DraftPool
@@ -23,8 +24,6 @@ from verify_service.sequence import DraftToken, GenerateParams, Sequence
 from verify_service.speculation import update_acceptance
 
 log = logging.getLogger(__name__)
-_METHOD_PB = {"draft_model": common_pb2.SPECULATION_METHOD_DRAFT_MODEL,
-              "ngram": common_pb2.SPECULATION_METHOD_NGRAM}
 
 
 class EngineFullError(Exception):
@@ -128,7 +127,7 @@ class AsyncEngine:
         link.send(draft_pb2.DraftControl(open=draft_pb2.OpenSession(
             session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
             trace_context=dict(p.trace_context),
-            method=_METHOD_PB[p.method], max_run_ahead=self.scheduler.config.max_spec_tokens,
+            method=METHOD_TO_PB[p.method], max_run_ahead=self.scheduler.config.max_spec_tokens,
             top_n=self.config.top_n,
             sampling=common_pb2.SamplingParams(
                 temperature=p.sampling.temperature, top_k=p.sampling.top_k,

@@ -9,6 +9,7 @@ import grpc
 from opentelemetry import trace
 
 from tandem import telemetry
+from tandem.methods import PB_TO_METHOD
 from tandem.sampling_params import SamplingParams
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
@@ -17,9 +18,6 @@ from verify_service.sequence import GenerateParams
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
-_METHODS = {common_pb2.SPECULATION_METHOD_NONE: "none",
-            common_pb2.SPECULATION_METHOD_DRAFT_MODEL: "draft_model",
-            common_pb2.SPECULATION_METHOD_NGRAM: "ngram"}
 _FINISH = {None: verify_pb2.FINISH_REASON_UNSPECIFIED, "stop": verify_pb2.FINISH_REASON_STOP,
            "length": verify_pb2.FINISH_REASON_LENGTH, "abort": verify_pb2.FINISH_REASON_ABORT}
 
@@ -46,8 +44,8 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
     spec = req.speculation
     if spec.method == common_pb2.SPECULATION_METHOD_UNSPECIFIED:
         method = default_method
-    elif spec.method in _METHODS:
-        method = _METHODS[spec.method]
+    elif spec.method in PB_TO_METHOD:
+        method = PB_TO_METHOD[spec.method]
     else:
         raise ValueError(f"unknown speculation method {spec.method}")
     if spec.num_speculative_tokens > info.max_speculative_tokens:
