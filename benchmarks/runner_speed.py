@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.models import ModelPaths, fetch_default_target
 from tandem.sampling_params import SamplingParams
-from verify_service.generate import LocalGenerator
-from verify_service.llama import LlamaModel
-from verify_service.model_runner import ModelRunner, SeqChunk
+from tandem.engine.generate import LocalGenerator
+from tandem.engine.llama import LlamaModel
+from tandem.engine.model_runner import ModelRunner, SeqChunk
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",

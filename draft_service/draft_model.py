@@ -3,7 +3,7 @@
 Every step runs ONE flattened variable-length forward over all sessions that want a draft
 token (a new session's prompt and other sessions' single new tokens side by side; no padding),
 then samples one token per session from the top-N truncation of its distribution. The KV cache
-is the verifier's paged design (verify_service.model_runner / block_manager): sessions with a
+is the verifier's paged design (tandem.engine.model_runner / block_manager): sessions with a
 common prefix (a shared system prompt) share its committed blocks.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from draft_service.proposer import DraftRequest, DraftResult, DraftToken, ErrorCode, Method
 from kernels.sampling import logits_to_probs, sample, top_n_sparse
 from tandem.models import ModelPaths
-from verify_service.block_manager import BlockManager, NoFreeBlocksError
-from verify_service.llama import LlamaModel
-from verify_service.model_runner import ModelRunner, SeqChunk
+from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
+from tandem.engine.llama import LlamaModel
+from tandem.engine.model_runner import ModelRunner, SeqChunk
 
 log = logging.getLogger(__name__)
 

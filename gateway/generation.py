@@ -21,7 +21,7 @@ from gateway.routing import Assignment, Router
 from gateway.schemas import speculation_stats
 from gateway.sessions import SessionStore
 from gateway.text import TextStream
-from tandem.methods import METHOD_TO_PB
+from tandem.spec.methods import METHOD_TO_PB
 from tandem.registry import WorkerRecord
 from tandem.sampling_params import SamplingParams
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc

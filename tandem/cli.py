@@ -45,9 +45,9 @@ def _cmd_generate(args) -> int:
 
     from tandem.models import resolve_model
     from tandem.sampling_params import SamplingParams
-    from verify_service.generate import LocalGenerator
-    from verify_service.llama import LlamaModel
-    from verify_service.model_runner import ModelRunner
+    from tandem.engine.generate import LocalGenerator
+    from tandem.engine.llama import LlamaModel
+    from tandem.engine.model_runner import ModelRunner
 
     if args.threads:
         torch.set_num_threads(args.threads)

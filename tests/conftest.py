@@ -23,7 +23,7 @@ def target_paths():
 
 @pytest.fixture(scope="session")
 def target_model(target_paths):
-    from verify_service.llama import LlamaModel
+    from tandem.engine.llama import LlamaModel
 
     return LlamaModel.load(target_paths)
 

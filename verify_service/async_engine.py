@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.methods import METHOD_TO_PB
+from tandem.spec.methods import METHOD_TO_PB
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, draft_pb2
 from verify_service.draft_link import DraftLink, DraftPool
 from verify_service.engine import EngineCore, RoundOutcome, StepInput
 from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import DraftToken, GenerateParams, Sequence
-from verify_service.speculation import update_acceptance
+from tandem.spec.cost import update_acceptance
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 from kernels.rejection import SparseDraftProbs, rejection_sample
 from kernels.sampling import keyed_seed, logits_to_probs, make_generator
 from tandem.sampling_params import SamplingParams
-from verify_service.model_runner import ModelRunner, SeqChunk
+from tandem.engine.model_runner import ModelRunner, SeqChunk
 from verify_service.sequence import DraftToken
 
 

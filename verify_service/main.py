@@ -15,15 +15,15 @@ from tandem.models import ModelPaths, resolve_model, tokenizer_hash
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2_grpc
 from verify_service.async_engine import AsyncEngine, EngineConfig
-from verify_service.block_manager import BlockManager
+from tandem.engine.block_manager import BlockManager
 from verify_service.config import VerifierConfig
 from verify_service.draft_link import DraftPool
 from verify_service.engine import EngineCore
-from verify_service.llama import LlamaModel
-from verify_service.model_runner import ModelRunner
+from tandem.engine.llama import LlamaModel
+from tandem.engine.model_runner import ModelRunner
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.server import SERVICE_NAME, VerifyServicer
-from verify_service.speculation import CostModel
+from tandem.spec.cost import CostModel
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from verify_service.block_manager import BlockManager, NoFreeBlocksError
+from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from verify_service.sequence import SeqStatus, Sequence
-from verify_service.speculation import CostModel, choose_k
+from tandem.spec.cost import CostModel, choose_k
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
 

@@ -9,7 +9,7 @@ import grpc
 from opentelemetry import trace
 
 from tandem import telemetry
-from tandem.methods import PB_TO_METHOD
+from tandem.spec.methods import PB_TO_METHOD
 from tandem.sampling_params import SamplingParams
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc

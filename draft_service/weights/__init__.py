@@ -3,7 +3,7 @@
 smollm2-135m-draft/ is the default draft for SmolLM2-135M-Instruct, produced by
 `tandem distill` (the exact command line, data, training time and measured acceptance are in
 its tandem_draft.json). It is a HF-format Llama directory with a truncated vocabulary
-(draft_vocab.json maps draft rows to target ids; verify_service.llama.LlamaModel applies it).
+(draft_vocab.json maps draft rows to target ids; tandem.engine.llama.LlamaModel applies it).
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class _MappedEmbedding(torch.nn.Module):
 
 class _ScatterHead(torch.nn.Module):
     """The draft's small head, scattered into the target vocabulary; tokens the draft cannot
-    produce get -inf, exactly as verify_service.llama.LlamaModel does. The matmul stays the
+    produce get -inf, exactly as tandem.engine.llama.LlamaModel does. The matmul stays the
     draft's own size, so the peer pays the same head cost as our draft worker."""
 
     def __init__(self, head: torch.nn.Linear, target_ids: torch.Tensor, vocab: int):
@@ -79,7 +79,7 @@ def load_target(path: str | Path):
 def load_assistant(draft_dir: str | Path, target_vocab: int):
     """The draft as transformers loads it. A truncated-vocabulary draft (draft_vocab.json)
     speaks draft row ids, so it is re-wired to speak target ids, as our workers do."""
-    from verify_service.llama import DraftVocab
+    from tandem.engine.llama import DraftVocab
 
     model = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
     vocab = DraftVocab.read(Path(draft_dir))
@@ -134,7 +134,7 @@ def _forward_ms(model, reps: int, prefix: int = 128) -> float:
     """Median batch-1, 1-token forward on a cached prefix through our ModelRunner (ms)."""
     import statistics
 
-    from verify_service.model_runner import ModelRunner, SeqChunk
+    from tandem.engine.model_runner import ModelRunner, SeqChunk
 
     blocks = -(-(prefix + 2) // 16)
     runner = ModelRunner(model, num_blocks=blocks, block_size=16)
@@ -153,7 +153,7 @@ def measure_c(draft: str, target: str, reps: int = 40) -> dict:
     of each through our runner on one thread. tandem.distill.acceptance's measurement when it
     is there (so this report and `tandem acceptance` agree), else the same thing here."""
     from tandem.models import resolve_model
-    from verify_service.llama import LlamaModel
+    from tandem.engine.llama import LlamaModel
 
     dm = LlamaModel.load(resolve_model(draft))
     tm = LlamaModel.load(resolve_model(target))

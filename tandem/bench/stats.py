@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from verify_service.speculation import leviathan_speedup
+from tandem.spec.cost import leviathan_speedup
 
 # RoundRow: (drafted, accepted, bonus, draft_wait_ms, verify_ms, rejection_ms, gap_ms, committed);
 # gap_ms is the client-observed time since the previous round's message (None for the first

@@ -20,8 +20,8 @@ import torch
 from kernels.rejection import rejection_sample
 from kernels.sampling import logits_to_probs, make_generator, sample
 from tandem.models import ModelError, resolve_model, tokenizer_hash
-from verify_service.llama import LlamaModel
-from verify_service.model_runner import ModelRunner, SeqChunk
+from tandem.engine.llama import LlamaModel
+from tandem.engine.model_runner import ModelRunner, SeqChunk
 
 HELDOUT_PROMPTS = Path(__file__).resolve().parents[2] / "draft_service" / "data" / \
     "heldout_prompts.jsonl"

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from tandem.distill.corpus import Prompt, build_prompts, encode_prompt
 from tandem.sampling_params import SamplingParams
-from verify_service.generate import LocalGenerator
+from tandem.engine.generate import LocalGenerator
 
 
 @dataclass(frozen=True)
@@ -198,8 +198,8 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     from tandem.models import resolve_model
-    from verify_service.llama import LlamaModel
-    from verify_service.model_runner import ModelRunner
+    from tandem.engine.llama import LlamaModel
+    from tandem.engine.model_runner import ModelRunner
 
     argv = sys.argv[1:] if argv is None else argv
     paths = resolve_model(argv[0])

@@ -91,8 +91,8 @@ def _check_data_dir(data_dir: Path, paths: ModelPaths) -> None:
 
 
 def _generate(job: DistillJob, paths: ModelPaths, tokenizer, log) -> None:
-    from verify_service.llama import LlamaModel
-    from verify_service.model_runner import ModelRunner
+    from tandem.engine.llama import LlamaModel
+    from tandem.engine.model_runner import ModelRunner
 
     runner = ModelRunner.with_memory(LlamaModel.load(paths, job.data.torch_dtype),
                                      job.data.kv_cache_mb << 20)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.distill.data import Example
-from verify_service.llama import DraftVocab
+from tandem.engine.llama import DraftVocab
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from draft_service.server import SERVICE_NAME, build_app, build_server
 from tandem.models import ModelPaths, tokenizer_hash
 from tandem.sampling_params import SamplingParams
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from verify_service.generate import LocalGenerator
-from verify_service.llama import LlamaModel
-from verify_service.model_runner import ModelRunner
+from tandem.engine.generate import LocalGenerator
+from tandem.engine.llama import LlamaModel
+from tandem.engine.model_runner import ModelRunner
 
 pytestmark = pytest.mark.contract
 
@@ -362,7 +362,7 @@ def test_draft_model_cache_reuse_matches_a_fresh_computation(tiny_draft):
 def test_truncated_vocabulary_draft_speaks_target_ids(tmp_path, target_paths):
     """A draft whose head keeps only some target tokens (draft_vocab.json, like the shipped
     draft): its q and tokens are target ids from the kept set; Info shows the target vocab."""
-    from verify_service.llama import DraftVocab
+    from tandem.engine.llama import DraftVocab
 
     kept = sorted(torch.randperm(49152, generator=torch.Generator().manual_seed(0))[:500])
     cfg = transformers.LlamaConfig(

@@ -14,8 +14,8 @@ from tandem.distill.data import DataConfig
 from tandem.distill.pipeline import CARD_FILE, DistillJob, check_target, run_distill
 from tandem.distill.train import DraftArch, TrainConfig
 from tandem.models import ModelError, resolve_model
-from verify_service.llama import DRAFT_VOCAB_FILE, LlamaModel
-from verify_service.model_runner import ModelRunner, SeqChunk
+from tandem.engine.llama import DRAFT_VOCAB_FILE, LlamaModel
+from tandem.engine.model_runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.integration
 

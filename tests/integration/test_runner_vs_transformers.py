@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from tandem.sampling_params import SamplingParams
-from verify_service.generate import LocalGenerator
-from verify_service.model_runner import ModelRunner, SeqChunk
+from tandem.engine.generate import LocalGenerator
+from tandem.engine.model_runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.integration
 

@@ -8,13 +8,13 @@ from kernels.sampling import logits_to_probs
 from tandem.sampling_params import SamplingParams
 from tandem.v1 import common_pb2, draft_pb2
 from verify_service.async_engine import AsyncEngine, EngineConfig
-from verify_service.block_manager import BlockManager
+from tandem.engine.block_manager import BlockManager
 from verify_service.engine import EngineCore, StepInput
-from verify_service.generate import LocalGenerator
-from verify_service.model_runner import ModelRunner, SeqChunk
+from tandem.engine.generate import LocalGenerator
+from tandem.engine.model_runner import ModelRunner, SeqChunk
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.sequence import DraftToken, GenerateParams
-from verify_service.speculation import CostModel
+from tandem.spec.cost import CostModel
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0)

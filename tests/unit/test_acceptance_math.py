@@ -12,7 +12,7 @@ from tandem.distill.acceptance import (
     summarize,
 )
 from tandem.models import resolve_model
-from verify_service.llama import LlamaModel
+from tandem.engine.llama import LlamaModel
 
 pytestmark = pytest.mark.unit
 

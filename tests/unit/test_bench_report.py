@@ -8,7 +8,7 @@ import pytest
 from tandem.bench import stats
 from tandem.bench.report import render_markdown, table, write_outputs
 from tandem.bench.summary import summarize
-from verify_service.speculation import leviathan_speedup
+from tandem.spec.cost import leviathan_speedup
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from verify_service import block_manager as bm_module
-from verify_service.block_manager import BlockManager, NoFreeBlocksError, block_hash
+from tandem.engine import block_manager as bm_module
+from tandem.engine.block_manager import BlockManager, NoFreeBlocksError, block_hash
 
 pytestmark = pytest.mark.unit
 
@@ -307,7 +307,7 @@ def test_block_hash_is_chained_and_deterministic_across_processes():
     assert h != block_hash(b"", (1, 2, 3, 5))
     assert block_hash(h, (1, 2, 3, 4)) != h
     code = (
-        "from verify_service.block_manager import block_hash as f; "
+        "from tandem.engine.block_manager import block_hash as f; "
         "print(f(b'', (1, 2, 3, 4)).hex())"
     )
     root = str(Path(bm_module.__file__).resolve().parents[1])

@@ -6,10 +6,10 @@ import pytest
 from tandem.sampling_params import SamplingParams
 from tandem.v1 import common_pb2, draft_pb2
 from verify_service.async_engine import AsyncEngine, EngineConfig
-from verify_service.block_manager import BlockManager
+from tandem.engine.block_manager import BlockManager
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.sequence import GenerateParams
-from verify_service.speculation import CostModel
+from tandem.spec.cost import CostModel
 
 pytestmark = pytest.mark.unit
 VOCAB = 100

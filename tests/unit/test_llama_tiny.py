@@ -6,8 +6,8 @@ import torch
 import transformers
 
 from tandem.models import ModelError, resolve_model
-from verify_service.llama import LlamaConfig, LlamaModel
-from verify_service.model_runner import ModelRunner, SeqChunk
+from tandem.engine.llama import LlamaConfig, LlamaModel
+from tandem.engine.model_runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.unit
 

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 
 from tandem.sampling_params import SamplingParams
-from verify_service.block_manager import BlockManager
+from tandem.engine.block_manager import BlockManager
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.sequence import DraftToken, GenerateParams, SeqStatus, Sequence
-from verify_service.speculation import (
+from tandem.spec.cost import (
     CostModel,
     choose_k,
     expected_tokens,
@@ -34,10 +34,10 @@ def drafts(seq, tokens):
 def test_scheduler_module_has_no_torch():
     import verify_service.scheduler  # noqa: F401
     import verify_service.sequence  # noqa: F401
-    import verify_service.speculation  # noqa: F401
+    import tandem.spec.cost  # noqa: F401
 
     for mod in ("verify_service.scheduler", "verify_service.sequence",
-                "verify_service.speculation", "verify_service.block_manager"):
+                "tandem.spec.cost", "tandem.engine.block_manager"):
         src = Path(sys.modules[mod].__file__).read_text()
         assert "import torch" not in src
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.paged_attention import build_attention_metadata
-from verify_service.llama import LlamaModel
+from tandem.engine.llama import LlamaModel
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import torch
 
 from kernels.sampling import logits_to_probs, make_generator, sample
 from tandem.sampling_params import SamplingParams
-from verify_service.block_manager import BlockManager
-from verify_service.model_runner import ModelRunner, SeqChunk
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.model_runner import ModelRunner, SeqChunk
 
 
 @dataclass

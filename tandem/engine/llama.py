@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from tandem.models import ModelError, ModelPaths, read_hf_config
-from verify_service.linear import LinearRouter
+from tandem.engine.linear import LinearRouter
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ class LlamaModel:
         return model
 
     def tune_kernels(self) -> None:
-        """Measure the faster matmul layout per weight shape and row count (verify_service.linear).
+        """Measure the faster matmul layout per weight shape and row count (tandem.engine.linear).
 
         Call after torch.set_num_threads: the answer depends on the thread count.
         """
