@@ -1,0 +1,20 @@
+"""The speculation vocabulary shared by every service: methods, the draft-link messages,
+the proposer interface and the Leviathan cost model (DESIGN.md, "The speculation loop")."""
+from tandem.spec.methods import API_NAMES, Method
+from tandem.spec.protocol import (
+    Close,
+    Commit,
+    Control,
+    DraftToken,
+    ErrorCode,
+    Invalid,
+    Open,
+    Proposal,
+    Reply,
+    SessionError,
+)
+from tandem.spec.proposer import DraftRequest, DraftResult, Proposer, propose_isolated
+
+__all__ = ["API_NAMES", "Close", "Commit", "Control", "DraftRequest", "DraftResult",
+           "DraftToken", "ErrorCode", "Invalid", "Method", "Open", "Proposal", "Proposer",
+           "Reply", "SessionError", "propose_isolated"]

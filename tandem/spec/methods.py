@@ -1,9 +1,41 @@
-"""Speculation method names (the API's) and their wire enum: one mapping for every service."""
+"""Speculation methods: one enum for every layer.
+
+Values equal the wire contract's `tandem.v1.SpeculationMethod`, so gRPC edges convert with
+`Method(value)` / `int(method)`; `api_name` is the OpenAI-extension spelling
+(`speculation.method`). tests/unit/test_draft_worker.py checks the values stay equal.
+"""
 from __future__ import annotations
 
-from tandem.v1 import common_pb2
+import enum
 
-METHOD_TO_PB = {"none": common_pb2.SPECULATION_METHOD_NONE,
-                "draft_model": common_pb2.SPECULATION_METHOD_DRAFT_MODEL,
-                "ngram": common_pb2.SPECULATION_METHOD_NGRAM}
-PB_TO_METHOD = {pb: name for name, pb in METHOD_TO_PB.items()}
+from tandem.errors import InvalidArgument
+
+
+class Method(enum.IntEnum):
+    UNSPECIFIED = 0  # on the wire: "the server's default"
+    NONE = 1  # plain decoding
+    DRAFT_MODEL = 2  # a separate small causal LM (draft worker)
+    NGRAM = 3  # prompt lookup, no model (draft worker)
+
+    @property
+    def api_name(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, name: str) -> Method:
+        """The method an API name spells; InvalidArgument names the choices."""
+        for method in cls:
+            if method is not cls.UNSPECIFIED and method.api_name == name:
+                return method
+        raise InvalidArgument(f"unknown speculation method {name!r}; expected one of "
+                              f"{', '.join(API_NAMES)}")
+
+    @classmethod
+    def from_wire(cls, value: int) -> Method:
+        try:
+            return cls(value)
+        except ValueError:
+            raise InvalidArgument(f"unknown speculation method {value}") from None
+
+
+API_NAMES = tuple(m.api_name for m in Method if m is not Method.UNSPECIFIED)

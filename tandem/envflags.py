@@ -1,0 +1,32 @@
+"""Command-line flags that also read an environment variable: one helper for every CLI.
+
+`add_flag(parser, "--port", "TANDEM_VERIFIER_PORT", 50051, int, "port to bind")` gives
+`--port`, defaulting to $TANDEM_VERIFIER_PORT or 50051, with both named in --help. The
+environment's string goes through argparse's own `type` conversion, so a bad value is the same
+clean usage error as a bad flag.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def env(name: str, default: Any = None) -> Any:
+    """$name if set and non-empty, else default."""
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+def csv(value: str | None) -> tuple[str, ...]:
+    """'a, b,,c' -> ('a', 'b', 'c')."""
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, env_name: str, default: Any = None,
+             type: Callable[[str], Any] | None = None, help: str = "", **kwargs) -> None:
+    """Add `flag` whose default is $env_name (converted by `type`), else `default`."""
+    shown = "" if default is None or default == "" else f", default {default}"
+    parser.add_argument(flag, default=env(env_name, default), type=type,
+                        help=f"{help} [env {env_name}{shown}]".strip(), **kwargs)
