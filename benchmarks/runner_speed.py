@@ -19,11 +19,11 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem.models import ModelPaths, fetch_default_target
-from tandem.sampling_params import SamplingParams
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.models import ModelPaths, fetch_default_target
+from tandem.sampling_params import SamplingParams
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",

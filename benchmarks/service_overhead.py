@@ -25,14 +25,13 @@ from transformers import AutoTokenizer
 
 from tandem.launcher import Cluster, ClusterConfig, free_port
 from tandem.models import resolve_model
+from tandem.spec.methods import Method
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 
 PROMPTS = ["Write a short story about a lighthouse keeper and a storm.",
            "Repeat this list twice: apples, pears, plums, cherries, figs, dates.",
            "Explain how a bicycle works."]
-METHODS = {"none": common_pb2.SPECULATION_METHOD_NONE,
-           "draft_model": common_pb2.SPECULATION_METHOD_DRAFT_MODEL,
-           "ngram": common_pb2.SPECULATION_METHOD_NGRAM}
+METHODS = {m.api_name: int(m) for m in Method if m is not Method.UNSPECIFIED}  # name -> wire
 
 
 def grpc_rounds(address: str, ids: list[int], method: str, n: int) -> list[dict]:
@@ -109,7 +108,7 @@ def main() -> None:
             tps = [gateway_tps(cluster.gateway_url, p, method, args.tokens) for p in PROMPTS]
             result["gateway"][method] = {"tokens_per_s": statistics.mean(tps), "per_prompt": tps}
             print(method, json.dumps(result["grpc"][method]), result["gateway"][method])
-        base = result["gateway"]["none"]["tokens_per_s"]
+        base = result["gateway"][Method.NONE.api_name]["tokens_per_s"]
         for method in METHODS:
             result["gateway"][method]["speedup_vs_none"] = (
                 result["gateway"][method]["tokens_per_s"] / base if base else 0.0)

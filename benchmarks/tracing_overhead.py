@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from tandem.launcher import Cluster, ClusterConfig, free_port
+from tandem.spec.methods import API_NAMES, Method
 
 PROMPT = "Write a short story about a lighthouse keeper."
 
@@ -51,7 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=6)
-    ap.add_argument("--method", default="draft_model")
+    ap.add_argument("--method", default=Method.DRAFT_MODEL.api_name, choices=API_NAMES)
     ap.add_argument("--out", default="results/tracing_overhead.json")
     args = ap.parse_args()
     sink = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)

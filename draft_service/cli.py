@@ -5,12 +5,13 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
 from pathlib import Path
 
 from draft_service.config import DTYPES, DraftConfig
+from tandem.envflags import add_flag
 
-# (field, type, help); defaults come from DraftConfig so they are stated once.
+# (field, type, help) of the flags that read TANDEM_DRAFT_<FIELD>; defaults come from
+# DraftConfig so they are stated once.
 _FLAGS = (
     ("host", str, "address to bind (0.0.0.0 in a container)"),
     ("port", int, "port to bind, 0 = any free port"),
@@ -31,10 +32,6 @@ _FLAGS = (
 )
 
 
-def _env_name(field: str) -> str:
-    return "TANDEM_DRAFT_" + field.upper()
-
-
 def register(subparsers) -> argparse.ArgumentParser:
     """Add `draft` to the `tandem` command's subparsers."""
     p = subparsers.add_parser(
@@ -42,27 +39,21 @@ def register(subparsers) -> argparse.ArgumentParser:
         description="Serve DraftService: draft tokens for the sessions verifiers open, with a "
                     "draft model or n-gram prompt lookup. Every flag also reads "
                     "TANDEM_DRAFT_<FLAG> (e.g. TANDEM_DRAFT_PORT).")
-    p.add_argument("--model", default=os.environ.get(_env_name("model")),
-                   help="draft checkpoint directory, or 'none' for n-gram lookup only "
-                        "[env TANDEM_DRAFT_MODEL; default: the shipped draft if present, "
-                        "else n-gram only]")
+    add_flag(p, "--model", "TANDEM_DRAFT_MODEL",
+             help="draft checkpoint directory, or 'none' for n-gram lookup only (default: the "
+                  "shipped draft if present, else n-gram only)")
     defaults = {f.name: f.default for f in dataclasses.fields(DraftConfig)}
     for name, kind, text in _FLAGS:
-        env = _env_name(name)
-        default = os.environ.get(env, defaults[name])
-        # argparse converts string defaults with `type`, so a bad env value is a clean error.
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
-                       help=f"{text} [env {env}, default {defaults[name]}]")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
-                   help="register in this Redis worker registry [env REDIS_URL]")
-    p.add_argument("--worker-id", default=os.environ.get(_env_name("worker_id"), ""))
-    p.add_argument("--advertise-address", default=os.environ.get(
-        _env_name("advertise_address"), ""), help="address verifiers dial (default host:port)")
-    p.add_argument("--metrics-port", type=int,
-                   default=int(os.environ.get(_env_name("metrics_port"), -1)),
-                   help="Prometheus /metrics HTTP port: -1 off (default), 0 any free port")
-    p.add_argument("--log-level", default=os.environ.get("TANDEM_DRAFT_LOG_LEVEL", "INFO"),
-                   help="logging level [env TANDEM_DRAFT_LOG_LEVEL, default INFO]")
+        add_flag(p, "--" + name.replace("_", "-"), "TANDEM_DRAFT_" + name.upper(), defaults[name],
+                 kind, text)
+    add_flag(p, "--redis-url", "REDIS_URL", "", help="register in this Redis worker registry")
+    add_flag(p, "--worker-id", "TANDEM_DRAFT_WORKER_ID", "",
+             help="id in the registry (default: generated from the host name)")
+    add_flag(p, "--advertise-address", "TANDEM_DRAFT_ADVERTISE_ADDRESS", "",
+             help="address verifiers dial (default host:port)")
+    add_flag(p, "--metrics-port", "TANDEM_DRAFT_METRICS_PORT", -1, int,
+             "Prometheus /metrics HTTP port: -1 off, 0 any free port")
+    add_flag(p, "--log-level", "TANDEM_DRAFT_LOG_LEVEL", "INFO", help="logging level")
     p.set_defaults(func=run)
     return p
 
@@ -97,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from draft_service.server import serve  # torch and grpc load only when serving
+    from draft_service.main import serve  # torch and grpc load only when serving
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

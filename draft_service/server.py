@@ -1,59 +1,26 @@
-"""Thin grpc.aio servicer for DraftService: protobuf <-> the worker's dataclasses, nothing else.
+"""Thin grpc.aio servicer for DraftService: protobuf <-> tandem.spec dataclasses, nothing else.
 
-Also the process around it: health (grpc.health.v1) and reflection on the same port, and a
-graceful drain on SIGTERM (health NOT_SERVING, no new RPCs, streams keep drafting for a grace
-period so verifiers can move their sessions, then end with UNAVAILABLE).
+The worker behind it (worker.py) never sees a `_pb2` type; building, serving and draining the
+process is main.py's.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import importlib.metadata
-import json
 import logging
-import signal
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
-import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from opentelemetry import trace
 
-from draft_service.config import DraftConfig
-from draft_service.draft_model import DraftModelProposer
-from draft_service.ngram import NgramProposer
-from draft_service.proposer import (
-    Close,
-    Commit,
-    Invalid,
-    Limits,
-    Method,
-    Open,
-    Proposal,
-    Proposer,
-    SessionError,
-)
-from draft_service.worker import DraftWorker, Stream
-from tandem import telemetry
-from tandem.models import (
-    ModelError,
-    ModelPaths,
-    default_target_dir,
-    resolve_model,
-    tokenizer_hash,
-)
-from tandem.registration import Registration, start_registration
+from draft_service.session import Stream
+from draft_service.tracing import SessionSpans
+from draft_service.worker import DraftWorker
+from tandem.spec import Close, Commit, Control, Invalid, Open, Reply, SessionError
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
-_NGRAM_CONTEXT = 32768  # no model, so no positional limit; this only bounds memory per session
 
 
-def control_from_proto(msg: draft_pb2.DraftControl) -> Open | Commit | Close | Invalid:
+def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
     which = msg.WhichOneof("control")
     if which == "open":
         o, s = msg.open, msg.open.sampling
@@ -61,7 +28,7 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Open | Commit | Close | I
             o.session_id, list(o.token_ids), s.temperature, s.top_k,
             s.top_p if s.top_p != 0 else 1.0,  # proto3 default 0 means "off", like 1
             s.seed if s.HasField("seed") else None, o.method, o.max_run_ahead, o.top_n,
-            o.epoch, o.max_ngram_size)
+            o.epoch, o.max_ngram_size, trace_context=tuple(o.trace_context.items()))
     if which == "commit":
         c = msg.commit
         return Commit(c.session_id, c.epoch, c.start_position, list(c.token_ids),
@@ -71,7 +38,7 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Open | Commit | Close | I
     return Invalid("", "DraftControl has no control set")
 
 
-def proposal_to_proto(item: Proposal | SessionError) -> draft_pb2.DraftProposal:
+def proposal_to_proto(item: Reply) -> draft_pb2.DraftProposal:
     if isinstance(item, SessionError):
         return draft_pb2.DraftProposal(
             session_id=item.session_id,
@@ -81,47 +48,6 @@ def proposal_to_proto(item: Proposal | SessionError) -> draft_pb2.DraftProposal:
         session_id=item.session_id, epoch=item.epoch, position=item.position,
         token_id=tok.token_id,
         q=common_pb2.SparseDistribution(token_ids=tok.q_ids, probs=tok.q_probs))
-
-
-class _SessionSpans:
-    """One span per traced session on a stream, a child of the verifier's session span."""
-
-    def __init__(self):
-        self.tracer = telemetry.tracer("draft")
-        self.spans: dict[str, trace.Span] = {}
-        self.tokens: dict[str, int] = {}
-
-    def control(self, msg: draft_pb2.DraftControl) -> None:
-        which = msg.WhichOneof("control")
-        if which == "open" and msg.open.trace_context:
-            self.end(msg.open.session_id)  # a reopen replaces the session
-            sid = msg.open.session_id
-            self.spans[sid] = self.tracer.start_span(
-                telemetry.SPAN_DRAFT, context=telemetry.extract_context(msg.open.trace_context),
-                kind=trace.SpanKind.SERVER, attributes={telemetry.ATTR_SESSION: sid})
-            self.tokens[sid] = 0
-        elif which == "close":
-            self.end(msg.close.session_id)
-
-    def proposal(self, item) -> None:
-        if item.session_id not in self.spans:
-            return
-        if isinstance(item, SessionError):
-            self.end(item.session_id, error=item.message)
-        else:
-            self.tokens[item.session_id] += 1
-
-    def end(self, sid: str, error: str = "") -> None:
-        span = self.spans.pop(sid, None)
-        if span is not None:
-            span.set_attribute(telemetry.ATTR_TOKENS_DRAFTED, self.tokens.pop(sid, 0))
-            if error:
-                span.set_status(trace.StatusCode.ERROR, error)
-            span.end()
-
-    def end_all(self) -> None:
-        for sid in list(self.spans):
-            self.end(sid)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -135,11 +61,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Speculate(self, request_iterator, context):  # noqa: N802
         stream = self.worker.open_stream()
-        spans = _SessionSpans()
+        spans = SessionSpans()
         reader = asyncio.create_task(self._read(request_iterator, stream, spans))
         try:
             while (item := await stream.get()) is not None:
-                spans.proposal(item)
+                spans.reply(item)
                 yield proposal_to_proto(item)
         finally:
             spans.end_all()
@@ -149,14 +75,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             context.set_code(grpc.StatusCode.UNAVAILABLE)
             context.set_details("draft worker is draining; reconnect to another one")
 
-    async def _read(self, request_iterator, stream: Stream, spans: _SessionSpans) -> None:
+    async def _read(self, request_iterator, stream: Stream, spans: SessionSpans) -> None:
         try:
             async for msg in request_iterator:
+                cmd = control_from_proto(msg)
                 try:
-                    spans.control(msg)
+                    spans.control(cmd)
                 except Exception:  # telemetry must never break the stream
                     log.exception("tracing a draft session failed")
-                self.worker.handle(stream, control_from_proto(msg))
+                self.worker.handle(stream, cmd)
         except asyncio.CancelledError:
             raise
         except Exception:  # transport trouble: end this stream, not the process
@@ -164,143 +91,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         stream.put(None)  # the verifier half-closed (or the read failed): end the reply stream
 
     def end_streams(self) -> None:
+        """Draining: end every stream with UNAVAILABLE so verifiers reconnect elsewhere."""
         self.draining = True
         self.worker.end_streams()
-
-
-def _token_space(config: DraftConfig, proposer: DraftModelProposer | None):
-    """(model_id, tokenizer_hash, vocab_size) that Info advertises."""
-    if proposer is not None:
-        paths = resolve_model(config.model)
-        return paths.root.name, tokenizer_hash(paths), proposer.vocab_size
-    root = Path(config.tokenizer) if config.tokenizer else default_target_dir()
-    try:  # n-gram lookup works on any ids: the tokenizer only names them for pairing
-        cfg = json.loads((root / "config.json").read_text())
-        return "ngram", tokenizer_hash(ModelPaths(root)), int(cfg["vocab_size"])
-    except (OSError, ValueError, KeyError, ModelError) as exc:
-        if config.tokenizer:
-            raise ModelError(f"cannot read the tokenizer checkpoint {root}: {exc}") from exc
-        log.warning("no tokenizer known (%s): Info advertises no tokenizer hash", exc)
-        return "ngram", "", 2**31 - 1
-
-
-def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInfo]:
-    """Load the proposers and size the worker from the config."""
-    proposers: dict[Method, Proposer] = {}
-    model = None
-    if config.model is not None:
-        model = DraftModelProposer.load(resolve_model(config.model), config.kv_cache_mb << 20,
-                                        config.block_size, getattr(torch, config.dtype))
-        proposers[Method.DRAFT_MODEL] = model
-    proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_run_ahead_cap)
-    model_id, tok_hash, vocab = _token_space(config, model)
-    context = model.max_context_length if model is not None else _NGRAM_CONTEXT
-    if config.max_context_length:
-        context = min(context, config.max_context_length)
-    limits = Limits(vocab, context, config.max_sessions, config.max_run_ahead,
-                    config.max_run_ahead_cap, config.top_n, config.max_top_n,
-                    config.max_ngram_size)
-    try:
-        version = importlib.metadata.version("tandem")
-    except importlib.metadata.PackageNotFoundError:
-        version = "0+unknown"
-    info = common_pb2.WorkerInfo(
-        role=common_pb2.WORKER_ROLE_DRAFT, model_id=model_id, tokenizer_hash=tok_hash,
-        vocab_size=min(vocab, 2**32 - 1), max_context_length=context,
-        max_sessions=config.max_sessions, max_speculative_tokens=config.max_run_ahead_cap,
-        max_top_n=config.max_top_n, methods=[int(m) for m in proposers], version=version)
-    return DraftWorker(proposers, limits), info
-
-
-@dataclass
-class DraftApp:
-    """A built (not yet started) draft server and the pieces a drain needs."""
-
-    server: grpc.aio.Server
-    port: int
-    worker: DraftWorker
-    servicer: DraftServicer
-    health: health.aio.HealthServicer = field(repr=False)
-
-    async def drain(self, grace_s: float) -> None:
-        await self.health.enter_graceful_shutdown()  # NOT_SERVING: routers stop sending
-        stopping = asyncio.create_task(self.server.stop(grace_s + 1.0))  # refuse new RPCs
-        await asyncio.sleep(grace_s)  # open streams keep drafting meanwhile
-        self.servicer.end_streams()  # UNAVAILABLE: verifiers reconnect elsewhere
-        await stopping
-        await self.worker.aclose()
-
-
-async def build_app(config: DraftConfig, worker: DraftWorker | None = None,
-                    info: common_pb2.WorkerInfo | None = None) -> DraftApp:
-    if worker is None:
-        worker, info = build_worker(config)
-    server = grpc.aio.server(options=[
-        # Speculate streams live for hours: let verifiers keep them alive with pings.
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
-    ])
-    servicer = DraftServicer(worker, info or common_pb2.WorkerInfo())
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(config.address)
-    if port == 0:
-        raise OSError(f"cannot bind {config.address}")
-    return DraftApp(server, port, worker, servicer, health_servicer)
-
-
-async def build_server(config: DraftConfig, worker: DraftWorker | None = None
-                       ) -> tuple[grpc.aio.Server, int]:
-    """(server, bound port), not started: `await server.start()`."""
-    app = await build_app(config, worker)
-    return app.server, app.port
-
-
-def draft_metrics(worker: DraftWorker) -> telemetry.DraftMetrics:
-    return telemetry.DraftMetrics(sessions=lambda: worker.stats().sessions_open,
-                                  queue_depth=lambda: worker.stats().queue_depth,
-                                  tokens=lambda: worker.stats().tokens_drafted)
-
-
-async def serve(config: DraftConfig, ready: Callable[[str], None] | None = None,
-                registration: Registration | None = None, metrics_port: int = -1) -> None:
-    """Serve until SIGTERM / SIGINT, then drain gracefully."""
-    torch.set_num_threads(config.threads)
-    telemetry.setup_tracing("tandem-draft")
-    app = await build_app(config)
-    await app.server.start()
-    if ready is not None:
-        ready(f"{config.host}:{app.port}")
-    if metrics_port >= 0:
-        port = telemetry.start_metrics_server(metrics_port, draft_metrics(app.worker).registry,
-                                              config.host)
-        log.info("metrics on http://%s:%d/metrics", config.host, port)
-    beat = None
-    if registration is not None:
-        if registration.address.endswith(":0"):  # the port was picked at bind time
-            registration = dataclasses.replace(
-                registration, address=f"{config.host}:{app.port}")
-        beat = start_registration(registration, capacity=config.max_sessions,
-                                  load=app.worker.load)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
-
-    def on_signal() -> None:
-        stop.set()
-        for sig in signals:  # a second Ctrl-C interrupts the drain the default way
-            loop.remove_signal_handler(sig)
-
-    for sig in signals:
-        loop.add_signal_handler(sig, on_signal)
-    await stop.wait()
-    if beat is not None:  # leave the registry first so no verifier picks us anew
-        beat[1].set()
-        await asyncio.wait_for(beat[0], 5)
-    log.info("draining for %.1f s", config.drain_grace_s)
-    await app.drain(config.drain_grace_s)

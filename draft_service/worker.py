@@ -1,15 +1,16 @@
-"""The draft worker: sessions, run-ahead, commit / rollback by epoch, and the drafting loop.
+"""The draft side of a round: sessions, run-ahead, commit / rollback by epoch, drafting loop.
 
-Transport-agnostic: the gRPC servicer turns DraftControl messages into Open / Commit / Close /
-Invalid and sends back whatever a Stream yields (Proposal or SessionError). One worker serves
-every stream of the process, so each step batches ALL sessions that want drafting into one
-proposer call per method (one forward for the draft model). The step runs on a single-thread
-executor: the event loop stays free for stream traffic and health checks, and the proposers
-(with their KV caches) are only ever touched by that one thread.
+Per round, the verifier verifies the drafts this worker streamed for a session and answers with
+a Commit (accepted + recovered/bonus tokens, and a new epoch if the sequence diverged); the
+worker drops what the commit settled or voided and keeps drafting ahead, up to the session's
+max_run_ahead, while the next verification is in flight.
 
-Session state: `committed` (prompt + committed tokens) and `drafts` (tokens proposed and sent
-under the current epoch, not yet committed). The next draft's position is
-len(committed) + len(drafts); the worker drafts while len(drafts) < max_run_ahead.
+Transport-agnostic: the gRPC servicer turns DraftControl messages into tandem.spec's Open /
+Commit / Close / Invalid and sends back whatever a Stream yields (Proposal or SessionError).
+One worker serves every stream of the process, so each step batches ALL sessions that want
+drafting into one proposer call per method (one forward for the draft model). The step runs on
+a single-thread executor: the event loop stays free for stream traffic and health checks, and
+the proposers (with their KV caches) are only ever touched by that one thread.
 """
 from __future__ import annotations
 
@@ -19,26 +20,25 @@ import itertools
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-from draft_service.proposer import (
+from draft_service.limits import Limits, WorkerStats
+from draft_service.session import Session, SessionFailure, Stream
+from tandem.sampling_params import SamplingParams
+from tandem.spec import (
     Close,
     Commit,
+    Control,
     DraftRequest,
     DraftResult,
     ErrorCode,
     Invalid,
-    Limits,
     Method,
     Open,
     Proposal,
     Proposer,
     SessionError,
-    WorkerStats,
     propose_isolated,
 )
-from kernels.sampling import keyed_seed, make_generator
-from tandem.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -48,55 +48,8 @@ _DRAFT_SEED_SALT = 0x5EED_D4AF_7A1D_C0DE
 # Longer suffixes almost never match again and each length tried costs a scan of the context.
 _MAX_NGRAM_SIZE = 64
 
-
-class SessionFailure(Exception):
-    """Raised inside the worker to report a per-session error and drop the session."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-class Stream:
-    """One verifier connection: its sessions and its outbox of proposals and errors."""
-
-    def __init__(self) -> None:
-        self.sessions: dict[str, Session] = {}
-        self._outbox: asyncio.Queue[Proposal | SessionError | None] = asyncio.Queue()
-
-    def put(self, item: Proposal | SessionError | None) -> None:
-        self._outbox.put_nowait(item)
-
-    @property
-    def pending(self) -> int:
-        """Messages produced but not yet taken by the transport."""
-        return self._outbox.qsize()
-
-    async def get(self) -> Proposal | SessionError | None:
-        """The next message; None means the worker ended the stream (draining)."""
-        return await self._outbox.get()
-
-
-@dataclass(eq=False)
-class Session:
-    key: int
-    session_id: str
-    stream: Stream
-    method: Method
-    committed: list[int]
-    epoch: int
-    sampling: SamplingParams
-    max_run_ahead: int
-    top_n: int
-    max_ngram_size: int
-    seed: int | None  # the request seed, salted for the draft; None = unseeded
-    drafts: list[int] = field(default_factory=list)
-    generation: int = 0  # bumped whenever outstanding drafts are discarded
-    stalled: bool = False  # the proposer had nothing for this exact sequence
-
-    @property
-    def length(self) -> int:
-        return len(self.committed) + len(self.drafts)
+# One step's work per method: (session, its generation when asked, the request).
+_Jobs = dict[Method, list[tuple[Session, int, DraftRequest]]]
 
 
 class DraftWorker:
@@ -136,7 +89,7 @@ class DraftWorker:
         for stream in list(self._streams):
             stream.put(None)
 
-    def handle(self, stream: Stream, cmd: Open | Commit | Close | Invalid) -> None:
+    def handle(self, stream: Stream, cmd: Control) -> None:
         """Apply one control message; problems are reported in-band, never raised."""
         sid = getattr(cmd, "session_id", "")
         try:
@@ -265,17 +218,11 @@ class DraftWorker:
         return (not s.stalled and len(s.drafts) < s.max_run_ahead
                 and s.length < self.limits.max_context_length)
 
-    def _request(self, s: Session) -> DraftRequest:
-        position = len(s.committed) + len(s.drafts)
-        # Keyed by position, so a seeded request drafts the same tokens however its rounds,
-        # commits and batches interleave in time (the verifier keys its randomness likewise).
-        generator = None if s.seed is None else make_generator(keyed_seed(s.seed, position))
-        return DraftRequest(
-            key=s.key, token_ids=s.committed + s.drafts, num_committed=len(s.committed),
-            max_tokens=s.max_run_ahead - len(s.drafts), sampling=s.sampling, top_n=s.top_n,
-            max_ngram_size=s.max_ngram_size, generator=generator)
-
     async def _loop(self) -> None:
+        """One step per pass: snapshot every ready session's request, run each method's
+        proposer once over its batch on the forward thread, then hand the drafts out (a
+        session that moved on meanwhile drops its own, see _apply). Sleeps while none is ready.
+        """
         loop = asyncio.get_running_loop()
         while True:
             ready = [s for s in self._sessions.values() if self._wants_draft(s)]
@@ -283,9 +230,9 @@ class DraftWorker:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            jobs: dict[Method, list[tuple[Session, int, DraftRequest]]] = {}
+            jobs: _Jobs = {}
             for s in ready:
-                jobs.setdefault(s.method, []).append((s, s.generation, self._request(s)))
+                jobs.setdefault(s.method, []).append((s, s.generation, s.request()))
             try:
                 results = await loop.run_in_executor(self._executor, self._run_step, jobs)
             except RuntimeError:  # executor shut down under us: the worker is closing
@@ -299,7 +246,7 @@ class DraftWorker:
                         log.exception("applying drafts for session %r failed", s.session_id)
                         self._fail(s.stream, s.session_id, ErrorCode.INTERNAL, repr(exc))
 
-    def _run_step(self, jobs) -> dict[Method, list[DraftResult]]:
+    def _run_step(self, jobs: _Jobs) -> dict[Method, list[DraftResult]]:
         """Forward thread: one propose call per method over all its sessions."""
         return {method: propose_isolated(self.proposers[method], [req for _, _, req in batch])
                 for method, batch in jobs.items()}

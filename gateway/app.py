@@ -1,4 +1,8 @@
-"""The gateway's FastAPI app: OpenAI routes over run_session. Build it with `create_app`."""
+"""The gateway's FastAPI app: OpenAI routes over run_session. Build it with `create_app`.
+
+This module is the HTTP side only (routes, auth, rate limits, parsing the body); the plan is
+built in gateway/plan.py, generated in gateway/generation.py, shaped in gateway/responses.py.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,14 +12,14 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -24,23 +28,17 @@ from redis.exceptions import RedisError
 from gateway import schemas
 from gateway.config import GatewayConfig
 from gateway.errors import (
-    APIError,
     bad_request,
     from_validation_error,
     install_handlers,
     rate_limited,
     unauthorized,
 )
-from gateway.generation import (
-    ChannelPool,
-    Finished,
-    GenerationDeps,
-    GenerationPlan,
-    TextDelta,
-    run_session,
-)
+from gateway.generation import GenerationDeps, run_session
 from gateway.observe import observed, start_request_span
-from gateway.routing import Router, affinity_key
+from gateway.plan import build_plan
+from gateway.responses import ResponseMeta, collect, stream
+from gateway.routing import Router
 from gateway.sessions import (
     Guarded,
     RateLimiter,
@@ -50,10 +48,9 @@ from gateway.sessions import (
     RedisSessionStore,
     identity,
 )
-from gateway.text import TextStream
+from gateway.verifier import ChannelPool
 from tandem import telemetry
 from tandem.registry import WorkerRegistry
-from tandem.sampling_params import SamplingParams
 from tandem.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -169,7 +166,7 @@ async def _health(gw: _Gateway) -> dict:
             "verifiers": len(verifiers), "model": gw.config.model_name}
 
 
-async def _parse(request: Request, model: type[schemas._GenerationRequest]):
+async def _parse(request: Request, model: type[schemas.GenerationRequest]):
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -183,42 +180,6 @@ async def _parse(request: Request, model: type[schemas._GenerationRequest]):
         raise from_validation_error(exc) from None
 
 
-async def _plan(gw: _Gateway, req, sid: str) -> tuple[GenerationPlan, TextStream]:
-    cfg = gw.config
-    verifiers = await gw.router.verifiers()
-    max_spec = max((v.max_speculative_tokens for v in verifiers), default=0)
-    schemas.check_common(req, max_speculative_tokens=max_spec or cfg.max_speculative_tokens)
-    if req.model is not None and req.model != cfg.model_name:
-        raise bad_request(f"model: unknown model {req.model!r}; this server serves "
-                          f"{cfg.model_name!r}", param="model", code="model_not_found")
-    ids, conversation = schemas.prompt_token_ids(req, gw.tokenizer)
-    max_new = schemas.resolve_max_tokens(req, len(ids), cfg.context_length,
-                                         cfg.default_max_tokens)
-    vocab = len(gw.tokenizer)
-    extra_stops = tuple(req.stop_token_ids or ())
-    if any(t >= vocab for t in extra_stops):
-        raise bad_request(f"stop_token_ids: ids must be < {vocab}", param="stop_token_ids")
-    eos = gw.tokenizer.eos_token_id
-    stop_ids = tuple(dict.fromkeys(((eos,) if eos is not None and not req.ignore_eos else ())
-                                   + extra_stops))
-    spec = req.speculation or schemas.SpeculationOptions()
-    method = spec.method or ("draft_model" if await gw.router.has_draft() else "none")
-    try:
-        sampling = SamplingParams(1.0 if req.temperature is None else req.temperature,
-                                  req.top_k or 0, 1.0 if req.top_p is None else req.top_p,
-                                  req.seed)
-    except ValueError as exc:  # already range-checked by pydantic; kept as a safety net
-        raise bad_request(str(exc)) from None
-    plan = GenerationPlan(
-        session_id=sid, prompt_token_ids=tuple(ids), sampling=sampling, max_new_tokens=max_new,
-        stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, method=method,
-        num_speculative_tokens=(spec.num_speculative_tokens
-                                if spec.num_speculative_tokens is not None
-                                else cfg.default_speculative_tokens),
-        affinity_key=affinity_key(conversation))
-    return plan, TextStream(gw.tokenizer, req.stop_strings(), stop_ids)
-
-
 async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     req = await _parse(request, schemas.ChatCompletionRequest if chat
                        else schemas.CompletionRequest)
@@ -227,7 +188,8 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     span = start_request_span(gw.tracer, request.headers, chat=chat, sid=sid, req=req)
     try:
         with trace.use_span(span, end_on_exit=False):
-            plan, text = await _plan(gw, req, sid)
+            plan, text = await build_plan(req, sid, config=gw.config, router=gw.router,
+                                          tokenizer=gw.tokenizer)
             plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()))
             try:
                 await gw.deps.store.create(sid, model=gw.config.model_name,
@@ -240,81 +202,11 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
         gw.metrics.requests.labels(endpoint=endpoint,
                                    status=str(getattr(exc, "status", "error"))).inc()
         raise
-    meta = _Meta(chat, sid, int(gw.clock()), gw.config.model_name, len(plan.prompt_token_ids))
+    meta = ResponseMeta(chat, sid, int(gw.clock()), gw.config.model_name,
+                        len(plan.prompt_token_ids))
     events = observed(run_session(plan, gw.deps, text), span, gw.metrics, endpoint,
                       meta.prompt_tokens)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _stream(events, meta, include_usage)
-    return await _collect(events, meta, request)
-
-
-@dataclass(frozen=True)
-class _Meta:
-    chat: bool
-    rid: str
-    created: int
-    model: str
-    prompt_tokens: int
-
-    def head(self) -> tuple:
-        return self.chat, self.rid, self.created, self.model
-
-
-async def _collect(events: AsyncIterator, meta: _Meta, request: Request) -> dict:
-    parts: list[str] = []
-    async with aclosing(events):
-        async for ev in events:
-            if isinstance(ev, TextDelta):
-                parts.append(ev.text)
-                # Nobody to answer: stop (closing `events` cancels the verifier's work).
-                if await request.is_disconnected():
-                    raise APIError(499, "client disconnected", code="client_closed")
-            elif isinstance(ev, Finished):
-                usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
-                build = schemas.chat_response if meta.chat else schemas.completion_response
-                return build(meta.rid, meta.created, meta.model, "".join(parts),
-                             ev.finish_reason, usage, ev.speculation)
-    raise APIError(502, "generation ended without a result")
-
-
-def _sse(obj: dict | str) -> str:
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
-async def _stream(events: AsyncIterator, meta: _Meta, include_usage: bool) -> StreamingResponse:
-    # Wait for the first event before answering: refusals (429, 503, a verifier's 400) then
-    # arrive as real HTTP statuses instead of errors inside a 200 stream.
-    try:
-        first = await anext(events)
-    except BaseException:
-        await events.aclose()
-        raise
-
-    async def body() -> AsyncIterator[str]:
-        async with aclosing(events):
-            if meta.chat:
-                yield _sse(schemas.stream_chunk(*meta.head(), role=True))
-            ev = first
-            try:
-                while ev is not None:
-                    for chunk in _chunks(ev, meta, include_usage):
-                        yield _sse(chunk)
-                    ev = await anext(events, None)
-            except APIError as exc:  # mid-stream failure: OpenAI-style error event
-                yield _sse(exc.body())
-            yield _sse("[DONE]")
-
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _chunks(ev, meta: _Meta, include_usage: bool) -> list[dict]:
-    if isinstance(ev, TextDelta):
-        return [schemas.stream_chunk(*meta.head(), text=ev.text)]
-    usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
-    last = schemas.stream_chunk(*meta.head(), finish=ev.finish_reason)
-    if include_usage:
-        return [last, schemas.usage_chunk(*meta.head(), usage, ev.speculation)]
-    return [{**last, "usage": usage, "speculation": ev.speculation}]
+        return await stream(events, meta, include_usage)
+    return await collect(events, meta, request)

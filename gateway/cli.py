@@ -4,18 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from gateway.config import GatewayConfig
-
-
-def _env(name: str, default=None):
-    return os.environ.get(name, default)
-
-
-def _csv(value: str | None) -> tuple[str, ...]:
-    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+from tandem.envflags import add_flag, csv, env
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -26,48 +18,38 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="OpenAI-compatible HTTP gateway. Workers are found in the Redis registry; "
                     "--verifier/--draft are used when none is registered. Without --redis-url "
                     "(or REDIS_URL) a private redis-server is started.")
-    a = p.add_argument
-    a("--host", default=_env("TANDEM_GATEWAY_HOST", d.host),
-      help="bind address [env TANDEM_GATEWAY_HOST, default %(default)s]")
-    a("--port", type=int, default=int(_env("TANDEM_GATEWAY_PORT", d.port)),
-      help="[env TANDEM_GATEWAY_PORT, default %(default)s]")
-    a("--redis-url", default=_env("REDIS_URL"),
-      help="Redis for registry, sessions, rate limits [env REDIS_URL; unset = start one]")
-    a("--redis-prefix", default=_env("TANDEM_REDIS_PREFIX", d.redis_prefix),
-      help="key namespace [env TANDEM_REDIS_PREFIX, default %(default)s]")
-    a("--api-keys", default=_env("TANDEM_API_KEYS", ""),
-      help="comma-separated API keys; empty = no auth [env TANDEM_API_KEYS]")
-    a("--rate-limit-rpm", type=int, default=int(_env("TANDEM_GATEWAY_RATE_LIMIT_RPM", 0)),
-      help="requests per minute per key, 0 = off [env TANDEM_GATEWAY_RATE_LIMIT_RPM]")
-    a("--model", default=_env("TANDEM_MODEL", "default"),
-      help="target checkpoint (for the tokenizer) [env TANDEM_MODEL, default %(default)s]")
-    a("--served-model-name", default=_env("TANDEM_GATEWAY_MODEL_NAME"),
-      help="name clients send as 'model' [env TANDEM_GATEWAY_MODEL_NAME, default: the "
-           "checkpoint's directory name]")
-    a("--context-length", type=int, default=_int_env("TANDEM_GATEWAY_CONTEXT_LENGTH"),
-      help="[env TANDEM_GATEWAY_CONTEXT_LENGTH, default: max_position_embeddings]")
-    a("--default-speculative-tokens", type=int,
-      default=int(_env("TANDEM_GATEWAY_DEFAULT_SPECULATIVE_TOKENS", 0)),
-      help="0 = the verifier's default [env TANDEM_GATEWAY_DEFAULT_SPECULATIVE_TOKENS]")
-    a("--max-speculative-tokens", type=int,
-      default=int(_env("TANDEM_GATEWAY_MAX_SPECULATIVE_TOKENS", d.max_speculative_tokens)),
-      help="limit when verifiers do not report one [env TANDEM_GATEWAY_MAX_SPECULATIVE_TOKENS]")
-    a("--request-timeout", type=float,
-      default=float(_env("TANDEM_GATEWAY_REQUEST_TIMEOUT", d.request_timeout_s)),
-      help="seconds per request [env TANDEM_GATEWAY_REQUEST_TIMEOUT, default %(default)s]")
-    a("--verifier", action="append", default=None,
-      help="static verifier host:port, repeatable [env TANDEM_GATEWAY_VERIFIERS, comma list]")
-    a("--draft", action="append", default=None,
-      help="static draft worker host:port, repeatable [env TANDEM_GATEWAY_DRAFTS]")
-    a("--log-level", default=_env("TANDEM_LOG_LEVEL", "info"),
-      choices=["debug", "info", "warning", "error"], help="[env TANDEM_LOG_LEVEL]")
+    add_flag(p, "--host", "TANDEM_GATEWAY_HOST", d.host, help="bind address")
+    add_flag(p, "--port", "TANDEM_GATEWAY_PORT", d.port, int, "port to bind")
+    add_flag(p, "--redis-url", "REDIS_URL",
+             help="Redis for registry, sessions, rate limits; unset = start one")
+    add_flag(p, "--redis-prefix", "TANDEM_REDIS_PREFIX", d.redis_prefix, help="key namespace")
+    add_flag(p, "--api-keys", "TANDEM_API_KEYS", "",
+             help="comma-separated API keys; empty = no auth")
+    add_flag(p, "--rate-limit-rpm", "TANDEM_GATEWAY_RATE_LIMIT_RPM", 0, int,
+             "requests per minute per key, 0 = off")
+    add_flag(p, "--model", "TANDEM_MODEL", "default",
+             help="target checkpoint (for the tokenizer)")
+    add_flag(p, "--served-model-name", "TANDEM_GATEWAY_MODEL_NAME",
+             help="name clients send as 'model'; unset = the checkpoint's directory name")
+    add_flag(p, "--context-length", "TANDEM_GATEWAY_CONTEXT_LENGTH", None, int,
+             "unset = the checkpoint's max_position_embeddings")
+    add_flag(p, "--default-speculative-tokens", "TANDEM_GATEWAY_DEFAULT_SPECULATIVE_TOKENS", 0,
+             int, "0 = the verifier's default")
+    add_flag(p, "--max-speculative-tokens", "TANDEM_GATEWAY_MAX_SPECULATIVE_TOKENS",
+             d.max_speculative_tokens, int, "limit when verifiers do not report one")
+    add_flag(p, "--request-timeout", "TANDEM_GATEWAY_REQUEST_TIMEOUT", d.request_timeout_s,
+             float, "seconds per request")
+    # Repeatable flags: build_config reads their environment lists, which a flag replaces.
+    p.add_argument("--verifier", action="append", default=None,
+                   help="static verifier host:port, repeatable "
+                        "[env TANDEM_GATEWAY_VERIFIERS, comma list]")
+    p.add_argument("--draft", action="append", default=None,
+                   help="static draft worker host:port, repeatable "
+                        "[env TANDEM_GATEWAY_DRAFTS, comma list]")
+    add_flag(p, "--log-level", "TANDEM_LOG_LEVEL", "info",
+             choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_gateway)
     return p
-
-
-def _int_env(name: str) -> int | None:
-    value = _env(name)
-    return int(value) if value else None
 
 
 def _context_length(model_root, given: int | None) -> int:
@@ -87,15 +69,15 @@ def build_config(args, redis_url: str, model_root) -> GatewayConfig:
                                       else model_root.name)
     return GatewayConfig(
         host=args.host, port=args.port, redis_url=redis_url, redis_prefix=args.redis_prefix,
-        api_keys=_csv(args.api_keys), rate_limit_rpm=args.rate_limit_rpm, model_name=name,
+        api_keys=csv(args.api_keys), rate_limit_rpm=args.rate_limit_rpm, model_name=name,
         model_path=str(model_root), context_length=_context_length(model_root,
                                                                    args.context_length),
         default_speculative_tokens=args.default_speculative_tokens,
         max_speculative_tokens=args.max_speculative_tokens,
         request_timeout_s=args.request_timeout,
         # flags replace the environment's list rather than adding to it
-        static_verifiers=tuple(args.verifier or _csv(_env("TANDEM_GATEWAY_VERIFIERS"))),
-        static_drafts=tuple(args.draft or _csv(_env("TANDEM_GATEWAY_DRAFTS"))))
+        static_verifiers=tuple(args.verifier or csv(env("TANDEM_GATEWAY_VERIFIERS"))),
+        static_drafts=tuple(args.draft or csv(env("TANDEM_GATEWAY_DRAFTS"))))
 
 
 def run_gateway(args) -> int:

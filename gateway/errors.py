@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,8 +12,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+_TYPES = MappingProxyType({
+    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"})
 
 
 class APIError(Exception):

@@ -1,59 +1,31 @@
 """One session's Generate call(s): failover across verifiers, detokenization, stop strings.
 
 `run_session` yields `TextDelta`s and one final `Finished`. Underneath, `_Failover` calls
-VerifyService.Generate and, when a verifier dies mid-stream, resumes the session on another
-with the committed tokens recorded so far, so the client sees every token exactly once.
+the verifier (gateway/verifier.py) and, when a verifier dies mid-stream, resumes the session
+on another with the committed tokens recorded so far, so the client sees every token exactly
+once.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-import grpc
 from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, rate_limited, unavailable
+from gateway.plan import GenerationPlan
 from gateway.routing import Assignment, Router
 from gateway.schemas import speculation_stats
 from gateway.sessions import SessionStore
 from gateway.text import TextStream
-from tandem.spec.methods import METHOD_TO_PB
-from tandem.registry import WorkerRecord
-from tandem.sampling_params import SamplingParams
-from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from gateway.verifier import ChannelPool, Round, Totals, VerifierLost
+from tandem.spec.methods import Method
 
 log = logging.getLogger(__name__)
-
-_FINISH = {verify_pb2.FINISH_REASON_STOP: "stop", verify_pb2.FINISH_REASON_LENGTH: "length"}
-# A dead or draining verifier: resume elsewhere. RESOURCE_EXHAUSTED / ALREADY_EXISTS are
-# about this verifier only, so another one may still take the session.
-_RESUMABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
-              grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.ALREADY_EXISTS}
-# Reconnect quickly: a verifier restarted at the same address should be usable in seconds.
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", 2000)]
-
-
-@dataclass(frozen=True)
-class GenerationPlan:
-    """What one request asks the verifiers for (validated by the app)."""
-
-    session_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    max_new_tokens: int
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-    method: str
-    num_speculative_tokens: int
-    affinity_key: str | None = None
-    trace_metadata: tuple[tuple[str, str], ...] = ()  # W3C context for the verifier call
 
 
 @dataclass(frozen=True)
@@ -68,49 +40,6 @@ class Finished:
     speculation: dict
 
 
-def _sum(a: verify_pb2.SessionStats, b: verify_pb2.SessionStats) -> verify_pb2.SessionStats:
-    return verify_pb2.SessionStats(rounds=a.rounds + b.rounds,
-                                   drafted_tokens=a.drafted_tokens + b.drafted_tokens,
-                                   accepted_tokens=a.accepted_tokens + b.accepted_tokens)
-
-
-class ChannelPool:
-    """One grpc.aio channel per verifier address for the app's lifetime."""
-
-    def __init__(self, config: GatewayConfig):
-        self._config = config
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._described: dict[str, WorkerRecord] = {}
-
-    def stub(self, address: str) -> verify_pb2_grpc.VerifyServiceStub:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, _CHANNEL_OPTIONS)
-        return verify_pb2_grpc.VerifyServiceStub(self._channels[address])
-
-    async def describe_verifier(self, address: str) -> WorkerRecord:
-        """A static verifier as a WorkerRecord, from its Info (cached once it answered)."""
-        if address in self._described:
-            return self._described[address]
-        base = WorkerRecord("verifier", address, address, self._config.static_capacity, 0)
-        try:
-            info = await self.stub(address).Info(common_pb2.InfoRequest(),
-                                                 timeout=self._config.info_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            log.info("Info on static verifier %s failed: %s", address, exc.code().name)
-            return base
-        rec = WorkerRecord("verifier", address, address,
-                           info.max_sessions or self._config.static_capacity, 0,
-                           model_id=info.model_id, tokenizer_hash=info.tokenizer_hash,
-                           max_speculative_tokens=info.max_speculative_tokens)
-        self._described[address] = rec
-        return rec
-
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        for ch in channels:
-            await ch.close()
-
-
 @dataclass
 class GenerationDeps:
     config: GatewayConfig
@@ -119,31 +48,6 @@ class GenerationDeps:
     store: SessionStore
     # Store writes that must outlive a cancelled request (see _background).
     background: set[asyncio.Task] = field(default_factory=set)
-
-
-def build_request(plan: GenerationPlan, committed: Sequence[int],
-                  draft_address: str) -> verify_pb2.GenerateRequest:
-    sampling = common_pb2.SamplingParams(temperature=plan.sampling.temperature,
-                                         top_k=plan.sampling.top_k, top_p=plan.sampling.top_p)
-    if plan.sampling.seed is not None:
-        sampling.seed = plan.sampling.seed
-    return verify_pb2.GenerateRequest(
-        session_id=plan.session_id, prompt_token_ids=plan.prompt_token_ids,
-        committed_token_ids=list(committed), sampling=sampling,
-        stopping=verify_pb2.StoppingCriteria(max_new_tokens=plan.max_new_tokens,
-                                             stop_token_ids=plan.stop_token_ids,
-                                             ignore_eos=plan.ignore_eos),
-        speculation=verify_pb2.SpeculationConfig(
-            method=METHOD_TO_PB[plan.method], num_speculative_tokens=plan.num_speculative_tokens,
-            draft_address=draft_address))
-
-
-class _Resume(Exception):
-    """This verifier is gone or refused; try another with the committed tokens."""
-
-    def __init__(self, reason: str, code: grpc.StatusCode | None = None):
-        super().__init__(reason)
-        self.code = code
 
 
 async def _safe(what: str, coro) -> None:
@@ -161,12 +65,12 @@ class _Failover:
         self.plan, self.deps = plan, deps
         self.committed: list[int] = []
         # Each call reports totals since it started: sum those of the calls that ended.
-        self._ended_totals = verify_pb2.SessionStats()
-        self._call_totals = verify_pb2.SessionStats()
+        self._ended_totals = Totals()
+        self._call_totals = Totals()
         self.finish_reason = ""
 
     def stats(self) -> dict:
-        t = _sum(self._ended_totals, self._call_totals)
+        t = self._ended_totals + self._call_totals
         return speculation_stats(self.plan.method, t.rounds, t.drafted_tokens,
                                  t.accepted_tokens, len(self.committed))
 
@@ -174,8 +78,8 @@ class _Failover:
         cfg, loop = self.deps.config, asyncio.get_running_loop()
         deadline = loop.time() + cfg.request_timeout_s
         excluded: list[str] = []
-        last: _Resume | None = None
-        need_draft = self.plan.method != "none"
+        last: VerifierLost | None = None
+        need_draft = self.plan.method is not Method.NONE
         for attempt in range(cfg.max_attempts):
             if loop.time() >= deadline:
                 raise APIError(504, "request timed out", code="timeout")
@@ -190,15 +94,15 @@ class _Failover:
                     async for ids in ids_stream:
                         yield ids
                 return
-            except _Resume as exc:
+            except VerifierLost as exc:
                 log.warning("session %s: verifier %s failed (%s); %d tokens committed, resuming",
                             self.plan.session_id, assignment.verifier.address, exc,
                             len(self.committed))
                 excluded.append(assignment.verifier.address)
                 last = exc
-            self._ended_totals = _sum(self._ended_totals, self._call_totals)
-            self._call_totals = verify_pb2.SessionStats()
-        if last is not None and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._ended_totals = self._ended_totals + self._call_totals
+            self._call_totals = Totals()
+        if last is not None and last.at_capacity:
             raise rate_limited(f"verifiers are at capacity: {last}", self.deps.config.retry_after_s)
         reason = f" (last error: {last})" if last else ""
         raise unavailable(f"no verifier available{reason}")
@@ -224,51 +128,32 @@ class _Failover:
         await _safe("assign", deps.store.assign(plan.session_id, verifier=addr, draft=draft_addr,
                                                 status="resuming" if attempt else "running"))
         await deps.router.remember(plan.affinity_key, addr)
-        call = deps.channels.stub(addr).Generate(build_request(plan, committed, draft_addr),
-                                                 timeout=timeout,
-                                                 metadata=plan.trace_metadata or None)
+        call = deps.channels.generate(addr, plan, committed, draft_addr, timeout)
         deps.router.acquire(addr, *([draft_addr] if draft_addr else []))
         try:
             while not self.finish_reason:
-                resp = await self._read(call)
-                ids = self._accept(resp)
+                rnd = await call.read()
+                ids = self._accept(rnd)
                 if ids:
+                    # Recorded before it is shown: a resumed session sends exactly these back.
                     await _safe("append", deps.store.append(plan.session_id, ids))
                     self.committed.extend(ids)
                     yield ids
-                if resp.finish_reason == verify_pb2.FINISH_REASON_ABORT:
-                    raise _Resume("the verifier aborted the session", grpc.StatusCode.ABORTED)
+                if rnd.aborted:
+                    raise VerifierLost("the verifier aborted the session")
         finally:
-            call.cancel()  # no-op when the call already ended; aborts it on an early exit
+            call.cancel()  # aborts the call on an early exit
             deps.router.release(addr, *([draft_addr] if draft_addr else []))
 
-    async def _read(self, call) -> verify_pb2.GenerateResponse:
-        try:
-            resp = await asyncio.wait_for(call.read(), timeout=self.deps.config.stall_timeout_s)
-        except asyncio.TimeoutError:
-            raise _Resume("no message within the stall timeout",
-                          grpc.StatusCode.DEADLINE_EXCEEDED) from None
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code in _RESUMABLE:
-                raise _Resume(f"{code.name}: {exc.details()}", code) from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise APIError(400, exc.details() or "invalid request",
-                               code="invalid_request") from None
-            raise APIError(502, f"verifier error {code.name}: {exc.details()}") from None
-        if resp is grpc.aio.EOF:
-            raise _Resume("stream ended without a finish reason", grpc.StatusCode.UNAVAILABLE)
-        return resp
-
-    def _accept(self, resp: verify_pb2.GenerateResponse) -> list[int]:
-        """The new tokens of a response; sets finish_reason when the session is done.
+    def _accept(self, rnd: Round) -> list[int]:
+        """The new tokens of a round; sets finish_reason when the session is done.
         The gateway enforces max_new_tokens itself so a misbehaving verifier cannot
         overrun it."""
-        self._call_totals = resp.totals
+        self._call_totals = rnd.totals
         room = self.plan.max_new_tokens - len(self.committed)
-        ids = list(resp.token_ids)[:room]
-        if resp.finish_reason in _FINISH:
-            self.finish_reason = _FINISH[resp.finish_reason]
+        ids = list(rnd.token_ids)[:room]
+        if rnd.finish_reason:
+            self.finish_reason = rnd.finish_reason
         elif len(self.committed) + len(ids) >= self.plan.max_new_tokens:
             self.finish_reason = "length"
         return ids

@@ -11,8 +11,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import bad_request
+from tandem.spec.methods import API_NAMES, Method
 
-SPECULATION_METHODS = ("draft_model", "ngram", "none")
+# Sorted, so a bad method's 400 lists the choices alphabetically.
+_METHOD_NAMES = tuple(sorted(API_NAMES))
 _MAX_SEED = 2**63  # seeds travel as uint64 on the wire; int64 keeps every language happy
 _MAX_STOP_STRINGS = 16
 
@@ -23,7 +25,7 @@ class SpeculationOptions(BaseModel):
     """The `speculation` extension: which proposer and how many draft tokens per round."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: Literal["draft_model", "ngram", "none"] | None = None
+    method: Literal[_METHOD_NAMES] | None = None  # a Method.api_name; the plan parses it
     num_speculative_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
@@ -32,7 +34,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = _STRICT
@@ -63,7 +65,7 @@ class _GenerationRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     suffix: str | None = None
@@ -89,7 +91,7 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
@@ -101,7 +103,7 @@ class ChatCompletionRequest(_GenerationRequest):
                 for m in self.messages]
 
 
-def check_common(req: _GenerationRequest, *, max_speculative_tokens: int) -> None:
+def check_common(req: GenerationRequest, *, max_speculative_tokens: int) -> None:
     """Checks that pydantic cannot express; each raises a 400 naming the field."""
     if req.n is not None and req.n != 1:
         raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n",
@@ -120,7 +122,7 @@ def check_common(req: _GenerationRequest, *, max_speculative_tokens: int) -> Non
     check_unsupported(req)
 
 
-def check_unsupported(req: _GenerationRequest) -> None:
+def check_unsupported(req: GenerationRequest) -> None:
     checks = [("best_of", req.best_of not in (None, 1)), ("echo", bool(req.echo)),
               ("presence_penalty", bool(req.presence_penalty)),
               ("frequency_penalty", bool(req.frequency_penalty)),
@@ -189,10 +191,10 @@ def resolve_max_tokens(req: CompletionRequest | ChatCompletionRequest, prompt_le
 # ---- responses (plain dicts: they go straight to JSON) ------------------------------------
 
 
-def speculation_stats(method: str, rounds: int, drafted: int, accepted: int,
+def speculation_stats(method: Method, rounds: int, drafted: int, accepted: int,
                       committed: int) -> dict:
     """The `speculation` extension object of every response."""
-    return {"method": method, "rounds": rounds, "drafted_tokens": drafted,
+    return {"method": method.api_name, "rounds": rounds, "drafted_tokens": drafted,
             "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": committed / rounds if rounds else 0.0}

@@ -1,26 +1,20 @@
-"""`tandem` command line. Every option also reads an environment variable (TANDEM_*)."""
+"""`tandem` command line. Options that also read an environment variable name it in --help."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
+from tandem.envflags import add_flag, env
 from tandem.models import DEFAULT_TARGET, ModelError
 
 
-def _env(name: str, default):
-    return os.environ.get(name, default)
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=_env("TANDEM_MODEL", DEFAULT_TARGET),
-                   help="target model: the default name or a local HF checkpoint directory "
-                        "[env TANDEM_MODEL, default %(default)s]")
-    p.add_argument("--threads", type=int, default=int(_env("TANDEM_THREADS", 0)),
-                   help="torch CPU threads, 0 = torch's default [env TANDEM_THREADS]")
-    p.add_argument("--kv-cache-mb", type=int, default=int(_env("TANDEM_KV_CACHE_MB", 512)),
-                   help="KV cache budget in MiB [env TANDEM_KV_CACHE_MB, default %(default)s]")
+    add_flag(p, "--model", "TANDEM_MODEL", DEFAULT_TARGET,
+             help="target model: the default name or a local HF checkpoint directory")
+    add_flag(p, "--threads", "TANDEM_THREADS", 0, int,
+             help="torch CPU threads, 0 = torch's default")
+    add_flag(p, "--kv-cache-mb", "TANDEM_KV_CACHE_MB", 512, int, help="KV cache budget in MiB")
 
 
 def _cmd_models_fetch(args) -> int:
@@ -43,11 +37,11 @@ def _cmd_generate(args) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from tandem.models import resolve_model
-    from tandem.sampling_params import SamplingParams
     from tandem.engine.generate import LocalGenerator
     from tandem.engine.llama import LlamaModel
     from tandem.engine.model_runner import ModelRunner
+    from tandem.models import resolve_model
+    from tandem.sampling_params import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,7 +82,7 @@ def _cmd_up(args) -> int:
     config = ClusterConfig(num_drafts=args.drafts, num_verifiers=args.verifiers,
                            gateway_host=args.host, gateway_port=args.port, model=args.model,
                            draft_model=args.draft_model,
-                           redis_url=os.environ.get("REDIS_URL", ""), threads=args.threads)
+                           redis_url=env("REDIS_URL", ""), threads=args.threads)
     cluster = Cluster(config, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("starting the Tandem cluster ...", file=sys.stderr, flush=True)
     try:
@@ -139,17 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start a local cluster: redis, verifier, draft workers, "
                         "gateway (separate processes)")
-    up.add_argument("--drafts", type=int, default=int(_env("TANDEM_UP_DRAFTS", 1)),
-                    help="draft workers [env TANDEM_UP_DRAFTS, default %(default)s]")
-    up.add_argument("--verifiers", type=int, default=int(_env("TANDEM_UP_VERIFIERS", 1)))
-    up.add_argument("--host", default=_env("TANDEM_GATEWAY_HOST", "127.0.0.1"))
-    up.add_argument("--port", type=int, default=int(_env("TANDEM_GATEWAY_PORT", 8000)),
-                    help="gateway HTTP port (default %(default)s)")
-    up.add_argument("--model", default=_env("TANDEM_MODEL", ""), help="target model")
-    up.add_argument("--draft-model", default=_env("TANDEM_DRAFT_MODEL", ""),
-                    help="draft model (default: the shipped draft)")
-    up.add_argument("--threads", type=int, default=int(_env("TANDEM_THREADS", 1)),
-                    help="torch threads per worker process (default %(default)s)")
+    add_flag(up, "--drafts", "TANDEM_UP_DRAFTS", 1, int, help="draft worker processes")
+    add_flag(up, "--verifiers", "TANDEM_UP_VERIFIERS", 1, int, help="verifier processes")
+    add_flag(up, "--host", "TANDEM_GATEWAY_HOST", "127.0.0.1", help="gateway address to bind")
+    add_flag(up, "--port", "TANDEM_GATEWAY_PORT", 8000, int, help="gateway HTTP port")
+    add_flag(up, "--model", "TANDEM_MODEL", "", help="target model (default: the shipped target)")
+    add_flag(up, "--draft-model", "TANDEM_DRAFT_MODEL", "",
+             help="draft model (default: the shipped draft)")
+    add_flag(up, "--threads", "TANDEM_THREADS", 1, int, help="torch threads per worker process")
     up.add_argument("--demo", default="", metavar="PROMPT",
                     help="send this chat message once the cluster is up and print the reply")
     up.add_argument("--exit-after-demo", action="store_true", help="stop after the demo")

@@ -5,44 +5,54 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
 
+from tandem.envflags import add_flag, csv, env
 from verify_service.config import VerifierConfig
 
 _DEFAULTS = VerifierConfig()
 
-
-def _env(name: str, default):
-    value = os.environ.get(f"TANDEM_VERIFIER_{name.upper()}")
-    return default if value is None else type(default)(value)
+# Integer flags read from VerifierConfig: name -> help.
+_INT_FLAGS = {
+    "threads": "torch CPU threads, 0 = torch's default",
+    "kv_cache_mb": "paged KV cache budget in MiB",
+    "block_size": "tokens per KV cache block",
+    "max_sessions": "open sessions this worker accepts before refusing new ones",
+    "max_num_seqs": "sessions verified together in one batched round",
+    "max_spec_tokens": "cap on draft tokens verified per session per round (0..32)",
+    "top_n": "size of the sparse draft distribution asked from draft workers",
+}
 
 
 def register(sub) -> None:
     p = sub.add_parser("verifier", help="run a verifier worker (target model + paged KV cache)",
                        description="Serve tandem.v1.VerifyService over gRPC. Every flag also "
-                       "reads TANDEM_VERIFIER_<FLAG> (e.g. TANDEM_VERIFIER_PORT).")
-    p.add_argument("--host", default=_env("host", _DEFAULTS.host))
-    p.add_argument("--port", type=int, default=_env("port", 50051))
-    p.add_argument("--model", default=os.environ.get("TANDEM_MODEL", _DEFAULTS.model),
-                   help="target: default name or HF checkpoint dir [env TANDEM_MODEL]")
-    for name in ("threads", "kv_cache_mb", "block_size", "max_sessions", "max_num_seqs",
-                 "max_spec_tokens", "top_n"):
-        p.add_argument("--" + name.replace("_", "-"), type=int,
-                       default=_env(name, getattr(_DEFAULTS, name)))
-    p.add_argument("--max-draft-wait-ms", type=float,
-                   default=_env("max_draft_wait_ms", _DEFAULTS.max_draft_wait_ms))
+                       "reads the environment variable named in its help "
+                       "(TANDEM_VERIFIER_<FLAG>, e.g. TANDEM_VERIFIER_PORT).")
+    add_flag(p, "--host", "TANDEM_VERIFIER_HOST", _DEFAULTS.host, help="address to bind")
+    add_flag(p, "--port", "TANDEM_VERIFIER_PORT", 50051, int,
+             help="gRPC port to bind, 0 = any free port")
+    add_flag(p, "--model", "TANDEM_MODEL", _DEFAULTS.model,
+             help="target: default name or HF checkpoint dir")
+    for name, text in _INT_FLAGS.items():
+        add_flag(p, "--" + name.replace("_", "-"), f"TANDEM_VERIFIER_{name.upper()}",
+                 getattr(_DEFAULTS, name), int, help=text)
+    add_flag(p, "--max-draft-wait-ms", "TANDEM_VERIFIER_MAX_DRAFT_WAIT_MS",
+             _DEFAULTS.max_draft_wait_ms, float,
+             help="longest a round waits for draft tokens still in flight")
     p.add_argument("--draft", action="append", dest="drafts", metavar="HOST:PORT",
-                   default=[a for a in os.environ.get("TANDEM_VERIFIER_DRAFTS", "").split(",")
-                            if a],
-                   help="draft worker address (repeatable); others come from the registry")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
-                   help="register here and discover draft workers [env REDIS_URL]")
-    p.add_argument("--worker-id", default=_env("worker_id", ""))
-    p.add_argument("--advertise-address", default=_env("advertise_address", ""),
-                   help="address others dial (default host:port)")
-    p.add_argument("--drain-grace-s", type=float, default=_env("drain_grace_s", 5.0))
-    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", -1),
-                   help="Prometheus /metrics HTTP port: -1 off (default), 0 any free port")
+                   default=list(csv(env("TANDEM_VERIFIER_DRAFTS"))),
+                   help="draft worker address (repeatable); others come from the registry "
+                        "[env TANDEM_VERIFIER_DRAFTS, comma-separated]")
+    add_flag(p, "--redis-url", "REDIS_URL", "",
+             help="register here and discover draft workers")
+    add_flag(p, "--worker-id", "TANDEM_VERIFIER_WORKER_ID", "",
+             help="id in the registry (default: generated)")
+    add_flag(p, "--advertise-address", "TANDEM_VERIFIER_ADVERTISE_ADDRESS", "",
+             help="address others dial (default host:port)")
+    add_flag(p, "--drain-grace-s", "TANDEM_VERIFIER_DRAIN_GRACE_S", 5.0, float,
+             help="seconds running streams get to finish when stopping")
+    add_flag(p, "--metrics-port", "TANDEM_VERIFIER_METRICS_PORT", -1, int,
+             help="Prometheus /metrics HTTP port: -1 off, 0 any free port")
     p.set_defaults(func=_run)
 
 

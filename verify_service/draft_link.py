@@ -3,6 +3,7 @@
 A DraftLink owns one bidirectional stream; control messages are queued without blocking the
 engine loop, proposals are handed to a callback. A broken stream only turns its sessions to
 plain decoding (speculation fails open); the DraftPool reconnects them elsewhere.
+This is the protobuf edge of the draft link: it sends and receives tandem.spec dataclasses.
 """
 from __future__ import annotations
 
@@ -13,16 +14,55 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from tandem.v1 import draft_pb2, draft_pb2_grpc
+from tandem.spec import (
+    Close,
+    Commit,
+    Control,
+    DraftToken,
+    ErrorCode,
+    Open,
+    Proposal,
+    Reply,
+    SessionError,
+)
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 STREAM_DEADLINE_S = 24 * 3600.0  # long-lived by design; a deadline still bounds a lost peer
 RETRY_BACKOFF_S = 5.0
 
 
+def control_to_proto(c: Control) -> draft_pb2.DraftControl:
+    if isinstance(c, Open):
+        return draft_pb2.DraftControl(open=draft_pb2.OpenSession(
+            session_id=c.session_id, token_ids=c.token_ids, epoch=c.epoch,
+            trace_context=dict(c.trace_context), method=int(c.method),
+            max_run_ahead=c.max_run_ahead, top_n=c.top_n, max_ngram_size=c.max_ngram_size,
+            sampling=common_pb2.SamplingParams(temperature=c.temperature, top_k=c.top_k,
+                                               top_p=c.top_p, seed=c.seed)))
+    if isinstance(c, Commit):
+        return draft_pb2.DraftControl(commit=draft_pb2.CommitTokens(
+            session_id=c.session_id, epoch=c.epoch, start_position=c.start_position,
+            token_ids=c.token_ids, max_run_ahead=c.max_run_ahead))
+    if isinstance(c, Close):
+        return draft_pb2.DraftControl(close=draft_pb2.CloseSession(session_id=c.session_id))
+    raise TypeError(f"not a draft control message: {c!r}")
+
+
+def reply_from_proto(msg: draft_pb2.DraftProposal) -> Reply:
+    if msg.HasField("error"):
+        try:
+            code = ErrorCode(msg.error.code)
+        except ValueError:  # a code newer than this verifier
+            code = ErrorCode.INTERNAL
+        return SessionError(msg.session_id, code, msg.error.message)
+    return Proposal(msg.session_id, msg.epoch, msg.position, DraftToken(
+        msg.token_id, tuple(msg.q.token_ids), tuple(msg.q.probs)))
+
+
 class DraftLink:
     def __init__(self, address: str,
-                 on_message: Callable[[DraftLink, draft_pb2.DraftProposal], None],
+                 on_message: Callable[[DraftLink, Reply], None],
                  on_broken: Callable[[DraftLink], None]):
         self.address = address
         self.alive = False
@@ -45,9 +85,9 @@ class DraftLink:
         self._reader = asyncio.create_task(self._read(call))
         return True
 
-    def send(self, control: draft_pb2.DraftControl) -> None:
+    def send(self, control: Control) -> None:
         if self.alive:
-            self._queue.put_nowait(control)
+            self._queue.put_nowait(control_to_proto(control))
 
     async def _requests(self):
         while (msg := await self._queue.get()) is not None:
@@ -56,7 +96,7 @@ class DraftLink:
     async def _read(self, call) -> None:
         try:
             async for proposal in call:
-                self._on_message(self, proposal)
+                self._on_message(self, reply_from_proto(proposal))
         except grpc.aio.AioRpcError as exc:
             log.warning("draft stream to %s broke: %s", self.address, exc.code().name)
         except asyncio.CancelledError:

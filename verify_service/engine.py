@@ -1,124 +1,245 @@
-"""One verifier step on torch: target forward, sampling distributions, batched rejection.
+"""The verifier's speculation round, top to bottom: `Engine.step()`.
 
-Runs in a worker thread on immutable snapshots (StepInput), so the event loop keeps serving
-health checks and draft streams during the forward.
+    wait for drafts -> schedule -> execute (target forward + rejection) -> apply and commit
+
+Each phase has its own file: drafts arrive in verify_service/drafts.py, the batch is chosen
+by verify_service/scheduler.py (pure Python), executed by verify_service/executor.py (torch,
+in one worker thread so the event loop keeps serving health checks and draft streams), and the
+committed tokens go back out here, to the client's queue and to the draft worker. Draft workers
+are optional at every moment: a session without proposals simply decodes plainly.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from kernels.rejection import SparseDraftProbs, rejection_sample
-from kernels.sampling import keyed_seed, logits_to_probs, make_generator
-from tandem.sampling_params import SamplingParams
-from tandem.engine.model_runner import ModelRunner, SeqChunk
-from verify_service.sequence import DraftToken
+from tandem.errors import AlreadyExists, ResourceExhausted
+from tandem.spec import Method
+from tandem.spec.cost import update_acceptance
+from tandem.telemetry import VerifierMetrics
+from verify_service.drafts import DraftSide
+from verify_service.executor import Executor, RoundOutcome, StepInput, StepTimings
+from verify_service.scheduler import ScheduledSeq, Scheduler
+from verify_service.sequence import GenerateParams, Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class StepInput:
-    token_ids: list[int]  # [last committed token, *drafts], a prefill chunk, or carried: drafts
-    start_pos: int
-    block_table: list[int]
-    drafts: list[DraftToken]  # the k draft tokens under verification
-    sampling: SamplingParams
-    carried: torch.Tensor | None = None  # [vocab] target probs of the first draft's position
-    sample_bonus: bool = True  # False: if all drafts pass, carry the bonus row instead
+class EngineConfig:
+    max_sessions: int = 64
+    max_draft_wait_ms: float = 25.0  # longest a step waits for missing draft tokens
+    # Seeded sampling is reproducible only with a fixed round shape, so those sessions wait
+    # longer for their k drafts (still failing open when the draft worker is gone or stuck).
+    seeded_draft_wait_ms: float = 1000.0
+    top_n: int = 8  # size of the sparse q asked from draft workers
+
+    def __post_init__(self):
+        if self.max_sessions < 1 or self.max_draft_wait_ms < 0 or self.top_n < 1:
+            raise ValueError(f"invalid EngineConfig {self}")
 
 
 @dataclass(frozen=True)
-class RoundOutcome:
-    accepted: list[int]  # accepted draft tokens
-    next_token: int | None  # recovered (first rejection) or bonus token; None when carried
-    carry: torch.Tensor | None = None  # [vocab] the unsampled bonus row, when next_token is None
+class RoundOutput:
+    """What one round gave one session (streamed to the gateway)."""
 
-
-@dataclass(frozen=True)
-class StepTimings:
-    forward_ms: float
+    token_ids: list[int]
+    num_committed: int
+    drafted: int
+    accepted: int
+    bonus: bool
+    draft_wait_ms: float
+    verify_ms: float
     rejection_ms: float
+    rounds: int
+    drafted_total: int
+    accepted_total: int
+    finish_reason: str | None
 
 
-def _draft_probs(inputs: list[StepInput]) -> SparseDraftProbs | None:
-    """Sparse q for the batch; one-hot rows (greedy, n-gram) padded with zero-mass ids."""
-    drafts = [d for s in inputs for d in s.drafts]
-    if all(not d.q_ids for d in drafts):
-        return None
-    width = max(len(d.q_ids) or 1 for d in drafts)
-    ids = torch.empty(len(drafts), width, dtype=torch.int64)
-    probs = torch.zeros(len(drafts), width, dtype=torch.float32)
-    for row, d in enumerate(drafts):
-        q_ids, q_probs = (d.q_ids, d.q_probs) if d.q_ids else ((d.token_id,), (1.0,))
-        ids[row] = d.token_id
-        ids[row, : len(q_ids)] = torch.tensor(q_ids)
-        probs[row, : len(q_probs)] = torch.tensor(q_probs)
-    return SparseDraftProbs(ids, probs / probs.sum(-1, keepdim=True))
+class Engine:
+    def __init__(self, executor: Executor | None, scheduler: Scheduler, config: EngineConfig,
+                 vocab_size: int, metrics: VerifierMetrics | None = None):
+        self.executor, self.scheduler, self.config = executor, scheduler, config
+        self.metrics = metrics
+        self.sessions: dict[str, Sequence] = {}
+        self.drafts = DraftSide(self.sessions, vocab_size, config.top_n,
+                                scheduler.config.max_spec_tokens)
+        self._queues: dict[str, asyncio.Queue[RoundOutput]] = {}
+        self._carried: dict[str, torch.Tensor] = {}  # [vocab] probs of carried sessions
+        self._wakeup = asyncio.Event()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="verify-forward")
 
+    # ---- requests -------------------------------------------------------------------------
+    def submit(self, params: GenerateParams) -> asyncio.Queue[RoundOutput]:
+        if params.session_id in self.sessions:
+            raise AlreadyExists(f"session {params.session_id!r} is already generating here")
+        if len(self.sessions) >= self.config.max_sessions:
+            raise ResourceExhausted(f"verifier is full ({self.config.max_sessions} sessions)")
+        blocks = self.scheduler.blocks
+        need = -(-(len(params.prompt) + params.max_new_tokens) // blocks.block_size)
+        if need > blocks.num_blocks:  # would wait forever: refuse, another verifier may fit it
+            raise ResourceExhausted(
+                f"the session needs {need} KV blocks, this verifier's cache has "
+                f"{blocks.num_blocks} (of {blocks.block_size} tokens)")
+        seq = Sequence(params)
+        self.scheduler.add(seq)  # raises InvalidArgument if it cannot fit the context
+        self.sessions[seq.seq_id] = seq
+        self._queues[seq.seq_id] = queue = asyncio.Queue()
+        self._wakeup.set()
+        self.drafts.attach(seq)
+        return queue
 
-class EngineCore:
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
+    def abort(self, seq_id: str) -> None:
+        seq = self.sessions.get(seq_id)
+        if seq is not None and not seq.finished:
+            self.scheduler.abort(seq_id)
+            self._release(seq)
 
-    def _target_probs(self, inputs: list[StepInput]) -> tuple[torch.Tensor, float]:
-        """[sum(k_i + 1), vocab]: carried rows (if any) then each forward's rows; forward ms."""
-        rows = [len(s.drafts) + (0 if s.carried is not None else 1) for s in inputs]
-        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=n)
-                  for s, n in zip(inputs, rows) if s.token_ids]
-        if not chunks:  # carried sessions whose drafts vanished: no forward needed
-            return torch.stack([s.carried for s in inputs]), 0.0
-        t0 = time.perf_counter()
-        logits = self.runner.forward(chunks)  # [sum(rows), vocab]
-        forward_ms = (time.perf_counter() - t0) * 1e3
+    @property
+    def load(self) -> int:
+        return len(self.sessions)
 
-        def per_row(values, dtype):
-            return torch.tensor([v for v, n in zip(values, rows) for _ in range(n)], dtype=dtype)
+    # ---- the loop -------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            if not self.sessions:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self.step()
 
-        probs = logits_to_probs(
-            logits,
-            per_row([s.sampling.temperature for s in inputs], torch.float32),
-            per_row([s.sampling.top_k for s in inputs], torch.int64),
-            per_row([s.sampling.top_p for s in inputs], torch.float32),
-        )
-        if all(s.carried is None for s in inputs):
-            return probs, forward_ms
-        parts, at = [], 0
-        for s, n in zip(inputs, rows):
-            if s.carried is not None:
-                parts.append(s.carried[None])
-            parts.append(probs[at:at + n])
-            at += n
-        return torch.cat(parts), forward_ms
+    async def step(self) -> None:
+        """One round for every running session."""
+        wait_ms = await self._wait_for_drafts()  # 1. drafts: bounded wait for arrivals
+        sched = self.scheduler.schedule()  # 2. schedule: batch, k per session, preemption
+        for seq in sched.preempted:  # its draft session restarts after re-admission
+            self.drafts.commit(seq, seq.num_tokens, [])
+        if sched.empty:
+            await asyncio.sleep(0.005)  # blocks are held by sessions about to finish
+            return
+        inputs = [self._step_input(s) for s in sched.scheduled]
+        try:  # 3. execute: one target forward over the flattened batch, then rejection
+            outcomes, timings = await asyncio.get_running_loop().run_in_executor(
+                self._thread, self.executor.execute, inputs)
+        except Exception:  # a bug in one step must not kill the server: fail the batch
+            log.exception("verification step failed")
+            for s in sched.scheduled:
+                self.scheduler.finish(s.seq, "abort")
+                self._release(s.seq)
+            return
+        self._observe_cost(sched.scheduled, wait_ms, timings)
+        for s, outcome in zip(sched.scheduled, outcomes):  # 4. apply: commit, stream, tell
+            self._apply(s, outcome, wait_ms, timings)
 
-    def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
-        t0 = time.perf_counter()
-        probs, forward_ms = self._target_probs(inputs)
-        counts = torch.tensor([0] + [len(s.drafts) for s in inputs], dtype=torch.int64)
-        out = rejection_sample(
-            draft_token_ids=torch.tensor([d.token_id for s in inputs for d in s.drafts],
-                                         dtype=torch.int64),
-            cu_num_draft_tokens=torch.cumsum(counts, 0),
-            target_probs=probs,
-            draft_probs=_draft_probs(inputs),
-            is_greedy=torch.tensor([s.sampling.is_greedy for s in inputs]),
-            sample_bonus=torch.tensor([s.sample_bonus for s in inputs]),
-            generators=[
-                None if s.sampling.seed is None
-                # keyed by the first position sampled: independent of prefix-cache hits
-                else make_generator(keyed_seed(s.sampling.seed, s.start_pos + len(s.token_ids)
-                                               - len(s.drafts)))
-                for s in inputs
-            ],
-        )
-        tokens, accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()
-        emitted = out.num_emitted.tolist()
-        outcomes, last_row = [], -1
-        for s, row, a, e in zip(inputs, tokens, accepted, emitted):
-            last_row += len(s.drafts) + 1
-            if e > a:
-                outcomes.append(RoundOutcome(row[:a], row[a]))
-            else:  # every draft accepted and no bonus sampled: carry the bonus row
-                outcomes.append(RoundOutcome(row[:a], None, probs[last_row].clone()))
-        total_ms = (time.perf_counter() - t0) * 1e3
-        return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
+    async def _wait_for_drafts(self) -> float:
+        """Wait (bounded) until speculating sessions have the drafts they could use."""
+        start = time.perf_counter()
+        while True:
+            budget = start + self._draft_wait_limit_ms() / 1e3 - time.perf_counter()
+            if budget <= 0:
+                return (time.perf_counter() - start) * 1e3
+            self.drafts.arrived.clear()
+            try:
+                await asyncio.wait_for(self.drafts.arrived.wait(), budget)
+            except asyncio.TimeoutError:
+                return (time.perf_counter() - start) * 1e3
+
+    def _draft_wait_limit_ms(self) -> float:
+        limit_ms = 0.0
+        for seq in self.scheduler.running:
+            missing = self.scheduler.desired_k(seq) - len(seq.drafts)
+            if not self.drafts.linked(seq) or missing <= 0:
+                continue
+            s = seq.params.sampling
+            # n-gram drafts are instant or absent: only a draft model is worth the wait.
+            seeded = s.seed is not None and not s.is_greedy
+            allowed = (self.config.seeded_draft_wait_ms
+                       if seeded and seq.params.method is Method.DRAFT_MODEL else
+                       min(self.config.max_draft_wait_ms, missing * self.drafts.arrival_ms * 1.5))
+            limit_ms = max(limit_ms, allowed)
+        return limit_ms
+
+    def _step_input(self, s: ScheduledSeq) -> StepInput:
+        seq = s.seq
+        return StepInput(s.token_ids, s.start_pos, list(self.scheduler.blocks.block_table(
+            seq.seq_id)), list(seq.drafts[: s.num_drafts]), seq.params.sampling,
+            carried=self._carried.get(seq.seq_id) if seq.carried else None,
+            sample_bonus=not self._may_carry(seq, s.num_drafts))
+
+    def _may_carry(self, seq: Sequence, k: int) -> bool:
+        """Skip the bonus token when the draft's next token is already here (stochastic only:
+        greedy is identical either way, and seeded runs keep a fixed round shape)."""
+        s = seq.params.sampling
+        return (k >= 1 and len(seq.drafts) > k and not s.is_greedy and s.seed is None
+                and self.drafts.linked(seq)
+                and len(seq.output) + k < seq.params.max_new_tokens)
+
+    def _observe_cost(self, scheduled: list[ScheduledSeq], wait_ms: float,
+                      timings: StepTimings) -> None:
+        """Single-session rounds feed the cost model: the whole round, drafting wait and
+        sampling included, is what k really costs."""
+        if len(scheduled) == 1 and not scheduled[0].is_prefill:
+            self.scheduler.cost.observe(scheduled[0].num_drafts + 1, wait_ms
+                                        + timings.forward_ms + timings.rejection_ms)
+
+    def _apply(self, s: ScheduledSeq, outcome: RoundOutcome, wait_ms: float,
+               timings: StepTimings) -> None:
+        seq = s.seq
+        if seq.finished or seq.seq_id not in self.sessions:
+            return  # aborted while the step ran; its blocks are already freed
+        accepted, next_token = outcome.accepted, outcome.next_token
+        self.scheduler.update_from_output(s, len(accepted))  # roll back rejected KV
+        start = seq.num_tokens
+        new = seq.commit(accepted, next_token)  # may bump the epoch (the draft diverged)
+        seq.carried = next_token is None and not seq.finished
+        if seq.carried:
+            self._carried[seq.seq_id] = outcome.carry
+        else:
+            self._carried.pop(seq.seq_id, None)
+        st = seq.stats
+        st.rounds, st.drafted, st.accepted = (st.rounds + 1, st.drafted + s.num_drafts,
+                                              st.accepted + len(accepted))
+        if s.num_drafts:
+            seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts,
+                                                   len(accepted))
+        if self.metrics is not None:
+            self.metrics.observe_round(s.num_drafts, len(accepted), wait_ms,
+                                       timings.forward_ms, timings.rejection_ms)
+        self._queues[seq.seq_id].put_nowait(self._output(
+            seq, new, s.num_drafts, len(accepted), wait_ms, timings,
+            bonus=next_token is not None and len(accepted) == s.num_drafts))
+        if seq.finished:
+            self.scheduler.finish(seq)
+            self._release(seq)
+        else:
+            self.drafts.commit(seq, start, new)
+
+    def _release(self, seq: Sequence) -> None:
+        self.drafts.release(seq)
+        self.sessions.pop(seq.seq_id, None)
+        self._carried.pop(seq.seq_id, None)
+        queue = self._queues.pop(seq.seq_id, None)
+        if queue is not None and seq.finish_reason == "abort":
+            queue.put_nowait(self._output(seq, [], 0, 0, 0.0, StepTimings(0.0, 0.0)))
+
+    @staticmethod
+    def _output(seq: Sequence, new: list[int], drafted: int, accepted: int, wait_ms: float,
+                timings: StepTimings, bonus: bool = False) -> RoundOutput:
+        st = seq.stats
+        return RoundOutput(
+            token_ids=new, num_committed=len(seq.output), drafted=drafted, accepted=accepted,
+            bonus=bonus, draft_wait_ms=wait_ms, verify_ms=timings.forward_ms,
+            rejection_ms=timings.rejection_ms, rounds=st.rounds, drafted_total=st.drafted,
+            accepted_total=st.accepted, finish_reason=seq.finish_reason)
+
+    async def close(self) -> None:
+        for seq_id in list(self.sessions):
+            self.abort(seq_id)
+        await self.drafts.close()
+        self._thread.shutdown(wait=False, cancel_futures=True)

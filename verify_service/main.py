@@ -11,19 +11,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import __version__, telemetry
-from tandem.models import ModelPaths, resolve_model, tokenizer_hash
-from tandem.telemetry import VerifierMetrics
-from tandem.v1 import common_pb2, verify_pb2_grpc
-from verify_service.async_engine import AsyncEngine, EngineConfig
 from tandem.engine.block_manager import BlockManager
-from verify_service.config import VerifierConfig
-from verify_service.draft_link import DraftPool
-from verify_service.engine import EngineCore
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
+from tandem.grpc_status import StatusInterceptor
+from tandem.models import ModelPaths, resolve_model, tokenizer_hash
+from tandem.spec import Method
+from tandem.spec.cost import CostModel
+from tandem.telemetry import VerifierMetrics
+from tandem.v1 import common_pb2, verify_pb2_grpc
+from verify_service.config import VerifierConfig
+from verify_service.draft_link import DraftPool
+from verify_service.engine import Engine, EngineConfig
+from verify_service.executor import Executor
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.server import SERVICE_NAME, VerifyServicer
-from tandem.spec.cost import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 class Verifier:
     server: grpc.aio.Server
     port: int
-    engine: AsyncEngine
+    engine: Engine
     servicer: VerifyServicer
     health: health.HealthServicer
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -54,8 +56,7 @@ def build_info(model: LlamaModel, paths: ModelPaths, config: VerifierConfig, mod
         max_context_length=model.cfg.max_position_embeddings,
         max_sessions=config.max_sessions, max_speculative_tokens=config.max_spec_tokens,
         max_top_n=config.top_n, version=__version__,
-        methods=[common_pb2.SPECULATION_METHOD_NONE, common_pb2.SPECULATION_METHOD_DRAFT_MODEL,
-                 common_pb2.SPECULATION_METHOD_NGRAM])
+        methods=[int(m) for m in Method if m is not Method.UNSPECIFIED])
 
 
 async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None,
@@ -76,16 +77,16 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     metrics.bind_load(running=lambda: len(scheduler.running),
                       waiting=lambda: len(scheduler.waiting),
                       kv_usage=lambda: scheduler.blocks.usage)
-    engine = AsyncEngine(EngineCore(runner), scheduler, None, eng_cfg, model.cfg.vocab_size,
-                         metrics)
+    engine = Engine(Executor(runner), scheduler, eng_cfg, model.cfg.vocab_size, metrics)
     if config.draft_addresses or discover is not None:
-        engine.drafts = DraftPool(list(config.draft_addresses), discover,
-                                  engine.on_draft_message, engine.on_link_broken)
+        engine.drafts.pool = DraftPool(list(config.draft_addresses), discover,
+                                       engine.drafts.on_reply, engine.drafts.on_link_broken)
     model_id = paths.root.name
-    default_method = "draft_model" if engine.drafts is not None else "none"
+    default_method = Method.DRAFT_MODEL if engine.drafts.pool is not None else Method.NONE
     servicer = VerifyServicer(engine, build_info(model, paths, config, model_id),
                               default_method, metrics)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(interceptors=[StatusInterceptor()],
+                             options=[("grpc.so_reuseport", 0)])
     verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \
         health.HealthServicer(experimental_non_blocking=True)

@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
-from verify_service.sequence import SeqStatus, Sequence
 from tandem.spec.cost import CostModel, choose_k
+from verify_service.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
 

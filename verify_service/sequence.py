@@ -11,25 +11,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tandem.errors import InvalidArgument
 from tandem.sampling_params import SamplingParams
-
-METHODS = ("none", "draft_model", "ngram")
+from tandem.spec import DraftToken, Method
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # needs a prefill (new, resumed or preempted)
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class DraftToken:
-    """One proposal from a draft worker, already checked against the session."""
-
-    position: int
-    token_id: int
-    q_ids: tuple[int, ...] = ()  # empty: q is one-hot at token_id
-    q_probs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -42,27 +32,27 @@ class GenerateParams:
     sampling: SamplingParams
     max_new_tokens: int
     stop_token_ids: frozenset[int]
-    method: str = "none"
+    method: Method = Method.NONE
     num_speculative_tokens: int = 0  # 0 = server default
     draft_address: str = ""
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers for the draft's span
 
     def __post_init__(self):
         if not self.session_id:
-            raise ValueError("session_id is empty")
+            raise InvalidArgument("session_id is empty")
         if not self.prompt:
-            raise ValueError("prompt_token_ids is empty")
+            raise InvalidArgument("prompt_token_ids is empty")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise InvalidArgument(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if len(self.committed) >= self.max_new_tokens:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{len(self.committed)} committed tokens already reach max_new_tokens "
                 f"{self.max_new_tokens}"
             )
-        if self.method not in METHODS:
-            raise ValueError(f"unknown speculation method {self.method!r}")
+        if not isinstance(self.method, Method) or self.method is Method.UNSPECIFIED:
+            raise InvalidArgument(f"unknown speculation method {self.method!r}")
         if self.num_speculative_tokens < 0:
-            raise ValueError(
+            raise InvalidArgument(
                 f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
 
 
@@ -79,7 +69,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)  # committed generated tokens
     status: SeqStatus = SeqStatus.WAITING
     epoch: int = 0
-    drafts: list[DraftToken] = field(default_factory=list)  # contiguous, from len(tokens)
+    # Checked proposals, contiguous from position num_tokens (a chain; trees: issue 11).
+    drafts: list[DraftToken] = field(default_factory=list)
     stats: SessionStats = field(default_factory=SessionStats)
     finish_reason: str | None = None
     acceptance_ema: float = 0.7  # prior: a fresh session is assumed to speculate well
@@ -104,7 +95,7 @@ class Sequence:
 
     @property
     def speculating(self) -> bool:
-        return self.params.method != "none"
+        return self.params.method is not Method.NONE
 
     def next_draft_position(self) -> int:
         return self.num_tokens + len(self.drafts)

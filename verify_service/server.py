@@ -1,19 +1,23 @@
-"""Thin grpc.aio servicer for VerifyService: protobuf <-> dataclasses, nothing else."""
+"""Thin grpc.aio servicer for VerifyService: protobuf <-> dataclasses, nothing else.
+
+Errors are raised as tandem.errors types; tandem.grpc_status.StatusInterceptor (installed by
+verify_service/main.py) turns them into status codes.
+"""
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
 
-import grpc
 from opentelemetry import trace
 
 from tandem import telemetry
-from tandem.spec.methods import PB_TO_METHOD
+from tandem.errors import InvalidArgument, Unavailable
 from tandem.sampling_params import SamplingParams
+from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
-from verify_service.async_engine import AsyncEngine, EngineFullError, RoundOutput
+from verify_service.engine import Engine, RoundOutput
 from verify_service.sequence import GenerateParams
 
 log = logging.getLogger(__name__)
@@ -23,33 +27,33 @@ _FINISH = {None: verify_pb2.FINISH_REASON_UNSPECIFIED, "stop": verify_pb2.FINISH
 
 
 def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo,
-                      default_method: str) -> GenerateParams:
-    """Validates a request against the model's limits; ValueError says what is wrong."""
+                      default_method: Method) -> GenerateParams:
+    """Validates a request against the model's limits; InvalidArgument says what is wrong."""
     v = info.vocab_size
     for name, ids in (("prompt_token_ids", req.prompt_token_ids),
                       ("committed_token_ids", req.committed_token_ids),
                       ("stop_token_ids", req.stopping.stop_token_ids)):
         bad = [t for t in ids if not 0 <= t < v]
         if bad:
-            raise ValueError(f"{name} has ids outside the vocabulary [0, {v}): {bad[:5]}")
+            raise InvalidArgument(f"{name} has ids outside the vocabulary [0, {v}): {bad[:5]}")
     s = req.sampling
-    sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k,
-                              top_p=s.top_p if s.top_p > 0 else 1.0,
-                              seed=s.seed if s.HasField("seed") else None)
+    try:
+        sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k,
+                                  top_p=s.top_p if s.top_p > 0 else 1.0,
+                                  seed=s.seed if s.HasField("seed") else None)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
     total = len(req.prompt_token_ids) + req.stopping.max_new_tokens
     if total > info.max_context_length:
-        raise ValueError(f"prompt ({len(req.prompt_token_ids)}) + max_new_tokens "
+        raise InvalidArgument(f"prompt ({len(req.prompt_token_ids)}) + max_new_tokens "
                          f"({req.stopping.max_new_tokens}) exceeds the context "
                          f"{info.max_context_length}")
     spec = req.speculation
-    if spec.method == common_pb2.SPECULATION_METHOD_UNSPECIFIED:
+    method = Method.from_wire(spec.method)
+    if method is Method.UNSPECIFIED:
         method = default_method
-    elif spec.method in PB_TO_METHOD:
-        method = PB_TO_METHOD[spec.method]
-    else:
-        raise ValueError(f"unknown speculation method {spec.method}")
     if spec.num_speculative_tokens > info.max_speculative_tokens:
-        raise ValueError(f"num_speculative_tokens {spec.num_speculative_tokens} exceeds "
+        raise InvalidArgument(f"num_speculative_tokens {spec.num_speculative_tokens} exceeds "
                          f"{info.max_speculative_tokens}")
     return GenerateParams(
         session_id=req.session_id, prompt=tuple(req.prompt_token_ids),
@@ -72,7 +76,7 @@ def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
-    def __init__(self, engine: AsyncEngine, info: common_pb2.WorkerInfo, default_method: str,
+    def __init__(self, engine: Engine, info: common_pb2.WorkerInfo, default_method: Method,
                  metrics: VerifierMetrics | None = None):
         self.engine, self.info, self.default_method = engine, info, default_method
         self.metrics = metrics
@@ -81,7 +85,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     async def Generate(self, request, context):
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is draining")
+            raise Unavailable("verifier is draining")
         parent = telemetry.extract_context(context.invocation_metadata())
         span = self.tracer.start_span(telemetry.SPAN_VERIFY, context=parent,
                                       kind=trace.SpanKind.SERVER)
@@ -95,13 +99,10 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             params = dataclasses.replace(params, trace_context=tuple(
                 telemetry.inject_context(span).items()))
             queue = self.engine.submit(params)
-        except (EngineFullError, ValueError) as exc:
+        except Exception as exc:  # the interceptor picks the status code from its type
             span.set_status(trace.StatusCode.ERROR, str(exc))
             span.end()
-            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, EngineFullError)
-                    else grpc.StatusCode.ALREADY_EXISTS if "already generating" in str(exc)
-                    else grpc.StatusCode.INVALID_ARGUMENT)
-            await context.abort(code, str(exc))
+            raise
         start, generated = time.perf_counter(), 0
         try:
             while True:

@@ -152,8 +152,8 @@ def measure_c(draft: str, target: str, reps: int = 40) -> dict:
     """The draft/target cost ratio c for Leviathan's formula: median batch-1 1-token forward
     of each through our runner on one thread. tandem.distill.acceptance's measurement when it
     is there (so this report and `tandem acceptance` agree), else the same thing here."""
-    from tandem.models import resolve_model
     from tandem.engine.llama import LlamaModel
+    from tandem.models import resolve_model
 
     dm = LlamaModel.load(resolve_model(draft))
     tm = LlamaModel.load(resolve_model(target))

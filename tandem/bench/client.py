@@ -12,6 +12,7 @@ import grpc
 import httpx
 
 from tandem.bench.stats import decode_tps, itl_samples
+from tandem.spec.methods import Method
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -94,11 +95,6 @@ def run_concurrent(url: str, bodies: list[dict], tokenizer) -> dict:
             "session_decode_tps": [o["decode_tps"] for o in outs]}
 
 
-METHOD_ENUM = {"none": common_pb2.SPECULATION_METHOD_NONE,
-               "draft_model": common_pb2.SPECULATION_METHOD_DRAFT_MODEL,
-               "ngram": common_pb2.SPECULATION_METHOD_NGRAM}
-
-
 def verifier_rounds(address: str, prompt_ids: list[int], tokens: int, temperature: float,
                     method: str, k: int, seed: int | None = None,
                     draft_address: str = "") -> dict:
@@ -111,7 +107,7 @@ def verifier_rounds(address: str, prompt_ids: list[int], tokens: int, temperatur
         session_id=f"bench-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
         sampling=sampling,
         stopping=verify_pb2.StoppingCriteria(max_new_tokens=tokens, ignore_eos=True),
-        speculation=verify_pb2.SpeculationConfig(method=METHOD_ENUM[method],
+        speculation=verify_pb2.SpeculationConfig(method=int(Method.parse(method)),
                                                  num_speculative_tokens=k,
                                                  draft_address=draft_address))
     rows, n = [], 0

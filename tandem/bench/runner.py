@@ -21,10 +21,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tandem.bench.stats import percentile
+from tandem.spec.methods import API_NAMES, Method
 
 PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
-TANDEM_METHODS = ("none", "draft_model", "ngram")
-SPEC_METHODS = ("draft_model", "ngram")
+TANDEM_METHODS = API_NAMES  # none, draft_model, ngram: every method the API names
+SPEC_METHODS = tuple(m for m in API_NAMES if m != Method.NONE.api_name)  # those that draft
 
 
 @dataclass(frozen=True)
@@ -194,9 +195,9 @@ def run_concurrency(ctx: _Ctx, url: str, tokenizer) -> None:
 
     cfg = ctx.cfg
     for n in cfg.concurrency:
-        ctx.bar.set_description(f"tandem draft_model x{n} concurrent")
+        ctx.bar.set_description(f"tandem {Method.DRAFT_MODEL.api_name} x{n} concurrent")
         bodies = [chat_body(ctx.prompts[i % len(ctx.prompts)]["prompt"], cfg.max_tokens, 0.0,
-                            "draft_model", cfg.k) for i in range(n)]
+                            Method.DRAFT_MODEL.api_name, cfg.k) for i in range(n)]
         out = run_concurrent(url, bodies, tokenizer)
         itl, ttft = out.pop("itl_s"), out.pop("ttft_s")
         out.update(itl_p50_ms=percentile(itl, 50) * 1e3, itl_p99_ms=percentile(itl, 99) * 1e3,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from tandem.bench.runner import SPEC_METHODS
 from tandem.bench.stats import (
     best_bound,
     leviathan_bound,
@@ -15,15 +16,15 @@ from tandem.bench.stats import (
     spec_summary,
     throughput,
 )
+from tandem.spec.methods import Method
 
 # (system, method) in the order the tables list them, with their display names.
 LABELS = {("transformers", "plain"): "transformers generate",
           ("transformers", "assisted"): "transformers assisted (draft)",
           ("transformers", "prompt_lookup"): "transformers prompt lookup",
-          ("tandem", "none"): "Tandem plain (none)",
-          ("tandem", "draft_model"): "Tandem draft_model",
-          ("tandem", "ngram"): "Tandem ngram"}
-BASELINE = ("tandem", "none")
+          ("tandem", Method.NONE.api_name): "Tandem plain (none)",
+          **{("tandem", m): f"Tandem {m}" for m in SPEC_METHODS}}
+BASELINE = ("tandem", Method.NONE.api_name)
 
 
 def _mean(xs) -> float:
@@ -82,7 +83,7 @@ def speculation_table(result: dict, table: dict) -> dict:
     out = {}
     temps = sorted({r["temperature"] for r in result["runs"] if r["system"] == "tandem"} |
                    {r["temperature"] for r in result["rounds"]})
-    for method in ("draft_model", "ngram"):
+    for method in SPEC_METHODS:
         c = c_draft if method == "draft_model" else 0.0  # a lookup costs no forward
         for temp in temps:
             rows = [x for r in result["rounds"] if (r["method"], r["temperature"]) ==
@@ -133,7 +134,7 @@ def targets(table: dict, spec: dict, conc: list[dict]) -> list[dict]:
         _target("Tandem ngram >= transformers prompt lookup, input-grounded, greedy", 1.0,
                 ratio(tps("tandem", "ngram", "grounded"),
                       tps("transformers", "prompt_lookup", "grounded")))]
-    for method in ("draft_model", "ngram"):
+    for method in SPEC_METHODS:
         s = spec.get((method, 0.0))
         note = "" if not s or math.isnan(s["bound"]) else (
             f"S = {s['bound']:.2f}x at a = {s['alpha']:.2f}, k = {s['mean_k']:.1f}, "

@@ -19,9 +19,9 @@ import torch
 
 from kernels.rejection import rejection_sample
 from kernels.sampling import logits_to_probs, make_generator, sample
-from tandem.models import ModelError, resolve_model, tokenizer_hash
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.models import ModelError, resolve_model, tokenizer_hash
 
 HELDOUT_PROMPTS = Path(__file__).resolve().parents[2] / "draft_service" / "data" / \
     "heldout_prompts.jsonl"

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tandem.distill.corpus import Prompt, build_prompts, encode_prompt
-from tandem.sampling_params import SamplingParams
 from tandem.engine.generate import LocalGenerator
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -197,9 +197,9 @@ def main(argv=None) -> None:
     same DataConfig defaults as `tandem distill`; run PARTS processes to use more cores)."""
     from transformers import AutoTokenizer
 
-    from tandem.models import resolve_model
     from tandem.engine.llama import LlamaModel
     from tandem.engine.model_runner import ModelRunner
+    from tandem.models import resolve_model
 
     argv = sys.argv[1:] if argv is None else argv
     paths = resolve_model(argv[0])

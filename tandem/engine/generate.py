@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.sampling import logits_to_probs, make_generator, sample
-from tandem.sampling_params import SamplingParams
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-from tandem.models import ModelError, ModelPaths, read_hf_config
 from tandem.engine.linear import LinearRouter
+from tandem.models import ModelError, ModelPaths, read_hf_config
 
 
 @dataclass(frozen=True)

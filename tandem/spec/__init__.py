@@ -1,6 +1,7 @@
 """The speculation vocabulary shared by every service: methods, the draft-link messages,
 the proposer interface and the Leviathan cost model (DESIGN.md, "The speculation loop")."""
 from tandem.spec.methods import API_NAMES, Method
+from tandem.spec.proposer import DraftRequest, DraftResult, Proposer, propose_isolated
 from tandem.spec.protocol import (
     Close,
     Commit,
@@ -13,7 +14,6 @@ from tandem.spec.protocol import (
     Reply,
     SessionError,
 )
-from tandem.spec.proposer import DraftRequest, DraftResult, Proposer, propose_isolated
 
 __all__ = ["API_NAMES", "Close", "Commit", "Control", "DraftRequest", "DraftResult",
            "DraftToken", "ErrorCode", "Invalid", "Method", "Open", "Proposal", "Proposer",

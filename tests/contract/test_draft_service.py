@@ -15,15 +15,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from draft_service.config import DraftConfig
-from draft_service.ngram import ngram_lookup
-from draft_service.proposer import Method
-from draft_service.server import SERVICE_NAME, build_app, build_server
-from tandem.models import ModelPaths, tokenizer_hash
-from tandem.sampling_params import SamplingParams
-from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from draft_service.main import build_app, build_server
+from draft_service.proposers.ngram import ngram_lookup
+from draft_service.server import SERVICE_NAME
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
+from tandem.models import ModelPaths, tokenizer_hash
+from tandem.sampling_params import SamplingParams
+from tandem.spec import Method
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 pytestmark = pytest.mark.contract
 
@@ -311,7 +312,7 @@ def test_serve_drains_on_sigterm(target_paths):
     import os
     import signal
 
-    from draft_service.server import serve
+    from draft_service.main import serve
 
     addresses = []
 
@@ -331,8 +332,8 @@ def test_draft_model_cache_reuse_matches_a_fresh_computation(tiny_draft):
     share a prefix, must propose exactly what a cold cache proposes for the same sequence."""
     import random
 
-    from draft_service.draft_model import DraftModelProposer
-    from draft_service.proposer import DraftRequest
+    from draft_service.proposers.draft_model import DraftModelProposer
+    from tandem.spec import DraftRequest
 
     model = LlamaModel.load(ModelPaths(tiny_draft))
     warm = DraftModelProposer(ModelRunner(model, num_blocks=256, block_size=4))

@@ -13,9 +13,9 @@ from tandem.cli import main
 from tandem.distill.data import DataConfig
 from tandem.distill.pipeline import CARD_FILE, DistillJob, check_target, run_distill
 from tandem.distill.train import DraftArch, TrainConfig
-from tandem.models import ModelError, resolve_model
 from tandem.engine.llama import DRAFT_VOCAB_FILE, LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.models import ModelError, resolve_model
 
 pytestmark = pytest.mark.integration
 

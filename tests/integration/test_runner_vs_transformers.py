@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from tandem.sampling_params import SamplingParams
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
 

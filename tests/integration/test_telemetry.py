@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.config import DraftConfig
-from draft_service.server import build_app, draft_metrics
+from draft_service.main import build_app, draft_metrics
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tandem import telemetry

@@ -5,16 +5,16 @@ import pytest
 import torch
 
 from kernels.sampling import logits_to_probs
-from tandem.sampling_params import SamplingParams
-from tandem.v1 import common_pb2, draft_pb2
-from verify_service.async_engine import AsyncEngine, EngineConfig
 from tandem.engine.block_manager import BlockManager
-from verify_service.engine import EngineCore, StepInput
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.model_runner import ModelRunner, SeqChunk
-from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import DraftToken, GenerateParams
+from tandem.sampling_params import SamplingParams
+from tandem.spec import Close, DraftToken, Method, Open, Proposal
 from tandem.spec.cost import CostModel
+from verify_service.engine import Engine, EngineConfig
+from verify_service.executor import Executor, StepInput
+from verify_service.scheduler import Scheduler, SchedulerConfig
+from verify_service.sequence import GenerateParams
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0)
@@ -29,12 +29,10 @@ class ScriptedLink:
         self.wrong_every, self.break_after, self.garbage = wrong_every, break_after, garbage
         self.address, self.sent, self.state = "scripted", 0, {}
 
-    def send(self, control):
-        kind = control.WhichOneof("control")
-        msg = getattr(control, kind)
-        if kind == "open":
+    def send(self, msg):
+        if isinstance(msg, Open):
             self.state[msg.session_id] = [len(msg.token_ids), msg.epoch, len(msg.token_ids)]
-        elif kind == "commit":
+        elif not isinstance(msg, Close):
             st = self.state[msg.session_id]
             st[0] = msg.start_position + len(msg.token_ids)
             if msg.epoch != st[1]:
@@ -54,16 +52,15 @@ class ScriptedLink:
             tok = full[nxt - prompt_len]
             if self.wrong_every and nxt % self.wrong_every == 0:
                 tok = (tok + 1) % 49152
-            q = common_pb2.SparseDistribution()
+            draft = DraftToken(tok)
             if self.garbage and nxt % 3 == 0:  # malformed: must be dropped, not trusted
-                q = common_pb2.SparseDistribution(token_ids=[tok], probs=[0.3])
-            self.engine.on_draft_message(self, draft_pb2.DraftProposal(
-                session_id=sid, epoch=epoch, position=nxt, token_id=tok, q=q))
+                draft = DraftToken(tok, (tok,), (0.3,))
+            self.engine.drafts.on_reply(self, Proposal(sid, epoch, nxt, draft))
             nxt += 1
             self.sent += 1
             if self.break_after is not None and self.sent >= self.break_after:
                 self.alive = False
-                self.engine.on_link_broken(self)
+                self.engine.drafts.on_link_broken(self)
                 return
         st[2] = nxt
 
@@ -103,16 +100,16 @@ def run_engine(target_model, tokenizer, reference, sampling=GREEDY, **link_kw):
     async def main():
         runner = ModelRunner(target_model, 128, 16)
         sched = Scheduler(BlockManager(128, 16), SchedulerConfig(max_spec_tokens=4), CostModel())
-        engine = AsyncEngine(EngineCore(runner), sched, None, EngineConfig(max_draft_wait_ms=50),
-                             target_model.cfg.vocab_size)
+        engine = Engine(Executor(runner), sched, EngineConfig(max_draft_wait_ms=50),
+                        target_model.cfg.vocab_size)
         link = ScriptedLink(engine, {f"s{i}": (len(p), o) for i, (p, o) in
                                      enumerate(zip(prompts, outs))}, **link_kw)
-        engine.drafts = ScriptedPool(link)
+        engine.drafts.pool = ScriptedPool(link)
         loop_task = asyncio.create_task(engine.run())
         queues = [engine.submit(GenerateParams(
             session_id=f"s{i}", prompt=tuple(p), committed=(), sampling=sampling,
             max_new_tokens=N_NEW, stop_token_ids=frozenset({tokenizer.eos_token_id}),
-            method="draft_model")) for i, p in enumerate(prompts)]
+            method=Method.DRAFT_MODEL)) for i, p in enumerate(prompts)]
         results, all_rounds = [], []
         for q in queues:
             tokens, rounds = [], []
@@ -149,7 +146,7 @@ def test_malformed_proposals_are_dropped(target_model, tokenizer, reference):
 def test_draft_link_breaking_fails_open(target_model, tokenizer, reference):
     results, engine, _ = run_engine(target_model, tokenizer, reference, break_after=5)
     assert [t for t, _ in results] == reference[1]
-    assert not engine._links  # nothing still attached to the dead link
+    assert not engine.drafts.links  # nothing still attached to the dead link
 
 
 def test_stochastic_sessions_carry_the_bonus_row(target_model, tokenizer, reference):
@@ -178,13 +175,13 @@ def test_stochastic_verification_matches_target_distribution(target_model, token
     q = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
     gen = torch.Generator().manual_seed(0)
     draws = torch.multinomial(q, n, replacement=True, generator=gen).tolist()
-    core = EngineCore(runner)
+    core = Executor(runner)
     counts = torch.zeros(top_k)
     # Batches of 500 sequences sharing block 0: their draft tokens' KV writes collide at one
     # slot, but only row 0 (which attends to the shared prefix alone) decides the first token.
     for start in range(0, n, 500):
         inputs = [StepInput([prompt[-1], ids[j]], len(prompt) - 1, [0],
-                            [DraftToken(len(prompt), ids[j], tuple(ids), tuple(q.tolist()))],
+                            [DraftToken(ids[j], tuple(ids), tuple(q.tolist()))],
                             sampling) for j in draws[start:start + 500]]
         outcomes, _ = core.execute(inputs)
         for o in outcomes:
@@ -210,17 +207,17 @@ def test_carried_distribution_verifies_the_waiting_draft_losslessly(target_model
     q = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.1])
     draws = torch.multinomial(q, n, replacement=True,
                               generator=torch.Generator().manual_seed(1)).tolist()
-    core, counts = EngineCore(runner), torch.zeros(top_k)
+    core, counts = Executor(runner), torch.zeros(top_k)
     for start in range(0, n, 500):
         inputs = [StepInput([ids[j]], L, [0],
-                            [DraftToken(L, ids[j], tuple(ids), tuple(q.tolist()))], sampling,
+                            [DraftToken(ids[j], tuple(ids), tuple(q.tolist()))], sampling,
                             carried=carried) for j in draws[start:start + 500]]
         for o in core.execute(inputs)[0]:
             counts[ids.index(o.accepted[0] if o.accepted else o.next_token)] += 1
     tv = 0.5 * (counts / n - p).abs().sum().item()
     assert tv < 0.05, f"TV {tv:.4f}"  # E[TV] ~ sqrt(5 / (2 pi 3000)) = 0.016
     # And a round that accepts everything with sample_bonus off hands back its bonus row.
-    inp = StepInput([ids[0]], L, [0], [DraftToken(L, ids[0], (ids[0],), (1.0,))],
+    inp = StepInput([ids[0]], L, [0], [DraftToken(ids[0], (ids[0],), (1.0,))],
                     SamplingParams(temperature=1.0), carried=torch.nn.functional.one_hot(
                         torch.tensor(ids[0]), carried.shape[0]).float(), sample_bonus=False)
     (out,), _ = core.execute([inp])

@@ -11,8 +11,8 @@ from tandem.distill.acceptance import (
     speedup,
     summarize,
 )
-from tandem.models import resolve_model
 from tandem.engine.llama import LlamaModel
+from tandem.models import resolve_model
 
 pytestmark = pytest.mark.unit
 

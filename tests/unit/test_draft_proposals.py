@@ -3,13 +3,13 @@ import asyncio
 
 import pytest
 
-from tandem.sampling_params import SamplingParams
-from tandem.v1 import common_pb2, draft_pb2
-from verify_service.async_engine import AsyncEngine, EngineConfig
 from tandem.engine.block_manager import BlockManager
+from tandem.sampling_params import SamplingParams
+from tandem.spec import DraftToken, ErrorCode, Method, Proposal, SessionError
+from tandem.spec.cost import CostModel
+from verify_service.engine import Engine, EngineConfig
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.sequence import GenerateParams
-from tandem.spec.cost import CostModel
 
 pytestmark = pytest.mark.unit
 VOCAB = 100
@@ -27,21 +27,19 @@ class Link:
 
 def make_engine():
     sched = Scheduler(BlockManager(32, 4), SchedulerConfig(), CostModel())
-    engine = AsyncEngine(None, sched, None, EngineConfig(), VOCAB)
+    engine = Engine(None, sched, EngineConfig(), VOCAB)
     link = Link()
     for sid in ("a", "b"):
         engine.submit(GenerateParams(session_id=sid, prompt=(1, 2, 3), committed=(),
                                      sampling=SamplingParams(temperature=0.0),
                                      max_new_tokens=8, stop_token_ids=frozenset(),
-                                     method="draft_model"))
-        engine._links[sid] = link
+                                     method=Method.DRAFT_MODEL))
+        engine.drafts.links[sid] = link
     return engine, link
 
 
 def proposal(sid="a", epoch=0, position=3, token=7, ids=(), probs=()):
-    return draft_pb2.DraftProposal(session_id=sid, epoch=epoch, position=position,
-                                   token_id=token, q=common_pb2.SparseDistribution(
-                                       token_ids=list(ids), probs=list(probs)))
+    return Proposal(sid, epoch, position, DraftToken(token, tuple(ids), tuple(probs)))
 
 
 @pytest.mark.parametrize("bad", [
@@ -58,8 +56,8 @@ def proposal(sid="a", epoch=0, position=3, token=7, ids=(), probs=()):
 def test_bad_proposals_are_dropped_and_others_unharmed(bad):
     async def main():
         engine, link = make_engine()
-        engine.on_draft_message(link, bad)
-        engine.on_draft_message(link, proposal(sid="b", token=9))  # a healthy neighbour
+        engine.drafts.on_reply(link, bad)
+        engine.drafts.on_reply(link, proposal(sid="b", token=9))  # a healthy neighbour
         return engine
 
     engine = asyncio.run(main())
@@ -70,15 +68,13 @@ def test_bad_proposals_are_dropped_and_others_unharmed(bad):
 def test_good_proposals_accumulate_in_order_and_errors_detach():
     async def main():
         engine, link = make_engine()
-        engine.on_draft_message(link, proposal(token=7, ids=(7, 8), probs=(0.75, 0.25)))
-        engine.on_draft_message(link, proposal(position=4, token=8))
+        engine.drafts.on_reply(link, proposal(token=7, ids=(7, 8), probs=(0.75, 0.25)))
+        engine.drafts.on_reply(link, proposal(position=4, token=8))
         before = [d.token_id for d in engine.sessions["a"].drafts]
-        engine.on_draft_message(link, draft_pb2.DraftProposal(
-            session_id="a", error=draft_pb2.DraftError(
-                code=draft_pb2.DRAFT_ERROR_CODE_INTERNAL, message="boom")))
+        engine.drafts.on_reply(link, SessionError("a", ErrorCode.INTERNAL, "boom"))
         return engine, before
 
     engine, before = asyncio.run(main())
     assert before == [7, 8]
-    assert engine.sessions["a"].drafts == [] and "a" not in engine._links
-    assert "b" in engine._links  # the other session keeps its draft stream
+    assert engine.sessions["a"].drafts == [] and "a" not in engine.drafts.links
+    assert "b" in engine.drafts.links  # the other session keeps its draft stream

@@ -4,20 +4,20 @@ import threading
 
 import pytest
 
-from draft_service.proposer import (
+from draft_service.limits import Limits
+from draft_service.worker import DraftWorker
+from tandem.spec import (
     Close,
     Commit,
     DraftResult,
     DraftToken,
     ErrorCode,
     Invalid,
-    Limits,
     Method,
     Open,
     Proposal,
     SessionError,
 )
-from draft_service.worker import DraftWorker
 from tandem.v1 import common_pb2, draft_pb2
 
 pytestmark = pytest.mark.unit

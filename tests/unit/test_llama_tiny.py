@@ -5,9 +5,9 @@ import pytest
 import torch
 import transformers
 
-from tandem.models import ModelError, resolve_model
 from tandem.engine.llama import LlamaConfig, LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.models import ModelError, resolve_model
 
 pytestmark = pytest.mark.unit
 

@@ -1,8 +1,8 @@
 """N-gram prompt lookup: matching, longest-n-first, most recent match, periodic continuation."""
 import pytest
 
-from draft_service.ngram import NgramProposer, ngram_lookup
-from draft_service.proposer import DraftRequest, Method, Proposer
+from draft_service.proposers.ngram import NgramProposer, ngram_lookup
+from tandem.spec import DraftRequest, Method, Proposer
 
 pytestmark = pytest.mark.unit
 

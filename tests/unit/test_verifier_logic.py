@@ -1,13 +1,13 @@
 """Sequence commit/epoch rules, adaptive k, and the torch-free scheduler."""
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tandem.sampling_params import SamplingParams
 from tandem.engine.block_manager import BlockManager
-from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import DraftToken, GenerateParams, SeqStatus, Sequence
+from tandem.sampling_params import SamplingParams
+from tandem.spec import DraftToken, Method
 from tandem.spec.cost import (
     CostModel,
     choose_k,
@@ -15,31 +15,36 @@ from tandem.spec.cost import (
     leviathan_speedup,
     update_acceptance,
 )
+from verify_service.scheduler import Scheduler, SchedulerConfig
+from verify_service.sequence import GenerateParams, SeqStatus, Sequence
 
 pytestmark = pytest.mark.unit
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def params(sid="s", prompt=(1, 2, 3), max_new=10, method="draft_model", **kw):
+def params(sid="s", prompt=(1, 2, 3), max_new=10, method=Method.DRAFT_MODEL, **kw):
     return GenerateParams(session_id=sid, prompt=tuple(prompt), committed=(), sampling=GREEDY,
                           max_new_tokens=max_new, stop_token_ids=frozenset({0}), method=method,
                           **kw)
 
 
 def drafts(seq, tokens):
-    start = seq.num_tokens
-    seq.drafts = [DraftToken(start + i, t) for i, t in enumerate(tokens)]
+    seq.drafts = [DraftToken(t) for t in tokens]
 
 
 def test_scheduler_module_has_no_torch():
+    import tandem.spec.cost  # noqa: F401
     import verify_service.scheduler  # noqa: F401
     import verify_service.sequence  # noqa: F401
-    import tandem.spec.cost  # noqa: F401
 
     for mod in ("verify_service.scheduler", "verify_service.sequence",
                 "tandem.spec.cost", "tandem.engine.block_manager"):
         src = Path(sys.modules[mod].__file__).read_text()
         assert "import torch" not in src
+    # Nor through what they import (the shared vocabulary included).
+    code = ("import sys, verify_service.scheduler, verify_service.sequence; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_commit_keeps_epoch_when_bonus_matches_next_draft():
@@ -57,7 +62,7 @@ def test_commit_keeps_run_ahead_beyond_the_round():
     drafts(seq, [7, 8, 9, 10, 11])
     seq.commit([7, 8], 9)  # verified 2, bonus equals the third arrived draft
     assert seq.epoch == 0 and [d.token_id for d in seq.drafts] == [10, 11]
-    assert seq.drafts[0].position == seq.num_tokens
+    assert seq.next_draft_position() == seq.num_tokens + 2  # the kept drafts follow on
 
 
 def test_commit_cuts_at_stop_token_and_length():
@@ -122,7 +127,7 @@ def test_prefill_then_verify_then_rollback():
 
 def test_plain_sessions_never_verify_drafts():
     sched = make_sched()
-    seq = Sequence(params(method="none"))
+    seq = Sequence(params(method=Method.NONE))
     sched.add(seq)
     sched.update_from_output(sched.schedule().scheduled[0], 0)
     seq.commit([], 9)
@@ -199,7 +204,7 @@ def test_carried_round_keeps_drafts_and_feeds_only_drafts():
     assert seq.commit([43, 44, 45], None) == [43, 44, 45]  # no bonus: carried
     assert seq.epoch == epoch  # every committed token was a draft: run-ahead continues
     seq.carried = True
-    seq.drafts = [DraftToken(seq.num_tokens, 46), DraftToken(seq.num_tokens + 1, 47)]
+    seq.drafts = [DraftToken(46), DraftToken(47)]
     (s,) = sched.schedule().scheduled
     # The last committed token (45) is already cached: only the waiting drafts go in.
     assert s.token_ids == [46, 47] and s.start_pos == seq.num_tokens and s.num_drafts == 2

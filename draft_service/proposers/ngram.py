@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Hashable, Sequence
 
-from draft_service.proposer import DraftRequest, DraftResult, DraftToken, Method
+from tandem.spec import DraftRequest, DraftResult, DraftToken, Method
 
 _ITEM_BYTES = array("i").itemsize
 

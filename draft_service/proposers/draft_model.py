@@ -13,12 +13,12 @@ from collections.abc import Hashable
 
 import torch
 
-from draft_service.proposer import DraftRequest, DraftResult, DraftToken, ErrorCode, Method
 from kernels.sampling import logits_to_probs, sample, top_n_sparse
-from tandem.models import ModelPaths
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.models import ModelPaths
+from tandem.spec import DraftRequest, DraftResult, DraftToken, ErrorCode, Method
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,186 @@
+"""Build, start, register and drain a draft worker process.
+
+Health (grpc.health.v1) and reflection share the DraftService port; typed errors map to gRPC
+status codes in tandem.grpc_status's interceptor. SIGTERM drains gracefully: health
+NOT_SERVING, no new RPCs, open streams keep drafting for a grace period so verifiers can move
+their sessions, then end with UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from draft_service.config import DraftConfig
+from draft_service.limits import Limits
+from draft_service.proposers.draft_model import DraftModelProposer
+from draft_service.proposers.ngram import NgramProposer
+from draft_service.server import SERVICE_NAME, DraftServicer
+from draft_service.worker import DraftWorker
+from tandem import telemetry
+from tandem.grpc_status import StatusInterceptor
+from tandem.models import ModelError, ModelPaths, default_target_dir, resolve_model, tokenizer_hash
+from tandem.registration import Registration, start_registration
+from tandem.spec import Method, Proposer
+from tandem.v1 import common_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+_NGRAM_CONTEXT = 32768  # no model, so no positional limit; this only bounds memory per session
+
+
+def _token_space(config: DraftConfig, proposer: DraftModelProposer | None):
+    """(model_id, tokenizer_hash, vocab_size) that Info advertises."""
+    if proposer is not None:
+        paths = resolve_model(config.model)
+        return paths.root.name, tokenizer_hash(paths), proposer.vocab_size
+    root = Path(config.tokenizer) if config.tokenizer else default_target_dir()
+    try:  # n-gram lookup works on any ids: the tokenizer only names them for pairing
+        cfg = json.loads((root / "config.json").read_text())
+        return "ngram", tokenizer_hash(ModelPaths(root)), int(cfg["vocab_size"])
+    except (OSError, ValueError, KeyError, ModelError) as exc:
+        if config.tokenizer:
+            raise ModelError(f"cannot read the tokenizer checkpoint {root}: {exc}") from exc
+        log.warning("no tokenizer known (%s): Info advertises no tokenizer hash", exc)
+        return "ngram", "", 2**31 - 1
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInfo]:
+    """Load the proposers and size the worker from the config."""
+    proposers: dict[Method, Proposer] = {}
+    model = None
+    if config.model is not None:
+        model = DraftModelProposer.load(resolve_model(config.model), config.kv_cache_mb << 20,
+                                        config.block_size, getattr(torch, config.dtype))
+        proposers[Method.DRAFT_MODEL] = model
+    proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_run_ahead_cap)
+    model_id, tok_hash, vocab = _token_space(config, model)
+    context = model.max_context_length if model is not None else _NGRAM_CONTEXT
+    if config.max_context_length:
+        context = min(context, config.max_context_length)
+    limits = Limits(vocab, context, config.max_sessions, config.max_run_ahead,
+                    config.max_run_ahead_cap, config.top_n, config.max_top_n,
+                    config.max_ngram_size)
+    info = common_pb2.WorkerInfo(
+        role=common_pb2.WORKER_ROLE_DRAFT, model_id=model_id, tokenizer_hash=tok_hash,
+        vocab_size=min(vocab, 2**32 - 1), max_context_length=context,
+        max_sessions=config.max_sessions, max_speculative_tokens=config.max_run_ahead_cap,
+        max_top_n=config.max_top_n, methods=[int(m) for m in proposers], version=_version())
+    return DraftWorker(proposers, limits), info
+
+
+@dataclass
+class DraftApp:
+    """A built (not yet started) draft server and the pieces a drain needs."""
+
+    server: grpc.aio.Server
+    port: int
+    worker: DraftWorker
+    servicer: DraftServicer
+    health: health.aio.HealthServicer = field(repr=False)
+
+    async def drain(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING: routers stop sending
+        stopping = asyncio.create_task(self.server.stop(grace_s + 1.0))  # refuse new RPCs
+        await asyncio.sleep(grace_s)  # open streams keep drafting meanwhile
+        self.servicer.end_streams()  # UNAVAILABLE: verifiers reconnect elsewhere
+        await stopping
+        await self.worker.aclose()
+
+
+async def build_app(config: DraftConfig, worker: DraftWorker | None = None,
+                    info: common_pb2.WorkerInfo | None = None) -> DraftApp:
+    if worker is None:
+        worker, info = build_worker(config)
+    server = grpc.aio.server(interceptors=[StatusInterceptor()], options=[
+        # Speculate streams live for hours: let verifiers keep them alive with pings.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+    ])
+    servicer = DraftServicer(worker, info or common_pb2.WorkerInfo())
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(config.address)
+    if port == 0:
+        raise OSError(f"cannot bind {config.address}")
+    return DraftApp(server, port, worker, servicer, health_servicer)
+
+
+async def build_server(config: DraftConfig, worker: DraftWorker | None = None
+                       ) -> tuple[grpc.aio.Server, int]:
+    """(server, bound port), not started: `await server.start()`."""
+    app = await build_app(config, worker)
+    return app.server, app.port
+
+
+def draft_metrics(worker: DraftWorker) -> telemetry.DraftMetrics:
+    return telemetry.DraftMetrics(sessions=lambda: worker.stats().sessions_open,
+                                  queue_depth=lambda: worker.stats().queue_depth,
+                                  tokens=lambda: worker.stats().tokens_drafted)
+
+
+async def serve(config: DraftConfig, ready: Callable[[str], None] | None = None,
+                registration: Registration | None = None, metrics_port: int = -1) -> None:
+    """Serve until SIGTERM / SIGINT, then drain gracefully."""
+    torch.set_num_threads(config.threads)
+    telemetry.setup_tracing("tandem-draft")
+    app = await build_app(config)
+    await app.server.start()
+    if ready is not None:
+        ready(f"{config.host}:{app.port}")
+    if metrics_port >= 0:
+        port = telemetry.start_metrics_server(metrics_port, draft_metrics(app.worker).registry,
+                                              config.host)
+        log.info("metrics on http://%s:%d/metrics", config.host, port)
+    beat = None
+    if registration is not None:
+        if registration.address.endswith(":0"):  # the port was picked at bind time
+            registration = dataclasses.replace(
+                registration, address=f"{config.host}:{app.port}")
+        beat = start_registration(registration, capacity=config.max_sessions,
+                                  load=app.worker.load)
+    await _stop_signal()
+    if beat is not None:  # leave the registry first so no verifier picks us anew
+        beat[1].set()
+        await asyncio.wait_for(beat[0], 5)
+    log.info("draining for %.1f s", config.drain_grace_s)
+    await app.drain(config.drain_grace_s)
+
+
+async def _stop_signal() -> None:
+    """Return at the first SIGTERM / SIGINT; a second one interrupts the drain the default
+    way (Ctrl-C twice)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def on_signal() -> None:
+        stop.set()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal)
+    await stop.wait()

@@ -1,0 +1,5 @@
+"""The draft worker's speculation methods, one module each, all behind `tandem.spec.Proposer`.
+
+draft_model: a small causal LM over the shared paged engine (tandem.engine).
+ngram: prompt lookup, no model.
+"""

@@ -1,0 +1,84 @@
+"""From a parsed OpenAI request to a `GenerationPlan`: the checks that need the tokenizer, the
+config or the live verifiers, and the defaults they fill in."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway import schemas
+from gateway.config import GatewayConfig
+from gateway.errors import bad_request
+from gateway.routing import Router, affinity_key
+from gateway.text import TextStream
+from tandem.sampling_params import SamplingParams
+from tandem.spec.methods import Method
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """What one request asks the verifiers for (validated by `build_plan`)."""
+
+    session_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    method: Method
+    num_speculative_tokens: int
+    affinity_key: str | None = None
+    trace_metadata: tuple[tuple[str, str], ...] = ()  # W3C context for the verifier call
+
+
+async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: GatewayConfig,
+                     router: Router, tokenizer: Any) -> tuple[GenerationPlan, TextStream]:
+    """The plan for `req` and the TextStream that turns its tokens into the client's text;
+    400 (APIError) for anything the request models alone could not reject."""
+    verifiers = await router.verifiers()
+    # The live verifiers' limit wins; the config's covers verifiers that report none.
+    max_spec = max((v.max_speculative_tokens for v in verifiers), default=0)
+    schemas.check_common(req, max_speculative_tokens=max_spec or config.max_speculative_tokens)
+    if req.model is not None and req.model != config.model_name:
+        raise bad_request(f"model: unknown model {req.model!r}; this server serves "
+                          f"{config.model_name!r}", param="model", code="model_not_found")
+    ids, conversation = schemas.prompt_token_ids(req, tokenizer)
+    max_new = schemas.resolve_max_tokens(req, len(ids), config.context_length,
+                                         config.default_max_tokens)
+    stop_ids = _stop_token_ids(req, tokenizer)
+    spec = req.speculation or schemas.SpeculationOptions()
+    plan = GenerationPlan(
+        session_id=sid, prompt_token_ids=tuple(ids), sampling=_sampling(req),
+        max_new_tokens=max_new, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+        method=await _method(spec, router),
+        num_speculative_tokens=(spec.num_speculative_tokens
+                                if spec.num_speculative_tokens is not None
+                                else config.default_speculative_tokens),
+        affinity_key=affinity_key(conversation))
+    return plan, TextStream(tokenizer, req.stop_strings(), stop_ids)
+
+
+def _stop_token_ids(req: schemas.GenerationRequest, tokenizer: Any) -> tuple[int, ...]:
+    """EOS (unless ignored) plus the request's stop_token_ids, without duplicates."""
+    vocab = len(tokenizer)
+    extra_stops = tuple(req.stop_token_ids or ())
+    if any(t >= vocab for t in extra_stops):
+        raise bad_request(f"stop_token_ids: ids must be < {vocab}", param="stop_token_ids")
+    eos = tokenizer.eos_token_id
+    own = (eos,) if eos is not None and not req.ignore_eos else ()
+    return tuple(dict.fromkeys(own + extra_stops))
+
+
+def _sampling(req: schemas.GenerationRequest) -> SamplingParams:
+    try:
+        return SamplingParams(1.0 if req.temperature is None else req.temperature,
+                              req.top_k or 0, 1.0 if req.top_p is None else req.top_p,
+                              req.seed)
+    except ValueError as exc:  # already range-checked by pydantic; kept as a safety net
+        raise bad_request(str(exc)) from None
+
+
+async def _method(spec: schemas.SpeculationOptions, router: Router) -> Method:
+    """The method asked for; by default a draft model when one is running, else none."""
+    if spec.method:
+        return Method.parse(spec.method)  # cannot fail: the schema allows only API names
+    return Method.DRAFT_MODEL if await router.has_draft() else Method.NONE

@@ -1,0 +1,90 @@
+"""A session's events as the HTTP answer: one JSON body, or a server-sent event stream."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from gateway import schemas
+from gateway.errors import APIError
+from gateway.generation import Finished, TextDelta
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every body or chunk of one response repeats."""
+
+    chat: bool
+    rid: str
+    created: int
+    model: str
+    prompt_tokens: int
+
+    def head(self) -> tuple:
+        return self.chat, self.rid, self.created, self.model
+
+
+async def collect(events: AsyncIterator, meta: ResponseMeta, request: Request) -> dict:
+    """The whole response as one body (stream=false)."""
+    parts: list[str] = []
+    async with aclosing(events):
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+                # Nobody to answer: stop (closing `events` cancels the verifier's work).
+                if await request.is_disconnected():
+                    raise APIError(499, "client disconnected", code="client_closed")
+            elif isinstance(ev, Finished):
+                usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
+                build = schemas.chat_response if meta.chat else schemas.completion_response
+                return build(meta.rid, meta.created, meta.model, "".join(parts),
+                             ev.finish_reason, usage, ev.speculation)
+    raise APIError(502, "generation ended without a result")
+
+
+def _sse(obj: dict | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def stream(events: AsyncIterator, meta: ResponseMeta,
+                 include_usage: bool) -> StreamingResponse:
+    """The response as server-sent events (stream=true), ending with `data: [DONE]`."""
+    # Wait for the first event before answering: refusals (429, 503, a verifier's 400) then
+    # arrive as real HTTP statuses instead of errors inside a 200 stream.
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+
+    async def body() -> AsyncIterator[str]:
+        async with aclosing(events):
+            if meta.chat:
+                yield _sse(schemas.stream_chunk(*meta.head(), role=True))
+            ev = first
+            try:
+                while ev is not None:
+                    for chunk in _chunks(ev, meta, include_usage):
+                        yield _sse(chunk)
+                    ev = await anext(events, None)
+            except APIError as exc:  # mid-stream failure: OpenAI-style error event
+                yield _sse(exc.body())
+            yield _sse("[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _chunks(ev: TextDelta | Finished, meta: ResponseMeta, include_usage: bool) -> list[dict]:
+    if isinstance(ev, TextDelta):
+        return [schemas.stream_chunk(*meta.head(), text=ev.text)]
+    usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
+    last = schemas.stream_chunk(*meta.head(), finish=ev.finish_reason)
+    if include_usage:
+        return [last, schemas.usage_chunk(*meta.head(), usage, ev.speculation)]
+    return [{**last, "usage": usage, "speculation": ev.speculation}]

@@ -1,0 +1,144 @@
+"""The verifier's side of drafting: which link serves each session, proposals in, commits out.
+
+Proposals arrive as tandem.spec dataclasses (the draft-link client converts protobuf) and are
+checked before they count: wrong session, stale epoch, out of order, outside the vocabulary or
+a malformed q drop that session's stream only. Every failure here turns one session (or one
+link's sessions) to plain decoding; speculation fails open.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+from tandem.spec import Close, Commit, Control, DraftToken, Open, Proposal, Reply, SessionError
+from verify_service.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Link(Protocol):
+    """One stream to a draft worker (verify_service/draft_link.py, or a test's script)."""
+
+    address: str
+
+    def send(self, control: Control) -> None: ...
+
+
+class Links(Protocol):
+    """Where links come from (DraftPool)."""
+
+    async def get(self, hint: str = "") -> Link | None: ...
+
+    def mark_failed(self, address: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class DraftSide:
+    def __init__(self, sessions: Mapping[str, Sequence], vocab_size: int, top_n: int,
+                 max_run_ahead: int, pool: Links | None = None):
+        self.sessions = sessions  # the engine's, read-only here
+        self.vocab_size, self.top_n, self.max_run_ahead = vocab_size, top_n, max_run_ahead
+        self.pool = pool
+        self.links: dict[str, Link] = {}
+        self.arrived = asyncio.Event()  # set whenever a draft token is accepted for checking
+        self.arrival_ms = 5.0  # EMA of the gap between draft tokens, for the wait bound
+        self._last_arrival = 0.0
+        self._attaching: set[str] = set()
+
+    def linked(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.links
+
+    # ---- out: open / commit / close ----------------------------------------------------------
+    def attach(self, seq: Sequence) -> None:
+        """Open a draft stream for seq in the background, if it may still have one."""
+        if (self.pool is not None and seq.speculating and not seq.finished
+                and seq.draft_attaches_left > 0 and seq.seq_id not in self._attaching):
+            seq.draft_attaches_left -= 1
+            self._attaching.add(seq.seq_id)
+            asyncio.get_running_loop().create_task(self._attach(seq))
+
+    async def _attach(self, seq: Sequence) -> None:
+        try:
+            link = await self.pool.get(seq.params.draft_address)
+        finally:
+            self._attaching.discard(seq.seq_id)
+        if link is None or seq.finished or seq.seq_id not in self.sessions:
+            return
+        self.links[seq.seq_id] = link
+        seq.drafts = []
+        p, s = seq.params, seq.params.sampling
+        link.send(Open(session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
+                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                       method=p.method, max_run_ahead=self.max_run_ahead, top_n=self.top_n,
+                       trace_context=p.trace_context))
+
+    def commit(self, seq: Sequence, start: int, tokens: list[int]) -> None:
+        """Tell the draft what was committed from `start` (re-attach if it has no stream)."""
+        link = self.links.get(seq.seq_id)
+        if link is None:
+            self.attach(seq)
+        else:
+            link.send(Commit(seq.seq_id, seq.epoch, start, tokens))
+
+    def release(self, seq: Sequence) -> None:
+        link = self.links.pop(seq.seq_id, None)
+        if link is not None:
+            link.send(Close(seq.seq_id))
+
+    # ---- in: proposals and failures ----------------------------------------------------------
+    def on_reply(self, link: Link, reply: Reply) -> None:
+        seq = self.sessions.get(reply.session_id)
+        if seq is None or self.links.get(reply.session_id) is not link or seq.finished:
+            return  # closed session or one that moved to another link: harmless
+        if isinstance(reply, SessionError):
+            log.info("draft %s gave up on %s: %s", link.address, seq.seq_id, reply.message)
+            self.links.pop(seq.seq_id, None)
+            seq.drafts = []
+            return
+        if reply.epoch != seq.epoch:
+            return  # drafted before the last divergence
+        token = self._checked(seq, reply)
+        if token is None:  # malformed or out of order: resynchronise this session only
+            self.release(seq)
+            seq.drafts = []
+            return
+        seq.drafts.append(token)
+        now = time.perf_counter()
+        gap_ms = (now - self._last_arrival) * 1e3
+        if gap_ms < 200:  # gaps across idle periods say nothing about drafting speed
+            self.arrival_ms = 0.8 * self.arrival_ms + 0.2 * gap_ms
+        self._last_arrival = now
+        self.arrived.set()
+
+    def _checked(self, seq: Sequence, p: Proposal) -> DraftToken | None:
+        v, tok = self.vocab_size, p.token
+        if p.position != seq.next_draft_position() or not 0 <= tok.token_id < v:
+            return None
+        ids, probs = tok.q_ids, tok.q_probs
+        if ids or probs:
+            if len(ids) != len(probs) or any(not 0 <= i < v for i in ids):
+                return None
+            if any(not math.isfinite(q) or q < 0 for q in probs) or abs(sum(probs) - 1) > 1e-3:
+                return None
+            if tok.token_id not in ids or probs[ids.index(tok.token_id)] <= 0:
+                return None
+        return tok
+
+    def on_link_broken(self, link: Link) -> None:
+        if self.pool is not None:
+            self.pool.mark_failed(link.address)
+        for seq_id, owner in list(self.links.items()):
+            if owner is link:
+                del self.links[seq_id]
+                seq = self.sessions.get(seq_id)
+                if seq is not None:
+                    seq.drafts, seq.epoch = [], seq.epoch + 1
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()

@@ -1,0 +1,109 @@
+"""Execute one verification step on torch: target forward, sampling distributions, batched
+rejection. The "execute" of the round (verify_service/engine.py is the round itself).
+
+Runs in a worker thread on immutable snapshots (StepInput), so the event loop keeps serving
+health checks and draft streams during the forward.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.sampling import logits_to_probs
+from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.sampling_params import SamplingParams
+from tandem.spec import DraftToken
+from verify_service.rejection import SpecDecodeMetadata, is_chain, verify
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One session's verification input: a chain of drafts today, a tree once `parents`
+    describes one (index of each draft's parent among the drafts, -1 = the committed end)."""
+
+    token_ids: list[int]  # [last committed token, *drafts], a prefill chunk, or carried: drafts
+    start_pos: int
+    block_table: list[int]
+    drafts: list[DraftToken]  # the k draft tokens under verification
+    sampling: SamplingParams
+    carried: torch.Tensor | None = None  # [vocab] target probs of the first draft's position
+    sample_bonus: bool = True  # False: if all drafts pass, carry the bonus row instead
+    parents: tuple[int, ...] | None = None  # None = a chain
+
+    def __post_init__(self):
+        if not is_chain(self.parents):  # the tree mask and walk arrive with "Token trees"
+            raise NotImplementedError("token-tree verification is not implemented yet")
+
+    @property
+    def first_sampled_pos(self) -> int:
+        """Absolute position of the first token this round may emit."""
+        return self.start_pos + len(self.token_ids) - len(self.drafts)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    accepted: list[int]  # accepted draft tokens
+    next_token: int | None  # recovered (first rejection) or bonus token; None when carried
+    carry: torch.Tensor | None = None  # [vocab] the unsampled bonus row, when next_token is None
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    forward_ms: float
+    rejection_ms: float
+
+
+class Executor:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
+        t0 = time.perf_counter()
+        probs, forward_ms = self._target_probs(inputs)
+        meta = SpecDecodeMetadata.build([s.drafts for s in inputs], [s.sampling for s in inputs],
+                                        [s.first_sampled_pos for s in inputs],
+                                        [s.sample_bonus for s in inputs])
+        out = verify(meta, probs)
+        tokens, accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()
+        emitted = out.num_emitted.tolist()
+        outcomes, last_row = [], -1
+        for s, row, a, e in zip(inputs, tokens, accepted, emitted):
+            last_row += len(s.drafts) + 1
+            if e > a:
+                outcomes.append(RoundOutcome(row[:a], row[a]))
+            else:  # every draft accepted and no bonus sampled: carry the bonus row
+                outcomes.append(RoundOutcome(row[:a], None, probs[last_row].clone()))
+        total_ms = (time.perf_counter() - t0) * 1e3
+        return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
+
+    def _target_probs(self, inputs: list[StepInput]) -> tuple[torch.Tensor, float]:
+        """[sum(k_i + 1), vocab]: carried rows (if any) then each forward's rows; forward ms."""
+        rows = [len(s.drafts) + (0 if s.carried is not None else 1) for s in inputs]
+        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=n)
+                  for s, n in zip(inputs, rows) if s.token_ids]
+        if not chunks:  # carried sessions whose drafts vanished: no forward needed
+            return torch.stack([s.carried for s in inputs]), 0.0
+        t0 = time.perf_counter()
+        logits = self.runner.forward(chunks)  # [sum(rows), vocab]
+        forward_ms = (time.perf_counter() - t0) * 1e3
+
+        def per_row(values, dtype):
+            return torch.tensor([v for v, n in zip(values, rows) for _ in range(n)], dtype=dtype)
+
+        probs = logits_to_probs(
+            logits,
+            per_row([s.sampling.temperature for s in inputs], torch.float32),
+            per_row([s.sampling.top_k for s in inputs], torch.int64),
+            per_row([s.sampling.top_p for s in inputs], torch.float32),
+        )
+        if all(s.carried is None for s in inputs):
+            return probs, forward_ms
+        parts, at = [], 0
+        for s, n in zip(inputs, rows):
+            if s.carried is not None:
+                parts.append(s.carried[None])
+            parts.append(probs[at:at + n])
+            at += n
+        return torch.cat(parts), forward_ms
