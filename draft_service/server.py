@@ -41,7 +41,7 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
 def proposal_to_proto(item: Reply) -> draft_pb2.DraftProposal:
     if isinstance(item, SessionError):
         return draft_pb2.DraftProposal(
-            session_id=item.session_id,
+            session_id=item.session_id, epoch=item.epoch,
             error=draft_pb2.DraftError(code=int(item.code), message=item.message))
     tok = item.token
     return draft_pb2.DraftProposal(

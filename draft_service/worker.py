@@ -92,6 +92,7 @@ class DraftWorker:
     def handle(self, stream: Stream, cmd: Control) -> None:
         """Apply one control message; problems are reported in-band, never raised."""
         sid = getattr(cmd, "session_id", "")
+        epoch = getattr(cmd, "epoch", 0)  # errors carry the epoch they answer
         try:
             if isinstance(cmd, Invalid):
                 raise SessionFailure(ErrorCode.INVALID_ARGUMENT, cmd.message)
@@ -107,10 +108,10 @@ class DraftWorker:
             else:
                 raise SessionFailure(ErrorCode.INVALID_ARGUMENT, f"unknown control {cmd!r}")
         except SessionFailure as exc:
-            self._fail(stream, sid, exc.code, str(exc))
+            self._fail(stream, sid, exc.code, str(exc), epoch)
         except Exception as exc:  # a bug must cost one session, never the stream
             log.exception("control message for session %r failed", sid)
-            self._fail(stream, sid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            self._fail(stream, sid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", epoch)
 
     def _open(self, stream: Stream, cmd: Open) -> None:
         if cmd.session_id in stream.sessions:  # reopening replaces the session completely
@@ -196,10 +197,11 @@ class DraftWorker:
                                  f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return tokens
 
-    def _fail(self, stream: Stream, sid: str, code: ErrorCode, message: str) -> None:
+    def _fail(self, stream: Stream, sid: str, code: ErrorCode, message: str,
+              epoch: int) -> None:
         if sid in stream.sessions:
             self._drop(stream.sessions[sid])
-        stream.put(SessionError(sid, code, message))
+        stream.put(SessionError(sid, code, message, epoch))
 
     def _drop(self, session: Session) -> None:
         if session.stream.sessions.get(session.session_id) is session:
@@ -244,7 +246,8 @@ class DraftWorker:
                         self._apply(s, generation, req, res)
                     except Exception as exc:  # a bug costs this session, not the loop
                         log.exception("applying drafts for session %r failed", s.session_id)
-                        self._fail(s.stream, s.session_id, ErrorCode.INTERNAL, repr(exc))
+                        self._fail(s.stream, s.session_id, ErrorCode.INTERNAL, repr(exc),
+                                   s.epoch)
 
     def _run_step(self, jobs: _Jobs) -> dict[Method, list[DraftResult]]:
         """Forward thread: one propose call per method over all its sessions."""
@@ -255,7 +258,7 @@ class DraftWorker:
         if s.key not in self._sessions:
             return  # closed while the step ran
         if res.error is not None:
-            self._fail(s.stream, s.session_id, res.error, res.message)
+            self._fail(s.stream, s.session_id, res.error, res.message, s.epoch)
             return
         if s.generation != generation or s.length != len(req.token_ids):
             return  # rolled back while the step ran: these drafts continue a stale sequence

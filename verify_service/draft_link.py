@@ -55,7 +55,7 @@ def reply_from_proto(msg: draft_pb2.DraftProposal) -> Reply:
             code = ErrorCode(msg.error.code)
         except ValueError:  # a code newer than this verifier
             code = ErrorCode.INTERNAL
-        return SessionError(msg.session_id, code, msg.error.message)
+        return SessionError(msg.session_id, code, msg.error.message, msg.epoch)
     return Proposal(msg.session_id, msg.epoch, msg.position, DraftToken(
         msg.token_id, tuple(msg.q.token_ids), tuple(msg.q.probs)))
 

@@ -95,17 +95,15 @@ class DraftSide:
         seq = self.sessions.get(reply.session_id)
         if seq is None or self.links.get(reply.session_id) is not link or seq.finished:
             return  # closed session or one that moved to another link: harmless
+        if reply.epoch != seq.epoch:
+            return  # drafted (or failed) before the last divergence or re-attach
         if isinstance(reply, SessionError):
             log.info("draft %s gave up on %s: %s", link.address, seq.seq_id, reply.message)
-            self.links.pop(seq.seq_id, None)
-            seq.drafts = []
+            self._detach(seq, close=False)
             return
-        if reply.epoch != seq.epoch:
-            return  # drafted before the last divergence
         token = self._checked(seq, reply)
         if token is None:  # malformed or out of order: resynchronise this session only
-            self.release(seq)
-            seq.drafts = []
+            self._detach(seq, close=True)
             return
         seq.drafts.append(token)
         now = time.perf_counter()
@@ -128,6 +126,14 @@ class DraftSide:
             if tok.token_id not in ids or probs[ids.index(tok.token_id)] <= 0:
                 return None
         return tok
+
+    def _detach(self, seq: Sequence, close: bool) -> None:
+        """Stop taking this session's proposals from its link. The epoch moves on, so what the
+        old attach still has in flight fails the epoch check after a re-attach."""
+        link = self.links.pop(seq.seq_id)
+        if close:
+            link.send(Close(seq.seq_id))
+        seq.drafts, seq.epoch = [], seq.epoch + 1
 
     def on_link_broken(self, link: Link) -> None:
         if self.pool is not None:

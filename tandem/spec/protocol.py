@@ -106,6 +106,9 @@ class SessionError:
     session_id: str
     code: ErrorCode
     message: str
+    # The epoch the failure belongs to: the failing control message's, or the session's. A
+    # verifier that has moved on (detached and re-attached since) ignores it as stale.
+    epoch: int = 0
 
 
 Reply = Proposal | SessionError

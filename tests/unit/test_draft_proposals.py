@@ -78,3 +78,23 @@ def test_good_proposals_accumulate_in_order_and_errors_detach():
     assert before == [7, 8]
     assert engine.sessions["a"].drafts == [] and "a" not in engine.drafts.links
     assert "b" in engine.drafts.links  # the other session keeps its draft stream
+
+
+def test_in_flight_proposals_and_errors_of_an_old_attach_are_stale_after_reattach():
+    """Every detach moves the epoch on: what the old attach still sends fails the check."""
+    async def main():
+        engine, link = make_engine()
+        seq = engine.sessions["a"]
+        engine.drafts.on_reply(link, proposal(token=VOCAB))  # malformed: detached
+        assert "a" not in engine.drafts.links and seq.epoch == 1
+        engine.drafts.links["a"] = link  # re-attached on the same stream (Open at epoch 1)
+        engine.drafts.on_reply(link, proposal(epoch=0, token=7))  # in flight from before
+        engine.drafts.on_reply(link, SessionError("a", ErrorCode.INTERNAL, "old", epoch=0))
+        stale = (list(seq.drafts), "a" in engine.drafts.links)
+        engine.drafts.on_reply(link, proposal(epoch=1, token=8))  # the new attach's
+        engine.drafts.on_reply(link, SessionError("a", ErrorCode.INTERNAL, "new", epoch=1))
+        return seq, stale
+
+    seq, (drafts_after_stale, still_linked) = asyncio.run(main())
+    assert drafts_after_stale == [] and still_linked
+    assert seq.drafts == [] and seq.epoch == 2  # the current error detached it, epoch moved

@@ -172,6 +172,23 @@ def test_out_of_sync_commits_drop_the_session():
         run(main())
 
 
+def test_errors_carry_the_epoch_of_the_message_they_answer():
+    async def main():
+        worker, fake = make_worker()
+        s = worker.open_stream()
+        worker.handle(s, Open("a", [1, 2, 3], max_run_ahead=1, epoch=4))
+        await take(s, 1)
+        worker.handle(s, Commit("a", 4, 9, [1]))  # a gap: out of sync
+        (err,) = await take(s, 1)
+        worker.handle(s, Open("b", [], epoch=7))  # invalid open
+        (err_b,) = await take(s, 1)
+        await worker.aclose()
+        assert (err.code, err.epoch) == (ErrorCode.OUT_OF_SYNC, 4)
+        assert (err_b.code, err_b.epoch) == (ErrorCode.INVALID_ARGUMENT, 7)
+
+    run(main())
+
+
 def test_resent_tokens_that_agree_are_harmless():
     async def main():
         worker, fake = make_worker()
