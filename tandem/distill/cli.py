@@ -34,6 +34,8 @@ def _add_distill(sub) -> None:
     from tandem.distill.data import DataConfig
     from tandem.distill.train import DraftArch, TrainConfig
 
+    from tandem.distill.eagle import EagleTrainConfig
+
     d, a, t = DataConfig(), DraftArch(), TrainConfig()
     p = sub.add_parser("distill", help="train a draft model for a target by distillation on "
                        "text the target generates", description=(
@@ -42,6 +44,9 @@ def _add_distill(sub) -> None:
                            "HF-format draft directory with a model card."))
     p.add_argument("--target", default=os.environ.get("TANDEM_MODEL", DEFAULT_TARGET),
                    help="target: default name or HF checkpoint dir [default %(default)s]")
+    p.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model",
+                   help="what to train: an independent draft model, or an EAGLE head on the "
+                   "target's features [%(default)s]")
     p.add_argument("--out", type=Path, required=True, help="output draft directory")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="generation cache (resumable) [default: OUT.data]")
@@ -68,6 +73,15 @@ def _add_distill(sub) -> None:
     g.add_argument("--seed", type=int, default=t.seed)
     g.add_argument("--checkpoint-minutes", type=float, default=t.checkpoint_min)
     g.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower)")
+    e = EagleTrainConfig()
+    g = p.add_argument_group("eagle head (--method eagle; data: chat prompts, features kept)")
+    g.add_argument("--eagle-vocab", type=int, default=e.vocab,
+                   help="truncated output vocabulary of the head [%(default)s]")
+    g.add_argument("--epochs", type=float, default=e.epochs)
+    g.add_argument("--cls-weight", type=float, default=e.cls_weight,
+                   help="token loss weight against the feature regression [%(default)s]")
+    g.add_argument("--step2-weight", type=float, default=e.step2_weight,
+                   help="weight of the second draft step's losses, 0 = off [%(default)s]")
     g.add_argument("--resume", action="store_true", help="continue from OUT's train state")
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.set_defaults(func=_cmd_distill)
@@ -82,6 +96,8 @@ def _cmd_distill(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.method == "eagle":
+        return _cmd_eagle(args)
     data = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
                       max_new_tokens=args.max_new_tokens, top_k=args.teacher_top_k,
                       sampled_every=args.sampled_every, temperature=args.gen_temperature,
@@ -103,6 +119,28 @@ def _cmd_distill(args) -> int:
         gen_minutes=args.gen_minutes, resume=args.resume)
     out = run_distill(job, log=lambda m: print(m, file=sys.stderr))
     print(out)
+    return 0
+
+
+def _cmd_eagle(args) -> int:
+    from tandem.distill.data import DataConfig
+    from tandem.distill.eagle import EagleTrainConfig
+    from tandem.distill.eagle_job import EagleJob, run_eagle
+
+    # Features are kept from the generating forwards; fp32 (bf16 is slower without AVX512).
+    data = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
+                      max_new_tokens=args.max_new_tokens, top_k=args.teacher_top_k,
+                      sampled_every=args.sampled_every, temperature=args.gen_temperature,
+                      seed=args.seed, dtype=args.gen_dtype, mix="chat", features=True,
+                      kv_cache_mb=max(1024, args.gen_batch * 48))
+    cfg = EagleTrainConfig(vocab=args.eagle_vocab, time_budget_min=args.time_budget,
+                           epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
+                           cls_weight=args.cls_weight, step2_weight=args.step2_weight,
+                           checkpoint_min=args.checkpoint_minutes, seed=args.seed)
+    job = EagleJob(target=args.target, out_dir=args.out,
+                   data_dir=args.data_dir or args.out.with_name(args.out.name + ".data"),
+                   data=data, train=cfg, gen_minutes=args.gen_minutes, resume=args.resume)
+    print(run_eagle(job, log=lambda m: print(m, file=sys.stderr)))
     return 0
 
 

@@ -62,6 +62,11 @@ _TASKS = (
     "What questions should I ask before starting {s}?", "Give me a checklist for {s}.",
     "Describe a typical day involving {s}.", "Write a formal letter about {s}.",
     "What is the history of {s}?", "How would you teach {s} to a child?",
+    "How does {s} work?", "Why is {s} important?", "What are the pros and cons of {s}?",
+    "Give me three ideas involving {s}.", "Write a limerick about {s}.",
+    "Explain {s} with an example.", "What is the difference between {s} and {t}?",
+    "List five facts about {s}.", "Write a short blog post introduction about {s}.",
+    "How can I get better at {s}?",
 )
 _SUBJECTS = (
     "cooking pasta", "learning the guitar", "saving for retirement", "running a marathon",
@@ -77,6 +82,14 @@ _SUBJECTS = (
     "writing clean code", "learning statistics", "space exploration", "the ocean",
     "ancient Egypt", "electric bikes", "solar panels", "healthy eating", "coffee brewing",
     "a visit to the dentist", "the first day at school", "winter holidays", "a football match",
+    "photosynthesis", "volcanoes", "the water cycle", "black holes", "the human heart",
+    "vaccines", "climate change", "the Roman Empire", "the printing press", "electricity",
+    "Python lists", "recursion", "sorting algorithms", "HTML and CSS", "SQL databases",
+    "machine learning", "the internet", "encryption", "git branches", "unit testing",
+    "inflation", "credit cards", "supply and demand", "democracy", "the French Revolution",
+    "honey bees", "octopuses", "dinosaurs", "the Moon", "rainbows", "earthquakes",
+    "meditation", "yoga", "vegetarian cooking", "chocolate", "jazz music", "chess",
+    "the Olympic Games", "museums", "trains", "bridges", "sleep", "dogs", "coral reefs",
 )
 
 
@@ -161,10 +174,19 @@ def _clip(text: str, rng: random.Random, lo: int = 150, hi: int = 500) -> str:
 
 
 def chat_prompts(n: int, seed: int) -> list[Prompt]:
-    """Everyday chat requests (task template x subject), deterministic for a seed."""
+    """Everyday chat requests (task template x subject), deterministic for a seed; distinct
+    while the combinations last (greedy answers to a repeated prompt teach nothing new)."""
     rng = random.Random(seed)
-    return [Prompt("chat", rng.choice(_TASKS).format(s=rng.choice(_SUBJECTS)), "chat")
-            for _ in range(n)]
+    out, seen = [], set()
+    for _ in range(50 * n):
+        if len(out) == n:
+            break
+        s, t = rng.sample(_SUBJECTS, 2)
+        text = rng.choice(_TASKS).format(s=s, t=t)
+        if text not in seen or len(seen) >= n:
+            seen.add(text)
+            out.append(Prompt("chat", text, "chat"))
+    return out
 
 
 def build_prompts(n: int, seed: int, chat_fraction: float = 0.85,

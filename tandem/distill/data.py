@@ -37,6 +37,9 @@ class DataConfig:
     # fp32 on 98.8% of positions (KL 6e-4 nats), so the teacher barely changes.
     dtype: str = "bfloat16"
     mix: str = "corpus"  # prompt set: "corpus" (Austen / code / questions) or "chat"
+    # Also keep the target's final normed hidden state of every position (fp16), for EAGLE
+    # heads: they come out of the generating forwards for free.
+    features: bool = False
 
     def __post_init__(self):
         for name in ("num_prompts", "batch_size", "max_new_tokens", "max_prompt_tokens",
@@ -59,12 +62,23 @@ class DataConfig:
 
 
 class _RecordingGenerator(LocalGenerator):
-    """LocalGenerator that keeps the top-K log-probs of every distribution it samples from."""
+    """LocalGenerator that keeps the top-K log-probs of every distribution it samples from
+    and, with features=True, the hidden state of every position it runs (prefix caching off,
+    so every prompt position is computed)."""
 
-    def __init__(self, runner, top_k: int):
-        super().__init__(runner)
+    def __init__(self, runner, top_k: int, features: bool = False):
+        super().__init__(runner, prefix_caching=not features)
         self.top_k = top_k
+        self.features = features
         self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.hidden: list[torch.Tensor] = []  # per forward: [rows, hidden] fp16
+
+    def _forward(self, chunks):
+        if not self.features:
+            return super()._forward(chunks)
+        logits, hidden = self.runner.forward(chunks, with_hidden=True)
+        self.hidden.append(hidden.to(torch.float16))
+        return logits
 
     def _sample(self, logits, params, gens):  # overrides the parent's staticmethod
         vals, ids = logits.float().log_softmax(-1).topk(self.top_k, dim=-1)
@@ -87,6 +101,23 @@ def _per_position(steps, gen_lens: list[int]):
     return ids, lps
 
 
+def _features_per_sequence(hidden: list[torch.Tensor], prompt_lens: list[int],
+                           gen_lens: list[int]) -> torch.Tensor:
+    """[sum(len(prompt) + len(gen) - 1), hidden]: per sequence, the state of every position
+    that was run (the last generated token never is). hidden[0] is the prefill (all prompt
+    rows, in order); hidden[t] is decode step t, one row per sequence still running."""
+    per_seq: list[list[torch.Tensor]] = []
+    at = 0
+    for n in prompt_lens:
+        per_seq.append([hidden[0][at:at + n]])
+        at += n
+    for t, rows in enumerate(hidden[1:]):
+        active = [i for i, g in enumerate(gen_lens) if g > t + 1]
+        for row, i in enumerate(active):
+            per_seq[i].append(rows[row:row + 1])
+    return torch.cat([torch.cat(p) for p in per_seq])
+
+
 def _flat(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     lens = torch.tensor([0] + [len(s) for s in seqs])
     return torch.tensor([t for s in seqs for t in s], dtype=torch.int32), lens.cumsum(0)
@@ -95,13 +126,17 @@ def _flat(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def generate_shard(gen: _RecordingGenerator, prompts: list[list[int]], params, cfg: DataConfig,
                    stop: tuple[int, ...], path: Path) -> int:
     """Generate one batch and write it atomically; returns the number of generated tokens."""
-    gen.steps = []
+    gen.steps, gen.hidden = [], []
     outs = gen.generate(prompts, params, cfg.max_new_tokens, stop)
     topk_ids, topk_lp = _per_position(gen.steps, [len(o) for o in outs])
     p_flat, p_off = _flat(prompts)
     g_flat, g_off = _flat(outs)
     tensors = {"prompt_ids": p_flat, "prompt_offsets": p_off, "gen_ids": g_flat,
                "gen_offsets": g_off, "topk_ids": topk_ids, "topk_logprobs": topk_lp}
+    if gen.features:
+        tensors["features"] = _features_per_sequence(
+            gen.hidden, [len(p) for p in prompts], [len(o) for o in outs])
+        gen.hidden = []
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={"temperature": str(params.temperature),
                                                "dtype": cfg.dtype})
@@ -117,7 +152,7 @@ def generate_dataset(target_root: Path, tokenizer, runner, cfg: DataConfig, data
     data_dir.mkdir(parents=True, exist_ok=True)
     prompts = _load_or_build_prompts(data_dir, cfg)
     stop = tuple(t for t in [tokenizer.eos_token_id] if t is not None)
-    gen = _RecordingGenerator(runner, cfg.top_k)
+    gen = _RecordingGenerator(runner, cfg.top_k, cfg.features)
     num_shards = -(-len(prompts) // cfg.batch_size)
     mine = [s for s in range(num_shards) if s % part[1] == part[0]]
     todo = [s for s in mine if not _shard_path(data_dir, s).exists()]

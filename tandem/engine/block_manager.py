@@ -77,7 +77,10 @@ def _check_count(name: str, value: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        """prefix_caching=False: every prompt is computed in full (a data recorder wants the
+        hidden states of every position)."""
+        self.prefix_caching = prefix_caching
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if _check_count(name, value) == 0:
                 raise ValueError(f"{name} must be positive, got 0")
@@ -243,6 +246,8 @@ class BlockManager:
         last block and recomputes that one in a fresh block.
         """
         bs, prev, hits = self._block_size, b"", []
+        if not self.prefix_caching:
+            return hits
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(prev, chunk)

@@ -27,9 +27,9 @@ class _Seq:
 class LocalGenerator:
     """Decodes a batch of prompts together: one flattened forward per step."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, prefix_caching: bool = True):
         self.runner = runner
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching)
 
     def generate(
         self,
@@ -72,7 +72,7 @@ class LocalGenerator:
         for s in seqs:
             cached = self.blocks.allocate(s.seq_id, s.prompt)
             chunks.append(SeqChunk(s.prompt[cached:], cached, self.blocks.block_table(s.seq_id)))
-        logits = self.runner.forward(chunks)
+        logits = self._forward(chunks)
         for s in seqs:
             self.blocks.commit(s.seq_id, len(s.prompt))
         return logits
@@ -83,10 +83,14 @@ class LocalGenerator:
             start = self.blocks.num_tokens(s.seq_id)
             self.blocks.append(s.seq_id, [s.generated[-1]])
             chunks.append(SeqChunk([s.generated[-1]], start, self.blocks.block_table(s.seq_id)))
-        logits = self.runner.forward(chunks)
+        logits = self._forward(chunks)
         for s in seqs:
             self.blocks.commit(s.seq_id, self.blocks.num_tokens(s.seq_id))
         return logits
+
+    def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """One forward (a hook: data recorders also keep the hidden states)."""
+        return self.runner.forward(chunks)
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: SamplingParams, gens) -> list[int]:

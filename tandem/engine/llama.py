@@ -237,6 +237,41 @@ class LlamaModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
         return x * cos + rotated * sin
 
+    def decoder_layer(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden] residual stream
+        layer: LayerWeights,
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        cfg = self.cfg
+        n, hd = h.shape[0], cfg.head_dim
+        q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        x = self._rms_norm(h, layer.input_norm)
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = self._rope(q.view(n, cfg.num_heads, hd), cos, sin)
+        k = self._rope(k.view(n, cfg.num_kv_heads, hd), cos, sin)
+        write_kv(k, v.view(n, cfg.num_kv_heads, hd), k_cache, v_cache, meta.slot_mapping)
+        attn = paged_attention(q, k_cache, v_cache, meta, hd**-0.5)
+        h = h + self.linear(attn.reshape(n, q_size), layer.o)
+        x = self._rms_norm(h, layer.post_norm)
+        gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return h + self.linear(F.silu(gate) * up, layer.down)
+
+    def rope_at(self, positions: torch.Tensor):  # [num_tokens] -> 2 x [num_tokens, 1, hd]
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [rows, hidden] normed -> [rows, vocab]
+        logits = self.linear(h, self.lm_head).float()
+        if self.vocab_map is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.vocab_map, logits)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
@@ -244,30 +279,18 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key, value) caches
         logits_indices: torch.Tensor,  # [num_logits] int64, rows whose logits are returned
-    ) -> torch.Tensor:  # [num_logits, vocab] float32
-        cfg = self.cfg
-        n, hd = input_ids.shape[0], cfg.head_dim
-        q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        scale = hd**-0.5
+        with_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [num_logits, vocab] float32; with_hidden also returns the final normed
+        hidden state (the LM head's input, the "feature" EAGLE drafts from) of every token,
+        [num_tokens, hidden]."""
+        cos, sin = self.rope_at(positions)
         if self._input_map is not None:
             input_ids = self._input_map[input_ids]  # target ids -> draft rows
         h = self.embed[input_ids]  # [num_tokens, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
-            x = self._rms_norm(h, layer.input_norm)
-            qkv = self.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = self._rope(q.view(n, cfg.num_heads, hd), cos, sin)
-            k = self._rope(k.view(n, cfg.num_kv_heads, hd), cos, sin)
-            write_kv(k, v.view(n, cfg.num_kv_heads, hd), k_cache, v_cache, meta.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, meta, scale)
-            h = h + self.linear(attn.reshape(n, q_size), layer.o)
-            x = self._rms_norm(h, layer.post_norm)
-            gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + self.linear(F.silu(gate) * up, layer.down)
-        h = self._rms_norm(h[logits_indices], self.final_norm)
-        logits = self.linear(h, self.lm_head).float()
-        if self.vocab_map is None:
-            return logits
-        full = logits.new_full((logits.shape[0], cfg.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.vocab_map, logits)
+            h = self.decoder_layer(h, layer, cos, sin, meta, k_cache, v_cache)
+        if with_hidden:
+            h = self._rms_norm(h, self.final_norm)
+            return self.logits(h[logits_indices]), h
+        return self.logits(self._rms_norm(h[logits_indices], self.final_norm))

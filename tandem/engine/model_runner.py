@@ -66,8 +66,9 @@ class ModelRunner:
         return cls(model, int(num_blocks), block_size)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Logits [sum(num_logits), vocab] float32, in chunk order."""
+    def forward(self, chunks: list[SeqChunk], with_hidden: bool = False):
+        """Logits [sum(num_logits), vocab] float32, in chunk order. with_hidden: also the
+        final normed hidden state of every new token, [sum(len(token_ids)), hidden]."""
         if not chunks:
             raise ValueError("forward needs at least one SeqChunk")
         max_pos = self.model.cfg.max_position_embeddings
@@ -98,4 +99,5 @@ class ModelRunner:
             meta,
             self.kv_cache,
             torch.tensor(logit_rows, dtype=torch.int64),
+            with_hidden=with_hidden,
         )

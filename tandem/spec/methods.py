@@ -16,6 +16,12 @@ class Method(enum.IntEnum):
     NONE = 1  # plain decoding
     DRAFT_MODEL = 2  # a separate small causal LM (draft worker)
     NGRAM = 3  # prompt lookup, no model (draft worker)
+    EAGLE = 4  # a feature head on the target's hidden states (draft worker)
+
+    @property
+    def needs_features(self) -> bool:
+        """Whether the verifier ships the target's hidden states to this method's sessions."""
+        return self is Method.EAGLE
 
     @property
     def api_name(self) -> str:

@@ -13,6 +13,7 @@ class SpeculationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_METHOD_NONE: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_DRAFT_MODEL: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_NGRAM: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_EAGLE: _ClassVar[SpeculationMethod]
 
 class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +24,7 @@ SPECULATION_METHOD_UNSPECIFIED: SpeculationMethod
 SPECULATION_METHOD_NONE: SpeculationMethod
 SPECULATION_METHOD_DRAFT_MODEL: SpeculationMethod
 SPECULATION_METHOD_NGRAM: SpeculationMethod
+SPECULATION_METHOD_EAGLE: SpeculationMethod
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_DRAFT: WorkerRole
 WORKER_ROLE_VERIFIER: WorkerRole

@@ -36,7 +36,7 @@ class DraftControl(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., commit: _Optional[_Union[CommitTokens, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "method", "max_run_ahead", "top_n", "epoch", "max_ngram_size", "trace_context")
+    __slots__ = ("session_id", "token_ids", "sampling", "method", "max_run_ahead", "top_n", "epoch", "max_ngram_size", "trace_context", "features")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class OpenSession(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MAX_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -62,21 +63,34 @@ class OpenSession(_message.Message):
     epoch: int
     max_ngram_size: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_run_ahead: _Optional[int] = ..., top_n: _Optional[int] = ..., epoch: _Optional[int] = ..., max_ngram_size: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    features: TargetFeatures
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_run_ahead: _Optional[int] = ..., top_n: _Optional[int] = ..., epoch: _Optional[int] = ..., max_ngram_size: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[TargetFeatures, _Mapping]] = ...) -> None: ...
+
+class TargetFeatures(_message.Message):
+    __slots__ = ("start_position", "hidden_size", "data")
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start_position: int
+    hidden_size: int
+    data: bytes
+    def __init__(self, start_position: _Optional[int] = ..., hidden_size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CommitTokens(_message.Message):
-    __slots__ = ("session_id", "epoch", "start_position", "token_ids", "max_run_ahead")
+    __slots__ = ("session_id", "epoch", "start_position", "token_ids", "max_run_ahead", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUN_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     start_position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_run_ahead: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_run_ahead: _Optional[int] = ...) -> None: ...
+    features: TargetFeatures
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_run_ahead: _Optional[int] = ..., features: _Optional[_Union[TargetFeatures, _Mapping]] = ...) -> None: ...
 
 class CloseSession(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,98 @@
+"""`tandem distill --method eagle` end to end: generate chat responses with the target while
+recording its features (resumable shards), train the head (checkpointed, `--resume`), export
+it with a model card that holds the exact command and the held-out figures."""
+from __future__ import annotations
+
+import random
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.distill.data import DataConfig, generate_dataset
+from tandem.distill.eagle import (
+    EagleTrainConfig,
+    card,
+    load_feature_seqs,
+    make_head,
+    train,
+)
+from tandem.models import read_hf_config, resolve_model
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class EagleJob:
+    target: str
+    out_dir: Path
+    data_dir: Path
+    data: DataConfig
+    train: EagleTrainConfig
+    gen_minutes: float = 0.0  # 0 = every prompt
+    resume: bool = False
+
+    def __post_init__(self):
+        if not self.data.features:
+            raise ValueError("an EAGLE head trains on recorded features (DataConfig.features)")
+        if self.gen_minutes < 0:
+            raise ValueError("--gen-minutes must be >= 0")
+
+
+def run_eagle(job: EagleJob, log=print) -> Path:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from tandem.engine.llama import LlamaModel
+    from tandem.engine.model_runner import ModelRunner
+
+    paths = resolve_model(job.target)
+    tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
+    deadline = time.time() + 60 * job.gen_minutes if job.gen_minutes else None
+    runner = ModelRunner.with_memory(LlamaModel.load(paths, job.data.torch_dtype),
+                                     job.data.kv_cache_mb << 20)
+    generate_dataset(paths.root, tokenizer, runner, job.data, job.data_dir, log, deadline)
+    del runner
+    seqs = load_feature_seqs(job.data_dir)
+    if len(seqs) < 2:
+        raise ValueError(f"only {len(seqs)} sequences with features in {job.data_dir}")
+    random.Random(job.train.seed).shuffle(seqs)
+    n_val = max(1, int(len(seqs) * job.train.val_fraction))
+    val, train_seqs = seqs[:n_val], seqs[n_val:]
+    special = tuple(t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id,
+                                tokenizer.pad_token_id) if t is not None)
+    head = make_head(paths, train_seqs, job.train, special)
+    tokens = sum(len(s.features) for s in train_seqs)
+    log(f"eagle: {len(train_seqs)} train / {len(val)} held-out sequences, {tokens} positions; "
+        f"vocabulary {len(head.vocab.target_ids)}")
+    bar = tqdm(total=None, unit="step", file=sys.stderr, desc="eagle train")
+
+    def progress(step, total, losses):
+        bar.total = total
+        bar.update(step - bar.n)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in losses.items()})
+
+    stats = train(head, train_seqs, val, job.train, job.data_dir / "eagle_train_state.pt",
+                  job.resume, log, progress)
+    bar.close()
+    command = "tandem " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    data_stats = {"sequences": len(seqs), "positions": tokens,
+                  "generated_tokens": sum(len(s.ids) - s.gen_start for s in seqs)}
+    head.export(job.out_dir, read_hf_config(paths), card(
+        paths, job.train, command, {"data": {**asdict(job.data), **data_stats},
+                                    "progress": stats}))
+    for name in _TOKENIZER_FILES:
+        if (paths.root / name).exists():
+            shutil.copy(paths.root / name, job.out_dir / name)
+    log(f"eagle: head written to {job.out_dir}")
+    return job.out_dir
+
+
+def threads(n: int) -> None:
+    if n:
+        torch.set_num_threads(n)

@@ -1,0 +1,83 @@
+"""An EAGLE-style feature head: one decoder layer that drafts from the target's own features.
+
+The target's "feature" at position t is its final normed hidden state there (the LM head's
+input; the verifier ships it with each commit). The head reads, for entry t, the pair
+[feature of position t-1 ; embedding of token t], fused by `fc` into one hidden vector, runs
+one Llama decoder layer over its own paged KV cache (attention over the earlier entries), and
+normalises the result into a *predicted* feature of position t. The LM head turns that into the
+distribution of token t+1; fed back as the next entry's feature it drafts further ahead.
+
+A head directory is a small Llama checkpoint (config.json with num_hidden_layers = 1, the
+layer's weights, `norm.weight` for the output norm, `embed_tokens.weight` holding the target's
+embedding rows of a truncated vocabulary in draft_vocab.json, used tied as the LM head, as the
+target's are) plus `fc.weight` [hidden, 2 * hidden] and an eagle card. Tokens outside the
+truncated vocabulary get probability 0 (lossless, as for the draft model).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kernels.paged_attention import AttentionMetadata
+from tandem.engine.llama import DraftVocab, LlamaConfig, LlamaModel, _load_tensors
+from tandem.models import ModelError, ModelPaths, read_hf_config
+
+EAGLE_CARD = "tandem_eagle.json"
+
+
+def is_eagle_dir(root: Path) -> bool:
+    return (Path(root) / EAGLE_CARD).is_file()
+
+
+class EagleHead:
+    """The head's weights and its functional forward over a paged KV cache (1 layer)."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor],
+                 draft_vocab: DraftVocab | None, dtype=torch.float32):
+        if cfg.num_layers != 1:
+            raise ModelError(f"an EAGLE head has one decoder layer, config says {cfg.num_layers}")
+        if "fc.weight" not in weights:
+            raise ModelError("EAGLE head checkpoint is missing tensor 'fc.weight'")
+        self.model = LlamaModel(cfg, weights, dtype, draft_vocab)
+        self.fc = weights["fc.weight"].to(dtype).contiguous()  # [hidden, 2 * hidden]
+        hidden = self.model.cfg.hidden_size
+        if tuple(self.fc.shape) != (hidden, 2 * hidden):
+            raise ModelError(f"fc.weight has shape {tuple(self.fc.shape)}, "
+                             f"expected {(hidden, 2 * hidden)}")
+        self.card: dict = {}
+
+    @property
+    def cfg(self) -> LlamaConfig:
+        return self.model.cfg  # vocab_size is the target's
+
+    @classmethod
+    def load(cls, paths: ModelPaths, dtype=torch.float32) -> EagleHead:
+        cfg = LlamaConfig.from_hf(read_hf_config(paths))
+        head = cls(cfg, _load_tensors(paths), DraftVocab.read(paths.root), dtype)
+        try:
+            head.card = json.loads((paths.root / EAGLE_CARD).read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read {paths.root / EAGLE_CARD}: {exc}") from exc
+        head.model.tune_kernels()
+        return head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [n] int64 target ids: token t of each entry
+        features: torch.Tensor,  # [n, hidden] feature of position t - 1 of each entry
+        positions: torch.Tensor,  # [n] int64 (t)
+        meta: AttentionMetadata,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],  # one (key, value) pair
+        logits_indices: torch.Tensor,  # [m] int64 rows whose logits are returned
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [m, vocab] float32, predicted [n, hidden]
+        m = self.model
+        ids = input_ids if m._input_map is None else m._input_map[input_ids]
+        x = torch.cat([features.to(m.dtype), m.embed[ids]], dim=-1)  # [n, 2 * hidden]
+        h = m.linear(x, self.fc)
+        cos, sin = m.rope_at(positions)
+        (k_cache, v_cache), = kv_cache
+        h = m.decoder_layer(h, m.layers[0], cos, sin, meta, k_cache, v_cache)
+        predicted = m._rms_norm(h, m.final_norm)
+        return m.logits(predicted[logits_indices]), predicted
