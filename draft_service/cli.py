@@ -42,6 +42,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(p, "--model", "TANDEM_DRAFT_MODEL",
              help="draft checkpoint directory, or 'none' for n-gram lookup only (default: the "
                   "shipped draft if present, else n-gram only)")
+    add_flag(p, "--eagle", "TANDEM_DRAFT_EAGLE",
+             help="EAGLE head directory, or 'none' (default: the shipped head if present)")
     defaults = {f.name: f.default for f in dataclasses.fields(DraftConfig)}
     for name, kind, text in _FLAGS:
         add_flag(p, "--" + name.replace("_", "-"), "TANDEM_DRAFT_" + name.upper(), defaults[name],
@@ -67,6 +69,23 @@ def _shipped_draft() -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def _shipped_eagle() -> Path | None:
+    from draft_service.weights import default_eagle_dir
+
+    path = Path(default_eagle_dir())
+    return path if (path / "config.json").is_file() else None
+
+
+def resolve_eagle_flag(value: str | None) -> str | None:
+    """The EAGLE head directory to load, or None."""
+    if value is not None and value.strip().lower() == "none":
+        return None
+    if value:
+        return value
+    shipped = _shipped_eagle()
+    return None if shipped is None else str(shipped)
+
+
 def resolve_model_flag(value: str | None) -> str | None:
     """The draft model directory to load, or None for n-gram lookup only."""
     if value is not None and value.strip().lower() == "none":
@@ -84,7 +103,8 @@ def resolve_model_flag(value: str | None) -> str | None:
 
 def config_from_args(args: argparse.Namespace) -> DraftConfig:
     values = {name: getattr(args, name) for name, _, _ in _FLAGS}
-    return DraftConfig(model=resolve_model_flag(args.model), **values)
+    return DraftConfig(model=resolve_model_flag(args.model),
+                       eagle=resolve_eagle_flag(args.eagle), **values)
 
 
 def run(args: argparse.Namespace) -> int:

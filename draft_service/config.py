@@ -16,6 +16,7 @@ class DraftConfig:
     host: str = "127.0.0.1"  # 0.0.0.0 (or [::]) in a container
     port: int = 50052  # 0 = any free port (tests)
     model: str | None = None  # draft checkpoint directory; None = n-gram lookup only
+    eagle: str | None = None  # EAGLE head directory (tandem.engine.eagle); None = no head
     tokenizer: str | None = None  # checkpoint dir naming the token ids when model is None
     threads: int = 1  # torch threads: a batch-1 forward keeps one core busy anyway
     max_sessions: int = 256
@@ -35,7 +36,7 @@ class DraftConfig:
             raise ValueError(f"host must be a non-empty string, got {self.host!r}")
         if not (_is_int(self.port) and 0 <= self.port <= 65535):
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port!r}")
-        for name in ("model", "tokenizer"):
+        for name in ("model", "tokenizer", "eagle"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be None or a non-empty path, got {value!r}")

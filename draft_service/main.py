@@ -8,6 +8,7 @@ their sessions, then end with UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -25,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from draft_service.config import DraftConfig
 from draft_service.limits import Limits
 from draft_service.proposers.draft_model import DraftModelProposer
+from draft_service.proposers.eagle import EagleProposer
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.worker import DraftWorker
@@ -44,6 +46,11 @@ def _token_space(config: DraftConfig, proposer: DraftModelProposer | None):
     if proposer is not None:
         paths = resolve_model(config.model)
         return paths.root.name, tokenizer_hash(paths), proposer.vocab_size
+    if config.eagle is not None and not config.tokenizer:  # the head ships its tokenizer
+        root = Path(config.eagle)
+        with contextlib.suppress(OSError, ValueError, KeyError, ModelError):
+            vocab = json.loads((root / "draft_vocab.json").read_text())["target_vocab_size"]
+            return root.name, tokenizer_hash(ModelPaths(root)), int(vocab)
     root = Path(config.tokenizer) if config.tokenizer else default_target_dir()
     try:  # n-gram lookup works on any ids: the tokenizer only names them for pairing
         cfg = json.loads((root / "config.json").read_text())
@@ -53,6 +60,13 @@ def _token_space(config: DraftConfig, proposer: DraftModelProposer | None):
             raise ModelError(f"cannot read the tokenizer checkpoint {root}: {exc}") from exc
         log.warning("no tokenizer known (%s): Info advertises no tokenizer hash", exc)
         return "ngram", "", 2**31 - 1
+
+
+def _check_eagle_tokens(eagle: EagleProposer, model: DraftModelProposer | None) -> None:
+    """A head and a draft model on one worker must speak the same token ids."""
+    if model is not None and model.vocab_size != eagle.vocab_size:
+        raise ModelError(f"the EAGLE head's target vocabulary ({eagle.vocab_size}) differs "
+                         f"from the draft model's ({model.vocab_size})")
 
 
 def _version() -> str:
@@ -70,9 +84,16 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
         model = DraftModelProposer.load(resolve_model(config.model), config.kv_cache_mb << 20,
                                         config.block_size, getattr(torch, config.dtype))
         proposers[Method.DRAFT_MODEL] = model
+    if config.eagle is not None:
+        eagle = EagleProposer.load(ModelPaths(Path(config.eagle)), config.kv_cache_mb << 20,
+                                   config.block_size)
+        _check_eagle_tokens(eagle, model)
+        proposers[Method.EAGLE] = eagle
     proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_run_ahead_cap)
     model_id, tok_hash, vocab = _token_space(config, model)
     context = model.max_context_length if model is not None else _NGRAM_CONTEXT
+    if Method.EAGLE in proposers:
+        context = min(context, proposers[Method.EAGLE].max_context_length)
     if config.max_context_length:
         context = min(context, config.max_context_length)
     limits = Limits(vocab, context, config.max_sessions, config.max_run_ahead,

@@ -13,7 +13,7 @@ import grpc
 from draft_service.session import Stream
 from draft_service.tracing import SessionSpans
 from draft_service.worker import DraftWorker
-from tandem.spec import Close, Commit, Control, Invalid, Open, Reply, SessionError
+from tandem.spec import Close, Commit, Control, Features, Invalid, Open, Reply, SessionError
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -28,14 +28,22 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
             o.session_id, list(o.token_ids), s.temperature, s.top_k,
             s.top_p if s.top_p != 0 else 1.0,  # proto3 default 0 means "off", like 1
             s.seed if s.HasField("seed") else None, o.method, o.max_run_ahead, o.top_n,
-            o.epoch, o.max_ngram_size, trace_context=tuple(o.trace_context.items()))
+            o.epoch, o.max_ngram_size, trace_context=tuple(o.trace_context.items()),
+            features=_features(o))
     if which == "commit":
         c = msg.commit
         return Commit(c.session_id, c.epoch, c.start_position, list(c.token_ids),
-                      c.max_run_ahead)
+                      c.max_run_ahead, features=_features(c))
     if which == "close":
         return Close(msg.close.session_id)
     return Invalid("", "DraftControl has no control set")
+
+
+def _features(msg) -> Features | None:
+    if not msg.HasField("features"):
+        return None
+    f = msg.features
+    return Features(f.start_position, f.hidden_size, f.data)
 
 
 def proposal_to_proto(item: Reply) -> draft_pb2.DraftProposal:

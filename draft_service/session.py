@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
 from kernels.sampling import keyed_seed, make_generator
 from tandem.sampling_params import SamplingParams
-from tandem.spec import DraftRequest, ErrorCode, Method, Proposal, SessionError
+from tandem.spec import DraftRequest, ErrorCode, Features, Method, Proposal, SessionError
 
 
 class SessionFailure(Exception):
@@ -42,6 +45,44 @@ class Stream:
         return await self._outbox.get()
 
 
+class FeatureStore:
+    """The target's features of a session's positions [0, rows) (EAGLE sessions only).
+
+    Grows by reallocation, never in place, so a step running on the forward thread keeps a
+    consistent view while the event loop stores the next commit's rows.
+    """
+
+    def __init__(self, hidden_size: int):
+        self.hidden_size = hidden_size
+        self._buf = torch.empty(0, hidden_size)
+        self.rows = 0
+
+    def put(self, f: Features) -> None:
+        problem = f.problem()
+        if problem is None and f.hidden_size != self.hidden_size:
+            problem = (f"features.hidden_size is {f.hidden_size}, this worker's head reads "
+                       f"{self.hidden_size}")
+        if problem is not None:
+            raise SessionFailure(ErrorCode.INVALID_ARGUMENT, problem)
+        if f.start_position > self.rows:
+            raise SessionFailure(ErrorCode.OUT_OF_SYNC, f"features start at position "
+                                 f"{f.start_position}, beyond the {self.rows} held")
+        new = torch.from_numpy(np.frombuffer(f.data, dtype="<f2").astype(np.float32))
+        new = new.view(-1, self.hidden_size)  # [n, hidden]
+        if not torch.isfinite(new).all():
+            raise SessionFailure(ErrorCode.INVALID_ARGUMENT, "features are not all finite")
+        end = f.start_position + len(new)
+        if end > len(self._buf):
+            grown = torch.empty(max(end, 2 * len(self._buf), 64), self.hidden_size)
+            grown[:self.rows] = self._buf[:self.rows]
+            self._buf = grown
+        self._buf[f.start_position:end] = new
+        self.rows = max(self.rows, end)
+
+    def view(self) -> torch.Tensor:  # [rows, hidden] float32
+        return self._buf[:self.rows]
+
+
 @dataclass(eq=False)
 class Session:
     key: int
@@ -58,6 +99,7 @@ class Session:
     drafts: list[int] = field(default_factory=list)
     generation: int = 0  # bumped whenever outstanding drafts are discarded
     stalled: bool = False  # the proposer had nothing for this exact sequence
+    features: FeatureStore | None = None  # EAGLE sessions: the target's features so far
 
     @property
     def length(self) -> int:
@@ -73,4 +115,5 @@ class Session:
             key=self.key, token_ids=self.committed + self.drafts,
             num_committed=len(self.committed), max_tokens=self.max_run_ahead - len(self.drafts),
             sampling=self.sampling, top_n=self.top_n, max_ngram_size=self.max_ngram_size,
-            generator=generator)
+            generator=generator,
+            features=None if self.features is None else self.features.view())

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from draft_service.limits import Limits, WorkerStats
-from draft_service.session import Session, SessionFailure, Stream
+from draft_service.session import FeatureStore, Session, SessionFailure, Stream
 from tandem.sampling_params import SamplingParams
 from tandem.spec import (
     Close,
@@ -143,6 +143,10 @@ class DraftWorker:
             top_n=min(cmd.top_n or lim.top_n, lim.max_top_n),
             max_ngram_size=min(cmd.max_ngram_size or lim.max_ngram_size, _MAX_NGRAM_SIZE),
             seed=seed)
+        if method.needs_features:
+            session.features = FeatureStore(self.proposers[method].feature_size)
+            if cmd.features is not None:
+                session.features.put(cmd.features)
         stream.sessions[cmd.session_id] = session
         self._sessions[session.key] = session
         self._wake.set()
@@ -179,6 +183,9 @@ class DraftWorker:
             session.generation += 1
             session.stalled = False
         committed.extend(new)
+        if cmd.features is not None and session.features is not None:
+            session.features.put(cmd.features)
+            session.stalled = False  # a head drafts anew from fresh features
         if cmd.max_run_ahead:
             session.max_run_ahead = min(cmd.max_run_ahead, self.limits.max_run_ahead_cap)
         if len(committed) > self.limits.max_context_length:

@@ -20,6 +20,7 @@ from tandem.spec import (
     Control,
     DraftToken,
     ErrorCode,
+    Features,
     Open,
     Proposal,
     Reply,
@@ -39,14 +40,23 @@ def control_to_proto(c: Control) -> draft_pb2.DraftControl:
             trace_context=dict(c.trace_context), method=int(c.method),
             max_run_ahead=c.max_run_ahead, top_n=c.top_n, max_ngram_size=c.max_ngram_size,
             sampling=common_pb2.SamplingParams(temperature=c.temperature, top_k=c.top_k,
-                                               top_p=c.top_p, seed=c.seed)))
+                                               top_p=c.top_p, seed=c.seed),
+            features=_features(c.features)))
     if isinstance(c, Commit):
         return draft_pb2.DraftControl(commit=draft_pb2.CommitTokens(
             session_id=c.session_id, epoch=c.epoch, start_position=c.start_position,
-            token_ids=c.token_ids, max_run_ahead=c.max_run_ahead))
+            token_ids=c.token_ids, max_run_ahead=c.max_run_ahead,
+            features=_features(c.features)))
     if isinstance(c, Close):
         return draft_pb2.DraftControl(close=draft_pb2.CloseSession(session_id=c.session_id))
     raise TypeError(f"not a draft control message: {c!r}")
+
+
+def _features(f: Features | None) -> draft_pb2.TargetFeatures | None:
+    if f is None:
+        return None
+    return draft_pb2.TargetFeatures(start_position=f.start_position, hidden_size=f.hidden_size,
+                                    data=f.data)
 
 
 def reply_from_proto(msg: draft_pb2.DraftProposal) -> Reply:

@@ -14,7 +14,17 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
-from tandem.spec import Close, Commit, Control, DraftToken, Open, Proposal, Reply, SessionError
+from tandem.spec import (
+    Close,
+    Commit,
+    Control,
+    DraftToken,
+    Features,
+    Open,
+    Proposal,
+    Reply,
+    SessionError,
+)
 from verify_service.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -75,15 +85,17 @@ class DraftSide:
         link.send(Open(session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                        method=p.method, max_run_ahead=self.max_run_ahead, top_n=self.top_n,
-                       trace_context=p.trace_context))
+                       trace_context=p.trace_context, features=seq.all_features()))
 
-    def commit(self, seq: Sequence, start: int, tokens: list[int]) -> None:
-        """Tell the draft what was committed from `start` (re-attach if it has no stream)."""
+    def commit(self, seq: Sequence, start: int, tokens: list[int],
+               features: Features | None = None) -> None:
+        """Tell the draft what was committed from `start` (re-attach if it has no stream),
+        with the target's hidden states of the positions made final (EAGLE sessions)."""
         link = self.links.get(seq.seq_id)
         if link is None:
             self.attach(seq)
         else:
-            link.send(Commit(seq.seq_id, seq.epoch, start, tokens))
+            link.send(Commit(seq.seq_id, seq.epoch, start, tokens, features=features))
 
     def release(self, seq: Sequence) -> None:
         link = self.links.pop(seq.seq_id, None)

@@ -28,6 +28,8 @@ from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import GenerateParams, Sequence
 
 log = logging.getLogger(__name__)
+# Proposers that take time per token (unlike n-gram lookup, instant or absent).
+_MODEL_METHODS = (Method.DRAFT_MODEL, Method.EAGLE)
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ class Engine:
             # n-gram drafts are instant or absent: only a draft model is worth the wait.
             seeded = s.seed is not None and not s.is_greedy
             allowed = (self.config.seeded_draft_wait_ms
-                       if seeded and seq.params.method is Method.DRAFT_MODEL else
+                       if seeded and seq.params.method in _MODEL_METHODS else
                        min(self.config.max_draft_wait_ms, missing * self.drafts.arrival_ms * 1.5))
             limit_ms = max(limit_ms, allowed)
         return limit_ms
@@ -170,7 +172,8 @@ class Engine:
         return StepInput(s.token_ids, s.start_pos, list(self.scheduler.blocks.block_table(
             seq.seq_id)), list(seq.drafts[: s.num_drafts]), seq.params.sampling,
             carried=self._carried.get(seq.seq_id) if seq.carried else None,
-            sample_bonus=not self._may_carry(seq, s.num_drafts))
+            sample_bonus=not self._may_carry(seq, s.num_drafts),
+            want_features=seq.params.method.needs_features)
 
     def _may_carry(self, seq: Sequence, k: int) -> bool:
         """Skip the bonus token when the draft's next token is already here (stochastic only:
@@ -214,11 +217,13 @@ class Engine:
         self._queues[seq.seq_id].put_nowait(self._output(
             seq, new, s.num_drafts, len(accepted), wait_ms, timings,
             bonus=next_token is not None and len(accepted) == s.num_drafts))
+        if outcome.features is not None:
+            seq.keep_features(outcome.features)
         if seq.finished:
             self.scheduler.finish(seq)
             self._release(seq)
         else:
-            self.drafts.commit(seq, start, new)
+            self.drafts.commit(seq, start, new, outcome.features)
 
     def _release(self, seq: Sequence) -> None:
         self.drafts.release(seq)

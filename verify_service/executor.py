@@ -14,7 +14,7 @@ import torch
 from kernels.sampling import logits_to_probs
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.sampling_params import SamplingParams
-from tandem.spec import DraftToken
+from tandem.spec import DraftToken, Features
 from verify_service.rejection import SpecDecodeMetadata, is_chain, verify
 
 
@@ -31,6 +31,7 @@ class StepInput:
     carried: torch.Tensor | None = None  # [vocab] target probs of the first draft's position
     sample_bonus: bool = True  # False: if all drafts pass, carry the bonus row instead
     parents: tuple[int, ...] | None = None  # None = a chain
+    want_features: bool = False  # EAGLE sessions: return the kept positions' hidden states
 
     def __post_init__(self):
         if not is_chain(self.parents):  # the tree mask and walk arrive with "Token trees"
@@ -47,6 +48,7 @@ class RoundOutcome:
     accepted: list[int]  # accepted draft tokens
     next_token: int | None  # recovered (first rejection) or bonus token; None when carried
     carry: torch.Tensor | None = None  # [vocab] the unsampled bonus row, when next_token is None
+    features: Features | None = None  # hidden states of the positions whose KV was kept
 
 
 @dataclass(frozen=True)
@@ -61,32 +63,44 @@ class Executor:
 
     def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
         t0 = time.perf_counter()
-        probs, forward_ms = self._target_probs(inputs)
+        probs, hidden, forward_ms = self._target_probs(inputs)
         meta = SpecDecodeMetadata.build([s.drafts for s in inputs], [s.sampling for s in inputs],
                                         [s.first_sampled_pos for s in inputs],
                                         [s.sample_bonus for s in inputs])
         out = verify(meta, probs)
         tokens, accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()
         emitted = out.num_emitted.tolist()
-        outcomes, last_row = [], -1
+        outcomes, last_row, hidden_at = [], -1, 0
         for s, row, a, e in zip(inputs, tokens, accepted, emitted):
             last_row += len(s.drafts) + 1
+            feats = None
+            if s.want_features and hidden is not None and s.token_ids:
+                kept = len(s.token_ids) - len(s.drafts) + a  # rows whose KV stays
+                feats = Features(s.start_pos, hidden.shape[1], hidden[
+                    hidden_at:hidden_at + kept].to(torch.float16).numpy().tobytes())
+            hidden_at += len(s.token_ids)
             if e > a:
-                outcomes.append(RoundOutcome(row[:a], row[a]))
+                outcomes.append(RoundOutcome(row[:a], row[a], features=feats))
             else:  # every draft accepted and no bonus sampled: carry the bonus row
-                outcomes.append(RoundOutcome(row[:a], None, probs[last_row].clone()))
+                outcomes.append(RoundOutcome(row[:a], None, probs[last_row].clone(), feats))
         total_ms = (time.perf_counter() - t0) * 1e3
         return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
 
-    def _target_probs(self, inputs: list[StepInput]) -> tuple[torch.Tensor, float]:
-        """[sum(k_i + 1), vocab]: carried rows (if any) then each forward's rows; forward ms."""
+    def _target_probs(self, inputs: list[StepInput]):
+        """([sum(k_i + 1), vocab] probs: carried rows (if any) then each forward's rows;
+        [sum(len(token_ids)), hidden] final hidden states if any input wants them, else None;
+        forward ms)."""
         rows = [len(s.drafts) + (0 if s.carried is not None else 1) for s in inputs]
         chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=n)
                   for s, n in zip(inputs, rows) if s.token_ids]
         if not chunks:  # carried sessions whose drafts vanished: no forward needed
-            return torch.stack([s.carried for s in inputs]), 0.0
+            return torch.stack([s.carried for s in inputs]), None, 0.0
         t0 = time.perf_counter()
-        logits = self.runner.forward(chunks)  # [sum(rows), vocab]
+        hidden = None
+        if any(s.want_features for s in inputs):
+            logits, hidden = self.runner.forward(chunks, with_hidden=True)
+        else:
+            logits = self.runner.forward(chunks)  # [sum(rows), vocab]
         forward_ms = (time.perf_counter() - t0) * 1e3
 
         def per_row(values, dtype):
@@ -99,11 +113,11 @@ class Executor:
             per_row([s.sampling.top_p for s in inputs], torch.float32),
         )
         if all(s.carried is None for s in inputs):
-            return probs, forward_ms
+            return probs, hidden, forward_ms
         parts, at = [], 0
         for s, n in zip(inputs, rows):
             if s.carried is not None:
                 parts.append(s.carried[None])
             parts.append(probs[at:at + n])
             at += n
-        return torch.cat(parts), forward_ms
+        return torch.cat(parts), hidden, forward_ms

@@ -162,9 +162,11 @@ class Scheduler:
             tokens = seq.tokens
             if (have_work or out) and len(tokens) > budget:
                 break  # a long prefill waits for a step of its own
-            if not self.blocks.can_allocate(tokens):
+            # EAGLE sessions need the target's hidden state of every position: no cache hits.
+            use_cache = not seq.params.method.needs_features
+            if not self.blocks.can_allocate(tokens, use_cache):
                 break
-            cached = self.blocks.allocate(seq.seq_id, tokens)
+            cached = self.blocks.allocate(seq.seq_id, tokens, use_cache)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

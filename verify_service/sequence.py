@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tandem.errors import InvalidArgument
 from tandem.sampling_params import SamplingParams
-from tandem.spec import DraftToken, Method
+from tandem.spec import DraftToken, Features, Method
 
 
 class SeqStatus(enum.Enum):
@@ -77,6 +77,10 @@ class Sequence:
     arrival: int = 0  # admission order, for FIFO and preemption choice
     draft_attaches_left: int = 3  # a session reopens its draft stream at most this often
     carried: bool = False  # see the module docstring
+    # EAGLE sessions: the target's hidden states of positions [0, n) as fp16 bytes, so a
+    # draft stream opened mid-session (re-attach) starts from the whole history.
+    features: bytearray = field(default_factory=bytearray)
+    feature_size: int = 0
 
     def __post_init__(self):
         self.output = list(self.params.committed)
@@ -128,6 +132,17 @@ class Sequence:
             self.epoch += 1
             self.drafts = []
         return new
+
+    def keep_features(self, f: Features) -> None:
+        """Record a round's hidden states (a recomputation after preemption overwrites)."""
+        self.feature_size = f.hidden_size
+        del self.features[f.start_position * 2 * f.hidden_size:]
+        self.features += f.data
+
+    def all_features(self) -> Features | None:
+        if not self.features:
+            return None
+        return Features(0, self.feature_size, bytes(self.features))
 
     @property
     def finished(self) -> bool:

@@ -73,7 +73,7 @@ class DraftModelProposer:
             batch = [requests[i] for i in rows]
             for req in batch:
                 self._mark_cached(req)
-            for i, tok in zip(rows, self._sample(logits, batch)):
+            for i, tok in zip(rows, sample_drafts(logits, batch, self.vocab_size)):
                 results[i] = DraftResult([tok])
         return results  # type: ignore[return-value]
 
@@ -105,51 +105,53 @@ class DraftModelProposer:
         done = min(req.num_committed, len(req.token_ids) - 1)
         self.blocks.commit(req.key, max(done, self.blocks.num_committed(req.key)))
 
-    @torch.inference_mode()
-    def _sample(
-        self,
-        logits: torch.Tensor,  # [batch, vocab] float32
-        batch: list[DraftRequest],
-    ) -> list[DraftToken]:
-        out: list[DraftToken | None] = [None] * len(batch)
-        greedy = [i for i, r in enumerate(batch) if r.sampling.is_greedy]
-        if greedy:
-            for i, tok in zip(greedy, logits[greedy].argmax(-1).tolist()):
-                out[i] = DraftToken(tok)  # q one-hot: nothing to send but the id
-        by_n: dict[int, list[int]] = {}
-        for i, r in enumerate(batch):
-            if not r.sampling.is_greedy:
-                by_n.setdefault(min(max(r.top_n, 1), self.vocab_size), []).append(i)
-        for n, idx in by_n.items():
-            for i, tok in zip(idx, self._sample_top_n(logits[idx], [batch[i] for i in idx], n)):
-                out[i] = tok
-        return out  # type: ignore[return-value]
+@torch.inference_mode()
+def sample_drafts(
+    logits: torch.Tensor,  # [batch, vocab] float32
+    batch: list[DraftRequest],
+    vocab_size: int,
+) -> list[DraftToken]:
+    """One draft token per row: argmax for greedy requests (q one-hot, only the id is sent),
+    else a sample from the top-N truncation of the filtered distribution, sent as q."""
+    out: list[DraftToken | None] = [None] * len(batch)
+    greedy = [i for i, r in enumerate(batch) if r.sampling.is_greedy]
+    if greedy:
+        for i, tok in zip(greedy, logits[greedy].argmax(-1).tolist()):
+            out[i] = DraftToken(tok)
+    by_n: dict[int, list[int]] = {}
+    for i, r in enumerate(batch):
+        if not r.sampling.is_greedy:
+            by_n.setdefault(min(max(r.top_n, 1), vocab_size), []).append(i)
+    for n, idx in by_n.items():
+        for i, tok in zip(idx, _sample_top_n(logits[idx], [batch[i] for i in idx], n)):
+            out[i] = tok
+    return out  # type: ignore[return-value]
 
-    @staticmethod
-    def _sample_top_n(
-        logits: torch.Tensor,  # [rows, vocab] float32
-        reqs: list[DraftRequest],
-        n: int,
-    ) -> list[DraftToken]:
-        """Sample from the top-n truncation of each row's filtered distribution, which is
-        exactly the q sent: verification against it stays lossless."""
-        params = [r.sampling for r in reqs]
-        probs = logits_to_probs(
-            logits,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
-        )  # [rows, vocab]
-        ids, q = top_n_sparse(probs, n)  # [rows, n] each
-        picks = sample(q, [r.generator for r in reqs]).tolist()  # [rows] index into ids
-        tokens = []
-        for row, pick in enumerate(picks):
-            row_ids, row_q = ids[row].tolist(), q[row].tolist()
-            # top-k / top-p may leave fewer than n tokens: zero entries are not part of q.
-            kept = [(t, p) for t, p in zip(row_ids, row_q) if p > 0]
-            tokens.append(DraftToken(row_ids[pick], tuple(t for t, _ in kept),
-                                     tuple(p for _, p in kept)))
-        return tokens
+
+def _sample_top_n(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    reqs: list[DraftRequest],
+    n: int,
+) -> list[DraftToken]:
+    """Sample from the top-n truncation of each row's filtered distribution, which is
+    exactly the q sent: verification against it stays lossless."""
+    params = [r.sampling for r in reqs]
+    probs = logits_to_probs(
+        logits,
+        torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+    )  # [rows, vocab]
+    ids, q = top_n_sparse(probs, n)  # [rows, n] each
+    picks = sample(q, [r.generator for r in reqs]).tolist()  # [rows] index into ids
+    tokens = []
+    for row, pick in enumerate(picks):
+        row_ids, row_q = ids[row].tolist(), q[row].tolist()
+        # top-k / top-p may leave fewer than n tokens: zero entries are not part of q.
+        kept = [(t, p) for t, p in zip(row_ids, row_q) if p > 0]
+        tokens.append(DraftToken(row_ids[pick], tuple(t for t, _ in kept),
+                                 tuple(p for _, p in kept)))
+    return tokens
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

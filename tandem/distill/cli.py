@@ -32,9 +32,8 @@ def _add_data_args(p, d) -> None:
 
 def _add_distill(sub) -> None:
     from tandem.distill.data import DataConfig
-    from tandem.distill.train import DraftArch, TrainConfig
-
     from tandem.distill.eagle import EagleTrainConfig
+    from tandem.distill.train import DraftArch, TrainConfig
 
     d, a, t = DataConfig(), DraftArch(), TrainConfig()
     p = sub.add_parser("distill", help="train a draft model for a target by distillation on "

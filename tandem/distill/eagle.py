@@ -82,7 +82,8 @@ def build_vocab(seqs: list[FeatureSeq], size: int, target_vocab: int,
         counts += torch.bincount(s.ids, minlength=target_vocab)
         counts += torch.bincount(s.topk_ids[:, 0], minlength=target_vocab)
     order = [t for t in always if 0 <= t < target_vocab]
-    order += [t for t in counts.argsort(descending=True).tolist() if t not in set(order)]
+    # Unseen tokens by id: a BPE vocabulary numbers its commonest merges first.
+    order += [t for t in torch.argsort(-counts, stable=True).tolist() if t not in set(order)]
     return DraftVocab(tuple(order[:min(size, target_vocab)]), target_vocab, 0)
 
 
@@ -244,7 +245,7 @@ def train(head: EagleTrainHead, train_seqs, val_seqs, cfg: EagleTrainConfig, ckp
         opt.step()
         step += 1
         if progress is not None:
-            progress(step, total, {k: float(v) for k, v in losses.items()
+            progress(step, total, {k: v.item() for k, v in losses.items()
                                    if k in ("reg", "cls", "cls2")})
         if time.perf_counter() - last_ckpt > 60 * cfg.checkpoint_min:
             _save(ckpt, head, opt, step, time.perf_counter() - start)

@@ -118,16 +118,18 @@ class BlockManager:
             raise ValueError(f"block_id {block_id!r} is not in [0, {self._num_blocks})")
         return self._blocks[block_id].ref_count
 
-    def can_allocate(self, token_ids: Iterable[int]) -> bool:
+    def can_allocate(self, token_ids: Iterable[int], use_cache: bool = True) -> bool:
         tokens = self._check_prompt(token_ids)
-        return self._blocks_to_take(tokens, self._find_cached_prefix(tokens)) <= len(self._free)
+        hits = self._find_cached_prefix(tokens) if use_cache else []
+        return self._blocks_to_take(tokens, hits) <= len(self._free)
 
-    def allocate(self, seq_id: str, token_ids: Iterable[int]) -> int:
-        """Admit a new sequence; returns how many leading tokens already have their KV cached."""
+    def allocate(self, seq_id: str, token_ids: Iterable[int], use_cache: bool = True) -> int:
+        """Admit a new sequence; returns how many leading tokens already have their KV cached
+        (none with use_cache=False: a caller that needs every position computed)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         tokens = self._check_prompt(token_ids)
-        hits = self._find_cached_prefix(tokens)
+        hits = self._find_cached_prefix(tokens) if use_cache else []
         self._ensure_free(self._blocks_to_take(tokens, hits))
         table = [self._take_cached(block_id) for block_id, _ in hits]
         while len(table) < self._blocks_for(len(tokens)):

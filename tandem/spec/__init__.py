@@ -8,6 +8,7 @@ from tandem.spec.protocol import (
     Control,
     DraftToken,
     ErrorCode,
+    Features,
     Invalid,
     Open,
     Proposal,
@@ -16,5 +17,5 @@ from tandem.spec.protocol import (
 )
 
 __all__ = ["API_NAMES", "Close", "Commit", "Control", "DraftRequest", "DraftResult",
-           "DraftToken", "ErrorCode", "Invalid", "Method", "Open", "Proposal", "Proposer",
-           "Reply", "SessionError", "propose_isolated"]
+           "DraftToken", "ErrorCode", "Features", "Invalid", "Method", "Open", "Proposal",
+           "Proposer", "Reply", "SessionError", "propose_isolated"]

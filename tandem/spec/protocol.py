@@ -41,6 +41,29 @@ class DraftToken:
 
 
 @dataclass(frozen=True)
+class Features:
+    """The target's final normed hidden states for positions start_position.. (EAGLE's
+    features): float16 little-endian bytes, row-major [rows, hidden_size]."""
+
+    start_position: int
+    hidden_size: int
+    data: bytes
+
+    @property
+    def rows(self) -> int:
+        return len(self.data) // (2 * self.hidden_size) if self.hidden_size else 0
+
+    def problem(self) -> str | None:
+        """What is wrong with this message, if anything (checked by the receiver)."""
+        if self.hidden_size < 1:
+            return "features.hidden_size must be >= 1"
+        if len(self.data) % (2 * self.hidden_size):
+            return (f"features.data has {len(self.data)} bytes, not a multiple of "
+                    f"2 * hidden_size = {2 * self.hidden_size}")
+        return None
+
+
+@dataclass(frozen=True)
 class Open:
     """Start (or fully resynchronise) a session; zero limits mean the worker's default.
 
@@ -60,6 +83,7 @@ class Open:
     epoch: int = 0
     max_ngram_size: int = 0
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers for the draft's span
+    features: Features | None = None  # EAGLE: target features computed so far
 
 
 @dataclass(frozen=True)
@@ -71,6 +95,7 @@ class Commit:
     start_position: int
     token_ids: list[int]
     max_run_ahead: int = 0
+    features: Features | None = None  # EAGLE: features of the positions made final
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,164 @@
+"""EAGLE proposer: a one-layer feature head (tandem.engine.eagle) over a paged KV cache.
+
+Entry t of a session reads [feature t-1 ; embedding of token t] and predicts feature t, whose
+LM-head distribution drafts token t+1. Features of committed positions are the target's own
+(shipped by the verifier with each commit, DraftRequest.features); beyond them the head runs on
+its own predictions. When true features arrive for positions the head had predicted, the
+entries built on predictions are recomputed from the true ones (re-anchoring); a divergence
+rolls back like the draft model's cache. Drafts are sampled from the head's top-N truncation
+and sent with that q, so verification stays exact.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from draft_service.proposers.draft_model import _common_prefix, sample_drafts
+from kernels.paged_attention import build_attention_metadata
+from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
+from tandem.engine.eagle import EagleHead
+from tandem.models import ModelPaths
+from tandem.spec import DraftRequest, DraftResult, ErrorCode, Method
+
+
+@dataclass
+class _HeadState:
+    entries: list[int] = field(default_factory=list)  # token t of entries 1..E (index t-1)
+    true_upto: int = 0  # entries 1..true_upto read true features
+    pred: dict[int, torch.Tensor] = field(default_factory=dict)  # entry t -> predicted f_t
+
+
+@dataclass
+class _Work:
+    """What one request still needs computed: entries nxt..last (last = L - 1)."""
+
+    row: int
+    req: DraftRequest
+    nxt: int
+    last: int
+    m: int  # true feature rows available
+
+
+class EagleProposer:
+    method = Method.EAGLE
+
+    def __init__(self, head: EagleHead, num_blocks: int, block_size: int = 16):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        cfg = head.cfg
+        self.head = head
+        self.feature_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self.max_context_length = cfg.max_position_embeddings
+        self.block_size = block_size
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype = head.model.dtype
+        self.kv_cache = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))]
+        self._state: dict[Hashable, _HeadState] = {}
+
+    @classmethod
+    def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16) -> EagleProposer:
+        head = EagleHead.load(paths)
+        cfg = head.cfg
+        per_block = 2 * cfg.num_kv_heads * cfg.head_dim * block_size * 4
+        return cls(head, max(1, kv_cache_bytes // per_block), block_size)
+
+    def release(self, key: Hashable) -> None:
+        self._state.pop(key, None)
+        if self.blocks.has(key):
+            self.blocks.free(key)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
+        results: list[DraftResult | None] = [None] * len(requests)
+        work: list[_Work] = []
+        try:
+            for i, req in enumerate(requests):
+                m = 0 if req.features is None else len(req.features)
+                if req.max_tokens < 1 or m == 0:
+                    results[i] = DraftResult()  # nothing to read yet: wait for a commit
+                    continue
+                try:
+                    work.append(self._plan(i, req, m))
+                except NoFreeBlocksError as exc:
+                    self.release(req.key)
+                    results[i] = DraftResult(error=ErrorCode.RESOURCE_EXHAUSTED,
+                                             message=f"eagle KV cache is full: {exc}")
+            while any(w.nxt <= w.last for w in work):
+                self._pass([w for w in work if w.nxt <= w.last])
+        except Exception:
+            for w in work:  # the cache no longer matches what the states describe
+                self.release(w.req.key)
+            raise
+        if work:
+            feats = torch.stack([self._next_feature(w) for w in work])  # [B, hidden]
+            logits = self.head.model.logits(feats.to(self.head.model.dtype))  # [B, vocab]
+            for w, tok in zip(work, sample_drafts(logits, [w.req for w in work],
+                                                   self.vocab_size)):
+                results[w.row] = DraftResult([tok])
+        return results  # type: ignore[return-value]
+
+    def _plan(self, row: int, req: DraftRequest, m: int) -> _Work:
+        """Roll the session's entries back to what is still valid; what remains to compute."""
+        tokens, last = req.token_ids, len(req.token_ids) - 1
+        st = self._state.get(req.key)
+        if st is None:
+            st = self._state[req.key] = _HeadState()
+        valid = _common_prefix(st.entries, tokens[1:])
+        if m > st.true_upto:  # entries built on predictions that true features now replace
+            valid = min(valid, st.true_upto)
+        if valid >= m and valid not in st.pred:
+            valid = m - 1  # the next entry reads a prediction we do not hold: recompute it
+        if self.blocks.has(req.key):
+            self.blocks.rollback(req.key, len(st.entries) - valid)
+        del st.entries[valid:]
+        st.true_upto = min(st.true_upto, valid)
+        st.pred = {t: p for t, p in st.pred.items() if t <= valid and t >= m - 1}
+        return _Work(row, req, valid + 1, last, m)
+
+    def _pass(self, work: list[_Work]) -> None:
+        """One head forward: per session, its run of entries with true features, or the one
+        entry whose input is the head's latest prediction."""
+        ids, feats, pos, q_lens, seq_lens, tables, spans = [], [], [], [], [], [], []
+        for w in work:
+            st = self._state[w.req.key]
+            end = min(w.last, w.m) if w.nxt <= w.m else w.nxt
+            new = w.req.token_ids[w.nxt:end + 1]
+            if self.blocks.has(w.req.key):
+                self.blocks.append(w.req.key, new)
+            else:
+                self.blocks.allocate(w.req.key, new)
+            if w.nxt <= w.m:
+                feats.append(w.req.features[w.nxt - 1:end])
+            else:
+                feats.append(st.pred[w.nxt - 1][None])
+            ids.extend(new)
+            pos.extend(range(w.nxt - 1, end))
+            q_lens.append(len(new))
+            seq_lens.append(end)
+            tables.append(self.blocks.block_table(w.req.key))
+            spans.append((w, end))
+        meta = build_attention_metadata(q_lens, seq_lens, tables, self.block_size)
+        _, pred = self.head.forward(
+            torch.tensor(ids, dtype=torch.int64), torch.cat(feats),
+            torch.tensor(pos, dtype=torch.int64), meta, self.kv_cache,
+            torch.empty(0, dtype=torch.int64))  # [sum(q_lens), hidden]
+        at = 0
+        for (w, end), n in zip(spans, q_lens):
+            st = self._state[w.req.key]
+            st.entries.extend(w.req.token_ids[w.nxt:end + 1])
+            if w.nxt <= w.m:
+                st.true_upto = end
+            for t in range(max(w.nxt, end - 1), end + 1):  # the next entries read these
+                st.pred[t] = pred[at + t - w.nxt].float().clone()
+            at += n
+            w.nxt = end + 1
+
+    def _next_feature(self, w: _Work) -> torch.Tensor:  # [hidden]
+        """Feature of the last token's position: the target's if known, else predicted."""
+        if w.m > w.last:
+            return w.req.features[w.last]
+        return self._state[w.req.key].pred[w.last]
