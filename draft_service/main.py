@@ -181,7 +181,8 @@ async def serve(config: DraftConfig, ready: Callable[[str], None] | None = None,
             registration = dataclasses.replace(
                 registration, address=f"{config.host}:{app.port}")
         beat = start_registration(registration, capacity=config.max_sessions,
-                                  load=app.worker.load)
+                                  load=app.worker.load, methods=tuple(
+                                      m.api_name for m in app.worker.proposers))
     await _stop_signal()
     if beat is not None:  # leave the registry first so no verifier picks us anew
         beat[1].set()

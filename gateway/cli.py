@@ -37,6 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
              int, "0 = the verifier's default")
     add_flag(p, "--max-speculative-tokens", "TANDEM_GATEWAY_MAX_SPECULATIVE_TOKENS",
              d.max_speculative_tokens, int, "limit when verifiers do not report one")
+    add_flag(p, "--method-preference", "TANDEM_GATEWAY_METHOD_PREFERENCE",
+             ",".join(d.method_preference),
+             help="default speculation method: the first of these (comma list) a live draft "
+                  "worker serves [%(default)s]")
     add_flag(p, "--request-timeout", "TANDEM_GATEWAY_REQUEST_TIMEOUT", d.request_timeout_s,
              float, "seconds per request")
     # Repeatable flags: build_config reads their environment lists, which a flag replaces.
@@ -74,6 +78,7 @@ def build_config(args, redis_url: str, model_root) -> GatewayConfig:
                                                                    args.context_length),
         default_speculative_tokens=args.default_speculative_tokens,
         max_speculative_tokens=args.max_speculative_tokens,
+        method_preference=tuple(csv(args.method_preference)),
         request_timeout_s=args.request_timeout,
         # flags replace the environment's list rather than adding to it
         static_verifiers=tuple(args.verifier or csv(env("TANDEM_GATEWAY_VERIFIERS"))),

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 from tandem.models import DEFAULT_TARGET
+from tandem.spec.methods import Method
 
 
 def _check_address(addr: str, what: str) -> None:
@@ -34,6 +35,9 @@ class GatewayConfig:
     default_max_tokens: int = 16
     default_speculative_tokens: int = 0  # 0 = the verifier's default
     max_speculative_tokens: int = 16
+    # Default speculation method: the first of these that a live draft worker serves. The
+    # order is the measured one (docs/benchmarks.md): best speedup first.
+    method_preference: tuple[str, ...] = ("eagle", "draft_model", "ngram")
     request_timeout_s: float = 600.0
     # A verifier stream silent this long counts as dead and the session fails over.
     stall_timeout_s: float = 60.0
@@ -62,6 +66,8 @@ class GatewayConfig:
         self._check_floats()
         if not self.model_name:
             raise ValueError("model_name must be non-empty")
+        for name in self.method_preference:
+            Method.parse(name)  # InvalidArgument (a ValueError) names the choices
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must be a redis:// URL, got {self.redis_url!r}")
         if any(not k or "," in k or k.strip() != k for k in self.api_keys):

@@ -84,7 +84,8 @@ class _Failover:
             if loop.time() >= deadline:
                 raise APIError(504, "request timed out", code="timeout")
             assignment = await self.deps.router.assign(self.plan.affinity_key, exclude=excluded,
-                                                       need_draft=need_draft)
+                                                       need_draft=need_draft,
+                                                       method=self.plan.method.api_name)
             if assignment is None:
                 break
             try:

@@ -49,7 +49,7 @@ async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: Gatewa
     plan = GenerationPlan(
         session_id=sid, prompt_token_ids=tuple(ids), sampling=_sampling(req),
         max_new_tokens=max_new, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-        method=await _method(spec, router),
+        method=await _method(spec, router, config.method_preference),
         num_speculative_tokens=(spec.num_speculative_tokens
                                 if spec.num_speculative_tokens is not None
                                 else config.default_speculative_tokens),
@@ -77,8 +77,20 @@ def _sampling(req: schemas.GenerationRequest) -> SamplingParams:
         raise bad_request(str(exc)) from None
 
 
-async def _method(spec: schemas.SpeculationOptions, router: Router) -> Method:
-    """The method asked for; by default a draft model when one is running, else none."""
+async def _method(spec: schemas.SpeculationOptions, router: Router,
+                  preference: tuple[str, ...]) -> Method:
+    """The method asked for; by default the first preferred one a live draft worker serves,
+    else none."""
     if spec.method:
         return Method.parse(spec.method)  # cannot fail: the schema allows only API names
-    return Method.DRAFT_MODEL if await router.has_draft() else Method.NONE
+    served = set()
+    for d in await router.drafts():
+        served.update(d.methods or _LEGACY_METHODS)
+    for name in preference:
+        if name in served:
+            return Method.parse(name)
+    return Method.NONE
+
+
+# What a draft worker that does not advertise its methods serves.
+_LEGACY_METHODS = ("draft_model", "ngram")

@@ -66,10 +66,12 @@ def pick_verifier(verifiers: Iterable[WorkerRecord], *, inflight: Mapping[str, i
 
 
 def pick_draft(drafts: Iterable[WorkerRecord], *, inflight: Mapping[str, int],
-               verifier: WorkerRecord) -> WorkerRecord | None:
-    """Least utilized draft worker sharing the verifier's tokenizer. A full one is still
-    better than none: speculation fails open on the verifier if it cannot keep up."""
-    candidates = [d for d in drafts if _compatible(d.tokenizer_hash, verifier.tokenizer_hash)]
+               verifier: WorkerRecord, method: str = "") -> WorkerRecord | None:
+    """Least utilized draft worker sharing the verifier's tokenizer (and serving `method`,
+    where workers advertise theirs). A full one is still better than none: speculation fails
+    open on the verifier if it cannot keep up."""
+    candidates = [d for d in drafts if _compatible(d.tokenizer_hash, verifier.tokenizer_hash)
+                  and (not method or not d.methods or method in d.methods)]
     if not candidates:
         return None
     return min(candidates, key=lambda d: (utilization(d, inflight), effective_load(d, inflight),
@@ -131,7 +133,7 @@ class Router:
         return bool(await self.drafts())
 
     async def assign(self, key: str | None, *, exclude: Iterable[str] = (),
-                     need_draft: bool = True) -> Assignment | None:
+                     need_draft: bool = True, method: str = "") -> Assignment | None:
         preferred = await self._preferred(key)
         verifier = pick_verifier(await self.verifiers(), inflight=self.inflight,
                                  preferred=preferred, exclude=exclude,
@@ -140,7 +142,8 @@ class Router:
             return None
         draft = None
         if need_draft:
-            draft = pick_draft(await self.drafts(), inflight=self.inflight, verifier=verifier)
+            draft = pick_draft(await self.drafts(), inflight=self.inflight, verifier=verifier,
+                               method=method)
         return Assignment(verifier, draft)
 
     async def _preferred(self, key: str | None) -> str | None:

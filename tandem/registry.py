@@ -36,6 +36,8 @@ class WorkerRecord:
     model_id: str = ""
     tokenizer_hash: str = ""
     max_speculative_tokens: int = 0
+    # Draft workers: the speculation methods served (API names); empty = not advertised.
+    methods: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -60,7 +62,10 @@ class WorkerRecord:
         data = json.loads(raw)
         known = {f.name for f in fields(cls)}
         # Ignore fields a newer worker may add, so old gateways keep routing to it.
-        return cls(**{k: v for k, v in data.items() if k in known})
+        data = {k: v for k, v in data.items() if k in known}
+        if "methods" in data:
+            data["methods"] = tuple(data["methods"])
+        return cls(**data)
 
 
 class WorkerRegistry:

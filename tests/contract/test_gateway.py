@@ -581,6 +581,39 @@ def test_pick_verifier_least_loaded_affinity_and_exclusion():
     assert pick_draft([d1, d2], inflight={}, verifier=verifier_rec("v:1", tokenizer_hash="x")) \
         is d1
     assert affinity_key("abc" + "x" * 1000) == affinity_key("abc" + "x" * 1000 + "more")
+    # Workers that advertise their methods only get sessions of those methods.
+    e = WorkerRecord("draft", "e", "e:1", 4, 3, methods=("eagle", "ngram"))
+    n = WorkerRecord("draft", "n", "n:1", 4, 0, methods=("ngram",))
+    assert pick_draft([e, n], inflight={}, verifier=verifier_rec("v:1"), method="eagle") is e
+    assert pick_draft([e, n], inflight={}, verifier=verifier_rec("v:1"), method="ngram") is n
+    assert pick_draft([n], inflight={}, verifier=verifier_rec("v:1"), method="eagle") is None
+    assert WorkerRecord.from_json(e.to_json()) == e
+
+
+def test_default_method_is_the_first_preferred_one_a_draft_serves():
+    from gateway.plan import _method
+    from gateway.schemas import SpeculationOptions
+    from tandem.spec import Method
+
+    class Drafts:
+        def __init__(self, *records):
+            self.records = records
+
+        async def drafts(self):
+            return list(self.records)
+
+    pref = ("eagle", "draft_model", "ngram")
+    both = WorkerRecord("draft", "a", "a:1", 4, 0, methods=("draft_model", "eagle", "ngram"))
+    legacy = WorkerRecord("draft", "b", "b:1", 4, 0)  # advertises nothing: model + ngram
+    ngram = WorkerRecord("draft", "c", "c:1", 4, 0, methods=("ngram",))
+    run = asyncio.run
+    assert run(_method(SpeculationOptions(), Drafts(both), pref)) is Method.EAGLE
+    assert run(_method(SpeculationOptions(), Drafts(legacy), pref)) is Method.DRAFT_MODEL
+    assert run(_method(SpeculationOptions(), Drafts(ngram), pref)) is Method.NGRAM
+    assert run(_method(SpeculationOptions(), Drafts(), pref)) is Method.NONE
+    assert run(_method(SpeculationOptions(method="ngram"), Drafts(both), pref)) is Method.NGRAM
+    with pytest.raises(ValueError, match="unknown speculation method"):
+        GatewayConfig(method_preference=("eagle", "medusa2"))
 
 
 def test_routing_by_registry_load_with_conversation_affinity(redis_proc, tokenizer, prefix,
