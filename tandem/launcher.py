@@ -31,6 +31,7 @@ class ClusterConfig:
     gateway_port: int = 8000
     model: str = ""  # "" = each role's default
     draft_model: str = ""
+    eagle: str = ""  # EAGLE head directory; "" = the shipped one if present
     redis_url: str = ""
     threads: int = 1  # per worker: a batch-1 forward keeps one core busy
 
@@ -108,6 +109,7 @@ class Cluster:
         for i in range(cfg.num_drafts):
             port, mport = free_port(), free_port()
             extra = ["--model", cfg.draft_model] if cfg.draft_model else []
+            extra += ["--eagle", cfg.eagle] if cfg.eagle else []
             extra += ["--metrics-port", str(mport)]
             self.metrics_urls[f"draft-{i}"] = f"http://127.0.0.1:{mport}/metrics"
             proc = self._spawn(f"draft-{i}", ["draft", "--port", str(port), *common, *extra])

@@ -40,3 +40,27 @@ def tokenizer(target_paths):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(target_paths.root))
+
+
+@pytest.fixture(scope="session")
+def eagle_dir(target_paths, tmp_path_factory):
+    """The shipped EAGLE head, or an untrained one built from the target (same widths and
+    ids: drafts poorly, which lossless tests do not mind)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from draft_service.weights import default_eagle_dir
+
+    shipped = Path(default_eagle_dir())
+    if (shipped / "config.json").is_file():
+        return shipped
+    from tandem.distill.eagle_head import EagleTrainHead
+
+    out = tmp_path_factory.mktemp("eagle-head")
+    head = EagleTrainHead.untrained(target_paths.root, 4096)
+    hf = json.loads((target_paths.root / "config.json").read_text())
+    head.export(out, hf, {"format": "tandem-eagle/1", "untrained": True})
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_paths.root / f, out / f)
+    return out

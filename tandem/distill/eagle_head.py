@@ -112,6 +112,23 @@ class EagleTrainHead(nn.Module):
     def logits(self, pred):  # [..., h] -> [..., V_d] over the truncated vocabulary
         return pred @ self.embed.T
 
+    @classmethod
+    def untrained(cls, target_root: Path, vocab_size: int, seed: int = 0) -> EagleTrainHead:
+        """A head started from the target's last layer, untrained (tests and smoke runs:
+        it drafts poorly but speaks the target's ids and widths)."""
+        from tandem.engine.llama import _load_tensors
+        from tandem.models import ModelPaths, read_hf_config
+
+        paths = ModelPaths(Path(target_root))
+        cfg = LlamaConfig.from_hf(read_hf_config(paths))
+        tensors = _load_tensors(paths)
+        vocab = DraftVocab(tuple(range(min(vocab_size, cfg.vocab_size))), cfg.vocab_size, 0)
+        torch.manual_seed(seed)
+        head = cls(cfg, vocab, tensors["embed_tokens.weight"][:len(vocab.target_ids)].float(),
+                   cfg.max_position_embeddings)
+        head.init_from_target(tensors, cfg.num_layers - 1)
+        return head
+
     def export(self, out: Path, target_hf_cfg: dict, card: dict) -> None:
         """Write the EagleHead checkpoint (fp16): config.json, model.safetensors,
         draft_vocab.json and the card."""

@@ -40,7 +40,7 @@ def tiny_draft(root: Path, target: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(target_paths, tmp_path_factory):
+def cluster(target_paths, tmp_path_factory, eagle_dir):
     try:
         from draft_service.weights import default_draft_dir
         shipped = Path(default_draft_dir())
@@ -51,7 +51,8 @@ def cluster(target_paths, tmp_path_factory):
     else:
         draft = str(tiny_draft(tmp_path_factory.mktemp("draft"), target_paths.root))
     c = Cluster(ClusterConfig(num_drafts=2, num_verifiers=2, gateway_port=free_port(),
-                              draft_model=draft, threads=1), log=lambda m: None)
+                              draft_model=draft, eagle=str(eagle_dir), threads=1),
+                log=lambda m: None)
     try:
         c.start()
         yield c
@@ -88,7 +89,7 @@ def plain(cluster):
     return [chat(cluster, p, **spec("none"))[0] for p in PROMPTS]
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle"])
 def test_greedy_identical_to_plain_decoding(cluster, plain, method):
     for prompt, ref in zip(PROMPTS, plain):
         text, body = chat(cluster, prompt, **spec(method))
@@ -168,7 +169,8 @@ def test_bad_input_gets_400_and_services_keep_serving(cluster, plain):
 def _kill_during_streams(cluster, plain, victim, n_streams):
     jobs = [(PROMPTS[i % 3], plain[i % 3]) for i in range(n_streams)]
     with cf.ThreadPoolExecutor(n_streams) as pool:
-        futures = [pool.submit(chat, cluster, p, True, **spec("draft_model")) for p, _ in jobs]
+        # The gateway's default method: eagle, served by every draft worker here.
+        futures = [pool.submit(chat, cluster, p, True) for p, _ in jobs]
         time.sleep(1.5)  # streams are under way
         proc = dict(cluster.procs)[victim]
         os.kill(proc.pid, signal.SIGKILL)
