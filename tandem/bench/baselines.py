@@ -10,6 +10,7 @@ tokens/s are defined exactly as for the streamed HTTP responses.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from pathlib import Path
 
@@ -146,6 +147,39 @@ def _forward_ms(model, reps: int, prefix: int = 128) -> float:
         runner.forward([SeqChunk([42], prefix, table, 1)])
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def measure_eagle_c(head_dir: str, target: str, reps: int = 40) -> dict:
+    """c for the EAGLE head: one drafting step of the real proposer (one new entry, its LM
+    head and sampling) against the target's batch-1 1-token forward, interleaved, 1 thread."""
+    from draft_service.proposers.eagle import EagleProposer
+    from tandem.distill.acceptance import forward_cost_ms
+    from tandem.engine.llama import LlamaModel
+    from tandem.models import ModelPaths, resolve_model
+    from tandem.spec import DraftRequest
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prop = EagleProposer.load(ModelPaths(Path(head_dir)), 64 << 20)
+        tm = LlamaModel.load(resolve_model(target))
+        feats = torch.randn(128 + 4 * reps, prop.feature_size)
+        tokens = [(7 * j) % 1000 + 100 for j in range(128)]
+        prop.propose([DraftRequest("c", tokens, len(tokens), 1, features=feats[:127])])
+        d, t = [], []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(reps):
+                tokens.append(tokens[-1] % 1000 + 100)
+                prop.propose([DraftRequest("c", tokens, len(tokens), 1,
+                                           features=feats[:len(tokens) - 1])])
+            d.append((time.perf_counter() - start) / reps * 1e3)
+            t.append(forward_cost_ms(tm, max(5, reps // 4)))
+    finally:
+        torch.set_num_threads(threads)
+    dm, tm_ms = statistics.median(d), statistics.median(t)
+    return {"draft_ms": round(dm, 3), "target_ms": round(tm_ms, 3), "c": round(dm / tm_ms, 4),
+            "threads": 1}
 
 
 def measure_c(draft: str, target: str, reps: int = 40) -> dict:

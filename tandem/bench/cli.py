@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=lambda t: tuple(x for x in t.split(",") if x),
                    help="only these prompt ids of tandem/bench/prompts.jsonl (smoke runs)")
     p.add_argument("--model", default="", help="target model (default: the default target)")
+    p.add_argument("--eagle", default="", help="EAGLE head directory, 'none' for no eagle "
+                   "(default: the shipped head)")
     p.add_argument("--draft-model", default="", help="draft checkpoint directory (default: "
                    "the shipped draft, draft_service/weights/smollm2-135m-draft)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process "
@@ -59,6 +61,7 @@ def config_from_args(args):
     from tandem.bench.runner import BenchConfig, quick_config
 
     overrides = {"k": args.k, "model": args.model, "draft_model": args.draft_model,
+                 "eagle": args.eagle,
                  "threads": args.threads, "peers": not args.no_peers,
                  "prompt_ids": args.prompts or ()}
     for name in ("max_tokens", "temperatures", "round_temperatures", "concurrency",

@@ -41,7 +41,7 @@ def speedup(s: dict, path: Path, labels: dict) -> Path:
             ax.bar([g + i * width - 0.4 + width / 2 for g in range(len(groups))], ys, width,
                    label=lab, color=color)
         ax.axhline(1.0, color="black", lw=0.8)
-        ax.axhline(1.8, color="red", lw=0.8, ls="--", label="target 1.8x (draft_model)")
+        ax.axhline(1.8, color="red", lw=0.8, ls="--", label="target 1.8x (best method)")
         ax.set_xticks(range(len(groups)), groups)
         ax.set_ylabel("decode tokens/s\nvs Tandem plain")
         ax.set_title(f"Speedup by method and prompt type, T={temp:g}")

@@ -40,6 +40,7 @@ class BenchConfig:
     prompt_ids: tuple[str, ...] = ()  # only these prompts (smoke runs); () = no filter
     model: str = ""  # target; "" = the default
     draft_model: str = ""  # "" = the shipped draft
+    eagle: str = ""  # EAGLE head directory; "" = the shipped head ("none": no eagle)
     threads: int = 1  # torch threads per worker process
     peer_threads: int = 1  # torch threads of the transformers peers (1 is as fast as 2 here)
     peers: bool = True
@@ -89,6 +90,18 @@ def load_prompts(per_category: int = 0, ids: tuple[str, ...] = (),
         if seen[r["category"]] <= per_category:
             out.append(r)
     return out
+
+
+def resolve_eagle(value: str) -> str:
+    """The EAGLE head the cluster serves: a directory, or "" for none."""
+    if value.strip().lower() == "none":
+        return ""
+    if value:
+        return value
+    from draft_service.weights import default_eagle_dir
+
+    shipped = default_eagle_dir()
+    return str(shipped) if (shipped / "config.json").is_file() else ""
 
 
 def resolve_draft(draft_model: str, out_dir: Path) -> tuple[str, dict]:
@@ -253,7 +266,7 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from tandem.bench.baselines import measure_c
+    from tandem.bench.baselines import measure_c, measure_eagle_c
     from tandem.bench.client import worker_addresses
     from tandem.launcher import Cluster, ClusterConfig, free_port
     from tandem.models import resolve_model
@@ -278,9 +291,16 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
             _phase(ctx, "peers", run_peers)
         bar.set_description("draft/target forward cost (c)")
         _phase(ctx, "cost", lambda c: c.result["meta"].update(cost=measure_c(draft, target)))
+        eagle = resolve_eagle(cfg.eagle)
+        if eagle:
+            result["meta"]["eagle"] = eagle
+            bar.set_description("eagle head/target cost (c)")
+            _phase(ctx, "cost_eagle", lambda c: c.result["meta"].update(
+                cost_eagle=measure_eagle_c(eagle, target)))
         bar.set_description("starting the cluster")
         cluster = Cluster(ClusterConfig(num_drafts=1, num_verifiers=1, gateway_port=free_port(),
-                                        model=cfg.model, draft_model=draft, threads=cfg.threads),
+                                        model=cfg.model, draft_model=draft, eagle=eagle,
+                                        threads=cfg.threads),
                           log=lambda m: None)
         try:
             with _children_log_to(ctx.out_dir / "cluster.log"):

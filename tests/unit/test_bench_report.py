@@ -126,7 +126,7 @@ def test_summary_speedups_bound_and_targets():
     assert spec["of_bound"] == pytest.approx(2.0 / spec["bound"])
     assert spec["acceptance_rate"] == pytest.approx(0.75)  # gateway totals: 120 / 160
     t = {x["name"].split(",")[0]: x for x in s["targets"]}
-    assert t["Tandem draft_model >= 1.8x Tandem plain"]["met"] is True
+    assert t["best method (draft_model) >= 1.8x Tandem plain"]["met"] is True
     assert t["Tandem draft_model >= transformers assisted"]["measured"] == pytest.approx(32 / 18)
     ngram = t["Tandem ngram >= transformers prompt lookup"]
     assert ngram["measured"] == pytest.approx(19 / 20) and ngram["met"] is False
