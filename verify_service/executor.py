@@ -63,28 +63,55 @@ class Executor:
 
     def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
         t0 = time.perf_counter()
-        probs, hidden, forward_ms = self._target_probs(inputs)
+        if all(s.sampling.is_greedy and s.sample_bonus and s.carried is None and s.token_ids
+               for s in inputs):
+            logits, hidden, forward_ms = self._forward(inputs)
+            found = _greedy_verify(inputs, logits)
+        else:
+            probs, hidden, forward_ms = self._target_probs(inputs)
+            found = self._verify(inputs, probs)
+        outcomes, hidden_at = [], 0
+        for s, (accepted, next_token, carry) in zip(inputs, found):
+            feats = None
+            if s.want_features and hidden is not None and s.token_ids:
+                kept = len(s.token_ids) - len(s.drafts) + len(accepted)  # rows whose KV stays
+                feats = Features(s.start_pos, hidden.shape[1], hidden[
+                    hidden_at:hidden_at + kept].to(torch.float16).numpy().tobytes())
+            hidden_at += len(s.token_ids)
+            outcomes.append(RoundOutcome(accepted, next_token, carry, feats))
+        total_ms = (time.perf_counter() - t0) * 1e3
+        return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
+
+    @staticmethod
+    def _verify(inputs: list[StepInput], probs: torch.Tensor):
+        """The batched rejection sampler: (accepted, next token or None, carried row)."""
         meta = SpecDecodeMetadata.build([s.drafts for s in inputs], [s.sampling for s in inputs],
                                         [s.first_sampled_pos for s in inputs],
                                         [s.sample_bonus for s in inputs])
         out = verify(meta, probs)
         tokens, accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()
         emitted = out.num_emitted.tolist()
-        outcomes, last_row, hidden_at = [], -1, 0
+        found, last_row = [], -1
         for s, row, a, e in zip(inputs, tokens, accepted, emitted):
             last_row += len(s.drafts) + 1
-            feats = None
-            if s.want_features and hidden is not None and s.token_ids:
-                kept = len(s.token_ids) - len(s.drafts) + a  # rows whose KV stays
-                feats = Features(s.start_pos, hidden.shape[1], hidden[
-                    hidden_at:hidden_at + kept].to(torch.float16).numpy().tobytes())
-            hidden_at += len(s.token_ids)
             if e > a:
-                outcomes.append(RoundOutcome(row[:a], row[a], features=feats))
+                found.append((row[:a], row[a], None))
             else:  # every draft accepted and no bonus sampled: carry the bonus row
-                outcomes.append(RoundOutcome(row[:a], None, probs[last_row].clone(), feats))
-        total_ms = (time.perf_counter() - t0) * 1e3
-        return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
+                found.append((row[:a], None, probs[last_row].clone()))
+        return found
+
+    def _forward(self, inputs: list[StepInput]):
+        """(logits [sum(k_i + 1), vocab], hidden states or None, forward ms) for inputs that
+        all run a forward (no carried rows)."""
+        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=len(s.drafts) + 1)
+                  for s in inputs]
+        t0 = time.perf_counter()
+        hidden = None
+        if any(s.want_features for s in inputs):
+            logits, hidden = self.runner.forward(chunks, with_hidden=True)
+        else:
+            logits = self.runner.forward(chunks)
+        return logits, hidden, (time.perf_counter() - t0) * 1e3
 
     def _target_probs(self, inputs: list[StepInput]):
         """([sum(k_i + 1), vocab] probs: carried rows (if any) then each forward's rows;
@@ -121,3 +148,20 @@ class Executor:
             parts.append(probs[at:at + n])
             at += n
         return torch.cat(parts), hidden, forward_ms
+
+
+def _greedy_verify(inputs: list[StepInput], logits: torch.Tensor):
+    """Greedy rounds need only the target's argmax: accept drafts while they equal it, then
+    emit the argmax at the first mismatch (recovered) or after the last draft (bonus). The
+    same tokens the rejection sampler gives greedy rows, without probabilities over the
+    vocabulary."""
+    top = logits.argmax(dim=-1).tolist()  # [sum(k_i + 1)]
+    found, at = [], 0
+    for s in inputs:
+        row = top[at:at + len(s.drafts) + 1]
+        at += len(row)
+        a = 0
+        while a < len(s.drafts) and s.drafts[a].token_id == row[a]:
+            a += 1
+        found.append((row[:a], row[a], None))
+    return found
