@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # model cards record the command
     try:
         return args.func(args)
     except (ModelError, ValueError) as exc:

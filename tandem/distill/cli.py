@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -138,7 +139,8 @@ def _cmd_eagle(args) -> int:
                            checkpoint_min=args.checkpoint_minutes, seed=args.seed)
     job = EagleJob(target=args.target, out_dir=args.out,
                    data_dir=args.data_dir or args.out.with_name(args.out.name + ".data"),
-                   data=data, train=cfg, gen_minutes=args.gen_minutes, resume=args.resume)
+                   data=data, train=cfg, gen_minutes=args.gen_minutes, resume=args.resume,
+                   command=shlex.join(["tandem", *getattr(args, "argv", sys.argv[1:])]))
     print(run_eagle(job, log=lambda m: print(m, file=sys.stderr)))
     return 0
 

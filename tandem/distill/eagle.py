@@ -81,7 +81,7 @@ def build_vocab(seqs: list[FeatureSeq], size: int, target_vocab: int,
     for s in seqs:
         counts += torch.bincount(s.ids, minlength=target_vocab)
         counts += torch.bincount(s.topk_ids[:, 0], minlength=target_vocab)
-    order = [t for t in always if 0 <= t < target_vocab]
+    order = list(dict.fromkeys(t for t in always if 0 <= t < target_vocab))
     # Unseen tokens by id: a BPE vocabulary numbers its commonest merges first.
     order += [t for t in torch.argsort(-counts, stable=True).tolist() if t not in set(order)]
     return DraftVocab(tuple(order[:min(size, target_vocab)]), target_vocab, 0)
@@ -207,10 +207,12 @@ def card(target: ModelPaths, cfg: EagleTrainConfig, command: str, stats: dict) -
             "train": asdict(cfg), **stats}
 
 
-def lr_at(step: int, total: int, cfg: EagleTrainConfig) -> float:
+def lr_at(step: int, total: int, cfg: EagleTrainConfig, time_frac: float = 0.0) -> float:
+    """Warmup, then cosine to 10% over the steps or the time budget, whichever ends first
+    (so a run cut by its budget still ends on a low learning rate)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
+    frac = min(1.0, max((step - cfg.warmup) / max(1, total - cfg.warmup), time_frac))
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
@@ -225,19 +227,24 @@ def train(head: EagleTrainHead, train_seqs, val_seqs, cfg: EagleTrainConfig, ckp
     step, wall = 0, 0.0
     if resume and ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
+        # The vocabulary the weights were trained with, even if the data grew since.
+        head.vocab = DraftVocab(tuple(state["vocab"]), head.vocab.target_vocab_size, 0)
         head.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, wall = state["step"], state["wall"]
         log(f"eagle: resumed at step {step} ({wall / 60:.1f} min trained)")
     start, last_ckpt = time.perf_counter() - wall, time.perf_counter()
     epoch_batches: list = []
-    while step < total and time.perf_counter() - start < 60 * cfg.time_budget_min:
+    while step < total and (not cfg.time_budget_min
+                            or time.perf_counter() - start < 60 * cfg.time_budget_min):
         if not epoch_batches:
             epoch_batches = _batches(train_seqs, cfg.batch_tokens, random.Random(cfg.seed + step))
         idx = epoch_batches.pop()
         batch = _collate([train_seqs[i] for i in idx], head.vocab, head.input_map)
+        elapsed = time.perf_counter() - start
+        budget = 60 * cfg.time_budget_min
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, cfg)
+            g["lr"] = lr_at(step, total, cfg, elapsed / budget if budget else 0.0)
         losses = step_losses(head, batch, cfg.step2_weight)
         opt.zero_grad(set_to_none=True)
         _total(losses, cfg).backward()
@@ -260,5 +267,5 @@ def train(head: EagleTrainHead, train_seqs, val_seqs, cfg: EagleTrainConfig, ckp
 def _save(path: Path, head, opt, step: int, wall: float) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                "wall": wall}, tmp)
+                "wall": wall, "vocab": list(head.vocab.target_ids)}, tmp)
     tmp.rename(path)

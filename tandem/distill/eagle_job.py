@@ -36,6 +36,7 @@ class EagleJob:
     train: EagleTrainConfig
     gen_minutes: float = 0.0  # 0 = every prompt
     resume: bool = False
+    command: str = ""  # the command line, for the model card
 
     def __post_init__(self):
         if not self.data.features:
@@ -80,7 +81,7 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     stats = train(head, train_seqs, val, job.train, job.data_dir / "eagle_train_state.pt",
                   job.resume, log, progress)
     bar.close()
-    command = "tandem " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = job.command or shlex.join(["tandem", *sys.argv[1:]])
     data_stats = {"sequences": len(seqs), "positions": tokens,
                   "generated_tokens": sum(len(s.ids) - s.gen_start for s in seqs)}
     head.export(job.out_dir, read_hf_config(paths), card(

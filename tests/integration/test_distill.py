@@ -192,3 +192,35 @@ def test_chat_prompt_mix():
     assert len({p.text for p in prompts}) > 40
     with pytest.raises(ValueError, match="mix"):
         build_prompts(5, seed=0, mix="nope")
+
+
+def test_eagle_distill_generates_trains_resumes_and_serves(tmp_path, target_paths):
+    """`tandem distill --method eagle` on a tiny target: features recorded while generating,
+    a head trained and exported that the EagleProposer loads and drafts with; a second run
+    with --resume reuses the shards and continues the training state."""
+    from draft_service.proposers.eagle import EagleProposer
+    from tandem.distill.eagle import load_feature_seqs
+    from tandem.engine.eagle import EAGLE_CARD
+    from tandem.models import ModelPaths
+    from tandem.spec import DraftRequest
+
+    target = _tiny_target(tmp_path / "target", target_paths)
+    out, data = tmp_path / "head", tmp_path / "data"
+    argv = ["distill", "--method", "eagle", "--target", str(target), "--out", str(out),
+            "--data-dir", str(data), "--num-prompts", "8", "--gen-batch", "4",
+            "--max-new-tokens", "12", "--eagle-vocab", "512", "--epochs", "2",
+            "--batch-tokens", "256", "--time-budget", "0"]
+    assert main(argv) == 0
+    seqs = load_feature_seqs(data)
+    assert len(seqs) >= 4 and all(len(s.features) == len(s.ids) - 1 for s in seqs)
+    card = json.loads((out / EAGLE_CARD).read_text())
+    steps = card["progress"]["steps"]
+    assert steps >= 1 and "--method eagle" in card["command"]
+    head = EagleProposer.load(ModelPaths(out), 8 << 20)
+    req = DraftRequest("k", seqs[0].ids[:6].tolist(), 6, 1, features=seqs[0].features[:5].float())
+    (res,) = head.propose([req])
+    assert len(res.tokens) == 1 and 0 <= res.tokens[0].token_id < 49152
+    shards = {p: p.stat().st_mtime_ns for p in data.glob("shard-*.safetensors")}
+    assert main([*argv, "--resume", "--epochs", "4"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in data.glob("shard-*.safetensors")} == shards
+    assert json.loads((out / EAGLE_CARD).read_text())["progress"]["steps"] > steps
