@@ -103,6 +103,23 @@ def breakdown_md(s: dict) -> str:
                  ["tokens / round", "rounds"], rows)
 
 
+def breakdown_by_k_md(s: dict) -> str:
+    """Per method and k: the round's milliseconds and what they buy, ms per committed token."""
+    plain = {temp: 1e3 / row["all"] for (system, method, temp), row in s["throughput"].items()
+             if (system, method) == ("tandem", "none") and row["all"] > 0}
+    rows = []
+    for (method, temp), v in sorted(s["speculation"].items(), key=lambda kv: kv[0][1]):
+        for k, b in (v.get("breakdown_by_k") or {}).items():
+            per_tok = b["gap_ms"] / b["tokens_per_round"] if b["tokens_per_round"] else math.nan
+            rows.append([f"{method}, T={temp:g}", str(k), str(b["rounds"]), fmt(b["gap_ms"])] +
+                        [fmt(b[key]) for key, _ in BREAKDOWN_PARTS] +
+                        [fmt(b["tokens_per_round"], ".2f"), fmt(per_tok),
+                         fmt(per_tok / plain[temp], ".2f") if temp in plain else ""])
+    return table(["method", "k", "rounds", "round (ms)"] +
+                 [name for _, name in BREAKDOWN_PARTS] +
+                 ["tokens / round", "ms / token", "vs plain step"], rows)
+
+
 def concurrency_md(s: dict) -> str:
     rows = [[str(c["sessions"]), fmt(c["total_tps"]), fmt(c["itl_p50_ms"], ".0f"),
              fmt(c["itl_p99_ms"], ".0f"), fmt(c["ttft_p50_s"] * 1e3, ".0f"),
@@ -169,6 +186,8 @@ def render_markdown(result: dict, s: dict, img_prefix: str) -> str:
         f"![acceptance by position]({img_prefix}{PLOTS['acceptance']})", "",
         "## Where a round's time goes", "", breakdown_md(s), "",
         f"![round breakdown]({img_prefix}{PLOTS['breakdown']})", "",
+        "By k (drafts verified in the round): ms per committed token against a plain step's "
+        "(below 1.00 pays).", "", breakdown_by_k_md(s), "",
         "## Concurrency (draft_model, greedy)", "", concurrency_md(s), "",
         f"![concurrency]({img_prefix}{PLOTS['concurrency']})", "",
         "## Definitions", "", DEFINITIONS]

@@ -124,6 +124,21 @@ def round_breakdown(rounds: Iterable[RoundRow]) -> dict:
     return mean
 
 
+def breakdown_by_k(rounds: Iterable[RoundRow]) -> dict[int, dict]:
+    """round_breakdown per number of drafts verified (k), with tokens committed per round:
+    where each k's milliseconds go, against what it commits."""
+    by_k: dict[int, list] = {}
+    for r in rounds:
+        if r[6] is not None:
+            by_k.setdefault(int(r[0]), []).append(r)
+    out = {}
+    for k, rows in sorted(by_k.items()):
+        b = round_breakdown(rows)
+        b["tokens_per_round"] = sum(float(r[7]) for r in rows) / len(rows)
+        out[k] = b
+    return out
+
+
 def itl_samples(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:
     """Per-token inter-token latencies (s): the gap before a chunk is spread evenly over its
     tokens, so a round that commits 4 tokens at once counts as 4 short latencies."""

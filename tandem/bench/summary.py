@@ -10,6 +10,7 @@ from collections import defaultdict
 from tandem.bench.runner import SPEC_METHODS
 from tandem.bench.stats import (
     best_bound,
+    breakdown_by_k,
     leviathan_bound,
     ratio,
     round_breakdown,
@@ -103,6 +104,7 @@ def speculation_table(result: dict, table: dict) -> dict:
                 "spec_share": ratio(rs.get("spec_rounds", math.nan), rs.get("rounds", math.nan)),
                 "bound": bound, "best_k": best_k, "best_bound": best, "measured": measured,
                 "of_bound": ratio(measured, bound), "breakdown": round_breakdown(rows),
+                "breakdown_by_k": breakdown_by_k(rows),
                 "rounds_mean_accepted_length": rs.get("mean_accepted_length", math.nan)}
     return out
 

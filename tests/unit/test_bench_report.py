@@ -182,3 +182,14 @@ def test_quick_flags_build_the_quick_config():
     assert cfg.peer_temperatures == (0.0,) and cfg.concurrency == (1, 2)
     full = config_from_args(parser.parse_args(["bench"]))
     assert full.max_tokens == 128 and full.concurrency == (1, 2, 4, 8, 16)
+
+
+def test_breakdown_by_k_groups_rounds_and_counts_tokens():
+    from tandem.bench.stats import breakdown_by_k
+
+    rows = [(2, 2, True, 1.0, 40.0, 1.0, 50.0, 3), (2, 0, False, 1.0, 40.0, 1.0, 46.0, 1),
+            (0, 0, True, 0.0, 35.0, 0.5, 40.0, 1), (4, 4, True, 2.0, 45.0, 1.0, None, 5)]
+    by_k = breakdown_by_k(rows)
+    assert sorted(by_k) == [0, 2]  # the first round (no gap: the prefill) is left out
+    assert by_k[2]["rounds"] == 2 and by_k[2]["tokens_per_round"] == 2.0
+    assert by_k[2]["gap_ms"] == 48.0 and by_k[2]["other_ms"] == 48.0 - 42.0
