@@ -3,6 +3,7 @@ recording its features (resumable shards), train the head (checkpointed, `--resu
 it with a model card that holds the exact command and the held-out figures."""
 from __future__ import annotations
 
+import json
 import random
 import shlex
 import shutil
@@ -21,6 +22,7 @@ from tandem.distill.eagle import (
     make_head,
     train,
 )
+from tandem.engine.eagle import EAGLE_CARD
 from tandem.models import read_hf_config, resolve_model
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -84,9 +86,12 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     command = job.command or shlex.join(["tandem", *sys.argv[1:]])
     data_stats = {"sequences": len(seqs), "positions": tokens,
                   "generated_tokens": sum(len(s.ids) - s.gen_start for s in seqs)}
-    head.export(job.out_dir, read_hf_config(paths), card(
-        paths, job.train, command, {"data": {**asdict(job.data), **data_stats},
-                                    "progress": stats}))
+    extra = {"data": {**asdict(job.data), **data_stats}, "progress": stats}
+    old_card = job.out_dir / EAGLE_CARD
+    if job.resume and old_card.exists():  # every command that trained these weights
+        old = json.loads(old_card.read_text())
+        extra["earlier_commands"] = [*old.get("earlier_commands", []), old.get("command", "?")]
+    head.export(job.out_dir, read_hf_config(paths), card(paths, job.train, command, extra))
     for name in _TOKENIZER_FILES:
         if (paths.root / name).exists():
             shutil.copy(paths.root / name, job.out_dir / name)
