@@ -94,12 +94,24 @@ def reference(target_model, tokenizer):
     return prompts, outs
 
 
-def run_engine(target_model, tokenizer, reference, sampling=GREEDY, **link_kw):
+class PinnedCost(CostModel):
+    """Round costs fixed so that k = 3 pays best (the scripted draft runs 4 ahead, so a
+    fourth draft is waiting): k does not follow the host's load."""
+
+    def __init__(self):
+        super().__init__({1: 40.0, 2: 42.0, 3: 44.0, 4: 46.0, 5: 1000.0})
+
+    def observe(self, num_tokens, elapsed_ms):
+        pass
+
+
+def run_engine(target_model, tokenizer, reference, sampling=GREEDY, cost=None, **link_kw):
     prompts, outs = reference
 
     async def main():
         runner = ModelRunner(target_model, 128, 16)
-        sched = Scheduler(BlockManager(128, 16), SchedulerConfig(max_spec_tokens=4), CostModel())
+        sched = Scheduler(BlockManager(128, 16), SchedulerConfig(max_spec_tokens=4),
+                          cost or CostModel())
         engine = Engine(Executor(runner), sched, EngineConfig(max_draft_wait_ms=50),
                         target_model.cfg.vocab_size)
         link = ScriptedLink(engine, {f"s{i}": (len(p), o) for i, (p, o) in
@@ -152,7 +164,8 @@ def test_draft_link_breaking_fails_open(target_model, tokenizer, reference):
 def test_stochastic_sessions_carry_the_bonus_row(target_model, tokenizer, reference):
     """Sampling sessions whose next draft is waiting skip the bonus and keep run-ahead."""
     results, engine, rounds = run_engine(target_model, tokenizer, reference,
-                                         sampling=SamplingParams(temperature=0.3))
+                                         sampling=SamplingParams(temperature=0.3),
+                                         cost=PinnedCost())
     assert all(len(t) == N_NEW or last.finish_reason == "stop" for t, last in results)
     carried = [r for r in rounds if r.drafted and not r.bonus
                and r.accepted == r.drafted]
