@@ -329,13 +329,14 @@ def test_chat_uses_the_template_and_passes_the_draft_worker(redis_proc, tokenize
     (req,) = fake.requests
     assert list(req.prompt_token_ids) == list(expected_prompt)
     assert body["usage"]["prompt_tokens"] == len(expected_prompt)
-    assert req.speculation.method == common_pb2.SPECULATION_METHOD_DRAFT_MODEL
+    # The default: the first of the measured preference (ngram first) that the draft serves.
+    assert req.speculation.method == common_pb2.SPECULATION_METHOD_NGRAM
     assert req.speculation.draft_address == "127.0.0.1:9"
     assert req.speculation.num_speculative_tokens == 5
     assert list(req.stopping.stop_token_ids) == [EOS, 7]
     assert req.stopping.max_new_tokens == 64
     assert req.sampling.temperature == pytest.approx(1.0)  # OpenAI's default
-    assert body["speculation"]["method"] == "draft_model"
+    assert body["speculation"]["method"] == "ngram"
     record = asyncio.run(_session(redis_proc, prefix, body["id"]))
     assert (record.status, record.finish_reason, record.model) == ("finished", "stop", MODEL)
     assert list(record.prompt_token_ids) == list(expected_prompt)

@@ -169,8 +169,7 @@ def test_bad_input_gets_400_and_services_keep_serving(cluster, plain):
 def _kill_during_streams(cluster, plain, victim, n_streams):
     jobs = [(PROMPTS[i % 3], plain[i % 3]) for i in range(n_streams)]
     with cf.ThreadPoolExecutor(n_streams) as pool:
-        # The gateway's default method: eagle, served by every draft worker here.
-        futures = [pool.submit(chat, cluster, p, True) for p, _ in jobs]
+        futures = [pool.submit(chat, cluster, p, True, **spec("eagle")) for p, _ in jobs]
         time.sleep(1.5)  # streams are under way
         proc = dict(cluster.procs)[victim]
         os.kill(proc.pid, signal.SIGKILL)
