@@ -22,11 +22,9 @@ from tandem.distill.eagle import (
     make_head,
     train,
 )
+from tandem.distill.pipeline import _TOKENIZER_FILES
 from tandem.engine.eagle import EAGLE_CARD
 from tandem.models import read_hf_config, resolve_model
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja", "generation_config.json")
 
 
 @dataclass(frozen=True)
