@@ -65,7 +65,9 @@ class Executor:
         t0 = time.perf_counter()
         if all(s.sampling.is_greedy and s.sample_bonus and s.carried is None and s.token_ids
                for s in inputs):
-            logits, hidden, forward_ms = self._forward(inputs)
+            logits, hidden, forward_ms = self._forward(
+                [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=len(s.drafts) + 1)
+                 for s in inputs], any(s.want_features for s in inputs))
             found = _greedy_verify(inputs, logits)
         else:
             probs, hidden, forward_ms = self._target_probs(inputs)
@@ -100,14 +102,12 @@ class Executor:
                 found.append((row[:a], None, probs[last_row].clone()))
         return found
 
-    def _forward(self, inputs: list[StepInput]):
-        """(logits [sum(k_i + 1), vocab], hidden states or None, forward ms) for inputs that
-        all run a forward (no carried rows)."""
-        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=len(s.drafts) + 1)
-                  for s in inputs]
+    def _forward(self, chunks: list[SeqChunk], with_hidden: bool):
+        """(logits [sum(num_logits), vocab], hidden states [sum(len(token_ids)), hidden] or
+        None, forward ms)."""
         t0 = time.perf_counter()
         hidden = None
-        if any(s.want_features for s in inputs):
+        if with_hidden:
             logits, hidden = self.runner.forward(chunks, with_hidden=True)
         else:
             logits = self.runner.forward(chunks)
@@ -122,13 +122,8 @@ class Executor:
                   for s, n in zip(inputs, rows) if s.token_ids]
         if not chunks:  # carried sessions whose drafts vanished: no forward needed
             return torch.stack([s.carried for s in inputs]), None, 0.0
-        t0 = time.perf_counter()
-        hidden = None
-        if any(s.want_features for s in inputs):
-            logits, hidden = self.runner.forward(chunks, with_hidden=True)
-        else:
-            logits = self.runner.forward(chunks)  # [sum(rows), vocab]
-        forward_ms = (time.perf_counter() - t0) * 1e3
+        logits, hidden, forward_ms = self._forward(  # logits [sum(rows), vocab]
+            chunks, any(s.want_features for s in inputs))
 
         def per_row(values, dtype):
             return torch.tensor([v for v, n in zip(values, rows) for _ in range(n)], dtype=dtype)
