@@ -88,14 +88,16 @@ class DraftSide:
                        trace_context=p.trace_context, features=seq.all_features()))
 
     def commit(self, seq: Sequence, start: int, tokens: list[int],
-               features: Features | None = None) -> None:
+               features: Features | None = None, run_ahead: int = 0) -> None:
         """Tell the draft what was committed from `start` (re-attach if it has no stream),
-        with the target's hidden states of the positions made final (EAGLE sessions)."""
+        with the target's hidden states of the positions made final (EAGLE sessions) and how
+        many drafts the next round can use (run_ahead; 0 leaves the worker's limit as is)."""
         link = self.links.get(seq.seq_id)
         if link is None:
             self.attach(seq)
         else:
-            link.send(Commit(seq.seq_id, seq.epoch, start, tokens, features=features))
+            link.send(Commit(seq.seq_id, seq.epoch, start, tokens,
+                             min(run_ahead, self.max_run_ahead), features))
 
     def release(self, seq: Sequence) -> None:
         link = self.links.pop(seq.seq_id, None)

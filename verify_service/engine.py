@@ -223,7 +223,14 @@ class Engine:
             self.scheduler.finish(seq)
             self._release(seq)
         else:
-            self.drafts.commit(seq, start, new, outcome.features)
+            self.drafts.commit(seq, start, new, outcome.features, self._run_ahead(seq))
+
+    def _run_ahead(self, seq: Sequence) -> int:
+        """Drafts worth having ready for the session's next round: its k, plus one that may
+        match the bonus token. Drafting more only burns the draft worker's time (on a shared
+        host, the verifier's too); never 0, so the probe rounds of a session whose speculation
+        is off still find a draft."""
+        return max(1, self.scheduler.desired_k(seq) + 1)
 
     def _release(self, seq: Sequence) -> None:
         self.drafts.release(seq)

@@ -28,6 +28,7 @@ class ScriptedLink:
         self.engine, self.script, self.alive = engine, script, True
         self.wrong_every, self.break_after, self.garbage = wrong_every, break_after, garbage
         self.address, self.sent, self.state = "scripted", 0, {}
+        self.run_aheads = []  # max_run_ahead of every commit
 
     def send(self, msg):
         if isinstance(msg, Open):
@@ -35,6 +36,7 @@ class ScriptedLink:
         elif not isinstance(msg, Close):
             st = self.state[msg.session_id]
             st[0] = msg.start_position + len(msg.token_ids)
+            self.run_aheads.append(msg.max_run_ahead)
             if msg.epoch != st[1]:
                 st[1], st[2] = msg.epoch, st[0]
         else:
@@ -98,8 +100,8 @@ class PinnedCost(CostModel):
     """Round costs fixed so that k = 3 pays best (the scripted draft runs 4 ahead, so a
     fourth draft is waiting): k does not follow the host's load."""
 
-    def __init__(self):
-        super().__init__({1: 40.0, 2: 42.0, 3: 44.0, 4: 46.0, 5: 1000.0})
+    def __init__(self, ms=None):
+        super().__init__(ms or {1: 40.0, 2: 42.0, 3: 44.0, 4: 46.0, 5: 1000.0})
 
     def observe(self, num_tokens, elapsed_ms):
         pass
@@ -159,6 +161,20 @@ def test_draft_link_breaking_fails_open(target_model, tokenizer, reference):
     results, engine, _ = run_engine(target_model, tokenizer, reference, break_after=5)
     assert [t for t, _ in results] == reference[1]
     assert not engine.drafts.links  # nothing still attached to the dead link
+
+
+def test_commits_ask_for_as_many_drafts_as_the_next_round_uses(target_model, tokenizer,
+                                                               reference):
+    """Run-ahead follows the chosen k: k + 1 drafts while they pay (k = 3 at the pinned
+    costs), one (for the occasional probe) once every draft is rejected and k falls to 0
+    (at costs where a draft must be accepted half the time to pay)."""
+    _, engine, _ = run_engine(target_model, tokenizer, reference, cost=PinnedCost())
+    good = engine.drafts.pool.link.run_aheads
+    assert good and good.count(4) > len(good) // 2 and max(good) == 4
+    steep = PinnedCost({1: 40.0, 2: 60.0, 3: 80.0, 4: 100.0, 5: 1000.0})
+    _, engine, _ = run_engine(target_model, tokenizer, reference, cost=steep, wrong_every=1)
+    bad = engine.drafts.pool.link.run_aheads
+    assert bad and bad.count(1) > len(bad) // 2 and min(bad) == 1
 
 
 def test_stochastic_sessions_carry_the_bonus_row(target_model, tokenizer, reference):
