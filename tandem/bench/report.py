@@ -86,27 +86,45 @@ def acceptance_md(s: dict) -> str:
 
 
 def breakdown_md(s: dict) -> str:
+    """Per method: the verifier's round, split; then ms per committed token in those direct
+    rounds against ms per token through the gateway, whose difference is the gateway hop
+    (HTTP, SSE, detokenization, the gateway's own scheduling) per token."""
     rows = []
+    gw = {(method, temp): 1e3 / row["all"] for (system, method, temp), row
+          in s["throughput"].items() if system == "tandem" and row["all"] > 0}
     for (method, temp), v in sorted(s["speculation"].items(), key=lambda kv: kv[0][1]):
         b = v["breakdown"]
         if not b:
             continue
+        tpr = v["rounds_mean_accepted_length"]
+        direct = b["gap_ms"] / tpr if tpr else math.nan
+        via = gw.get((method, temp), math.nan)
         rows.append([f"{method}, T={temp:g}", fmt(b["gap_ms"])] +
                     [fmt(b[key]) for key, _ in BREAKDOWN_PARTS] +
-                    [fmt(v["rounds_mean_accepted_length"], ".2f"), str(b["rounds"])])
-    for (system, method, temp), row in sorted(s["throughput"].items(), key=lambda kv: kv[0][2]):
-        if (system, method) == ("tandem", "none") and row["all"] > 0:
-            # the reference a speculative round must beat: one plain step per token
-            rows.append([f"plain step (none), T={temp:g}", fmt(1e3 / row["all"])] +
-                        ["", "", "", ""] + ["1.00", "from tokens/s"])
+                    [fmt(tpr, ".2f"), str(b["rounds"]), fmt(direct), fmt(via), fmt(via - direct)])
+    for temp, b in sorted((s.get("plain_rounds") or {}).items()):
+        if b:  # the reference a speculative round must beat: one plain step per token
+            via = gw.get(("none", temp), math.nan)
+            rows.append([f"plain (none), T={temp:g}", fmt(b["gap_ms"])] +
+                        [fmt(b[key]) for key, _ in BREAKDOWN_PARTS] +
+                        ["1.00", str(b["rounds"]), fmt(b["gap_ms"]), fmt(via),
+                         fmt(via - b["gap_ms"])])
+    if not s.get("plain_rounds"):  # results from before plain ran on the verifier directly
+        for (method, temp), via in sorted(gw.items(), key=lambda kv: kv[0][1]):
+            if method == "none":
+                rows.append([f"plain step (none), T={temp:g}", fmt(via), "", "", "", "",
+                             "1.00", "from tokens/s", "", fmt(via), ""])
     return table(["method", "round (ms)"] + [name for _, name in BREAKDOWN_PARTS] +
-                 ["tokens / round", "rounds"], rows)
+                 ["tokens / round", "rounds", "ms / token, rounds", "ms / token, gateway",
+                  "gateway hop"], rows)
 
 
 def breakdown_by_k_md(s: dict) -> str:
     """Per method and k: the round's milliseconds and what they buy, ms per committed token."""
     plain = {temp: 1e3 / row["all"] for (system, method, temp), row in s["throughput"].items()
              if (system, method) == ("tandem", "none") and row["all"] > 0}
+    # Prefer the plain step measured the same way, straight on the verifier.
+    plain.update({t: b["gap_ms"] for t, b in (s.get("plain_rounds") or {}).items() if b})
     rows = []
     for (method, temp), v in sorted(s["speculation"].items(), key=lambda kv: kv[0][1]):
         for k, b in (v.get("breakdown_by_k") or {}).items():
@@ -208,6 +226,10 @@ DEFINITIONS = """\
 - *Leviathan S* = (1 − a^(k+1)) / ((1 − a)(k·c + 1)) at the measured a, the mean k the
   verifier chose and c = draft / target 1-token forward time (0 for n-gram lookup); *best S*
   at the best k <= the cap. *of S* = measured speedup / S.
+- *Gateway hop*: ms per token through the gateway (from tokens/s) minus ms per token of the
+  direct rounds (round time / tokens per round): what HTTP, SSE, detokenization and the
+  gateway's scheduling add per token (the two phases run one after the other, so host noise
+  shows here too).
 - *Round breakdown*: from the verifier's `GenerateResponse.round` (draft_wait_ms, verify_ms,
   rejection_ms), streamed straight from its gRPC `Generate`; the rest of the client-observed
   gap between two rounds is network, serialization and scheduling. The first round (prefill)

@@ -26,6 +26,8 @@ from tandem.spec.methods import API_NAMES, Method
 PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
 TANDEM_METHODS = API_NAMES  # none, draft_model, ngram: every method the API names
 SPEC_METHODS = tuple(m for m in API_NAMES if m != Method.NONE.api_name)  # those that draft
+# Direct verifier runs: plain too, so the gateway hop of plain decoding is measured as well.
+ROUND_METHODS = (Method.NONE.api_name, *SPEC_METHODS)
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,7 @@ def run_rounds(ctx: _Ctx, verifier: str, draft: str) -> None:
     cfg = ctx.cfg
     for p in ctx.prompts:
         for temp in cfg.round_temperatures:
-            for method in SPEC_METHODS:
+            for method in ROUND_METHODS:
                 ctx.bar.set_description(f"verifier rounds {method} T={temp} {p['id']}")
                 out = verifier_rounds(verifier, ctx.ids[p["id"]], cfg.max_tokens, temp,
                                       method, cfg.k, cfg.seed, draft)
@@ -256,7 +258,7 @@ def _phase(ctx: _Ctx, name: str, fn, *args) -> None:
 def _jobs(cfg: BenchConfig, n_prompts: int) -> int:
     peers = n_prompts * len(cfg.peer_temperatures) * 3 if cfg.peers else 0
     return (peers + n_prompts * len(cfg.temperatures) * len(TANDEM_METHODS)
-            + n_prompts * len(cfg.round_temperatures) * len(SPEC_METHODS)
+            + n_prompts * len(cfg.round_temperatures) * len(ROUND_METHODS)
             + len(cfg.concurrency))
 
 

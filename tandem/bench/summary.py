@@ -109,6 +109,15 @@ def speculation_table(result: dict, table: dict) -> dict:
     return out
 
 
+def plain_rounds(result: dict) -> dict:
+    """Per temperature: the direct verifier rounds of plain decoding (method none)."""
+    by_temp: dict[float, list] = {}
+    for r in result["rounds"]:
+        if r["method"] == Method.NONE.api_name:
+            by_temp.setdefault(r["temperature"], []).extend(r["rounds"])
+    return {temp: round_breakdown(rows) for temp, rows in by_temp.items()}
+
+
 def acceptance_by_category(runs: list[dict]) -> dict:
     """{(method, temperature): {category: accepted / drafted}} from the gateway's totals."""
     out: dict = {}
@@ -170,5 +179,6 @@ def summarize(result: dict) -> dict:
     spec = speculation_table(result, table)
     return {"throughput": table, "speedup": speedups(table), "speculation": spec,
             "acceptance_by_category": acceptance_by_category(result["runs"]),
+            "plain_rounds": plain_rounds(result),
             "concurrency": result["concurrency"],
             "targets": targets(table, spec, result["concurrency"])}

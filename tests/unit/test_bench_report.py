@@ -104,6 +104,8 @@ def synthetic_result() -> dict:
     rounds = [{"system": "tandem-grpc", "method": m, "temperature": 0.0, "prompt_id": "chat-1",
                "category": "chat", "grounded": False, "tokens": 12, "decode_tps": 30.0,
                "ttft_s": 0.2, "rounds": ROUNDS} for m in ("draft_model", "ngram")]
+    plain = [(0, 0, True, 0.0, 150.0, 1.0, None, 1)] + [(0, 0, True, 0.0, 55.0, 1.0, 60.0, 1)] * 4
+    rounds.append({**rounds[0], "method": "none", "rounds": plain})
     conc = [{"sessions": n, "tokens": 64 * n, "wall_s": 4.0, "total_tps": 16.0 * min(n, 5),
              "itl_p50_ms": 60.0 + n, "itl_p99_ms": 120.0 + n, "ttft_p50_s": 0.2,
              "ttft_p99_s": 0.4, "session_decode_tps": [16.0] * n} for n in (1, 4, 16)]
@@ -143,6 +145,19 @@ def test_table_and_markdown_render():
     assert "| Tandem draft_model, T=0 |" in md and "**32.0**" in md
     assert "![concurrency](img/bench-concurrency.png)" in md
     assert "**missed**" in md and "| met |" in md
+
+
+def test_breakdown_explains_the_gateway_hop_per_token():
+    result = synthetic_result()
+    s = summarize(result)
+    assert s["plain_rounds"][0.0]["gap_ms"] == pytest.approx(60.0)
+    md = render_markdown(result, s, "img/")
+    # plain: 60 ms per round direct, 1000 / 16 = 62.5 ms per token through the gateway
+    assert "| plain (none), T=0 | 60.0 | 0.0 | 55.0 | 1.0 | 4.0 | 1.00 | 4 | 60.0 | 62.5 | 2.5 |" \
+        in md
+    # draft_model: 70 ms rounds / 2.2 tokens direct, 1000 / 32 through the gateway
+    row = [ln for ln in md.splitlines() if ln.startswith("| draft_model, T=0 | 70.0")][0]
+    assert row.endswith(f"| {70 / 2.2:.1f} | 31.2 | {31.25 - 70 / 2.2:.1f} |")
 
 
 def test_write_outputs_writes_json_markdown_and_pngs(tmp_path):
