@@ -27,6 +27,7 @@ _FLAGS = (
     ("block_size", int, "KV cache block size in tokens"),
     ("max_ngram_size", int, "default longest suffix matched by n-gram lookup"),
     ("max_context_length", int, "longest sequence, 0 = the draft model's limit"),
+    ("eagle_vocab", int, "draft from the EAGLE head's commonest N tokens only, 0 = all"),
     ("dtype", str, "draft model weight dtype: " + ", ".join(DTYPES)),
     ("drain_grace_s", float, "on SIGTERM, keep streams drafting this long before ending them"),
 )

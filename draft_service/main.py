@@ -86,7 +86,7 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
         proposers[Method.DRAFT_MODEL] = model
     if config.eagle is not None:
         eagle = EagleProposer.load(ModelPaths(Path(config.eagle)), config.kv_cache_mb << 20,
-                                   config.block_size)
+                                   config.block_size, config.eagle_vocab)
         _check_eagle_tokens(eagle, model)
         proposers[Method.EAGLE] = eagle
     proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_run_ahead_cap)

@@ -60,8 +60,9 @@ class EagleProposer:
         self._state: dict[Hashable, _HeadState] = {}
 
     @classmethod
-    def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16) -> EagleProposer:
-        head = EagleHead.load(paths)
+    def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16,
+             draft_vocab: int = 0) -> EagleProposer:
+        head = EagleHead.load(paths, draft_vocab=draft_vocab)
         cfg = head.cfg
         per_block = 2 * cfg.num_kv_heads * cfg.head_dim * block_size * 4
         return cls(head, max(1, kv_cache_bytes // per_block), block_size)

@@ -152,6 +152,7 @@ def _forward_ms(model, reps: int, prefix: int = 128) -> float:
 def measure_eagle_c(head_dir: str, target: str, reps: int = 40) -> dict:
     """c for the EAGLE head: one drafting step of the real proposer (one new entry, its LM
     head and sampling) against the target's batch-1 1-token forward, interleaved, 1 thread."""
+    from draft_service.config import DraftConfig
     from draft_service.proposers.eagle import EagleProposer
     from tandem.distill.acceptance import forward_cost_ms
     from tandem.engine.llama import LlamaModel
@@ -161,7 +162,8 @@ def measure_eagle_c(head_dir: str, target: str, reps: int = 40) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prop = EagleProposer.load(ModelPaths(Path(head_dir)), 64 << 20)
+        prop = EagleProposer.load(ModelPaths(Path(head_dir)), 64 << 20,
+                                  draft_vocab=DraftConfig.eagle_vocab)  # as a worker serves it
         tm = LlamaModel.load(resolve_model(target))
         feats = torch.randn(128 + 4 * reps, prop.feature_size)
         tokens = [(7 * j) % 1000 + 100 for j in range(128)]

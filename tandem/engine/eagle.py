@@ -53,14 +53,23 @@ class EagleHead:
         return self.model.cfg  # vocab_size is the target's
 
     @classmethod
-    def load(cls, paths: ModelPaths, dtype=torch.float32) -> EagleHead:
+    def load(cls, paths: ModelPaths, dtype=torch.float32, draft_vocab: int = 0) -> EagleHead:
+        """draft_vocab > 0 drafts from only the first that many rows of the head's vocabulary
+        (the commonest tokens: draft_vocab.json is ordered by frequency in the training data).
+        The LM head is most of a draft step's time; inputs still embed every token."""
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
         head = cls(cfg, _load_tensors(paths), DraftVocab.read(paths.root), dtype)
         try:
             head.card = json.loads((paths.root / EAGLE_CARD).read_text())
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot read {paths.root / EAGLE_CARD}: {exc}") from exc
-        head.model.tune_kernels()
+        if draft_vocab < 0:
+            raise ModelError(f"draft_vocab must be >= 0 (0 = all rows), got {draft_vocab}")
+        m = head.model
+        if draft_vocab and m.vocab_map is not None and draft_vocab < len(m.vocab_map):
+            m.lm_head = m.lm_head[:draft_vocab]  # a view of leading rows: still contiguous
+            m.vocab_map = m.vocab_map[:draft_vocab]
+        m.tune_kernels()
         return head
 
     def forward(

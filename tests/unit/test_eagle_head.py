@@ -77,3 +77,22 @@ def test_a_head_without_fc_is_refused(tmp_path):
         EagleHead.load(ModelPaths(tmp_path))
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1
+
+
+def test_a_smaller_draft_vocabulary_keeps_the_leading_rows_only(tmp_path):
+    """draft_vocab=N drafts from the vocabulary's first N rows: same logits there, -inf (q = 0,
+    still lossless) for the rest; inputs outside them still embed as before."""
+    _, full = _trained(tmp_path)
+    small = EagleHead.load(ModelPaths(tmp_path), draft_vocab=40)
+    ids, feats = [3, 150, 297, 6], torch.randn(4, 64)  # 150 and 297: kept rows 50 and 99
+    kv = lambda: [(torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16))]  # noqa: E731
+    want, want_pred = _serve(full, ids, feats, 0, kv(), [0])
+    got, got_pred = _serve(small, ids, feats, 0, kv(), [0])
+    torch.testing.assert_close(got_pred, want_pred)
+    lead = torch.tensor(range(0, 120, 3))  # target ids of the first 40 rows
+    torch.testing.assert_close(got[:, lead], want[:, lead])
+    rest = torch.ones(300, dtype=torch.bool)
+    rest[lead] = False
+    assert torch.isinf(got[:, rest]).all() and torch.isfinite(want[:, 150]).all()
+    with pytest.raises(ModelError, match="draft_vocab"):
+        EagleHead.load(ModelPaths(tmp_path), draft_vocab=-1)
