@@ -87,7 +87,9 @@ def logits_to_probs(
     _check_sampling_inputs(logits, temperature, top_k, top_p)
     logits = logits.float()
     temperature = temperature.to(device=logits.device, dtype=torch.float32)
-    greedy = temperature == 0
+    # Tiny temperatures are greedy (tandem.sampling_params.MIN_TEMPERATURE): dividing by a
+    # subnormal overflows to inf and the softmax to NaN.
+    greedy = temperature < 1e-5
     # Divide greedy rows by 1 instead of 0; their row is replaced by a one-hot below.
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     scaled = _apply_top_k_top_p(

@@ -6,6 +6,12 @@ import math
 from dataclasses import dataclass
 
 _MAX_SEED = 2**63  # exclusive; seeds travel as int64 on the wire
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
+# inf and the row's softmax turns NaN. kernels.sampling applies the same threshold.
+MIN_TEMPERATURE = 1e-5
+# Above this the distribution is uniform to float32 precision anyway, and a larger value (1e300)
+# would become inf in a float32 tensor, which the sampling kernels refuse for the whole batch.
+MAX_TEMPERATURE = 1e4
 
 
 def _is_int(x: object) -> bool:
@@ -21,7 +27,8 @@ def _is_real(x: object) -> bool:
 class SamplingParams:
     """How one request turns target logits into tokens.
 
-    temperature == 0 means greedy (argmax); top_k == 0 and top_p == 1 switch those filters off.
+    temperature == 0 means greedy (argmax), and so does any temperature below MIN_TEMPERATURE
+    (stored as 0); top_k == 0 and top_p == 1 switch those filters off.
     A seed makes the request's tokens reproducible whatever else shares its batch.
     """
 
@@ -32,14 +39,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
-        if not (_is_real(t) and math.isfinite(t) and t >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not (_is_real(t) and math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
+                             f"got {t!r}")
         if not (_is_int(k) and k >= 0):
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {k!r}")
         if not (_is_real(p) and 0.0 < p <= 1.0):  # the comparison also rejects NaN
             raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {p!r}")
         if seed is not None and not (_is_int(seed) and 0 <= seed < _MAX_SEED):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r}")
+        if t < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # frozen: normalise once, here
 
     @property
     def is_greedy(self) -> bool:

@@ -127,17 +127,40 @@ class Engine:
             return
         inputs = [self._step_input(s) for s in sched.scheduled]
         try:  # 3. execute: one target forward over the flattened batch, then rejection
-            outcomes, timings = await asyncio.get_running_loop().run_in_executor(
-                self._thread, self.executor.execute, inputs)
-        except Exception:  # a bug in one step must not kill the server: fail the batch
-            log.exception("verification step failed")
-            for s in sched.scheduled:
+            outcomes, timings = await self._execute(inputs)
+        except Exception:  # one session's bad row (or a bug) must not cost the others
+            log.exception("verification step failed; retrying its sessions one by one")
+            outcomes, timings = await self._execute_isolated(sched.scheduled, inputs)
+        else:
+            self._observe_cost(sched.scheduled, wait_ms, timings)
+        for s, outcome in zip(sched.scheduled, outcomes):  # 4. apply: commit, stream, tell
+            if outcome is not None:
+                self._apply(s, outcome, wait_ms, timings)
+
+    async def _execute(self, inputs: list[StepInput]):
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, self.executor.execute, inputs)
+
+    async def _execute_isolated(self, scheduled: list[ScheduledSeq], inputs: list[StepInput]
+                                ) -> tuple[list[RoundOutcome | None], StepTimings]:
+        """Each session of a failed step alone: the ones that fail again are aborted, the rest
+        go on. Safe to repeat: a retry writes the same KV slots, and seeded draws are keyed
+        by position."""
+        outcomes: list[RoundOutcome | None] = []
+        total = StepTimings(0.0, 0.0)
+        for s, one in zip(scheduled, inputs):
+            try:
+                (outcome,), t = await self._execute([one])
+            except Exception:
+                log.exception("session %s failed its verification step; aborting it",
+                              s.seq.seq_id)
                 self.scheduler.finish(s.seq, "abort")
                 self._release(s.seq)
-            return
-        self._observe_cost(sched.scheduled, wait_ms, timings)
-        for s, outcome in zip(sched.scheduled, outcomes):  # 4. apply: commit, stream, tell
-            self._apply(s, outcome, wait_ms, timings)
+                outcome, t = None, StepTimings(0.0, 0.0)
+            outcomes.append(outcome)
+            total = StepTimings(total.forward_ms + t.forward_ms,
+                                total.rejection_ms + t.rejection_ms)
+        return outcomes, total
 
     async def _wait_for_drafts(self) -> float:
         """Wait (bounded) until speculating sessions have the drafts they could use."""

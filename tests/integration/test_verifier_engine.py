@@ -253,3 +253,44 @@ def test_carried_distribution_verifies_the_waiting_draft_losslessly(target_model
     assert out.accepted == [ids[0]] and out.next_token is None
     expected = torch.softmax(runner.forward([SeqChunk([ids[0]], L, [0])])[0], -1)
     torch.testing.assert_close(out.carry, expected, atol=1e-5, rtol=1e-4)
+
+
+class PoisonExecutor(Executor):
+    """Fails any step holding the poison token, as a NaN row would fail the sampler."""
+
+    POISON = 49151
+
+    def execute(self, inputs):
+        if any(self.POISON in i.token_ids for i in inputs):
+            raise ValueError("logits contain NaN or +inf")
+        return super().execute(inputs)
+
+
+def test_a_failing_session_is_aborted_alone(target_model, tokenizer, reference):
+    """A step that fails is retried session by session: only the bad one is aborted; the
+    other, batched with it, still gets exactly the plain greedy text."""
+    prompts, outs = reference
+
+    async def main():
+        sched = Scheduler(BlockManager(128, 16), SchedulerConfig(), CostModel())
+        engine = Engine(PoisonExecutor(ModelRunner(target_model, 128, 16)), sched,
+                        EngineConfig(), target_model.cfg.vocab_size)
+        loop_task = asyncio.create_task(engine.run())
+        queues = [engine.submit(GenerateParams(
+            session_id=sid, prompt=tuple(p), committed=(), sampling=GREEDY,
+            max_new_tokens=N_NEW, stop_token_ids=frozenset({tokenizer.eos_token_id}),
+            method=Method.NONE)) for sid, p in
+            (("good", prompts[0]), ("bad", [*prompts[1], PoisonExecutor.POISON]))]
+        got = []
+        for q in queues:
+            tokens, last = [], None
+            while last is None or last.finish_reason is None:
+                last = await asyncio.wait_for(q.get(), 60)
+                tokens += last.token_ids
+            got.append((tokens, last.finish_reason))
+        loop_task.cancel()
+        return got, engine
+
+    (good, good_reason), (bad, bad_reason), = asyncio.run(main())[0]
+    assert good == outs[0] and good_reason in ("length", "stop")
+    assert bad == [] and bad_reason == "abort"

@@ -50,6 +50,19 @@ def test_greedy_rows_are_one_hot_argmax_and_other_rows_untouched():
     assert (probs[1] > 0).sum() <= 5 and probs[1].sum().item() == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6, 3e38])
+def test_degenerate_temperatures_give_a_valid_distribution(temperature):
+    """A subnormal temperature used to overflow logits / T to inf and NaN the row; tiny ones
+    are greedy now, huge ones flatten the row to uniform."""
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(2)) * 20
+    probs = logits_to_probs(logits, torch.tensor([temperature, 0.0]), *_params(2)[1:])
+    assert torch.isfinite(probs).all() and probs.sum(-1).tolist() == pytest.approx([1, 1])
+    if temperature < 1e-5:
+        assert probs[0].argmax() == logits[0].argmax() and probs[0].max() == 1.0
+    else:
+        torch.testing.assert_close(probs[0], torch.full((30,), 1 / 30), atol=1e-4, rtol=0)
+
+
 def test_top_k_keeps_exactly_k_largest_even_with_ties():
     logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, 2.0], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
     probs = logits_to_probs(logits, *_params(2, top_k=2))
@@ -206,6 +219,9 @@ def test_sampling_params_defaults_and_greedy():
     assert (params.temperature, params.top_k, params.top_p, params.seed) == (1.0, 0, 1.0, None)
     assert not params.is_greedy
     assert SamplingParams(temperature=0).is_greedy
+    tiny = SamplingParams(temperature=5e-324)  # subnormal: greedy, stored as 0
+    assert tiny.is_greedy and tiny.temperature == 0.0
+    assert not SamplingParams(temperature=1e-5).is_greedy
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
     with pytest.raises(AttributeError):
         params.temperature = 0.5  # frozen
@@ -216,6 +232,7 @@ def test_sampling_params_defaults_and_greedy():
     [
         ({"temperature": -0.1}, "temperature .* got -0.1"),
         ({"temperature": float("inf")}, "temperature .* got inf"),
+        ({"temperature": 1e300}, r"temperature .* \[0, 10000\], got 1e\+300"),
         ({"temperature": float("nan")}, "temperature .* got nan"),
         ({"temperature": "hot"}, "temperature .* got 'hot'"),
         ({"top_k": -1}, "top_k .* got -1"),
