@@ -180,7 +180,8 @@ async def run_session(plan: GenerationPlan, deps: GenerationDeps,
         reason = "stop" if text.stopped else (runner.finish_reason or "length")
         done = True
         await _safe("finish", store.finish(sid, status="finished", finish_reason=reason))
-        yield Finished(reason, len(runner.committed), runner.stats())
+        used = text.num_tokens if text.stopped else len(runner.committed)
+        yield Finished(reason, used, runner.stats())
     except APIError as exc:
         done = True
         await _safe("finish", store.finish(sid, status="failed", error=exc.message))

@@ -33,6 +33,9 @@ class TextStream:
         self.text = ""  # visible text so far (emitted and held back)
         self._emitted = 0
         self.stopped = False  # a stop string or stop token ended the text
+        # Tokens the output used: up to the one completing a stop string, or the stop token
+        # itself; tokens committed after it in the same round are not the client's (usage).
+        self.num_tokens = 0
         self._done = False  # the text is final: nothing more is ever shown
 
     def _decode(self, start: int, end: int | None = None) -> str:
@@ -43,6 +46,7 @@ class TextStream:
         if self._done:
             return ""
         for t in token_ids:
+            self.num_tokens += 1
             if t in self._stop_ids:  # the stop/eos token itself is never shown
                 self.stopped = True
                 break
@@ -68,11 +72,26 @@ class TextStream:
         self._done = True
         return out
 
+    def _tokens_covering(self, num_chars: int) -> int:
+        """The fewest leading tokens whose text reaches num_chars characters (binary search:
+        the decoded length grows with the token count)."""
+        lo, hi = 1, len(self._ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode(0, mid)) >= num_chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
     def _release(self, final: bool) -> str:
         hits = [i for i in (self.text.find(s, self._emitted) for s in self._stops) if i >= 0]
         if hits:
             self.stopped = True
-            self.text = self.text[:min(hits)]
+            at = min(hits)
+            end = min(at + len(s) for s in self._stops if self.text.startswith(s, at))
+            self.num_tokens = self._tokens_covering(end)
+            self.text = self.text[:at]
             final = self._done = True
         end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
         out, self._emitted = self.text[self._emitted:end], end

@@ -210,9 +210,12 @@ class Engine:
                       timings: StepTimings) -> None:
         """Single-session rounds feed the cost model: the whole round, drafting wait and
         sampling included, is what k really costs."""
-        if len(scheduled) == 1 and not scheduled[0].is_prefill:
-            self.scheduler.cost.observe(scheduled[0].num_drafts + 1, wait_ms
-                                        + timings.forward_ms + timings.rejection_ms)
+        s = scheduled[0]
+        # Keyed by the tokens the forward really ran: a carried round runs only its drafts
+        # (none at all when it samples straight from the carried row).
+        if len(scheduled) == 1 and not s.is_prefill and s.token_ids:
+            self.scheduler.cost.observe(len(s.token_ids), wait_ms + timings.forward_ms
+                                        + timings.rejection_ms)
 
     def _apply(self, s: ScheduledSeq, outcome: RoundOutcome, wait_ms: float,
                timings: StepTimings) -> None:

@@ -437,6 +437,26 @@ def test_text_stream_handles_partial_characters_and_hidden_stop_tokens(tokenizer
     assert shown == "Hello world! Speculative decoding is fun: " and stream.stopped
 
 
+def test_usage_counts_tokens_up_to_the_stop_not_the_rest_of_the_round(
+        redis_proc, tokenizer, prefix, fakes, text_ids):
+    """A round commits several tokens at once; those after the one that completes the stop
+    string (or after the stop token) are not the client's and are not in usage."""
+    through_fun = next(n for n in range(1, len(text_ids) + 1)
+                       if "fun" in tokenizer.decode(text_ids[:n]))
+    stream = TextStream(tokenizer, stop_strings=["fun"])
+    stream.push(text_ids)  # the whole text in one round
+    assert stream.stopped and stream.num_tokens == through_fun
+    stream = TextStream(tokenizer, stop_token_ids=[EOS])
+    stream.push([*text_ids[:3], EOS, *text_ids[3:6]])
+    assert stream.stopped and stream.num_tokens == 4  # three tokens and the stop token
+    fake = fakes(continue_text(text_ids + text_ids, per_round=len(text_ids)))
+    with gateway(redis_proc, tokenizer, prefix, static_verifiers=(fake.address,)) as client:
+        body = client.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                    "max_tokens": 200, "stop": "fun"}).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == through_fun < len(text_ids)
+
+
 def test_length_finish_and_gateway_enforced_max_tokens(redis_proc, tokenizer, prefix, fakes,
                                                        text_ids):
     fake = fakes(continue_text(text_ids))  # ignores max_new_tokens: the gateway cuts it
