@@ -95,7 +95,7 @@ class Session:
     max_run_ahead: int
     top_n: int
     max_ngram_size: int
-    seed: int | None  # the request seed, salted for the draft; None = unseeded
+    seed: int | None  # the request's seed (the verifier's own); None = unseeded
     drafts: list[int] = field(default_factory=list)
     generation: int = 0  # bumped whenever outstanding drafts are discarded
     stalled: bool = False  # the proposer had nothing for this exact sequence
@@ -107,8 +107,9 @@ class Session:
 
     def request(self) -> DraftRequest:
         """The drafting work for this session's next step."""
-        # Keyed by position, so a seeded request drafts the same tokens however its rounds,
-        # commits and batches interleave in time (the verifier keys its randomness likewise).
+        # The verifier's noise for the drafted position (keyed by seed and position): a
+        # seeded session's token there is the target's sample under that noise, so a draft
+        # drawn with the same noise matches it whenever q ranks tokens like p does.
         generator = None if self.seed is None else make_generator(
             keyed_seed(self.seed, self.length))
         return DraftRequest(

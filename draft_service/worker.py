@@ -42,9 +42,6 @@ from tandem.spec import (
 
 log = logging.getLogger(__name__)
 
-# Mixed into a request's seed so the draft's random stream is reproducible but independent of
-# the verifier's (drawing the same numbers on both sides would bias verification).
-_DRAFT_SEED_SALT = 0x5EED_D4AF_7A1D_C0DE
 # Longer suffixes almost never match again and each length tried costs a scan of the context.
 _MAX_NGRAM_SIZE = 64
 
@@ -135,14 +132,13 @@ class DraftWorker:
         if len(self._sessions) >= lim.max_sessions:
             raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED,
                                  f"worker is full ({lim.max_sessions} sessions)")
-        seed = None if cmd.seed is None else (cmd.seed ^ _DRAFT_SEED_SALT) & (2**63 - 1)
         session = Session(
             key=next(self._keys), session_id=cmd.session_id, stream=stream, method=method,
             committed=tokens, epoch=cmd.epoch, sampling=sampling,
             max_run_ahead=min(cmd.max_run_ahead or lim.max_run_ahead, lim.max_run_ahead_cap),
             top_n=min(cmd.top_n or lim.top_n, lim.max_top_n),
             max_ngram_size=min(cmd.max_ngram_size or lim.max_ngram_size, _MAX_NGRAM_SIZE),
-            seed=seed)
+            seed=cmd.seed)
         if method.needs_features:
             session.features = FeatureStore(self.proposers[method].feature_size)
             if cmd.features is not None:

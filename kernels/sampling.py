@@ -125,6 +125,14 @@ def keyed_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def position_noise(generator: torch.Generator, vocab: int) -> torch.Tensor:  # [vocab] float32
+    """The Exp(1) race noise of one seeded position (its generator keyed by keyed_seed), as
+    `sample` draws it for that row. A draft worker that draws the same noise for the same
+    position proposes the token the verifier will sample whenever its q ranks like p there."""
+    noise = torch.empty(vocab, dtype=torch.float32).exponential_(generator=generator)
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
 def sample(
     probs: torch.Tensor,  # [N, V] float, rows need not be normalised
     generators: Sequence[torch.Generator | None] | None = None,  # N entries

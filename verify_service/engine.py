@@ -28,17 +28,12 @@ from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import GenerateParams, Sequence
 
 log = logging.getLogger(__name__)
-# Proposers that take time per token (unlike n-gram lookup, instant or absent).
-_MODEL_METHODS = (Method.DRAFT_MODEL, Method.EAGLE)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     max_sessions: int = 64
     max_draft_wait_ms: float = 25.0  # longest a step waits for missing draft tokens
-    # Seeded sampling is reproducible only with a fixed round shape, so those sessions wait
-    # longer for their k drafts (still failing open when the draft worker is gone or stuck).
-    seeded_draft_wait_ms: float = 1000.0
     top_n: int = 8  # size of the sparse q asked from draft workers
 
     def __post_init__(self):
@@ -181,12 +176,7 @@ class Engine:
             missing = self.scheduler.desired_k(seq) - len(seq.drafts)
             if not self.drafts.linked(seq) or missing <= 0:
                 continue
-            s = seq.params.sampling
-            # n-gram drafts are instant or absent: only a draft model is worth the wait.
-            seeded = s.seed is not None and not s.is_greedy
-            allowed = (self.config.seeded_draft_wait_ms
-                       if seeded and seq.params.method in _MODEL_METHODS else
-                       min(self.config.max_draft_wait_ms, missing * self.drafts.arrival_ms * 1.5))
+            allowed = min(self.config.max_draft_wait_ms, missing * self.drafts.arrival_ms * 1.5)
             limit_ms = max(limit_ms, allowed)
         return limit_ms
 
@@ -199,8 +189,9 @@ class Engine:
             want_features=seq.params.method.needs_features)
 
     def _may_carry(self, seq: Sequence, k: int) -> bool:
-        """Skip the bonus token when the draft's next token is already here (stochastic only:
-        greedy is identical either way, and seeded runs keep a fixed round shape)."""
+        """Skip the bonus token when the draft's next token is already here (unseeded
+        stochastic only: greedy is identical either way, and a seeded session's tokens are
+        its keyed samples (executor._coupled_verify), which a carried row would not draw)."""
         s = seq.params.sampling
         return (k >= 1 and len(seq.drafts) > k and not s.is_greedy and s.seed is None
                 and self.drafts.linked(seq)

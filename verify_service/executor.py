@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling import logits_to_probs
+from kernels.sampling import keyed_seed, logits_to_probs, make_generator, sample
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Features
@@ -86,6 +86,24 @@ class Executor:
 
     @staticmethod
     def _verify(inputs: list[StepInput], probs: torch.Tensor):
+        """(accepted, next token or None, carried row) per input: seeded sessions by
+        _coupled_verify, the rest by the batched rejection sampler."""
+        starts = [0]
+        for s in inputs:  # each input owns len(drafts) + 1 rows (a carried row included)
+            starts.append(starts[-1] + len(s.drafts) + 1)
+        coupled = [s.sampling.seed is not None and not s.sampling.is_greedy for s in inputs]
+        found: list = [_coupled_verify(s, probs[a:b]) if c else None
+                       for s, c, a, b in zip(inputs, coupled, starts, starts[1:])]
+        rest = [i for i, c in enumerate(coupled) if not c]
+        if rest:
+            rows = probs if len(rest) == len(inputs) else probs[torch.cat(
+                [torch.arange(starts[i], starts[i + 1]) for i in rest])]
+            for i, f in zip(rest, Executor._reject([inputs[i] for i in rest], rows)):
+                found[i] = f
+        return found
+
+    @staticmethod
+    def _reject(inputs: list[StepInput], probs: torch.Tensor):
         """The batched rejection sampler: (accepted, next token or None, carried row)."""
         meta = SpecDecodeMetadata.build([s.drafts for s in inputs], [s.sampling for s in inputs],
                                         [s.first_sampled_pos for s in inputs],
@@ -143,6 +161,24 @@ class Executor:
             parts.append(probs[at:at + n])
             at += n
         return torch.cat(parts), hidden, forward_ms
+
+
+def _coupled_verify(
+    s: StepInput,
+    probs: torch.Tensor,  # [k + 1, vocab] target probs of the round's positions
+) -> tuple[list[int], int, None]:
+    """A seeded session's round: the token at each position is the target's own sample with
+    that position's keyed noise (kernels.sampling.position_noise), whatever was drafted.
+    Drafts are accepted while they equal it, so the text depends only on the seed and the
+    target: the same with speculation on or off, at any k, in any batch. Exact (each token is
+    a sample of p), and a draft that shares the noise is accepted often."""
+    gens = [make_generator(keyed_seed(s.sampling.seed, s.first_sampled_pos + j))
+            for j in range(probs.shape[0])]
+    top = sample(probs, gens).tolist()  # [k + 1]
+    a = 0
+    while a < len(s.drafts) and s.drafts[a].token_id == top[a]:
+        a += 1
+    return top[:a], top[a], None
 
 
 def _greedy_verify(inputs: list[StepInput], logits: torch.Tensor):

@@ -101,8 +101,6 @@ class Scheduler:
         # Under batch load the verification tokens of all sessions share one forward.
         per_seq = self.config.max_verify_tokens // max(1, len(self.running)) - 1
         k_max = max(0, min(k_max, per_seq))
-        if seq.params.sampling.seed is not None and not seq.params.sampling.is_greedy:
-            return k_max  # a fixed round shape keeps seeded sampling reproducible
         k = choose_k(seq.acceptance_ema, k_max, self.cost)
         if k == 0 and k_max and seq.stats.rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             k = 1  # speculation is off for this session: probe now and then, estimates move

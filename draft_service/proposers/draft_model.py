@@ -13,7 +13,7 @@ from collections.abc import Hashable
 
 import torch
 
-from kernels.sampling import logits_to_probs, sample, top_n_sparse
+from kernels.sampling import logits_to_probs, position_noise, sample, top_n_sparse
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
@@ -143,7 +143,11 @@ def _sample_top_n(
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
     )  # [rows, vocab]
     ids, q = top_n_sparse(probs, n)  # [rows, n] each
-    picks = sample(q, [r.generator for r in reqs]).tolist()  # [rows] index into ids
+    picks = sample(q).tolist()  # [rows] index into ids
+    for row, r in enumerate(reqs):
+        if r.generator is not None:  # seeded: race q with the verifier's noise of this position
+            noise = position_noise(r.generator, logits.shape[1])[ids[row]]  # [n]
+            picks[row] = int((q[row] / noise).argmax())
     tokens = []
     for row, pick in enumerate(picks):
         row_ids, row_q = ids[row].tolist(), q[row].tolist()

@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-threads", type=int, help="torch threads of the transformers "
                    "peers (default 1, like each worker; 0 = torch's default)")
     p.add_argument("--seed", type=int, help="send this seed with sampled Tandem requests "
-                   "(default none: seeded sessions keep a fixed k and wait for every draft)")
+                   "(default none, as most users send them)")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     p.add_argument("--out", default="", help="results folder (default results/bench-<date>)")
     p.add_argument("--docs", default="docs", help="write <docs>/benchmarks.md and <docs>/img "

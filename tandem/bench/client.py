@@ -27,7 +27,7 @@ def chat_body(prompt: str, tokens: int, temperature: float, method: str, k: int,
             "max_tokens": tokens, "temperature": temperature, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True},
             "speculation": {"method": method, "num_speculative_tokens": k}}
-    if seed is not None:  # seeded sessions keep a fixed round shape on the verifier
+    if seed is not None:  # seeded rounds accept drafts that match the keyed samples
         body["seed"] = seed
     return body
 

@@ -46,8 +46,8 @@ class BenchConfig:
     threads: int = 1  # torch threads per worker process
     peer_threads: int = 1  # torch threads of the transformers peers (1 is as fast as 2 here)
     peers: bool = True
-    # None: Tandem requests carry no seed, as most users send them. A seeded sampled session
-    # keeps a fixed round shape (k drafts, waiting up to 1 s for them): pass one to measure that.
+    # None: Tandem requests carry no seed, as most users send them. Seeded sampled sessions
+    # verify by matching keyed samples instead of rejection sampling: pass one to measure that.
     seed: int | None = None
     quick: bool = False
 

@@ -3,7 +3,6 @@ real DraftWorker serving an EagleProposer (in process, no gRPC), which drafts fr
 Greedy output is identical to plain decoding; sampled output follows the target's joint
 distribution; a draft that dies mid-stream changes nothing."""
 import asyncio
-import dataclasses
 from collections import Counter
 
 import pytest
@@ -76,7 +75,7 @@ def proposer(eagle_dir):
 
 
 def run(target_model, proposer, prompts, sampling, max_new, die_after=None, stop=(),
-        seeded=False, batch=64):
+        batch=64):
     async def main():
         runner = ModelRunner(target_model, 512, 16)
         sched = Scheduler(BlockManager(512, 16), SchedulerConfig(max_spec_tokens=4,
@@ -91,7 +90,7 @@ def run(target_model, proposer, prompts, sampling, max_new, die_after=None, stop
         loop = asyncio.create_task(engine.run())
         queues = [engine.submit(GenerateParams(
             session_id=f"s{i}", prompt=tuple(p), committed=(),
-            sampling=dataclasses.replace(sampling, seed=i) if seeded else sampling,
+            sampling=sampling,
             max_new_tokens=max_new, stop_token_ids=frozenset(stop), method=Method.EAGLE))
             for i, p in enumerate(prompts)]
         results, drafted, accepted = [], 0, 0
@@ -144,13 +143,13 @@ def test_sampled_eagle_follows_the_target_joint_distribution(target_model, token
              for b, pb in zip(*(lambda d: (d.topk(2).indices.tolist(),
                                            d.topk(2).values.tolist()))(dist(prompt + [a])))}
     n = 600
-    # Seeded sessions (one seed each): the verifier waits for their drafts and keeps k fixed,
-    # so every round really verifies a draft; small batches leave room to speculate.
-    got, drafted, accepted, _ = run(target_model, proposer, [prompt] * n, sampling, 3,
-                                    seeded=True, batch=8)
+    # Unseeded: rounds go through the rejection sampler with the head's sparse q (seeded ones
+    # match keyed samples instead, tests/integration/test_verifier_engine.py); small batches
+    # leave room to speculate.
+    got, drafted, accepted, _ = run(target_model, proposer, [prompt] * n, sampling, 3, batch=8)
     counts = Counter(tuple(t[:2]) for t in got)
     assert set(counts) <= set(joint), set(counts) - set(joint)
     tv = 0.5 * sum(abs(counts[o] / n - p) for o, p in joint.items())
     # E[TV] for an exact sampler ~ sqrt(4 / (2 pi n)) = 0.033; 2.7x margin.
     assert tv < 0.09, f"TV {tv:.3f}"
-    assert drafted > n // 2 and accepted < drafted  # drafts were verified, some rejected
+    assert drafted > n // 4 and accepted < drafted  # drafts were verified, some rejected

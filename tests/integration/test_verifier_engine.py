@@ -294,3 +294,20 @@ def test_a_failing_session_is_aborted_alone(target_model, tokenizer, reference):
     (good, good_reason), (bad, bad_reason), = asyncio.run(main())[0]
     assert good == outs[0] and good_reason in ("length", "stop")
     assert bad == [] and bad_reason == "abort"
+
+
+def test_seeded_sampling_depends_on_the_seed_only(target_model, tokenizer, reference):
+    """A seeded session's token at each position is the target's sample under that position's
+    keyed noise: the same text with good drafts, bad drafts, a draft that dies at once, and
+    alone or batched with other sessions."""
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    good, _, _ = run_engine(target_model, tokenizer, reference, sampling=seeded)
+    bad, _, _ = run_engine(target_model, tokenizer, reference, sampling=seeded, wrong_every=2)
+    dead, _, _ = run_engine(target_model, tokenizer, reference, sampling=seeded, break_after=0)
+    prompts, outs = reference
+    alone, _, _ = run_engine(target_model, tokenizer, (prompts[:1], outs[:1]), sampling=seeded)
+    texts = [t for t, _ in good]
+    assert texts == [t for t, _ in bad] == [t for t, _ in dead]
+    assert alone[0][0] == texts[0]
+    assert texts != outs  # it sampled (greedy would reproduce the reference)
+    assert sum(last.accepted_total for _, last in good) > 0  # and drafts were accepted

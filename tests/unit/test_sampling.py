@@ -249,3 +249,16 @@ def test_sampling_params_defaults_and_greedy():
 def test_sampling_params_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_position_noise_is_the_noise_sample_draws_for_a_seeded_row():
+    """A draft worker racing its q against position_noise(seed, pos) sees exactly the noise
+    the verifier's seeded sample() uses for that position."""
+    from kernels.sampling import keyed_seed, position_noise
+
+    probs = torch.softmax(torch.randn(3, 500, generator=torch.Generator().manual_seed(3)), -1)
+    gens = [make_generator(keyed_seed(9, 40 + j)) for j in range(3)]
+    got = sample(probs, gens)
+    for j in range(3):
+        noise = position_noise(make_generator(keyed_seed(9, 40 + j)), 500)
+        assert int((probs[j] / noise).argmax()) == int(got[j])
