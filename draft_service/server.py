@@ -33,7 +33,8 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
     if which == "commit":
         c = msg.commit
         return Commit(c.session_id, c.epoch, c.start_position, list(c.token_ids),
-                      c.max_run_ahead, features=_features(c))
+                      c.max_run_ahead if c.HasField("max_run_ahead") else None,
+                      features=_features(c))
     if which == "close":
         return Close(msg.close.session_id)
     return Invalid("", "DraftControl has no control set")

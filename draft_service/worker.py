@@ -182,7 +182,7 @@ class DraftWorker:
         if cmd.features is not None and session.features is not None:
             session.features.put(cmd.features)
             session.stalled = False  # a head drafts anew from fresh features
-        if cmd.max_run_ahead:
+        if cmd.max_run_ahead is not None:  # 0 pauses drafting until a commit raises it
             session.max_run_ahead = min(cmd.max_run_ahead, self.limits.max_run_ahead_cap)
         if len(committed) > self.limits.max_context_length:
             raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, f"sequence of {len(committed)} "

@@ -57,7 +57,9 @@ class DraftSide:
         self.links: dict[str, Link] = {}
         self.arrived = asyncio.Event()  # set whenever a draft token is accepted for checking
         self.arrival_ms = 5.0  # EMA of the gap between draft tokens, for the wait bound
+        self.first_ms = 10.0  # EMA from asking for drafts (commit) to the first arriving
         self._last_arrival = 0.0
+        self._asked_at: dict[str, float] = {}  # session -> when its last commit asked
         self._attaching: set[str] = set()
 
     def linked(self, seq: Sequence) -> bool:
@@ -88,18 +90,25 @@ class DraftSide:
                        trace_context=p.trace_context, features=seq.all_features()))
 
     def commit(self, seq: Sequence, start: int, tokens: list[int],
-               features: Features | None = None, run_ahead: int = 0) -> None:
+               features: Features | None = None, run_ahead: int | None = None) -> None:
         """Tell the draft what was committed from `start` (re-attach if it has no stream),
         with the target's hidden states of the positions made final (EAGLE sessions) and how
-        many drafts the next round can use (run_ahead; 0 leaves the worker's limit as is)."""
+        many drafts the next round can use (run_ahead: None leaves the worker's limit as is,
+        0 pauses drafting)."""
         link = self.links.get(seq.seq_id)
         if link is None:
             self.attach(seq)
         else:
-            link.send(Commit(seq.seq_id, seq.epoch, start, tokens,
-                             min(run_ahead, self.max_run_ahead), features))
+            if run_ahead is not None:
+                run_ahead = min(run_ahead, self.max_run_ahead)
+            if run_ahead == 0:
+                self._asked_at.pop(seq.seq_id, None)
+            else:
+                self._asked_at[seq.seq_id] = time.perf_counter()
+            link.send(Commit(seq.seq_id, seq.epoch, start, tokens, run_ahead, features))
 
     def release(self, seq: Sequence) -> None:
+        self._asked_at.pop(seq.seq_id, None)
         link = self.links.pop(seq.seq_id, None)
         if link is not None:
             link.send(Close(seq.seq_id))
@@ -121,6 +130,9 @@ class DraftSide:
             return
         seq.drafts.append(token)
         now = time.perf_counter()
+        asked = self._asked_at.pop(seq.seq_id, None)
+        if asked is not None and now - asked < 0.5:  # the first draft since the commit
+            self.first_ms = 0.8 * self.first_ms + 0.2 * (now - asked) * 1e3
         gap_ms = (now - self._last_arrival) * 1e3
         if gap_ms < 200:  # gaps across idle periods say nothing about drafting speed
             self.arrival_ms = 0.8 * self.arrival_ms + 0.2 * gap_ms

@@ -176,8 +176,10 @@ class Engine:
             missing = self.scheduler.desired_k(seq) - len(seq.drafts)
             if not self.drafts.linked(seq) or missing <= 0:
                 continue
-            allowed = min(self.config.max_draft_wait_ms, missing * self.drafts.arrival_ms * 1.5)
-            limit_ms = max(limit_ms, allowed)
+            d = self.drafts  # the first draft after a commit takes longer than the next ones
+            expected = (missing * d.arrival_ms if seq.drafts else
+                        d.first_ms + (missing - 1) * d.arrival_ms)
+            limit_ms = max(limit_ms, min(self.config.max_draft_wait_ms, 1.5 * expected))
         return limit_ms
 
     def _step_input(self, s: ScheduledSeq) -> StepInput:
@@ -228,6 +230,8 @@ class Engine:
         if s.num_drafts:
             seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts,
                                                    len(accepted))
+        elif s.wanted and self.drafts.linked(seq):  # no draft came in time: a round lost
+            seq.acceptance_ema = update_acceptance(seq.acceptance_ema, 1, 0)
         if self.metrics is not None:
             self.metrics.observe_round(s.num_drafts, len(accepted), wait_ms,
                                        timings.forward_ms, timings.rejection_ms)
@@ -244,10 +248,10 @@ class Engine:
 
     def _run_ahead(self, seq: Sequence) -> int:
         """Drafts worth having ready for the session's next round: its k, plus one that may
-        match the bonus token. Drafting more only burns the draft worker's time (on a shared
-        host, the verifier's too); never 0, so the probe rounds of a session whose speculation
-        is off still find a draft."""
-        return max(1, self.scheduler.desired_k(seq) + 1)
+        match the bonus token; none while its speculation is off (k = 0) until a probe round.
+        Drafting more only burns the draft worker's time (on a shared host, the verifier's)."""
+        k = self.scheduler.desired_k(seq)
+        return k + 1 if k else 0
 
     def _release(self, seq: Sequence) -> None:
         self.drafts.release(seq)

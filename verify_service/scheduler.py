@@ -41,6 +41,7 @@ class ScheduledSeq:
     start_pos: int  # absolute position of token_ids[0]
     num_drafts: int  # draft tokens verified (0: prefill or plain decode)
     is_prefill: bool
+    wanted: int = 0  # the k the session wanted; more than num_drafts when drafts were late
 
 
 @dataclass
@@ -118,7 +119,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted below while serving an earlier one
-            k = min(len(seq.drafts), self.desired_k(seq))
+            wanted = self.desired_k(seq)
+            k = min(len(seq.drafts), wanted)
             room = self.config.max_model_len - seq.num_tokens - 1
             k = max(0, min(k, room))
             drafts = [d.token_id for d in seq.drafts[:k]]
@@ -128,7 +130,7 @@ class Scheduler:
             if not self._append_or_preempt(seq, new, preempted):
                 continue
             start = seq.num_tokens - (0 if seq.carried else 1)
-            out.append(ScheduledSeq(seq, new, start, k, False))
+            out.append(ScheduledSeq(seq, new, start, k, False, wanted))
         return out
 
     def _append_or_preempt(self, seq: Sequence, new: list[int], preempted: list) -> bool:

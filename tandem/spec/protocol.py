@@ -94,7 +94,7 @@ class Commit:
     epoch: int
     start_position: int
     token_ids: list[int]
-    max_run_ahead: int = 0
+    max_run_ahead: int | None = None  # None: unchanged; 0: pause drafting
     features: Features | None = None  # EAGLE: features of the positions made final
 
 

@@ -107,6 +107,13 @@ def test_draft_messages_roundtrip():
     )
     assert commit.WhichOneof("control") == "commit"
     assert commit.commit.start_position == 3 and commit.commit.epoch == 2
+    # max_run_ahead has presence: unset leaves the limit alone, 0 pauses drafting.
+    from draft_service.server import control_from_proto
+    from tandem.spec import Commit
+    from verify_service.draft_link import control_to_proto
+    for limit in (None, 0, 4):
+        msg = _roundtrip(control_to_proto(Commit("s1", 2, 3, [4, 5], limit)))
+        assert control_from_proto(msg).max_run_ahead == limit
 
     close = _roundtrip(draft_pb2.DraftControl(close=draft_pb2.CloseSession(session_id="s1")))
     assert close.WhichOneof("control") == "close"

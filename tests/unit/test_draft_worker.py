@@ -134,6 +134,27 @@ def test_epoch_bump_discards_drafts_and_drafts_from_the_new_end():
     run(main())
 
 
+def test_a_zero_run_ahead_pauses_drafting_until_a_commit_asks_again():
+    async def main():
+        worker, fake = make_worker()
+        s = worker.open_stream()
+        worker.handle(s, Open("a", [1, 2, 3], max_run_ahead=2, epoch=0))
+        await take(s, 2)  # 4 5
+        worker.handle(s, Commit("a", 1, 3, [9], max_run_ahead=0))  # speculation off
+        await nothing_more(s)
+        calls = len(fake.calls)
+        worker.handle(s, Commit("a", 2, 4, [8]))  # unset: still paused, still in sync
+        await nothing_more(s)
+        assert len(fake.calls) == calls
+        worker.handle(s, Commit("a", 3, 5, [7], max_run_ahead=1))  # a probe round
+        (p,) = await take(s, 1)
+        assert (p.position, p.epoch) == (6, 3)
+        assert fake.calls[-1][0].token_ids == [1, 2, 3, 9, 8, 7]
+        await nothing_more(s)
+        await worker.aclose()
+    run(main())
+
+
 def test_results_of_a_step_overtaken_by_a_rollback_are_dropped():
     async def main():
         gate = threading.Event()
