@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from fastapi.testclient import TestClient
 
 from gateway.app import create_app
@@ -128,6 +130,16 @@ def test_malformed_json_is_400(client, path):
     _assert_400(client.post(path, json=[1, 2]), "JSON object")
 
 
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+def test_non_finite_json_numbers_are_400(client, literal):
+    """Python's JSON parser takes NaN and Infinity; no field may."""
+    for field in (b"temperature", b"top_p", b"max_tokens", b"seed"):
+        resp = client.post("/v1/completions", content=b'{"model": "%s", "prompt": "hi", '
+                           b'"%s": %s}' % (MODEL.encode(), field, literal),
+                           headers={"Content-Type": "application/json"})
+        _assert_400(resp)
+
+
 @pytest.mark.parametrize(("path", "body"), [("/v1/completions", _completion()),
                                             ("/v1/chat/completions", _chat())])
 def test_valid_request_passes_validation_and_gets_503_without_verifiers(client, path, body):
@@ -173,3 +185,33 @@ def test_config_rejects_bad_values():
                {"default_speculative_tokens": 20, "max_speculative_tokens": 16}):
         with pytest.raises(ValueError):
             GatewayConfig(**kw)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=12)
+_FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+           "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "speculation",
+           "logprobs", "user", "echo", "extra")
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       changes=st.dictionaries(st.sampled_from(_FIELDS), _JSON, min_size=1, max_size=3),
+       message=st.dictionaries(st.sampled_from(["role", "content", "name", "x"]), _JSON,
+                               max_size=3))
+def test_any_json_body_is_a_4xx_or_the_no_verifier_503(client, path, changes, message):
+    """Random field values (and message shapes) never end in a 500: a 400 with an OpenAI
+    error naming the problem, or validation passes and the request meets no verifier."""
+    body = _chat() if path.endswith("chat/completions") else _completion()
+    body.update(changes)
+    if message and path.endswith("chat/completions") and "messages" not in changes:
+        body["messages"] = [message]
+    resp = client.post(path, json=body)
+    assert resp.status_code in (400, 503), (resp.status_code, body, resp.text[:300])
+    err = resp.json()["error"]
+    assert err["message"] and set(err) == {"message", "type", "param", "code"}
