@@ -244,3 +244,40 @@ def test_round_cost_is_keyed_by_the_tokens_the_forward_ran():
     engine._observe_cost([ScheduledSeq(seq, [5, 6], 4, 2, False)], 1.0, StepTimings(50.0, 2.0))
     engine._observe_cost([ScheduledSeq(seq, [], 6, 0, False)], 0.0, StepTimings(0.0, 1.0))
     assert sched.cost.ms == {2: 53.0}
+
+
+def test_draft_side_learns_how_long_the_first_draft_after_a_commit_takes():
+    """The wait bound of a session with no drafts yet follows the measured delay from a
+    commit to its first proposal; a commit that pauses drafting expects none."""
+    import asyncio
+    import time
+
+    from tandem.spec import Proposal
+    from verify_service.drafts import DraftSide
+
+    class Link:
+        address, sent = "l", []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    async def main():
+        seq = Sequence(params())
+        side = DraftSide({seq.seq_id: seq}, 100, 4, 8)
+        link = side.links[seq.seq_id] = Link()
+        for _ in range(20):
+            side.commit(seq, seq.num_tokens, [], run_ahead=2)
+            await asyncio.sleep(0.03)
+            side.on_reply(link, Proposal(seq.seq_id, seq.epoch, seq.next_draft_position(),
+                                         DraftToken(5)))
+            seq.drafts = []
+        assert 20 < side.first_ms < 60  # ~30 ms, from 10 ms at the start
+        side.commit(seq, seq.num_tokens, [], run_ahead=0)
+        assert link.sent[-1].max_run_ahead == 0
+        before = side.first_ms
+        time.sleep(0.1)
+        side.on_reply(link, Proposal(seq.seq_id, seq.epoch, seq.next_draft_position(),
+                                     DraftToken(5)))
+        assert side.first_ms == before  # not asked for: says nothing about the delay
+
+    asyncio.run(main())
