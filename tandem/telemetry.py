@@ -176,8 +176,29 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> int:
-    """Serve /metrics over HTTP on a daemon thread; returns the bound port (0 = any free)."""
-    from prometheus_client import start_http_server
+    """Serve GET /metrics over HTTP on a daemon thread (404 elsewhere, unlike prometheus_client's
+    server, which answers every path); returns the bound port (0 = any free)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's naming)
+            if self.path.split("?", 1)[0] != "/metrics":
+                self.send_error(404, "only /metrics is served here")
+                return
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # scrapes every few seconds: not worth a log line
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server.server_address[1]

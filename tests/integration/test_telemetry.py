@@ -137,3 +137,20 @@ def test_metrics_parse_and_agree_with_responses(services):
     assert gw[("tandem_gateway_requests_in_flight", ())] == 0
     d = metric_values(telemetry.render(draft_metrics(draft.worker).registry).decode())
     assert ("tandem_draft_queue_depth", ()) in d and d[("tandem_draft_tokens_drafted", ())] > 0
+
+
+def test_worker_metrics_endpoint_serves_metrics_and_404s_elsewhere():
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    registry = CollectorRegistry()
+    Counter("tandem_probe_total", "a probe", registry=registry).inc()
+    port = telemetry.start_metrics_server(0, registry, "127.0.0.1")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "tandem_probe_total 1.0" in body
+    for path in ("/", "/nothing", "/metricsx"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
+        assert err.value.code == 404
