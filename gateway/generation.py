@@ -68,11 +68,20 @@ class _Failover:
         self._ended_totals = Totals()
         self._call_totals = Totals()
         self.finish_reason = ""
+        # The last round: how many of its tokens were accepted drafts (they come first), and
+        # how many the gateway kept (max_tokens may cut it).
+        self._last_round = (0, 0)
 
-    def stats(self) -> dict:
+    def stats(self, used: int | None = None) -> dict:
+        """Speculation stats over the tokens the client got: `used` of the committed ones
+        (a stop string or stop token may end the text inside the last round)."""
         t = self._ended_totals + self._call_totals
+        used = len(self.committed) if used is None else used
+        accepted, kept = self._last_round
+        shown = max(0, kept - (len(self.committed) - used))  # of the last round's tokens
+        unused = max(0, accepted - shown)  # accepted drafts the client never got
         return speculation_stats(self.plan.method, t.rounds, t.drafted_tokens,
-                                 t.accepted_tokens, len(self.committed))
+                                 t.accepted_tokens - unused, used)
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         cfg, loop = self.deps.config, asyncio.get_running_loop()
@@ -150,9 +159,11 @@ class _Failover:
         """The new tokens of a round; sets finish_reason when the session is done.
         The gateway enforces max_new_tokens itself so a misbehaving verifier cannot
         overrun it."""
+        accepted = rnd.totals.accepted_tokens - self._call_totals.accepted_tokens
         self._call_totals = rnd.totals
         room = self.plan.max_new_tokens - len(self.committed)
         ids = list(rnd.token_ids)[:room]
+        self._last_round = (accepted, len(ids))
         if rnd.finish_reason:
             self.finish_reason = rnd.finish_reason
         elif len(self.committed) + len(ids) >= self.plan.max_new_tokens:
@@ -181,7 +192,7 @@ async def run_session(plan: GenerationPlan, deps: GenerationDeps,
         done = True
         await _safe("finish", store.finish(sid, status="finished", finish_reason=reason))
         used = text.num_tokens if text.stopped else len(runner.committed)
-        yield Finished(reason, used, runner.stats())
+        yield Finished(reason, used, runner.stats(used))
     except APIError as exc:
         done = True
         await _safe("finish", store.finish(sid, status="failed", error=exc.message))

@@ -455,6 +455,10 @@ def test_usage_counts_tokens_up_to_the_stop_not_the_rest_of_the_round(
                                                     "max_tokens": 200, "stop": "fun"}).json()
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == through_fun < len(text_ids)
+    # The round accepted all its tokens but the last: those past the stop are not counted.
+    spec = body["speculation"]
+    assert spec["rounds"] == 1 and spec["accepted_tokens"] == through_fun
+    assert spec["mean_accepted_length"] == through_fun
 
 
 def test_length_finish_and_gateway_enforced_max_tokens(redis_proc, tokenizer, prefix, fakes,
