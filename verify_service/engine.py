@@ -171,16 +171,20 @@ class Engine:
                 return (time.perf_counter() - start) * 1e3
 
     def _draft_wait_limit_ms(self) -> float:
-        limit_ms = 0.0
-        for seq in self.scheduler.running:
+        """How long this step may wait for drafts: what the slowest session needs, scaled by
+        the share of the batch that is waiting, since everyone else waits for nothing (one
+        session's late drafts cost seven others 1/8 of its allowance, not all of it)."""
+        limit_ms, waiting, running = 0.0, 0, self.scheduler.running
+        d = self.drafts
+        for seq in running:
             missing = self.scheduler.desired_k(seq) - len(seq.drafts)
-            if not self.drafts.linked(seq) or missing <= 0:
+            if not d.linked(seq) or missing <= 0:
                 continue
-            d = self.drafts  # the first draft after a commit takes longer than the next ones
+            waiting += 1  # the first draft after a commit takes longer than the next ones
             expected = (missing * d.arrival_ms if seq.drafts else
                         d.first_ms + (missing - 1) * d.arrival_ms)
             limit_ms = max(limit_ms, min(self.config.max_draft_wait_ms, 1.5 * expected))
-        return limit_ms
+        return limit_ms * waiting / len(running) if running else 0.0
 
     def _step_input(self, s: ScheduledSeq) -> StepInput:
         seq = s.seq

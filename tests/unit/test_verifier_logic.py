@@ -281,3 +281,30 @@ def test_draft_side_learns_how_long_the_first_draft_after_a_commit_takes():
         assert side.first_ms == before  # not asked for: says nothing about the delay
 
     asyncio.run(main())
+
+
+def test_one_sessions_late_drafts_cost_the_batch_only_its_share_of_the_wait():
+    from verify_service.engine import Engine, EngineConfig
+
+    class Side:  # a DraftSide stand-in: everyone linked, measured delays fixed
+        arrival_ms, first_ms = 4.0, 10.0
+
+        def linked(self, seq):
+            return True
+
+    sched = make_sched()
+    engine = Engine(None, sched, EngineConfig(max_draft_wait_ms=25.0), 100)
+    engine.drafts = Side()
+    seqs = [Sequence(params(sid=f"s{i}")) for i in range(4)]
+    sched.running = seqs
+    for seq in seqs:
+        seq.acceptance_ema = 0.95  # k > 0 wanted by everyone
+        drafts(seq, [1] * 8)  # ... and every draft is here
+    assert engine._draft_wait_limit_ms() == 0.0
+    seqs[0].drafts = []  # one session waits for its first draft and more
+    k = sched.desired_k(seqs[0])
+    alone = min(25.0, 1.5 * (10.0 + (k - 1) * 4.0))
+    assert engine._draft_wait_limit_ms() == pytest.approx(alone / 4)
+    for seq in seqs:
+        seq.drafts = []
+    assert engine._draft_wait_limit_ms() == pytest.approx(alone)
