@@ -20,6 +20,8 @@ _INT_FLAGS = {
     "max_num_seqs": "sessions verified together in one batched round",
     "max_spec_tokens": "cap on draft tokens verified per session per round (0..32)",
     "top_n": "size of the sparse draft distribution asked from draft workers",
+    "calibrate_reps": "timed forwards per token count at start-up, seeding the cost curve "
+                      "k is chosen from (0: a built-in table)",
 }
 
 

@@ -25,6 +25,9 @@ class VerifierConfig:
     advertise_address: str = ""  # what others dial; default host:port
     drain_grace_s: float = 5.0
     metrics_port: int = -1  # Prometheus /metrics over HTTP: -1 = off, 0 = any free port
+    # Timed forwards per token count at start-up, seeding the cost curve k is chosen from
+    # (then rounds keep it current); 0 = start from the built-in relative table.
+    calibrate_reps: int = 3
 
     def __post_init__(self):
         if not -1 <= self.metrics_port < 65536:
@@ -38,3 +41,5 @@ class VerifierConfig:
             raise ValueError(f"max_spec_tokens must be in [0, 32], got {self.max_spec_tokens}")
         if self.max_draft_wait_ms < 0 or self.drain_grace_s < 0 or self.threads < 0:
             raise ValueError("max_draft_wait_ms, drain_grace_s and threads must be >= 0")
+        if not 0 <= self.calibrate_reps <= 100:
+            raise ValueError(f"calibrate_reps must be in [0, 100], got {self.calibrate_reps}")

@@ -61,6 +61,27 @@ class Executor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
+    def calibrate(self, token_counts=(1, 2, 3, 4, 5, 6, 8), reps: int = 3,
+                  context: int = 64) -> dict[int, float]:
+        """Median ms of a forward over q new tokens after `context` cached ones, per q: the
+        verify-cost curve of this machine now. Runs before serving, in the cache's first
+        blocks (nothing is allocated yet; later sessions overwrite them); {} if it is smaller
+        than that."""
+        q_max = max(token_counts)
+        bs = self.runner.block_size
+        table = list(range(-(-(context + q_max) // bs)))
+        if len(table) > self.runner.num_blocks:
+            return {}  # a cache this small: keep the built-in table
+        ids = [(37 * i) % 1000 + 100 for i in range(context + q_max)]
+        self.runner.forward([SeqChunk(ids[:context], 0, table)])
+        times: dict[int, list[float]] = {q: [] for q in token_counts}
+        for _ in range(reps + 1):  # the first pass warms up; interleaved, so noise is shared
+            for q in token_counts:
+                t0 = time.perf_counter()
+                self.runner.forward([SeqChunk(ids[context:context + q], context, table, q)])
+                times[q].append((time.perf_counter() - t0) * 1e3)
+        return {q: sorted(ts[1:])[len(ts[1:]) // 2] for q, ts in times.items()}
+
     def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
         t0 = time.perf_counter()
         if all(s.sampling.is_greedy and s.sample_bonus and s.carried is None and s.token_ids

@@ -69,15 +69,22 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                 max_spec_tokens=config.max_spec_tokens,
                                 max_model_len=model.cfg.max_position_embeddings)
+    executor = Executor(runner)
+    calibrated = {}
+    if config.calibrate_reps:
+        calibrated = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: executor.calibrate(reps=config.calibrate_reps))
+        log.info("verify cost by tokens per forward (ms): %s",
+                 {q: round(ms, 1) for q, ms in calibrated.items()})
     scheduler = Scheduler(BlockManager(runner.num_blocks, runner.block_size), sched_cfg,
-                          CostModel())
+                          CostModel(dict(calibrated)))
     eng_cfg = EngineConfig(max_sessions=config.max_sessions,
                            max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n)
     metrics = VerifierMetrics()
     metrics.bind_load(running=lambda: len(scheduler.running),
                       waiting=lambda: len(scheduler.waiting),
                       kv_usage=lambda: scheduler.blocks.usage)
-    engine = Engine(Executor(runner), scheduler, eng_cfg, model.cfg.vocab_size, metrics)
+    engine = Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics)
     if config.draft_addresses or discover is not None:
         engine.drafts.pool = DraftPool(list(config.draft_addresses), discover,
                                        engine.drafts.on_reply, engine.drafts.on_link_broken)

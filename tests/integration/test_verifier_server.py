@@ -113,3 +113,13 @@ def test_a_session_larger_than_the_cache_is_refused_not_queued(target_model):
 
     code, details = with_verifier(target_model, body, kv_cache_mb=16)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV blocks" in details
+
+
+def test_the_cost_curve_is_measured_at_start_up(target_model):
+    """k is chosen from this machine's own forward times per token count, not a table."""
+    async def body(v, stub, ch):
+        return dict(v.engine.scheduler.cost.ms)
+
+    ms = with_verifier(target_model, body, calibrate_reps=1)
+    assert set(ms) == {1, 2, 3, 4, 5, 6, 8} and all(t > 0 for t in ms.values())
+    assert with_verifier(target_model, body, calibrate_reps=0) == {}
