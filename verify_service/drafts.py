@@ -82,7 +82,7 @@ class DraftSide:
         if link is None or seq.finished or seq.seq_id not in self.sessions:
             return
         self.links[seq.seq_id] = link
-        seq.drafts = []
+        seq.drafts, seq.late_rounds = [], 0  # a new stream gets waited for again
         p, s = seq.params, seq.params.sampling
         link.send(Open(session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,

@@ -28,6 +28,9 @@ from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import GenerateParams, Sequence
 
 log = logging.getLogger(__name__)
+# After this many rounds in a row without the drafts it wanted, a session is no longer waited
+# for (a draft worker that is partitioned or overloaded); drafts that do come are still used.
+_LATE_ROUNDS_NO_WAIT = 2
 
 
 @dataclass(frozen=True)
@@ -178,8 +181,8 @@ class Engine:
         d = self.drafts
         for seq in running:
             missing = self.scheduler.desired_k(seq) - len(seq.drafts)
-            if not d.linked(seq) or missing <= 0:
-                continue
+            if not d.linked(seq) or missing <= 0 or seq.late_rounds >= _LATE_ROUNDS_NO_WAIT:
+                continue  # (drafts of a session that stopped being waited for still count)
             waiting += 1  # the first draft after a commit takes longer than the next ones
             expected = (missing * d.arrival_ms if seq.drafts else
                         d.first_ms + (missing - 1) * d.arrival_ms)
@@ -209,8 +212,10 @@ class Engine:
         sampling included, is what k really costs."""
         s = scheduled[0]
         # Keyed by the tokens the forward really ran: a carried round runs only its drafts
-        # (none at all when it samples straight from the carried row).
-        if len(scheduled) == 1 and not s.is_prefill and s.token_ids:
+        # (none at all when it samples straight from the carried row). A round whose drafts
+        # came late waited for k but ran fewer: no sample of either cost (it counts as a miss).
+        if (len(scheduled) == 1 and not s.is_prefill and s.token_ids
+                and s.num_drafts >= s.wanted):
             self.scheduler.cost.observe(len(s.token_ids), wait_ms + timings.forward_ms
                                         + timings.rejection_ms)
 
@@ -232,9 +237,11 @@ class Engine:
         st.rounds, st.drafted, st.accepted = (st.rounds + 1, st.drafted + s.num_drafts,
                                               st.accepted + len(accepted))
         if s.num_drafts:
+            seq.late_rounds = 0
             seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts,
                                                    len(accepted))
         elif s.wanted and self.drafts.linked(seq):  # no draft came in time: a round lost
+            seq.late_rounds += 1
             seq.acceptance_ema = update_acceptance(seq.acceptance_ema, 1, 0)
         if self.metrics is not None:
             self.metrics.observe_round(s.num_drafts, len(accepted), wait_ms,

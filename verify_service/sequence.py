@@ -74,6 +74,7 @@ class Sequence:
     stats: SessionStats = field(default_factory=SessionStats)
     finish_reason: str | None = None
     acceptance_ema: float = 0.7  # prior: a fresh session is assumed to speculate well
+    late_rounds: int = 0  # rounds in a row whose wanted drafts had not arrived
     arrival: int = 0  # admission order, for FIFO and preemption choice
     draft_attaches_left: int = 3  # a session reopens its draft stream at most this often
     carried: bool = False  # see the module docstring

@@ -24,8 +24,9 @@ N_NEW = 24
 class ScriptedLink:
     """Acts like a draft worker: run-ahead from the committed end, restart on a new epoch."""
 
-    def __init__(self, engine, script, wrong_every=0, break_after=None, garbage=False):
-        self.engine, self.script, self.alive = engine, script, True
+    def __init__(self, engine, script, wrong_every=0, break_after=None, garbage=False,
+                 silent=False):
+        self.engine, self.script, self.alive, self.silent = engine, script, True, silent
         self.wrong_every, self.break_after, self.garbage = wrong_every, break_after, garbage
         self.address, self.sent, self.state = "scripted", 0, {}
         self.run_aheads = []  # max_run_ahead of every commit
@@ -46,7 +47,7 @@ class ScriptedLink:
 
     def _propose(self, sid):
         st = self.state.get(sid)
-        if st is None or not self.alive:
+        if st is None or not self.alive or self.silent:
             return
         committed, epoch, nxt = st
         prompt_len, full = self.script[sid]
@@ -311,3 +312,15 @@ def test_seeded_sampling_depends_on_the_seed_only(target_model, tokenizer, refer
     assert alone[0][0] == texts[0]
     assert texts != outs  # it sampled (greedy would reproduce the reference)
     assert sum(last.accepted_total for _, last in good) > 0  # and drafts were accepted
+
+
+def test_a_black_holed_draft_costs_little_waiting(target_model, tokenizer, reference):
+    """A draft stream that takes commits but never answers (a partition, not a close): the
+    text is unchanged, late drafts count as misses, speculation switches off and the
+    session stops waiting."""
+    results, engine, rounds = run_engine(target_model, tokenizer, reference, silent=True)
+    assert [t for t, _ in results] == reference[1]
+    waits = [r.draft_wait_ms for r in rounds if r.num_committed > 1]
+    late = waits[len(waits) // 2:]  # the second half of every session's rounds
+    assert sum(w > 1.0 for w in late) <= len(late) // 4, waits
+    assert all(engine.drafts.linked(s) or s.finished for s in engine.sessions.values())
