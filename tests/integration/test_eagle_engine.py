@@ -81,7 +81,10 @@ def run(target_model, proposer, prompts, sampling, max_new, die_after=None, stop
         sched = Scheduler(BlockManager(512, 16), SchedulerConfig(max_spec_tokens=4,
                                                                   max_num_seqs=batch),
                           CostModel())
-        engine = Engine(Executor(runner), sched, EngineConfig(max_sessions=4096),
+        # A generous wait bound: the head's first draft of a session (the whole prompt to
+        # read) is slower than the 25 ms default, and these sessions only have two rounds.
+        engine = Engine(Executor(runner), sched,
+                        EngineConfig(max_sessions=4096, max_draft_wait_ms=500),
                         target_model.cfg.vocab_size)
         worker = DraftWorker({Method.EAGLE: proposer},
                              Limits(target_model.cfg.vocab_size, 8192, max_sessions=4096))
