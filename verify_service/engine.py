@@ -234,8 +234,11 @@ class Engine:
         else:
             self._carried.pop(seq.seq_id, None)
         st = seq.stats
+        # Stats count the accepted drafts the session kept: a stop token or the length limit
+        # may cut the round after some of them (the EMA below still sees them all).
+        kept = min(len(accepted), len(new))
         st.rounds, st.drafted, st.accepted = (st.rounds + 1, st.drafted + s.num_drafts,
-                                              st.accepted + len(accepted))
+                                              st.accepted + kept)
         if s.num_drafts:
             seq.late_rounds = 0
             seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts,
@@ -244,10 +247,10 @@ class Engine:
             seq.late_rounds += 1
             seq.acceptance_ema = update_acceptance(seq.acceptance_ema, 1, 0)
         if self.metrics is not None:
-            self.metrics.observe_round(s.num_drafts, len(accepted), wait_ms,
+            self.metrics.observe_round(s.num_drafts, kept, wait_ms,
                                        timings.forward_ms, timings.rejection_ms)
         self._queues[seq.seq_id].put_nowait(self._output(
-            seq, new, s.num_drafts, len(accepted), wait_ms, timings,
+            seq, new, s.num_drafts, kept, wait_ms, timings,
             bonus=next_token is not None and len(accepted) == s.num_drafts))
         if outcome.features is not None:
             seq.keep_features(outcome.features)
