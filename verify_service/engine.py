@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from tandem.errors import AlreadyExists, ResourceExhausted
-from tandem.spec import Method
 from tandem.spec.cost import update_acceptance
 from tandem.telemetry import VerifierMetrics
 from verify_service.drafts import DraftSide

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import redis.asyncio as aioredis
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
