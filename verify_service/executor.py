@@ -195,11 +195,7 @@ def _coupled_verify(
     a sample of p), and a draft that shares the noise is accepted often."""
     gens = [make_generator(keyed_seed(s.sampling.seed, s.first_sampled_pos + j))
             for j in range(probs.shape[0])]
-    top = sample(probs, gens).tolist()  # [k + 1]
-    a = 0
-    while a < len(s.drafts) and s.drafts[a].token_id == top[a]:
-        a += 1
-    return top[:a], top[a], None
+    return _match(s.drafts, sample(probs, gens).tolist())
 
 
 def _greedy_verify(inputs: list[StepInput], logits: torch.Tensor):
@@ -212,8 +208,14 @@ def _greedy_verify(inputs: list[StepInput], logits: torch.Tensor):
     for s in inputs:
         row = top[at:at + len(s.drafts) + 1]
         at += len(row)
-        a = 0
-        while a < len(s.drafts) and s.drafts[a].token_id == row[a]:
-            a += 1
-        found.append((row[:a], row[a], None))
+        found.append(_match(s.drafts, row))
     return found
+
+
+def _match(drafts: list[DraftToken], tokens: list[int]) -> tuple[list[int], int, None]:
+    """The target's own tokens of a round ([k + 1]) against the drafts: accepted while they
+    agree, then the target's token at the first mismatch (recovered) or after the last (bonus)."""
+    a = 0
+    while a < len(drafts) and drafts[a].token_id == tokens[a]:
+        a += 1
+    return tokens[:a], tokens[a], None
