@@ -29,6 +29,10 @@ _FLAGS = (
     ("max_context_length", int, "longest sequence, 0 = the draft model's limit"),
     ("eagle_vocab", int, "draft from the EAGLE head's commonest N tokens only, 0 = all"),
     ("dtype", str, "draft model weight dtype: " + ", ".join(DTYPES)),
+    ("suffix_cache_tokens", int, "suffix decoding: finished tokens cached per scope, 0 = none"),
+    ("suffix_scope", str, "suffix decoding cache: one for all (global) or one per tenant"),
+    ("suffix_min_prob", float, "suffix decoding: stop a proposal below this estimated chance"),
+    ("suffix_spec_factor", float, "suffix decoding: at most this many drafts per matched token"),
     ("drain_grace_s", float, "on SIGTERM, keep streams drafting this long before ending them"),
 )
 
@@ -38,8 +42,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "draft", help="run a draft worker (DraftService over gRPC)",
         description="Serve DraftService: draft tokens for the sessions verifiers open, with a "
-                    "draft model or n-gram prompt lookup. Every flag also reads "
-                    "TANDEM_DRAFT_<FLAG> (e.g. TANDEM_DRAFT_PORT).")
+                    "draft model, an EAGLE head, suffix decoding or n-gram prompt lookup. "
+                    "Every flag also reads TANDEM_DRAFT_<FLAG> (e.g. TANDEM_DRAFT_PORT).")
     add_flag(p, "--model", "TANDEM_DRAFT_MODEL",
              help="draft checkpoint directory, or 'none' for n-gram lookup only (default: the "
                   "shipped draft if present, else n-gram only)")

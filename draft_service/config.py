@@ -4,7 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from draft_service.proposers.suffix import SuffixConfig
+
 DTYPES = ("float32", "bfloat16", "float16")
+SUFFIX_SCOPES = ("global", "tenant")
 
 
 def _is_int(x: object) -> bool:
@@ -32,6 +35,12 @@ class DraftConfig:
     max_ngram_size: int = 3
     max_context_length: int = 0  # 0 = the draft model's limit (n-gram only: 32768)
     dtype: str = "float32"
+    # Suffix decoding: finished tokens held per scope (0 = own sequence only), one cache for
+    # all ("global") or one per tenant ("tenant"), and its confidence knobs.
+    suffix_cache_tokens: int = 262_144
+    suffix_scope: str = "global"
+    suffix_min_prob: float = 0.1
+    suffix_spec_factor: float = 1.0
     drain_grace_s: float = 5.0  # SIGTERM: streams keep drafting this long, then UNAVAILABLE
 
     def __post_init__(self) -> None:
@@ -60,11 +69,20 @@ class DraftConfig:
         if not (_is_int(self.max_context_length) and self.max_context_length >= 0):
             raise ValueError(f"max_context_length must be an int >= 0 (0 = the model's), got "
                              f"{self.max_context_length!r}")
+        if self.suffix_scope not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix_scope must be one of {', '.join(SUFFIX_SCOPES)}, got "
+                             f"{self.suffix_scope!r}")
+        self.suffix_config()  # validates the suffix knobs
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         grace = self.drain_grace_s
         if not (isinstance(grace, (int, float)) and math.isfinite(grace) and grace >= 0):
             raise ValueError(f"drain_grace_s must be a finite number >= 0, got {grace!r}")
+
+    def suffix_config(self) -> SuffixConfig:
+        return SuffixConfig(min_prob=self.suffix_min_prob, spec_factor=self.suffix_spec_factor,
+                            cache_tokens=self.suffix_cache_tokens,
+                            per_tenant=self.suffix_scope == "tenant")
 
     @property
     def address(self) -> str:

@@ -28,6 +28,7 @@ from draft_service.limits import Limits
 from draft_service.proposers.draft_model import DraftModelProposer
 from draft_service.proposers.eagle import EagleProposer
 from draft_service.proposers.ngram import NgramProposer
+from draft_service.proposers.suffix import SuffixProposer
 from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.worker import DraftWorker
 from tandem import telemetry
@@ -90,6 +91,7 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
         _check_eagle_tokens(eagle, model)
         proposers[Method.EAGLE] = eagle
     proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_run_ahead_cap)
+    proposers[Method.SUFFIX] = SuffixProposer(config.suffix_config(), config.max_run_ahead_cap)
     model_id, tok_hash, vocab = _token_space(config, model)
     context = model.max_context_length if model is not None else _NGRAM_CONTEXT
     if Method.EAGLE in proposers:

@@ -29,7 +29,7 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
             s.top_p if s.top_p != 0 else 1.0,  # proto3 default 0 means "off", like 1
             s.seed if s.HasField("seed") else None, o.method, o.max_run_ahead, o.top_n,
             o.epoch, o.max_ngram_size, trace_context=tuple(o.trace_context.items()),
-            features=_features(o))
+            features=_features(o), tenant=o.tenant)
     if which == "commit":
         c = msg.commit
         return Commit(c.session_id, c.epoch, c.start_position, list(c.token_ids),

@@ -100,6 +100,7 @@ class Session:
     generation: int = 0  # bumped whenever outstanding drafts are discarded
     stalled: bool = False  # the proposer had nothing for this exact sequence
     features: FeatureStore | None = None  # EAGLE sessions: the target's features so far
+    tenant: str = ""
 
     @property
     def length(self) -> int:
@@ -117,4 +118,5 @@ class Session:
             num_committed=len(self.committed), max_tokens=self.max_run_ahead - len(self.drafts),
             sampling=self.sampling, top_n=self.top_n, max_ngram_size=self.max_ngram_size,
             generator=generator,
-            features=None if self.features is None else self.features.view())
+            features=None if self.features is None else self.features.view(),
+            tenant=self.tenant)

@@ -32,6 +32,7 @@ from tandem.spec import (
     DraftResult,
     ErrorCode,
     Invalid,
+    Learner,
     Method,
     Open,
     Proposal,
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 # Longer suffixes almost never match again and each length tried costs a scan of the context.
 _MAX_NGRAM_SIZE = 64
+_MAX_TENANT_LEN = 128  # a tenant names a cache: bound what a peer can make us hold
 
 # One step's work per method: (session, its generation when asked, the request).
 _Jobs = dict[Method, list[tuple[Session, int, DraftRequest]]]
@@ -138,7 +140,7 @@ class DraftWorker:
             max_run_ahead=min(cmd.max_run_ahead or lim.max_run_ahead, lim.max_run_ahead_cap),
             top_n=min(cmd.top_n or lim.top_n, lim.max_top_n),
             max_ngram_size=min(cmd.max_ngram_size or lim.max_ngram_size, _MAX_NGRAM_SIZE),
-            seed=cmd.seed)
+            seed=cmd.seed, tenant=cmd.tenant[:_MAX_TENANT_LEN])
         if method.needs_features:
             session.features = FeatureStore(self.proposers[method].feature_size)
             if cmd.features is not None:
@@ -215,6 +217,8 @@ class DraftWorker:
         # On the forward thread, after any step in flight that still uses the state; a
         # RuntimeError means the executor is shut down because the worker is closing.
         with contextlib.suppress(RuntimeError):
+            if isinstance(proposer, Learner):  # the final text: commits since the last step too
+                self._executor.submit(proposer.learn, session.tenant, list(session.committed))
             self._executor.submit(proposer.release, session.key)
 
     # --- drafting loop ------------------------------------------------------------------------

@@ -156,6 +156,14 @@ async def _authorize(gw: _Gateway, request: Request) -> None:
                            "minute", math.ceil(retry_after))
 
 
+def _tenant(gw: _Gateway, request: Request) -> str:
+    """Who the draft side may keep state for: the key's digest when keys are configured
+    (already checked by _authorize), else anonymous."""
+    if not gw.config.auth_enabled:
+        return ""
+    return identity(request.headers.get("authorization", "").partition(" ")[2].strip(), None)
+
+
 async def _health(gw: _Gateway) -> dict:
     try:
         redis_ok = bool(await gw.breaker.call(gw.redis.ping))
@@ -190,7 +198,8 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
         with trace.use_span(span, end_on_exit=False):
             plan, text = await build_plan(req, sid, config=gw.config, router=gw.router,
                                           tokenizer=gw.tokenizer)
-            plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()))
+            plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()),
+                           tenant=_tenant(gw, request))
             try:
                 await gw.deps.store.create(sid, model=gw.config.model_name,
                                            prompt_token_ids=plan.prompt_token_ids)

@@ -27,6 +27,7 @@ class GenerationPlan:
     method: Method
     num_speculative_tokens: int
     affinity_key: str | None = None
+    tenant: str = ""  # a digest of the API key (auth on), else "": scopes suffix caches
     trace_metadata: tuple[tuple[str, str], ...] = ()  # W3C context for the verifier call
 
 

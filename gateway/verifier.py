@@ -92,7 +92,7 @@ def build_request(plan: GenerationPlan, committed: Sequence[int],
                                              ignore_eos=plan.ignore_eos),
         speculation=verify_pb2.SpeculationConfig(
             method=int(plan.method), num_speculative_tokens=plan.num_speculative_tokens,
-            draft_address=draft_address))
+            draft_address=draft_address, tenant=plan.tenant))
 
 
 class GenerateCall:

@@ -87,7 +87,8 @@ class DraftSide:
         link.send(Open(session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                        method=p.method, max_run_ahead=self.max_run_ahead, top_n=self.top_n,
-                       trace_context=p.trace_context, features=seq.all_features()))
+                       trace_context=p.trace_context, features=seq.all_features(),
+                       tenant=p.tenant))
 
     def commit(self, seq: Sequence, start: int, tokens: list[int],
                features: Features | None = None, run_ahead: int | None = None) -> None:

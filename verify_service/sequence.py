@@ -35,6 +35,7 @@ class GenerateParams:
     method: Method = Method.NONE
     num_speculative_tokens: int = 0  # 0 = server default
     draft_address: str = ""
+    tenant: str = ""  # passed on to the draft worker (per-tenant suffix caches)
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers for the draft's span
 
     def __post_init__(self):

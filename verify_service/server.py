@@ -60,7 +60,8 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
         committed=tuple(req.committed_token_ids), sampling=sampling,
         max_new_tokens=req.stopping.max_new_tokens,
         stop_token_ids=frozenset(req.stopping.stop_token_ids), method=method,
-        num_speculative_tokens=spec.num_speculative_tokens, draft_address=spec.draft_address)
+        num_speculative_tokens=spec.num_speculative_tokens, draft_address=spec.draft_address,
+        tenant=spec.tenant)
 
 
 def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:

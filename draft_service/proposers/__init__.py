@@ -2,4 +2,6 @@
 
 draft_model: a small causal LM over the shared paged engine (tandem.engine).
 ngram: prompt lookup, no model.
+eagle: a feature head on the target's hidden states.
+suffix: suffix decoding over this and earlier sequences, no model.
 """

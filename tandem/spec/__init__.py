@@ -1,7 +1,13 @@
 """The speculation vocabulary shared by every service: methods, the draft-link messages,
 the proposer interface and the Leviathan cost model (DESIGN.md, "The speculation loop")."""
 from tandem.spec.methods import API_NAMES, Method
-from tandem.spec.proposer import DraftRequest, DraftResult, Proposer, propose_isolated
+from tandem.spec.proposer import (
+    DraftRequest,
+    DraftResult,
+    Learner,
+    Proposer,
+    propose_isolated,
+)
 from tandem.spec.protocol import (
     Close,
     Commit,
@@ -17,5 +23,5 @@ from tandem.spec.protocol import (
 )
 
 __all__ = ["API_NAMES", "Close", "Commit", "Control", "DraftRequest", "DraftResult",
-           "DraftToken", "ErrorCode", "Features", "Invalid", "Method", "Open", "Proposal",
-           "Proposer", "Reply", "SessionError", "propose_isolated"]
+           "DraftToken", "ErrorCode", "Features", "Invalid", "Learner", "Method", "Open",
+           "Proposal", "Proposer", "Reply", "SessionError", "propose_isolated"]

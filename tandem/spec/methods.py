@@ -17,6 +17,7 @@ class Method(enum.IntEnum):
     DRAFT_MODEL = 2  # a separate small causal LM (draft worker)
     NGRAM = 3  # prompt lookup, no model (draft worker)
     EAGLE = 4  # a feature head on the target's hidden states (draft worker)
+    SUFFIX = 5  # suffix decoding over this and earlier sequences, no model (draft worker)
 
     @property
     def needs_features(self) -> bool:

@@ -47,6 +47,7 @@ class DraftRequest:
     max_ngram_size: int = 3
     generator: torch.Generator | None = None  # the session's draft RNG (seeded requests)
     features: torch.Tensor | None = None  # [num_committed, hidden] target states, for heads
+    tenant: str = ""  # who asked (the gateway's API-key tenant); "" = anonymous
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,16 @@ class Proposer(Protocol):
 
     def release(self, key: Hashable) -> None:
         """Forget a session's cached state (KV blocks); unknown keys are ignored."""
+        ...
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """A proposer that also learns from finished sessions (suffix decoding's cache)."""
+
+    def learn(self, tenant: str, token_ids: list[int]) -> None:
+        """A session ended with these committed tokens (prompt and output); tenant may scope
+        what is learnt ("" = anonymous)."""
         ...
 
 

@@ -84,6 +84,7 @@ class Open:
     max_ngram_size: int = 0
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers for the draft's span
     features: Features | None = None  # EAGLE: target features computed so far
+    tenant: str = ""  # who asked; methods with shared state may keep it per tenant
 
 
 @dataclass(frozen=True)

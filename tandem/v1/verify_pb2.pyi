@@ -30,14 +30,16 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SpeculationConfig(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "draft_address")
+    __slots__ = ("method", "num_speculative_tokens", "draft_address", "tenant")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     method: _common_pb2.SpeculationMethod
     num_speculative_tokens: int
     draft_address: str
-    def __init__(self, method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_address: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_address: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "committed_token_ids", "sampling", "stopping", "speculation")

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.contract
 
 DRAFT_MODEL = common_pb2.SPECULATION_METHOD_DRAFT_MODEL
 NGRAM = common_pb2.SPECULATION_METHOD_NGRAM
+SUFFIX = common_pb2.SPECULATION_METHOD_SUFFIX
 E = draft_pb2  # error codes: E.DRAFT_ERROR_CODE_*
 
 
@@ -65,11 +66,11 @@ def config(model, **kw):
 
 
 def open_msg(sid, tokens, method=DRAFT_MODEL, epoch=0, run_ahead=4, temperature=0.0, top_n=0,
-             **kw):
+             tenant="", **kw):
     sampling = common_pb2.SamplingParams(temperature=temperature, **kw)
     return draft_pb2.DraftControl(open=draft_pb2.OpenSession(
         session_id=sid, token_ids=tokens, sampling=sampling, method=method,
-        max_run_ahead=run_ahead, epoch=epoch, top_n=top_n))
+        max_run_ahead=run_ahead, epoch=epoch, top_n=top_n, tenant=tenant))
 
 
 def commit_msg(sid, epoch, start, tokens):
@@ -236,6 +237,30 @@ def test_ngram_sessions_send_one_message_per_token(tiny_draft):
     with_server(config(tiny_draft), scenario)
 
 
+def test_suffix_sessions_draft_from_earlier_sessions_of_their_tenant(tiny_draft):
+    answer = list(range(300, 312))
+    question = [20, 21, 22, 23, 24, 25]
+
+    async def scenario(app, channel):
+        call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+        # a finished session of tenant "t1": its text goes into t1's cache on close
+        await call.write(open_msg("a", question + answer, method=SUFFIX, tenant="t1"))
+        await call.write(draft_pb2.DraftControl(close=draft_pb2.CloseSession(session_id="a")))
+        await call.write(open_msg("b", question, method=SUFFIX, run_ahead=4, tenant="t1"))
+        got, _ = await read(call, {"b": 4})
+        assert [p.token_id for p in got["b"]] == answer[:4]
+        assert all(not p.q.token_ids for p in got["b"])  # one-hot
+        # another tenant shares nothing; it is stalled (no drafts) until a commit
+        await call.write(open_msg("c", question, method=SUFFIX, run_ahead=4, tenant="t2"))
+        await call.write(open_msg("d", [7, 8, 9, 5, 7, 8, 9], method=SUFFIX, run_ahead=1,
+                                  tenant="t2"))  # its own text still drafts
+        got, _ = await read(call, {"d": 1})
+        assert [p.token_id for p in got["d"]] == [5] and not got.get("c")
+        call.cancel()
+
+    with_server(config(tiny_draft, suffix_scope="tenant"), scenario)
+
+
 def test_health_reflection_and_info(tiny_draft, target_paths):
     async def scenario(app, channel):
         health = health_pb2_grpc.HealthStub(channel)
@@ -253,7 +278,7 @@ def test_health_reflection_and_info(tiny_draft, target_paths):
         assert info.role == common_pb2.WORKER_ROLE_DRAFT
         assert info.tokenizer_hash == tokenizer_hash(target_paths)
         assert (info.vocab_size, info.max_context_length) == (49152, 256)
-        assert list(info.methods) == [DRAFT_MODEL, NGRAM]
+        assert list(info.methods) == [DRAFT_MODEL, NGRAM, SUFFIX]
         assert info.max_speculative_tokens == 16 and info.max_top_n == 64 and info.version
 
     with_server(config(tiny_draft), scenario)
@@ -263,7 +288,7 @@ def test_ngram_only_worker_info(target_paths):
     async def scenario(app, channel):
         info = await draft_pb2_grpc.DraftServiceStub(channel).Info(common_pb2.InfoRequest(),
                                                                    timeout=5)
-        assert list(info.methods) == [NGRAM] and info.model_id == "ngram"
+        assert list(info.methods) == [NGRAM, SUFFIX] and info.model_id == "ngram"
         assert info.tokenizer_hash == tokenizer_hash(target_paths)
         call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
         await call.write(open_msg("d", [1, 2], method=DRAFT_MODEL))

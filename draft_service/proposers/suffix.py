@@ -1,0 +1,259 @@
+"""Suffix decoding (ArcticInference's SuffixDecoding, vLLM's `suffix` method), no model.
+
+Two corpora are searched for the longest earlier occurrence of the sequence's tail: the
+session's own committed tokens (prompt and output so far, as prompt lookup does) and a cache of
+earlier finished sequences (prompt and output), global or per tenant, bounded in tokens and
+evicted oldest first. Every occurrence of that longest match votes for its continuation: the
+proposal follows the most frequent token at each step, and stops once the estimated chance that
+the whole proposal is right (the product of the vote shares) falls below `min_prob`, or at
+`spec_factor` x the match length, so a long confident match drafts far and a short or
+ambiguous one drafts little. Of the two corpora's proposals the one with the larger expected
+accepted length wins. Strong where outputs repeat: the same question asked again, agent loops,
+code edits. Proposals are deterministic, so q is one-hot (as for ngram).
+
+Occurrences are found through an index from each `anchor`-gram to the positions that follow it,
+then extended backwards (vectorised over occurrences) to measure each match's length.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.spec import DraftRequest, DraftResult, DraftToken, Method
+
+_SEP = -1  # between sequences in a corpus: no match or continuation crosses it
+
+
+class TokenLog:
+    """Token sequences laid end to end, with an index from each anchor-gram to the positions
+    right after its occurrences (ascending). Appending is amortised O(anchor) per token."""
+
+    def __init__(self, anchor: int):
+        self.anchor = anchor
+        self.buf = np.full(1024, _SEP, dtype=np.int64)
+        self.length = 0
+        self.index: dict[tuple[int, ...], list[int]] = {}
+
+    @property
+    def tokens(self) -> np.ndarray:  # [length]
+        return self.buf[:self.length]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the current sequence and index the anchor-grams they complete."""
+        n, start = len(tokens), self.length
+        if n == 0:
+            return
+        if start + n > len(self.buf):
+            grown = np.full(max(2 * len(self.buf), start + n), _SEP, dtype=np.int64)
+            grown[:start] = self.buf[:start]
+            self.buf = grown
+        self.buf[start:start + n] = tokens
+        self.length = start + n
+        a, lo = self.anchor, max(0, start - self.anchor + 1)
+        window = self.buf[lo:self.length].tolist()
+        for end in range(max(start, a - 1), self.length):  # the gram ending at position end
+            gram = tuple(window[end - a + 1 - lo:end + 1 - lo])
+            if _SEP not in gram:
+                self.index.setdefault(gram, []).append(end + 1)
+
+    def end_sequence(self) -> None:
+        self.extend([_SEP])
+
+    def candidates(self, tail: tuple[int, ...], limit: int, live_start: int = 0) -> np.ndarray:
+        """Positions after the most recent `limit` occurrences of tail that have a continuation."""
+        found = self.index.get(tail)
+        if not found:
+            return np.empty(0, dtype=np.int64)
+        pos = np.asarray(found[-limit:], dtype=np.int64)
+        pos = pos[(pos >= live_start + self.anchor) & (pos < self.length)]
+        return pos[self.buf[pos] != _SEP] if len(pos) else pos
+
+
+@dataclass(frozen=True)
+class Speculation:
+    tokens: list[int]
+    score: float  # expected accepted tokens: the sum of the prefix probabilities
+    match_len: int
+
+
+_NOTHING = Speculation([], 0.0, 0)
+
+
+def speculate(log: TokenLog, context: Sequence[int], max_tokens: int, *, max_match: int = 32,
+              min_prob: float = 0.1, spec_factor: float = 1.0, max_candidates: int = 256,
+              live_start: int = 0) -> Speculation:
+    """Up to max_tokens tokens continuing context, voted by its longest matches in log."""
+    a = log.anchor
+    if max_tokens < 1 or len(context) < a:
+        return _NOTHING
+    pos = log.candidates(tuple(context[-a:]), max_candidates, live_start)
+    if len(pos) == 0:
+        return _NOTHING
+    match = _match_lengths(log, context, pos, max_match, live_start)
+    best = int(match.max())
+    pos = pos[match == best]  # [n] the longest matches' continuation starts
+    limit = min(max_tokens, max(1, math.ceil(spec_factor * best)))
+    cols = pos[:, None] + np.arange(limit)  # [n, limit]
+    rows = np.where(cols < log.length, log.buf[np.minimum(cols, len(log.buf) - 1)], _SEP)
+    alive = np.ones(len(pos), dtype=bool)
+    tokens: list[int] = []
+    prob, score = 1.0, 0.0
+    for j in range(limit):
+        col = rows[alive, j]
+        votes = col[col != _SEP]
+        if len(votes) == 0:
+            break
+        values, counts = np.unique(votes, return_counts=True)
+        top = counts.max()
+        tied = values[counts == top]
+        # Ties go to the most recent occurrence's token: recent text predicts better.
+        token = int(tied[0]) if len(tied) == 1 else int(col[np.isin(col, tied)][-1])
+        prob *= top / len(col)  # sequences that ended here vote for stopping
+        if prob < min_prob:
+            break
+        tokens.append(token)
+        score += prob
+        alive &= rows[:, j] == token
+    return Speculation(tokens, score, best)
+
+
+def _match_lengths(log: TokenLog, context: Sequence[int], pos: np.ndarray, max_match: int,
+                   live_start: int) -> np.ndarray:
+    """[n] how many tokens before each position in pos agree with context's tail."""
+    a = log.anchor
+    depth = min(max_match, len(context))
+    match = np.full(len(pos), a, dtype=np.int64)
+    tail = np.asarray(context[-depth:], dtype=np.int64)[::-1]  # tail[i] = context[-1 - i]
+    alive = np.ones(len(pos), dtype=bool)
+    for i in range(a, depth):
+        idx = pos - 1 - i
+        ok = alive & (idx >= live_start) & (log.buf[np.maximum(idx, 0)] == tail[i])
+        if not ok.any():
+            break
+        match += ok
+        alive = ok
+    return match
+
+
+class SequenceCache:
+    """Finished sequences, oldest evicted first once more than max_tokens are held."""
+
+    def __init__(self, anchor: int, max_tokens: int):
+        self.anchor, self.max_tokens = anchor, max_tokens
+        self.log = TokenLog(anchor)
+        self.live_start = 0
+        self._spans: deque[tuple[int, int]] = deque()  # [start, end) of each held sequence
+
+    @property
+    def held_tokens(self) -> int:
+        return self.log.length - self.live_start
+
+    def add(self, tokens: Sequence[int]) -> None:
+        tokens = list(tokens)[-self.max_tokens:]
+        if len(tokens) <= self.anchor:
+            return
+        start = self.log.length
+        self.log.extend(tokens)
+        self.log.end_sequence()
+        self._spans.append((start, self.log.length))
+        while self.held_tokens > self.max_tokens and self._spans:
+            self._spans.popleft()
+            self.live_start = self._spans[0][0] if self._spans else self.log.length
+        if self.live_start > self.max_tokens:  # dead space as big as the budget: compact
+            self._compact()
+
+    def _compact(self) -> None:
+        held = [self.log.buf[s:e - 1].tolist() for s, e in self._spans]
+        self.log, self.live_start, self._spans = TokenLog(self.anchor), 0, deque()
+        for seq in held:
+            start = self.log.length
+            self.log.extend(seq)
+            self.log.end_sequence()
+            self._spans.append((start, self.log.length))
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """Suffix decoding's knobs (flags `--suffix-*` on `tandem draft`)."""
+
+    anchor: int = 3  # tokens an occurrence must share with the tail before it is a candidate
+    max_match: int = 32  # longest match measured
+    min_prob: float = 0.1  # stop a proposal once its estimated chance falls below this
+    spec_factor: float = 1.0  # draft at most this many tokens per matched token
+    max_candidates: int = 256  # most recent occurrences considered per lookup
+    cache_tokens: int = 262_144  # finished tokens held per scope (0 = no cross-request cache)
+    per_tenant: bool = False  # one cache per tenant instead of one shared by all
+    max_tenants: int = 64  # per_tenant: caches held, least recently used dropped
+
+    def __post_init__(self) -> None:
+        for name in ("anchor", "max_match", "max_candidates", "max_tenants"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"suffix {name} must be an int >= 1, got {value!r}")
+        if not (isinstance(self.cache_tokens, int) and self.cache_tokens >= 0):
+            raise ValueError(f"suffix cache_tokens must be an int >= 0, got "
+                             f"{self.cache_tokens!r}")
+        if self.max_match < self.anchor:
+            raise ValueError(f"suffix max_match {self.max_match} is below anchor {self.anchor}")
+        if not (isinstance(self.min_prob, (int, float)) and 0.0 <= self.min_prob <= 1.0):
+            raise ValueError(f"suffix min_prob must be in [0, 1], got {self.min_prob!r}")
+        factor = self.spec_factor
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"suffix spec_factor must be a finite number > 0, got {factor!r}")
+
+
+class SuffixProposer:
+    """Suffix decoding behind the Proposer (and Learner) interface. State: each open session's
+    own token log, and per scope a cache of finished sessions' text (fed by learn())."""
+
+    method = Method.SUFFIX
+
+    def __init__(self, config: SuffixConfig | None = None, num_speculative_tokens: int = 16):
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.config = config or SuffixConfig()
+        self.num_speculative_tokens = num_speculative_tokens
+        self._own: dict[Hashable, TokenLog] = {}  # key -> the session's committed tokens
+        self._caches: OrderedDict[str, SequenceCache] = OrderedDict()
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
+        return [self._propose_one(req) for req in requests]
+
+    def _propose_one(self, req: DraftRequest) -> DraftResult:
+        c = self.config
+        tenant = req.tenant if c.per_tenant else ""
+        own = self._own.setdefault(req.key, TokenLog(c.anchor))
+        if own.length < req.num_committed:  # committed tokens never change: index the new ones
+            own.extend(req.token_ids[own.length:req.num_committed])
+        k = min(req.max_tokens, self.num_speculative_tokens)
+        knobs = dict(max_match=c.max_match, min_prob=c.min_prob, spec_factor=c.spec_factor,
+                     max_candidates=c.max_candidates)
+        best = speculate(own, req.token_ids, k, **knobs)
+        cache = self._caches.get(tenant)
+        if cache is not None:
+            self._caches.move_to_end(tenant)
+            other = speculate(cache.log, req.token_ids, k, live_start=cache.live_start, **knobs)
+            if other.score > best.score:
+                best = other
+        return DraftResult([DraftToken(t) for t in best.tokens])
+
+    def release(self, key: Hashable) -> None:
+        self._own.pop(key, None)
+
+    def learn(self, tenant: str, token_ids: list[int]) -> None:
+        """Cache a finished session's text (prompt and output) in its scope."""
+        c = self.config
+        if c.cache_tokens == 0:
+            return
+        tenant = tenant if c.per_tenant else ""
+        cache = self._caches.get(tenant)
+        if cache is None:
+            cache = self._caches[tenant] = SequenceCache(c.anchor, c.cache_tokens)
+            while len(self._caches) > c.max_tenants:
+                self._caches.popitem(last=False)
+        self._caches.move_to_end(tenant)
+        cache.add(token_ids)

@@ -1,0 +1,95 @@
+"""In-process plumbing for engine tests: a verifier Engine whose draft link goes straight
+into a real DraftWorker's stream (no gRPC), so the real proposers draft for the real engine."""
+import asyncio
+
+from draft_service.limits import Limits
+from draft_service.worker import DraftWorker
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.model_runner import ModelRunner
+from tandem.spec import Proposal
+from tandem.spec.cost import CostModel
+from verify_service.engine import Engine, EngineConfig
+from verify_service.executor import Executor
+from verify_service.scheduler import Scheduler, SchedulerConfig
+from verify_service.sequence import GenerateParams
+
+
+class WorkerLink:
+    """A verifier's draft link straight into a DraftWorker's stream."""
+
+    def __init__(self, engine, worker, die_after=None):
+        self.engine, self.worker, self.address = engine, worker, "inproc"
+        self.stream = worker.open_stream()
+        self.alive, self.proposals, self.die_after = True, 0, die_after
+        self.features_rows = 0
+        self._pump = asyncio.get_running_loop().create_task(self._run())
+
+    def send(self, msg):
+        if self.alive:
+            f = getattr(msg, "features", None)
+            self.features_rows += 0 if f is None else f.rows
+            self.worker.handle(self.stream, msg)
+
+    async def _run(self):
+        while self.alive:
+            item = await self.stream.get()
+            if item is None:
+                return
+            self.engine.drafts.on_reply(self, item)
+            self.proposals += isinstance(item, Proposal)
+            if self.die_after is not None and self.proposals >= self.die_after:
+                self.alive = False  # the worker vanishes mid-stream
+                self.engine.drafts.on_link_broken(self)
+
+
+class OnePool:
+    def __init__(self, link):
+        self.link = link
+
+    async def get(self, hint=""):
+        return self.link if self.link.alive else None
+
+    def mark_failed(self, address):
+        pass
+
+    async def close(self):
+        pass
+
+
+def run_sessions(target_model, proposers, method, prompts, sampling, max_new, die_after=None,
+                 stop=(), batch=64):
+    """Generate every prompt through the engine with `method`'s proposer in a DraftWorker:
+    (token lists, drafted, accepted, link)."""
+    async def main():
+        runner = ModelRunner(target_model, 512, 16)
+        sched = Scheduler(BlockManager(512, 16), SchedulerConfig(max_spec_tokens=4,
+                                                                  max_num_seqs=batch),
+                          CostModel())
+        # A generous wait bound: the head's first draft of a session (the whole prompt to
+        # read) is slower than the 25 ms default, and these sessions only have two rounds.
+        engine = Engine(Executor(runner), sched,
+                        EngineConfig(max_sessions=4096, max_draft_wait_ms=500),
+                        target_model.cfg.vocab_size)
+        worker = DraftWorker(proposers,
+                             Limits(target_model.cfg.vocab_size, 8192, max_sessions=4096))
+        link = WorkerLink(engine, worker, die_after)
+        engine.drafts.pool = OnePool(link)
+        loop = asyncio.create_task(engine.run())
+        queues = [engine.submit(GenerateParams(
+            session_id=f"s{i}", prompt=tuple(p), committed=(),
+            sampling=sampling,
+            max_new_tokens=max_new, stop_token_ids=frozenset(stop), method=method))
+            for i, p in enumerate(prompts)]
+        results, drafted, accepted = [], 0, 0
+        for q in queues:
+            tokens, last = [], None
+            while last is None or last.finish_reason is None:
+                last = await asyncio.wait_for(q.get(), 120)
+                tokens += last.token_ids
+            results.append(tokens)
+            drafted, accepted = drafted + last.drafted_total, accepted + last.accepted_total
+        loop.cancel()
+        await worker.aclose()
+        return results, drafted, accepted, link
+
+    return asyncio.run(main())
