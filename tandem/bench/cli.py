@@ -2,6 +2,7 @@
 
   tandem bench --quick                   # ~5 min: one prompt per category, 64 tokens
   tandem bench                           # everything: 15 prompts, 128 tokens, T=0 and 0.7
+  tandem bench --workload repetitive     # questions asked again, code edits: suffix vs ngram
   tandem bench --report results/bench-2026-11-21/results.json   # re-render only
 """
 from __future__ import annotations
@@ -53,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="", help="results folder (default results/bench-<date>)")
     p.add_argument("--docs", default="docs", help="write <docs>/benchmarks.md and <docs>/img "
                    "(default %(default)s); '' to skip")
+    p.add_argument("--workload", choices=("standard", "repetitive"), default="standard",
+                   help="standard: every method on the prompt set; repetitive: chat questions "
+                        "and code edits asked again (plain, ngram, suffix, transformers plain "
+                        "and prompt lookup), written to <docs>/benchmarks-repetitive.md")
+    p.add_argument("--repeats", type=int, default=3, help="repetitive workload: times each "
+                   "request is asked (default %(default)s)")
     p.add_argument("--report", metavar="RESULTS_JSON", help="only re-render the report and "
                    "plots from a saved results.json")
 
@@ -82,6 +89,13 @@ def cmd_bench(args) -> int:
     from tandem.bench.report import write_outputs
 
     docs = Path(args.docs) if args.docs else None
+    if args.workload == "repetitive" or args.report:
+        if args.repeats < 1:
+            print("--repeats must be >= 1", file=sys.stderr)
+            return 2
+        code = _repetitive(args, docs)
+        if code is not None:
+            return code
     if args.report:
         result = json.loads(Path(args.report).read_text())
         result = _restore(result)
@@ -103,6 +117,32 @@ def cmd_bench(args) -> int:
     if not result.get("runs") and not result.get("concurrency"):
         return code or 1
     _print_summary(write_outputs(result, out, docs), out)
+    return code
+
+
+def _repetitive(args, docs: Path | None) -> int | None:
+    """The repetitive workload (run, or re-render a saved one); None: not this workload."""
+    from tandem.bench import repetitive
+
+    if args.report:
+        result = _restore(json.loads(Path(args.report).read_text()))
+        if result.get("meta", {}).get("workload") != "repetitive":
+            return None
+        out = Path(args.out) if args.out else Path(args.report).parent
+        repetitive.write_outputs(result, out, docs)
+        return 0
+    out = Path(args.out or f"results/bench-repetitive-{time.strftime('%Y-%m-%d', time.gmtime())}")
+    result: dict = {}
+    code = 0
+    try:
+        repetitive.run_repetitive(config_from_args(args), args.repeats, result, out)
+    except KeyboardInterrupt:
+        print("interrupted: writing what was measured", file=sys.stderr)
+        result.setdefault("meta", {})["incomplete"] = "interrupted"
+        code = 130
+    if not result.get("rows"):
+        return code or 1
+    repetitive.write_outputs(result, out, docs)
     return code
 
 

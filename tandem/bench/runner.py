@@ -30,6 +30,12 @@ SPEC_METHODS = tuple(m for m in API_NAMES if m != Method.NONE.api_name)  # those
 ROUND_METHODS = (Method.NONE.api_name, *SPEC_METHODS)
 
 
+# Every prompt is asked several times in a run (per temperature, then direct): with its
+# cross-request cache on, suffix would draft from the run's own earlier answers. The standard
+# run measures it on prompts it has not seen; `--workload repetitive` measures the cache.
+SUFFIX_CACHE_OFF = {"TANDEM_DRAFT_SUFFIX_CACHE_TOKENS": "0"}
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     max_tokens: int = 128
@@ -285,6 +291,7 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
     result.update({"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                             "machine": machine(), "config": asdict(cfg), "target": target,
                             "draft": draft, "draft_info": draft_info,
+                            "suffix_cache": "off (own text only; see --workload repetitive)",
                             "prompt_tokens": {p["id"]: len(ids[p["id"]]) for p in prompts}},
                    "runs": [], "rounds": [], "concurrency": []})
     with tqdm(total=_jobs(cfg, len(prompts)), unit="run") as bar:
@@ -303,7 +310,7 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
         cluster = Cluster(ClusterConfig(num_drafts=1, num_verifiers=1, gateway_port=free_port(),
                                         model=cfg.model, draft_model=draft, eagle=eagle,
                                         threads=cfg.threads),
-                          log=lambda m: None)
+                          log=lambda m: None, env=dict(SUFFIX_CACHE_OFF))
         try:
             with _children_log_to(ctx.out_dir / "cluster.log"):
                 cluster.start()
