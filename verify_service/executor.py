@@ -17,6 +17,15 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Features
 from verify_service.rejection import SpecDecodeMetadata, is_chain, verify
 
+# Tokens per forward the verifier times at start-up (k + 1 of a round); past 8 the curve is
+# near linear here, so two points cover up to 16 drafts.
+CALIBRATION_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 17)
+
+
+def calibration_counts(max_spec_tokens: int) -> tuple[int, ...]:
+    """The counts a verifier with this k cap ever runs for one session."""
+    return tuple(q for q in CALIBRATION_COUNTS if q <= max_spec_tokens + 1) or (1,)
+
 
 @dataclass(frozen=True)
 class StepInput:
@@ -61,7 +70,7 @@ class Executor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def calibrate(self, token_counts=(1, 2, 3, 4, 5, 6, 8), reps: int = 3,
+    def calibrate(self, token_counts=CALIBRATION_COUNTS, reps: int = 3,
                   context: int = 64) -> dict[int, float]:
         """Median ms of a forward over q new tokens after `context` cached ones, per q: the
         verify-cost curve of this machine now. Runs before serving, in the cache's first

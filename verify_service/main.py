@@ -23,7 +23,7 @@ from tandem.v1 import common_pb2, verify_pb2_grpc
 from verify_service.config import VerifierConfig
 from verify_service.draft_link import DraftPool
 from verify_service.engine import Engine, EngineConfig
-from verify_service.executor import Executor
+from verify_service.executor import Executor, calibration_counts
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.server import SERVICE_NAME, VerifyServicer
 
@@ -73,7 +73,8 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     calibrated = {}
     if config.calibrate_reps:
         calibrated = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: executor.calibrate(reps=config.calibrate_reps))
+            None, lambda: executor.calibrate(calibration_counts(config.max_spec_tokens),
+                                     reps=config.calibrate_reps))
         log.info("verify cost by tokens per forward (ms): %s",
                  {q: round(ms, 1) for q, ms in calibrated.items()})
     scheduler = Scheduler(BlockManager(runner.num_blocks, runner.block_size), sched_cfg,
