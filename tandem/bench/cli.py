@@ -28,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "greedy-only peers and round stats, concurrency 1,4,8")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 128; "
                    "--quick 64)")
-    p.add_argument("--k", type=int, default=8, help="draft tokens per round at most, for "
-                   "Tandem and the transformers peers (default %(default)s)")
+    p.add_argument("--k", type=int, default=16, help="draft tokens per round at most, for "
+                   "Tandem (its cost model picks each round's k up to this: the verifier's "
+                   "default cap) and the transformers peers (default %(default)s)")
     p.add_argument("--temperatures", type=_floats, help="Tandem temperatures (default 0,0.7)")
     p.add_argument("--round-temperatures", type=_floats, help="temperatures of the direct "
                    "verifier runs that give per-round stats (default 0,0.7; --quick 0)")

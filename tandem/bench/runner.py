@@ -39,7 +39,7 @@ SUFFIX_CACHE_OFF = {"TANDEM_DRAFT_SUFFIX_CACHE_TOKENS": "0"}
 @dataclass(frozen=True)
 class BenchConfig:
     max_tokens: int = 128
-    k: int = 8  # draft tokens per round at most, for every speculating method
+    k: int = 16  # draft tokens per round at most, for every method (the verifier's cap)
     temperatures: tuple[float, ...] = (0.0, 0.7)  # Tandem through the gateway
     peer_temperatures: tuple[float, ...] = (0.0, 0.7)  # the transformers peers
     round_temperatures: tuple[float, ...] = (0.0, 0.7)  # direct gRPC runs for round stats
