@@ -35,10 +35,12 @@ class DraftConfig:
     max_ngram_size: int = 3
     max_context_length: int = 0  # 0 = the draft model's limit (n-gram only: 32768)
     dtype: str = "float32"
-    # Suffix decoding: finished tokens held per scope (0 = own sequence only), one cache for
-    # all ("global") or one per tenant ("tenant"), and its confidence knobs.
+    # Suffix decoding: finished tokens held per scope (0 = own sequence only), one cache per
+    # tenant ("tenant": without API keys every request is one anonymous tenant) or one for all
+    # ("global": faster acceptance may then tell one tenant what another asked), and its
+    # confidence knobs.
     suffix_cache_tokens: int = 262_144
-    suffix_scope: str = "global"
+    suffix_scope: str = "tenant"
     suffix_min_prob: float = 0.1
     suffix_spec_factor: float = 1.0
     drain_grace_s: float = 5.0  # SIGTERM: streams keep drafting this long, then UNAVAILABLE

@@ -138,7 +138,8 @@ def test_draft_config_validates_suffix_flags():
         DraftConfig(suffix_scope="everyone")
     with pytest.raises(ValueError, match="min_prob"):
         DraftConfig(suffix_min_prob=2.0)
-    assert DraftConfig(suffix_scope="tenant").suffix_config().per_tenant
+    assert DraftConfig().suffix_config().per_tenant  # the safe default
+    assert not DraftConfig(suffix_scope="global").suffix_config().per_tenant
 
 
 def test_least_recently_used_tenant_is_dropped():
