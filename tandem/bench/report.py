@@ -194,6 +194,9 @@ def render_markdown(result: dict, s: dict, img_prefix: str) -> str:
         f"{cfg['threads']} torch thread each, gateway over HTTP (streaming); transformers "
         f"peers in the benchmark process, {cfg.get('peer_threads', 1)} torch thread, "
         "before the cluster starts",
+        f"- **Suffix decoding:** cross-request cache {m.get('suffix_cache', 'on')}: every "
+        "prompt is asked several times in this run; the repetitive workload that the cache "
+        "is for is in benchmarks-repetitive.md (`tandem bench --workload repetitive`)",
         "- **Wall time:** " + (", ".join(f"{k} {v:.0f} s" for k, v in m.get("phase_s", {}).items())
                                + f"; total {fmt(m.get('wall_s'), '.0f')} s"), ""]
     parts += [f"> **Error:** {e}\n" for e in m.get("errors", [])] + [

@@ -208,3 +208,38 @@ def test_breakdown_by_k_groups_rounds_and_counts_tokens():
     assert sorted(by_k) == [0, 2]  # the first round (no gap: the prefill) is left out
     assert by_k[2]["rounds"] == 2 and by_k[2]["tokens_per_round"] == 2.0
     assert by_k[2]["gap_ms"] == 48.0 and by_k[2]["other_ms"] == 48.0 - 42.0
+
+
+def test_repetitive_workload_summary_and_report(tmp_path):
+    from tandem.bench import repetitive
+
+    prompts = [{"id": "chat-1", "category": "chat", "grounded": False, "prompt": "a"},
+               {"id": "story-1", "category": "story", "grounded": False, "prompt": "b"},
+               {"id": "code-1", "category": "code", "grounded": True, "prompt": "c"}]
+    reqs = repetitive.workload(prompts, 2)
+    assert [(r["id"], r["ask"]) for r in reqs] == [("chat-1", 0), ("code-1", 0),
+                                                   ("chat-1", 1), ("code-1", 1)]
+
+    def row(r, method, secs, drafted=0, accepted=0, rounds=10):
+        spec = {"rounds": rounds, "drafted_tokens": drafted, "accepted_tokens": accepted}
+        return repetitive._row(r, "tandem", method, {"tokens": 10, "e2e_s": secs,
+                                                     "speculation": spec})
+    rows = [row(r, "none", 1.0) for r in reqs]
+    # suffix: as fast as plain on first asks, 4x on repeats
+    rows += [row(r, "suffix", 1.0 if r["ask"] == 0 else 0.25, 8, 6 if r["ask"] else 0,
+                 10 if r["ask"] == 0 else 3) for r in reqs]
+    result = {"meta": {"date": "d", "machine": {"cpu": "x", "cores": 2, "torch": "t",
+                                                 "load_avg_at_start": [0.0, 0.0, 0.0]},
+                       "config": {"max_tokens": 10, "k": 16}, "repeats": 2, "requests": 4,
+                       "workload": "repetitive"}, "rows": rows}
+    s = repetitive.summarize(result)
+    suffix = s[("tandem", "suffix")]
+    assert suffix["first"]["speedup"] == pytest.approx(1.0)
+    assert suffix["repeat"]["speedup"] == pytest.approx(4.0)
+    assert suffix["all"]["speedup"] == pytest.approx(40 / 2.5 / 10)  # 40 tokens in 2.5 s
+    assert suffix["repeat"]["acceptance"] == pytest.approx(0.75)
+    docs = tmp_path / "docs"
+    repetitive.write_outputs(result, tmp_path / "out", docs)
+    md = (docs / "benchmarks-repetitive.md").read_text()
+    assert "| Tandem suffix | 16.0 | 1.60x | 1.00x | 4.00x |" in md
+    assert (docs / "img" / "bench-repetitive.png").stat().st_size > 0
