@@ -2,10 +2,13 @@
 into a real DraftWorker's stream (no gRPC), so the real proposers draft for the real engine."""
 import asyncio
 
+import torch
+
 from draft_service.limits import Limits
 from draft_service.worker import DraftWorker
+from kernels.sampling import logits_to_probs
 from tandem.engine.block_manager import BlockManager
-from tandem.engine.model_runner import ModelRunner
+from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.spec import Proposal
 from tandem.spec.cost import CostModel
 from verify_service.engine import Engine, EngineConfig
@@ -93,3 +96,20 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
         return results, drafted, accepted, link
 
     return asyncio.run(main())
+
+
+def target_joint_top2(target_model, prompt: list[int]) -> dict[tuple[int, int], float]:
+    """The target's joint probability of its first two tokens at T=1, top-k 2 (4 outcomes)."""
+    runner = ModelRunner(target_model, 8, 16)
+
+    def dist(seq):
+        logits = runner.forward([SeqChunk(seq, 0, list(range(4)))])
+        return logits_to_probs(logits, torch.tensor([1.0]), torch.tensor([2]),
+                               torch.tensor([1.0]))[0]
+
+    p1, joint = dist(prompt), {}
+    for a in p1.topk(2).indices.tolist():
+        pa = dist(prompt + [a])
+        for b in pa.topk(2).indices.tolist():
+            joint[(a, b)] = p1[a].item() * pa[b].item()
+    return joint

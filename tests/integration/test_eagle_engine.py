@@ -5,13 +5,11 @@ distribution; a draft that dies mid-stream changes nothing."""
 from collections import Counter
 
 import pytest
-import torch
-from inproc import run_sessions
+from inproc import run_sessions, target_joint_top2
 
 from draft_service.proposers.eagle import EagleProposer
-from kernels.sampling import logits_to_probs
 from tandem.engine.generate import LocalGenerator
-from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
@@ -53,17 +51,7 @@ def test_sampled_eagle_follows_the_target_joint_distribution(target_model, token
     tokens are generated because a session's last token is never drafted (no room)."""
     prompt = tokenizer.encode("My favourite colour is")
     sampling = SamplingParams(temperature=1.0, top_k=2)
-    runner = ModelRunner(target_model, 8, 16)
-
-    def dist(seq):
-        logits = runner.forward([SeqChunk(seq, 0, list(range(4)))])
-        return logits_to_probs(logits, torch.tensor([1.0]), torch.tensor([2]),
-                               torch.tensor([1.0]))[0]
-
-    p1 = dist(prompt)
-    joint = {(a, b): p1[a].item() * pb for a in p1.topk(2).indices.tolist()
-             for b, pb in zip(*(lambda d: (d.topk(2).indices.tolist(),
-                                           d.topk(2).values.tolist()))(dist(prompt + [a])))}
+    joint = target_joint_top2(target_model, prompt)
     n = 600
     # Unseeded: rounds go through the rejection sampler with the head's sparse q (seeded ones
     # match keyed samples instead, tests/integration/test_verifier_engine.py); small batches

@@ -6,13 +6,11 @@ nothing (fail-open)."""
 from collections import Counter
 
 import pytest
-import torch
-from inproc import run_sessions
+from inproc import run_sessions, target_joint_top2
 
 from draft_service.proposers.suffix import SuffixConfig, SuffixProposer
-from kernels.sampling import logits_to_probs
 from tandem.engine.generate import LocalGenerator
-from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.engine.model_runner import ModelRunner
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 
@@ -72,19 +70,7 @@ def test_sampled_suffix_follows_the_target_joint_distribution(target_model, toke
     suffix drafts (a cached continuation) accepted or rejected by the rejection sampler."""
     prompt = tokenizer.encode("My favourite colour is")
     sampling = SamplingParams(temperature=1.0, top_k=2)
-    runner = ModelRunner(target_model, 8, 16)
-
-    def dist(seq):
-        logits = runner.forward([SeqChunk(seq, 0, list(range(4)))])
-        return logits_to_probs(logits, torch.tensor([1.0]), torch.tensor([2]),
-                               torch.tensor([1.0]))[0]
-
-    p1 = dist(prompt)
-    joint = {}
-    for a in p1.topk(2).indices.tolist():
-        pa = dist(prompt + [a])
-        for b in pa.topk(2).indices.tolist():
-            joint[(a, b)] = p1[a].item() * pa[b].item()
+    joint = target_joint_top2(target_model, prompt)
     # Cache the *less* likely pair as a finished answer, so drafts are often rejected.
     drafted_pair = min(joint, key=joint.get)
     suffix = SuffixProposer(SuffixConfig(spec_factor=1.0))

@@ -3,6 +3,7 @@ import asyncio
 
 import pytest
 import torch
+from inproc import OnePool
 
 from kernels.sampling import logits_to_probs
 from tandem.engine.block_manager import BlockManager
@@ -68,20 +69,6 @@ class ScriptedLink:
         st[2] = nxt
 
 
-class ScriptedPool:
-    def __init__(self, link):
-        self.link = link
-
-    async def get(self, hint=""):
-        return self.link if self.link.alive else None
-
-    def mark_failed(self, address):
-        pass
-
-    async def close(self):
-        pass
-
-
 def chat(tokenizer, text):
     return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                               add_generation_prompt=True, tokenize=True,
@@ -119,7 +106,7 @@ def run_engine(target_model, tokenizer, reference, sampling=GREEDY, cost=None, *
                         target_model.cfg.vocab_size)
         link = ScriptedLink(engine, {f"s{i}": (len(p), o) for i, (p, o) in
                                      enumerate(zip(prompts, outs))}, **link_kw)
-        engine.drafts.pool = ScriptedPool(link)
+        engine.drafts.pool = OnePool(link)
         loop_task = asyncio.create_task(engine.run())
         queues = [engine.submit(GenerateParams(
             session_id=f"s{i}", prompt=tuple(p), committed=(), sampling=sampling,
