@@ -225,7 +225,6 @@ class SuffixProposer:
 
     def _propose_one(self, req: DraftRequest) -> DraftResult:
         c = self.config
-        tenant = req.tenant if c.per_tenant else ""
         own = self._own.setdefault(req.key, TokenLog(c.anchor))
         if own.length < req.num_committed:  # committed tokens never change: index the new ones
             own.extend(req.token_ids[own.length:req.num_committed])
@@ -233,9 +232,10 @@ class SuffixProposer:
         knobs = dict(max_match=c.max_match, min_prob=c.min_prob, spec_factor=c.spec_factor,
                      max_candidates=c.max_candidates)
         best = speculate(own, req.token_ids, k, **knobs)
-        cache = self._caches.get(tenant)
+        scope = self._scope(req.tenant)
+        cache = self._caches.get(scope)
         if cache is not None:
-            self._caches.move_to_end(tenant)
+            self._caches.move_to_end(scope)
             other = speculate(cache.log, req.token_ids, k, live_start=cache.live_start, **knobs)
             if other.score > best.score:
                 best = other
@@ -249,11 +249,15 @@ class SuffixProposer:
         c = self.config
         if c.cache_tokens == 0:
             return
-        tenant = tenant if c.per_tenant else ""
-        cache = self._caches.get(tenant)
+        scope = self._scope(tenant)
+        cache = self._caches.get(scope)
         if cache is None:
-            cache = self._caches[tenant] = SequenceCache(c.anchor, c.cache_tokens)
+            cache = self._caches[scope] = SequenceCache(c.anchor, c.cache_tokens)
             while len(self._caches) > c.max_tenants:
                 self._caches.popitem(last=False)
-        self._caches.move_to_end(tenant)
+        self._caches.move_to_end(scope)
         cache.add(token_ids)
+
+    def _scope(self, tenant: str) -> str:
+        """The cache a tenant reads and feeds: its own, or the one all share."""
+        return tenant if self.config.per_tenant else ""

@@ -87,64 +87,51 @@ def _print_summary(s: dict, out: Path) -> None:
 
 
 def cmd_bench(args) -> int:
+    """Run a workload (or re-render a saved one) and write its results, report and docs."""
+    if args.repeats < 1:
+        print("--repeats must be >= 1", file=sys.stderr)
+        return 2
+    docs = Path(args.docs) if args.docs else None
+    saved = _restore(json.loads(Path(args.report).read_text())) if args.report else None
+    repetitive = (saved.get("meta", {}).get("workload") if saved is not None
+                  else args.workload) == "repetitive"
+    write = _write_repetitive if repetitive else _write_standard
+    if saved is not None:
+        write(saved, Path(args.out) if args.out else Path(args.report).parent, docs)
+        return 0
+    name = "bench-repetitive" if repetitive else "bench"
+    out = Path(args.out or f"results/{name}-{time.strftime('%Y-%m-%d', time.gmtime())}")
+    result: dict = {}
+    code = 0
+    try:
+        if repetitive:
+            from tandem.bench.repetitive import run_repetitive
+
+            run_repetitive(config_from_args(args), args.repeats, result, out)
+        else:
+            from tandem.bench.runner import run_bench
+
+            run_bench(config_from_args(args), result, out)
+    except KeyboardInterrupt:
+        print("interrupted: writing what was measured", file=sys.stderr)
+        result.setdefault("meta", {})["incomplete"] = "interrupted"
+        code = 130
+    if not (result.get("runs") or result.get("concurrency") or result.get("rows")):
+        return code or 1
+    write(result, out, docs)
+    return code
+
+
+def _write_standard(result: dict, out: Path, docs: Path | None) -> None:
     from tandem.bench.report import write_outputs
 
-    docs = Path(args.docs) if args.docs else None
-    if args.workload == "repetitive" or args.report:
-        if args.repeats < 1:
-            print("--repeats must be >= 1", file=sys.stderr)
-            return 2
-        code = _repetitive(args, docs)
-        if code is not None:
-            return code
-    if args.report:
-        result = json.loads(Path(args.report).read_text())
-        result = _restore(result)
-        out = Path(args.out) if args.out else Path(args.report).parent
-        _print_summary(write_outputs(result, out, docs), out)
-        return 0
-    from tandem.bench.runner import run_bench
-
-    cfg = config_from_args(args)
-    out = Path(args.out or f"results/bench-{time.strftime('%Y-%m-%d', time.gmtime())}")
-    result: dict = {}
-    code = 0
-    try:
-        run_bench(cfg, result, out)
-    except KeyboardInterrupt:
-        print("interrupted: writing what was measured", file=sys.stderr)
-        result.setdefault("meta", {})["incomplete"] = "interrupted"
-        code = 130
-    if not result.get("runs") and not result.get("concurrency"):
-        return code or 1
     _print_summary(write_outputs(result, out, docs), out)
-    return code
 
 
-def _repetitive(args, docs: Path | None) -> int | None:
-    """The repetitive workload (run, or re-render a saved one); None: not this workload."""
-    from tandem.bench import repetitive
+def _write_repetitive(result: dict, out: Path, docs: Path | None) -> None:
+    from tandem.bench.repetitive import write_outputs
 
-    if args.report:
-        result = _restore(json.loads(Path(args.report).read_text()))
-        if result.get("meta", {}).get("workload") != "repetitive":
-            return None
-        out = Path(args.out) if args.out else Path(args.report).parent
-        repetitive.write_outputs(result, out, docs)
-        return 0
-    out = Path(args.out or f"results/bench-repetitive-{time.strftime('%Y-%m-%d', time.gmtime())}")
-    result: dict = {}
-    code = 0
-    try:
-        repetitive.run_repetitive(config_from_args(args), args.repeats, result, out)
-    except KeyboardInterrupt:
-        print("interrupted: writing what was measured", file=sys.stderr)
-        result.setdefault("meta", {})["incomplete"] = "interrupted"
-        code = 130
-    if not result.get("rows"):
-        return code or 1
-    repetitive.write_outputs(result, out, docs)
-    return code
+    write_outputs(result, out, docs)
 
 
 def _restore(result: dict) -> dict:
