@@ -5,8 +5,8 @@ import math
 from dataclasses import dataclass
 
 from draft_service.proposers.suffix import SuffixConfig
+from tandem.engine.quant import WEIGHT_DTYPES as DTYPES
 
-DTYPES = ("float32", "bfloat16", "float16")
 SUFFIX_SCOPES = ("global", "tenant")
 
 

@@ -83,7 +83,7 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
     model = None
     if config.model is not None:
         model = DraftModelProposer.load(resolve_model(config.model), config.kv_cache_mb << 20,
-                                        config.block_size, getattr(torch, config.dtype))
+                                        config.block_size, config.dtype)
         proposers[Method.DRAFT_MODEL] = model
     if config.eagle is not None:
         eagle = EagleProposer.load(ModelPaths(Path(config.eagle)), config.kv_cache_mb << 20,

@@ -49,7 +49,7 @@ def _cmd_generate(args) -> int:
                             top_p=args.top_p, seed=args.seed)
     paths = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
-    model = LlamaModel.load(paths)
+    model = LlamaModel.load(paths, args.dtype)
     runner = ModelRunner.with_memory(model, args.kv_cache_mb << 20)
     if args.raw or not tokenizer.chat_template:
         prompt_ids = tokenizer(args.prompt).input_ids
@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate locally with the target runner (no services)")
     gen.add_argument("prompt", help="the user message (or raw text with --raw)")
     _add_model_args(gen)
+    add_flag(gen, "--dtype", "TANDEM_DTYPE", "float32",
+             help="weight dtype: float32, bfloat16, float16 or int8 (weight-only)")
     gen.add_argument("--max-tokens", type=int, default=128, help="default %(default)s")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")

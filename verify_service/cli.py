@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 
+from tandem.engine.quant import WEIGHT_DTYPES
 from tandem.envflags import add_flag, csv, env
 from verify_service.config import VerifierConfig
 
@@ -35,6 +36,9 @@ def register(sub) -> None:
              help="gRPC port to bind, 0 = any free port")
     add_flag(p, "--model", "TANDEM_MODEL", _DEFAULTS.model,
              help="target: default name or HF checkpoint dir")
+    add_flag(p, "--dtype", "TANDEM_VERIFIER_DTYPE", _DEFAULTS.dtype,
+             help="target weight dtype: " + ", ".join(WEIGHT_DTYPES) + " (int8: weight-only, "
+                  "per-channel scales; activations, norms and KV cache stay fp32)")
     for name, text in _INT_FLAGS.items():
         add_flag(p, "--" + name.replace("_", "-"), f"TANDEM_VERIFIER_{name.upper()}",
                  getattr(_DEFAULTS, name), int, help=text)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.engine.quant import WEIGHT_DTYPES
 from tandem.models import DEFAULT_TARGET
 
 
@@ -12,6 +13,7 @@ class VerifierConfig:
     port: int = 0  # 0 = pick a free port
     model: str = DEFAULT_TARGET
     threads: int = 0  # torch threads, 0 = torch's default
+    dtype: str = "float32"  # target weights: float32, bfloat16, float16 or int8 (weight-only)
     kv_cache_mb: int = 512
     block_size: int = 16
     max_sessions: int = 64
@@ -32,6 +34,8 @@ class VerifierConfig:
     calibrate_reps: int = 3
 
     def __post_init__(self):
+        if self.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.dtype!r}")
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be -1 (off) or a port, got {self.metrics_port}")
         if not 0 <= self.port < 65536:

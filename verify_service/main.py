@@ -64,7 +64,7 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     """Start serving; `model` lets tests share one loaded target across servers."""
     paths = resolve_model(config.model)
     if model is None:
-        model = LlamaModel.load(paths)
+        model = LlamaModel.load(paths, config.dtype)
     runner = ModelRunner.with_memory(model, config.kv_cache_mb << 20, config.block_size)
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                 max_spec_tokens=config.max_spec_tokens,

@@ -37,7 +37,7 @@ class DraftModelProposer:
 
     @classmethod
     def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16,
-             dtype: torch.dtype = torch.float32) -> DraftModelProposer:
+             dtype: torch.dtype | str = torch.float32) -> DraftModelProposer:
         model = LlamaModel.load(paths, dtype)
         return cls(ModelRunner.with_memory(model, kv_cache_bytes, block_size))
 

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.quant import Int8Weight
+
 MAX_ROUTED_ROWS = 16  # beyond this (prefill) F.linear wins everywhere we measured
 
 
@@ -45,8 +47,10 @@ class LinearRouter:
     def __init__(self):
         self.use_mm: dict[tuple[int, int, int], bool] = {}
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, Int8Weight):
+            return weight.linear(x, bias)
         m = x.shape[0]
         if m <= MAX_ROUTED_ROWS and self.use_mm.get((*weight.shape, _bucket(m)), False):
             return mm_transposed(x, weight, bias)
@@ -56,7 +60,7 @@ class LinearRouter:
              rows: Sequence[int] = (*range(1, 9), MAX_ROUTED_ROWS)) -> None:
         """Time both layouts over every copy of each shape (cold caches, like a forward)."""
         for copies in weights_by_shape:
-            if copies[0].device.type != "cpu":
+            if isinstance(copies[0], Int8Weight) or copies[0].device.type != "cpu":
                 continue
             for m in rows:
                 x = torch.randn(m, copies[0].shape[1], dtype=copies[0].dtype)

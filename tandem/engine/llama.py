@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from tandem.engine.linear import LinearRouter
+from tandem.engine.quant import Int8Weight, compute_dtype
 from tandem.models import ModelError, ModelPaths, read_hf_config
 
 
@@ -95,12 +96,19 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # [head_dim // 2] float32
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    # The four projections are float tensors, or Int8Weight under --dtype int8.
+    qkv: torch.Tensor | Int8Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    o: torch.Tensor | Int8Weight  # [hidden, heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | Int8Weight  # [2 * intermediate, hidden]
+    down: torch.Tensor | Int8Weight  # [hidden, intermediate]
+
+    PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+    def quantize_int8(self) -> None:
+        for name in self.PROJECTIONS:
+            setattr(self, name, Int8Weight.quantize(getattr(self, name)))
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -163,10 +171,18 @@ def _load_tensors(paths: ModelPaths) -> dict[str, torch.Tensor]:
 
 
 class LlamaModel:
-    """Weights plus a functional forward; the KV cache is owned by the model runner."""
+    """Weights plus a functional forward; the KV cache is owned by the model runner.
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
+    `dtype` is a torch float dtype, or "int8" for weight-only int8 (tandem.engine.quant): the
+    projections and the LM head are quantized, the rest (embedding lookup, norms, KV cache)
+    stays fp32.
+    """
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype | str = torch.float32,
                  draft_vocab: DraftVocab | None = None):
+        self.weight_dtype = str(dtype).removeprefix("torch.")
+        dtype = compute_dtype(self.weight_dtype)
         self.dtype = dtype
         self.linear = LinearRouter()
         # With a truncated draft vocabulary, vocab_map[i] is the target id of draft row i and
@@ -195,6 +211,14 @@ class LlamaModel:
         freqs = torch.outer(pos, inv)  # [max_pos, head_dim // 2]
         self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(dtype)  # [max_pos, head_dim]
         self.sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(dtype)
+        if self.weight_dtype == "int8":
+            self._quantize_int8()
+
+    def _quantize_int8(self) -> None:
+        for layer in self.layers:
+            layer.quantize_int8()
+        # A tied head keeps its fp32 twin for the embedding lookup (a gather, not bandwidth-bound).
+        self.lm_head = Int8Weight.quantize(self.lm_head)
 
     def _layer(self, w, weights, i: int) -> LayerWeights:
         p = f"layers.{i}."
@@ -213,7 +237,8 @@ class LlamaModel:
         )
 
     @classmethod
-    def load(cls, paths: ModelPaths, dtype=torch.float32, tune: bool = True) -> LlamaModel:
+    def load(cls, paths: ModelPaths, dtype: torch.dtype | str = torch.float32,
+             tune: bool = True) -> LlamaModel:
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
         model = cls(cfg, _load_tensors(paths), dtype, DraftVocab.read(paths.root))
         if tune:
@@ -226,7 +251,7 @@ class LlamaModel:
         Call after torch.set_num_threads: the answer depends on the thread count.
         """
         groups = [[getattr(layer, name) for layer in self.layers]
-                  for name in ("qkv", "o", "gate_up", "down")]
+                  for name in LayerWeights.PROJECTIONS]
         self.linear.tune([*groups, [self.lm_head]])
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
