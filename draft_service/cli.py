@@ -50,6 +50,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                   "shipped draft if present, else n-gram only)")
     add_flag(p, "--eagle", "TANDEM_DRAFT_EAGLE",
              help="EAGLE head directory, or 'none' (default: the shipped head if present)")
+    add_flag(p, "--mtp", "TANDEM_DRAFT_MTP",
+             help="checkpoint directory whose config declares num_nextn_predict_layers: draft "
+                  "with its first multi-token-prediction module (default: none)")
     defaults = {f.name: f.default for f in dataclasses.fields(DraftConfig)}
     for name, kind, text in _FLAGS:
         add_flag(p, "--" + name.replace("_", "-"), "TANDEM_DRAFT_" + name.upper(), defaults[name],
@@ -110,7 +113,9 @@ def resolve_model_flag(value: str | None) -> str | None:
 def config_from_args(args: argparse.Namespace) -> DraftConfig:
     values = {name: getattr(args, name) for name, _, _ in _FLAGS}
     return DraftConfig(model=resolve_model_flag(args.model),
-                       eagle=resolve_eagle_flag(args.eagle), **values)
+                       eagle=resolve_eagle_flag(args.eagle),
+                       mtp=None if (args.mtp or "none").lower() == "none" else args.mtp,
+                       **values)
 
 
 def run(args: argparse.Namespace) -> int:

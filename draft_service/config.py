@@ -20,6 +20,7 @@ class DraftConfig:
     port: int = 50052  # 0 = any free port (tests)
     model: str | None = None  # draft checkpoint directory; None = n-gram lookup only
     eagle: str | None = None  # EAGLE head directory (tandem.engine.eagle); None = no head
+    mtp: str | None = None  # target checkpoint carrying MTP modules (tandem.engine.mtp)
     # Rows of the head's vocabulary it drafts from (0 = all): its LM head is most of a draft
     # step, and the commonest 4096 tokens agree with the target as often as all 12288 do.
     eagle_vocab: int = 4096
@@ -50,7 +51,7 @@ class DraftConfig:
             raise ValueError(f"host must be a non-empty string, got {self.host!r}")
         if not (_is_int(self.port) and 0 <= self.port <= 65535):
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port!r}")
-        for name in ("model", "tokenizer", "eagle"):
+        for name in ("model", "tokenizer", "eagle", "mtp"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be None or a non-empty path, got {value!r}")

@@ -27,6 +27,7 @@ from draft_service.config import DraftConfig
 from draft_service.limits import Limits
 from draft_service.proposers.draft_model import DraftModelProposer
 from draft_service.proposers.eagle import EagleProposer
+from draft_service.proposers.mtp import MtpProposer
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.proposers.suffix import SuffixProposer
 from draft_service.server import SERVICE_NAME, DraftServicer
@@ -52,6 +53,11 @@ def _token_space(config: DraftConfig, proposer: DraftModelProposer | None):
         with contextlib.suppress(OSError, ValueError, KeyError, ModelError):
             vocab = json.loads((root / "draft_vocab.json").read_text())["target_vocab_size"]
             return root.name, tokenizer_hash(ModelPaths(root)), int(vocab)
+    if config.mtp is not None and not config.tokenizer:  # MTP lives in the target checkpoint
+        with contextlib.suppress(OSError, ValueError, KeyError, ModelError):
+            root = resolve_model(config.mtp).root
+            vocab = json.loads((root / "config.json").read_text())["vocab_size"]
+            return root.name, tokenizer_hash(ModelPaths(root)), int(vocab)
     root = Path(config.tokenizer) if config.tokenizer else default_target_dir()
     try:  # n-gram lookup works on any ids: the tokenizer only names them for pairing
         cfg = json.loads((root / "config.json").read_text())
@@ -64,9 +70,10 @@ def _token_space(config: DraftConfig, proposer: DraftModelProposer | None):
 
 
 def _check_eagle_tokens(eagle: EagleProposer, model: DraftModelProposer | None) -> None:
-    """A head and a draft model on one worker must speak the same token ids."""
+    """A head (EAGLE or MTP) and a draft model on one worker must speak the same token ids."""
     if model is not None and model.vocab_size != eagle.vocab_size:
-        raise ModelError(f"the EAGLE head's target vocabulary ({eagle.vocab_size}) differs "
+        raise ModelError(f"the {eagle.method.api_name} head's target vocabulary "
+                         f"({eagle.vocab_size}) differs "
                          f"from the draft model's ({model.vocab_size})")
 
 
@@ -90,12 +97,18 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
                                    config.block_size, config.eagle_vocab)
         _check_eagle_tokens(eagle, model)
         proposers[Method.EAGLE] = eagle
+    if config.mtp is not None:
+        mtp = MtpProposer.load(resolve_model(config.mtp), config.kv_cache_mb << 20,
+                               config.block_size)
+        _check_eagle_tokens(mtp, model)
+        proposers[Method.MTP] = mtp
     proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_run_ahead_cap)
     proposers[Method.SUFFIX] = SuffixProposer(config.suffix_config(), config.max_run_ahead_cap)
     model_id, tok_hash, vocab = _token_space(config, model)
     context = model.max_context_length if model is not None else _NGRAM_CONTEXT
-    if Method.EAGLE in proposers:
-        context = min(context, proposers[Method.EAGLE].max_context_length)
+    for method in (Method.EAGLE, Method.MTP):
+        if method in proposers:
+            context = min(context, proposers[method].max_context_length)
     if config.max_context_length:
         context = min(context, config.max_context_length)
     limits = Limits(vocab, context, config.max_sessions, config.max_run_ahead,

@@ -23,6 +23,13 @@ from tandem.models import ModelPaths
 from tandem.spec import DraftRequest, DraftResult, ErrorCode, Method
 
 
+def cache_blocks(head: EagleHead, kv_cache_bytes: int, block_size: int) -> int:
+    """Blocks of the head's one-layer KV cache that fit the budget."""
+    cfg = head.cfg
+    per_block = 2 * cfg.num_kv_heads * cfg.head_dim * block_size * head.model.embed.element_size()
+    return max(1, kv_cache_bytes // per_block)
+
+
 @dataclass
 class _HeadState:
     entries: list[int] = field(default_factory=list)  # token t of entries 1..E (index t-1)
@@ -63,9 +70,7 @@ class EagleProposer:
     def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16,
              draft_vocab: int = 0) -> EagleProposer:
         head = EagleHead.load(paths, draft_vocab=draft_vocab)
-        cfg = head.cfg
-        per_block = 2 * cfg.num_kv_heads * cfg.head_dim * block_size * 4
-        return cls(head, max(1, kv_cache_bytes // per_block), block_size)
+        return cls(head, cache_blocks(head, kv_cache_bytes, block_size), block_size)
 
     def release(self, key: Hashable) -> None:
         self._state.pop(key, None)

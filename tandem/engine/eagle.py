@@ -48,6 +48,13 @@ class EagleHead:
                              f"expected {(hidden, 2 * hidden)}")
         self.card: dict = {}
 
+    def fuse_inputs(
+        self,
+        embeds: torch.Tensor,  # [n, hidden] embeddings of token t
+        features: torch.Tensor,  # [n, hidden] features of position t - 1
+    ) -> torch.Tensor:  # [n, 2 * hidden], fc's input
+        return torch.cat([features, embeds], dim=-1)
+
     @property
     def cfg(self) -> LlamaConfig:
         return self.model.cfg  # vocab_size is the target's
@@ -83,8 +90,7 @@ class EagleHead:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [m, vocab] float32, predicted [n, hidden]
         m = self.model
         ids = input_ids if m._input_map is None else m._input_map[input_ids]
-        x = torch.cat([features.to(m.dtype), m.embed[ids]], dim=-1)  # [n, 2 * hidden]
-        h = m.linear(x, self.fc)
+        h = m.linear(self.fuse_inputs(m.embed[ids], features.to(m.dtype)), self.fc)
         cos, sin = m.rope_at(positions)
         (k_cache, v_cache), = kv_cache
         h = m.decoder_layer(h, m.layers[0], cos, sin, meta, k_cache, v_cache)

@@ -18,11 +18,12 @@ class Method(enum.IntEnum):
     NGRAM = 3  # prompt lookup, no model (draft worker)
     EAGLE = 4  # a feature head on the target's hidden states (draft worker)
     SUFFIX = 5  # suffix decoding over this and earlier sequences, no model (draft worker)
+    MTP = 6  # the target checkpoint's own multi-token-prediction module (draft worker)
 
     @property
     def needs_features(self) -> bool:
         """Whether the verifier ships the target's hidden states to this method's sessions."""
-        return self is Method.EAGLE
+        return self in (Method.EAGLE, Method.MTP)
 
     @property
     def api_name(self) -> str:

@@ -15,6 +15,7 @@ class SpeculationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_METHOD_NGRAM: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_EAGLE: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_SUFFIX: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_MTP: _ClassVar[SpeculationMethod]
 
 class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ SPECULATION_METHOD_DRAFT_MODEL: SpeculationMethod
 SPECULATION_METHOD_NGRAM: SpeculationMethod
 SPECULATION_METHOD_EAGLE: SpeculationMethod
 SPECULATION_METHOD_SUFFIX: SpeculationMethod
+SPECULATION_METHOD_MTP: SpeculationMethod
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_DRAFT: WorkerRole
 WORKER_ROLE_VERIFIER: WorkerRole

@@ -416,7 +416,7 @@ def test_limits_caps_and_draft_seed():
 
 @pytest.mark.parametrize("bad", [
     dict(port=70000), dict(port=-1), dict(threads=0), dict(max_sessions=True),
-    dict(max_run_ahead=20, max_run_ahead_cap=16), dict(top_n=65), dict(dtype="int8"),
+    dict(max_run_ahead=20, max_run_ahead_cap=16), dict(top_n=65), dict(dtype="int4"), dict(mtp=""),
     dict(max_context_length=-1), dict(drain_grace_s=float("nan")), dict(host=""),
     dict(model=""), dict(eagle_vocab=-1), dict(eagle_vocab=1.5),
 ])
