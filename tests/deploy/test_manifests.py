@@ -1201,3 +1201,14 @@ def test_quantity_and_selector_helpers():
                                 labels)
     assert parse_flags(["--port=1", "--host", "0.0.0.0", "--x"]) == {
         "port": "1", "host": "0.0.0.0", "x": ""}
+
+
+def test_grafana_dashboard_configmap_carries_the_dashboard():
+    docs = render_dir(DEPLOY / "monitoring")
+    assert check_schemas(docs) == []
+    maps = [d for d in of_kind(docs, "ConfigMap")
+            if d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    assert len(maps) == 1, "one ConfigMap for Grafana's dashboard sidecar"
+    (body,) = maps[0]["data"].values()
+    assert json.loads(body) == json.loads((DEPLOY / "monitoring/grafana-dashboard.json")
+                                          .read_text())
