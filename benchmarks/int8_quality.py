@@ -126,10 +126,11 @@ def report(r: dict) -> str:
         "# Weight-only int8 against fp32",
         "",
         f"`python benchmarks/int8_quality.py` on {r['machine']}, {r['date']}. Target "
-        f"SmolLM2-135M-Instruct; int8 = per-output-channel symmetric scales for every "
-        f"projection and the LM head, bf16 activations inside the int8 products only "
-        f"(`tandem/engine/quant.py`). Weights: {r['bytes']['float32'] / 2**20:.0f} MiB fp32, "
-        f"{r['bytes']['int8'] / 2**20:.0f} MiB int8 (+ the fp32 embedding for lookups).",
+        f"SmolLM2-135M-Instruct; int8 = uint8 codes with an fp32 scale and zero per 32 inputs "
+        f"of every output channel, for every projection and the LM head; fp32 activations "
+        f"(`tandem/engine/quant.py`, kernel `kernels/csrc/int8_gemm.cpp`). Weights streamed "
+        f"per decode step: {r['bytes']['float32'] / 2**20:.0f} MiB fp32, "
+        f"{r['bytes']['int8'] / 2**20:.0f} MiB int8 (the fp32 embedding stays for lookups).",
         "",
         "## Speed (batch-1 decode, prefill excluded; batch-16 decode throughput)",
         "",

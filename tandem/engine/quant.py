@@ -1,15 +1,15 @@
-"""Weight-only int8: per-output-channel symmetric scales, for memory-bound decoding on CPU.
+"""Weight-only int8: asymmetric codes with a scale and zero per 32 inputs of each output channel.
 
-At batch 1 a decode step streams every weight once, so its time is the bytes read: int8 reads a
-quarter of fp32. The matmul is torch's `_weight_int8pack_mm` with bfloat16 activations (its
-fp32-activation path is scalar and 2-20x slower than fp32 here; the bf16 one is vectorised).
-Activations are rounded to bf16 only inside the product; everything between products (norms,
-rotary, attention, the residual stream, the KV cache) stays fp32. Past MAX_PACKED_ROWS rows
-(prefill) the kernel loses to fp32 GEMM, so those products run the same arithmetic as one fp32
-GEMM instead (bit-identical in our checks, so greedy output does not depend on batch shape).
+At batch 1 a decode step streams every weight once, so its time is the bytes read: these
+weights read ~1.25 bytes each instead of fp32's 4. Per-group ranges (rather than one per
+output channel) keep the rounding error near bf16's: per-channel int8 changed the greedy text
+of this 135M target on most prompts (docs/int8.md). Activations, norms, attention, the residual
+stream and the KV cache stay fp32.
 
-Scales are rounded to bf16 *before* quantizing, so the kernel's bf16 scales are exact and no
-channel carries a systematic gain error.
+Products of up to MAX_KERNEL_ROWS rows (decode, verify) run kernels/csrc/int8_gemm.cpp, which
+computes every output the same way whatever the row count; larger ones (prefill) dequantize the
+weight and use the fp32 GEMM. Without a compiler the kernel is absent and every product takes
+the dequantizing path: correct, but slower than fp32.
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import int8_cpu
+
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8")
-MAX_PACKED_ROWS = 16  # measured: int8pack beats fp32 F.linear up to ~16 rows at 1-2 threads
-# The CPU kernel reads K in steps of 8 with no tail: other widths return garbage or crash.
-PACK_K_MULTIPLE = 8
-_ACT = torch.bfloat16
+GROUP = 32
+MAX_KERNEL_ROWS = 64  # measured here: past ~64 rows dequantize + fp32 GEMM is faster
 
 
 def compute_dtype(weight_dtype: str) -> torch.dtype:
@@ -32,25 +32,43 @@ def compute_dtype(weight_dtype: str) -> torch.dtype:
     return torch.float32 if weight_dtype == "int8" else getattr(torch, weight_dtype)
 
 
+def _group_for(in_features: int) -> int:
+    # The kernel wants groups of a multiple of 8 dividing the row; else one group per row.
+    return GROUP if in_features % GROUP == 0 else in_features
+
+
 @dataclass(frozen=True, eq=False)
 class Int8Weight:
-    """W ~= q * scale[:, None]; stands in for a [out, in] float weight in LinearRouter."""
+    """W ~= q * scale + zero per group; stands in for a [out, in] float weight in LinearRouter."""
 
-    q: torch.Tensor  # [out_features, in_features] int8, in [-127, 127]
-    scale: torch.Tensor  # [out_features] bfloat16, > 0
+    q: torch.Tensor  # [out_features, in_features] uint8 codes
+    scale: torch.Tensor  # [out_features, in_features // group] float32, >= 0
+    zero: torch.Tensor  # [out_features, in_features // group] float32 (the group's minimum)
+    group: int
 
     def __post_init__(self):
-        if self.q.dtype != torch.int8 or self.q.dim() != 2:
-            raise ValueError(f"q must be a 2-D int8 tensor, got {self.q.dtype} {self.q.shape}")
-        if self.scale.shape != self.q.shape[:1] or self.scale.dtype != _ACT:
-            raise ValueError(f"scale must be [{self.q.shape[0]}] bfloat16")
+        if self.q.dtype != torch.uint8 or self.q.dim() != 2:
+            raise ValueError(f"q must be a 2-D uint8 tensor, got {self.q.dtype} {self.q.shape}")
+        n, k = self.q.shape
+        if self.group < 1 or k % self.group:
+            raise ValueError(f"group {self.group} must divide in_features {k}")
+        want = (n, k // self.group)
+        for name in ("scale", "zero"):
+            t = getattr(self, name)
+            if t.dtype != torch.float32 or tuple(t.shape) != want:
+                raise ValueError(f"{name} must be float32 {list(want)}, got {t.dtype} "
+                                 f"{list(t.shape)}")
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:  # weight: [out, in] float
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(_ACT)
-        q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q.contiguous(), scale.contiguous())
+        n, k = weight.shape
+        group = _group_for(k)
+        w = weight.detach().float().reshape(n, k // group, group)
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = (hi - lo) / 255
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant groups: q = 0
+        q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, 255).to(torch.uint8)
+        return cls(q.reshape(n, k).contiguous(), scale.contiguous(), lo.contiguous(), group)
 
     @property
     def shape(self) -> torch.Size:
@@ -61,36 +79,28 @@ class Int8Weight:
         return self.q.device
 
     @property
-    def packable(self) -> bool:
-        return self.q.shape[1] % PACK_K_MULTIPLE == 0
-
-    @property
     def nbytes(self) -> int:  # as torch.Tensor.nbytes, so callers can sum either
-        return self.q.numel() + 2 * self.scale.numel()
+        return self.q.numel() + 4 * (self.scale.numel() + self.zero.numel())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
-        return (self.q.to(dtype) * self.scale.to(dtype)[:, None]).contiguous()
+        n, k = self.q.shape
+        w = self.q.reshape(n, -1, self.group).float() * self.scale[..., None] + self.zero[..., None]
+        return w.reshape(n, k).to(dtype)
 
     def linear(
         self,
         x: torch.Tensor,  # [rows, in_features] float
         bias: torch.Tensor | None = None,  # [out_features]
     ) -> torch.Tensor:  # [rows, out_features] in x.dtype
-        xb = x.to(_ACT).contiguous()
-        if x.shape[0] <= MAX_PACKED_ROWS and x.device.type == "cpu" and self.packable:
-            out = torch._weight_int8pack_mm(xb, self.q, self.scale)
-        else:
-            out = self._emulated(xb)
+        kernel = self._kernel(x)
+        if kernel is None:
+            return F.linear(x, self.dequantize(x.dtype), bias)
+        out = kernel.int8_gemm(x.float().contiguous(), self.q, self.scale, self.zero, self.group)
         out = out.to(x.dtype)
         return out if bias is None else out + bias
 
-    def _emulated(self, xb: torch.Tensor) -> torch.Tensor:  # [rows, in] bf16 -> [rows, out] bf16
-        """The packed kernel's arithmetic as one fp32 GEMM: bf16 inputs times int8 (exact
-        products), fp32 sums, the scale, then bf16. Same numbers whatever the row count, so a
-        token's logits do not depend on whether it was prefilled, decoded or verified."""
-        out = F.linear(xb.float(), self.q.float()) * self.scale.float()
-        return out.to(_ACT)
-
-
-def quantize_int8(weight: torch.Tensor | Int8Weight) -> Int8Weight:
-    return weight if isinstance(weight, Int8Weight) else Int8Weight.quantize(weight)
+    def _kernel(self, x: torch.Tensor):
+        if (x.shape[0] > MAX_KERNEL_ROWS or x.device.type != "cpu" or self.group % 8
+                or x.dim() != 2):
+            return None
+        return int8_cpu.load()
