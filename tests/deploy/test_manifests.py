@@ -346,7 +346,40 @@ SCALED_OBJECT_SCHEMA = {
                                 "properties": {"name": {"type": "string"},
                                                "kind": {"type": "string"}}}}}}}}},
 }
-CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT_SCHEMA}
+# Prometheus Operator PodMonitor (monitoring.coreos.com/v1): the fields we use, strictly.
+POD_MONITOR_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://kubernetes.io/api/podmonitor/monitoring.coreos.com/v1",
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": {"$ref": _DEFS + "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "podMetricsEndpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {"$ref": _DEFS + "io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"},
+                "namespaceSelector": {"type": "object"},
+                "jobLabel": {"type": "string"},
+                "podMetricsEndpoints": {
+                    "type": "array", "minItems": 1,
+                    "items": {
+                        "type": "object", "required": ["port"], "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string", "minLength": 1},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                            "scrapeTimeout": {"type": "string"},
+                            "scheme": {"enum": ["http", "https"]}}}}}}},
+}
+CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT_SCHEMA,
+               ("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_SCHEMA}
+# The label kube-prometheus-stack's Prometheus selects PodMonitors by (podMonitorSelector).
+POD_MONITOR_SELECTOR_LABEL = "release"
 
 
 @cache
@@ -851,9 +884,46 @@ def check_gpu_placement(docs: list[Doc]) -> list[str]:
     return problems
 
 
+def metrics_port(container: Doc, role: str) -> int | None:
+    """The port a role's container serves /metrics on (the gateway: its HTTP port)."""
+    flags = parse_flags(container.get("args") or [])
+    value = flags.get("port" if role == "gateway" else "metrics-port")
+    return int(value) if value and value.lstrip("-").isdigit() else None
+
+
+def check_pod_monitors(docs: list[Doc]) -> list[str]:
+    """Where PodMonitors are shipped: one per role, carrying the selector label, selecting
+    exactly that role's pods in their namespace, scraping /metrics on the port the process
+    serves it on."""
+    monitors = of_kind(docs, "PodMonitor")
+    if not monitors:
+        return []
+    problems = []
+    for dep, container, role in tandem_containers(docs):
+        mine = [m for m in monitors if namespace_of(m) == namespace_of(dep)
+                and selector_matches(m["spec"]["selector"], pod_labels(dep))]
+        if len(mine) != 1:
+            problems.append(f"{name_of(dep)}: {len(mine)} PodMonitors select its pods")
+            continue
+        (mon,) = mine
+        if POD_MONITOR_SELECTOR_LABEL not in mon["metadata"].get("labels", {}):
+            problems.append(f"{name_of(mon)}: no {POD_MONITOR_SELECTOR_LABEL!r} label for "
+                            "Prometheus' podMonitorSelector")
+        want = metrics_port(container, role)
+        for ep in mon["spec"]["podMetricsEndpoints"]:
+            got = container_ports(container).get(ep["port"])
+            if got is None or got != want:
+                problems.append(f"{name_of(mon)}: port {ep['port']!r} is {got}, the {role} "
+                                f"serves /metrics on {want}")
+            if ep.get("path", "/metrics") != "/metrics":
+                problems.append(f"{name_of(mon)}: path {ep['path']!r} is not /metrics")
+    return problems
+
+
 ALL_CHECKS: list[Callable[[list[Doc]], list[str]]] = [
     check_schemas, check_probes_and_resources, check_ports, check_services, check_autoscalers,
     check_network_policies, check_termination, check_env_wiring, check_workload_hygiene,
+    check_pod_monitors,
 ]
 
 
@@ -894,6 +964,15 @@ def test_render_has_every_piece(docs):
     assert any(d["kind"] == "ConfigMap" and "collector.yaml" in d.get("data", {})
                for d in docs), "the collector config ConfigMap"
     assert len({namespace_of(d) for d in docs if d["kind"] != "Namespace"}) == 1
+
+
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("prod-")])
+def test_production_ships_pod_monitors_for_every_role(overlay):
+    # The Prometheus Operator ignores prometheus.io/* annotations: without PodMonitors the
+    # autoscalers' custom metrics would be unknown and read as 0.
+    docs = render(overlay)
+    assert len(of_kind(docs, "PodMonitor")) == len(ROLES)
+    assert check_pod_monitors(docs) == []
 
 
 @pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("prod-gpu")])
@@ -1131,6 +1210,20 @@ BROKEN = {
             - op: replace
               path: /metadata/name
               value: redis-renamed
+        """),
+    "podmonitor-wrong-port": ("prod-gpu", check_pod_monitors, """
+        - target: {kind: PodMonitor, name: tandem-verifier}
+          patch: |-
+            - op: replace
+              path: /spec/podMetricsEndpoints/0/port
+              value: grpc
+        """),
+    "podmonitor-selects-nothing": ("prod-gpu", check_pod_monitors, """
+        - target: {kind: PodMonitor, name: tandem-draft}
+          patch: |-
+            - op: replace
+              path: /spec/selector/matchLabels/app.kubernetes.io~1component
+              value: drafts
         """),
     "keda-bad-trigger": ("prod-gpu-keda", check_schemas, """
         - target: {kind: ScaledObject, name: tandem-draft}
