@@ -22,6 +22,7 @@ from kernels import int8_cpu
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8")
 GROUP = 32
+BLOCK = 8  # output channels per packed block (kernels/csrc/int8_gemm.cpp's kBlock)
 MAX_KERNEL_ROWS = 64  # measured here: past ~64 rows dequantize + fp32 GEMM is faster
 
 
@@ -39,20 +40,24 @@ def _group_for(in_features: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class Int8Weight:
-    """W ~= q * scale + zero per group; stands in for a [out, in] float weight in LinearRouter."""
+    """W ~= q * scale + zero per group; stands in for a [out, in] float weight in LinearRouter.
 
-    q: torch.Tensor  # [out_features, in_features] uint8 codes
-    scale: torch.Tensor  # [out_features, in_features // group] float32, >= 0
-    zero: torch.Tensor  # [out_features, in_features // group] float32 (the group's minimum)
-    group: int
+    Packed as the kernel reads it: blocks of BLOCK output channels (out_features padded up to a
+    multiple), group by group, so each block is one sequential stream."""
+
+    q: torch.Tensor  # [blocks, in // group, BLOCK, group] uint8 codes
+    scale: torch.Tensor  # [blocks, in // group, BLOCK] float32, >= 0
+    zero: torch.Tensor  # [blocks, in // group, BLOCK] float32 (the group's minimum)
+    out_features: int
 
     def __post_init__(self):
-        if self.q.dtype != torch.uint8 or self.q.dim() != 2:
-            raise ValueError(f"q must be a 2-D uint8 tensor, got {self.q.dtype} {self.q.shape}")
-        n, k = self.q.shape
-        if self.group < 1 or k % self.group:
-            raise ValueError(f"group {self.group} must divide in_features {k}")
-        want = (n, k // self.group)
+        if self.q.dtype != torch.uint8 or self.q.dim() != 4 or self.q.shape[2] != BLOCK:
+            raise ValueError(f"q must be uint8 [blocks, groups, {BLOCK}, group], got "
+                             f"{self.q.dtype} {list(self.q.shape)}")
+        blocks = self.q.shape[0]
+        if not (blocks - 1) * BLOCK < self.out_features <= blocks * BLOCK:
+            raise ValueError(f"out_features {self.out_features} does not fit {blocks} blocks")
+        want = tuple(self.q.shape[:3])
         for name in ("scale", "zero"):
             t = getattr(self, name)
             if t.dtype != torch.float32 or tuple(t.shape) != want:
@@ -62,17 +67,28 @@ class Int8Weight:
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:  # weight: [out, in] float
         n, k = weight.shape
-        group = _group_for(k)
-        w = weight.detach().float().reshape(n, k // group, group)
+        group, padded = _group_for(k), -(-n // BLOCK) * BLOCK
+        w = torch.zeros(padded, k)
+        w[:n] = weight.detach().float()
+        w = w.reshape(padded, k // group, group)
         lo, hi = w.amin(-1), w.amax(-1)
         scale = (hi - lo) / 255
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant groups: q = 0
         q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, 255).to(torch.uint8)
-        return cls(q.reshape(n, k).contiguous(), scale.contiguous(), lo.contiguous(), group)
+
+        def pack(t):  # [padded, groups, ...] -> [blocks, groups, BLOCK, ...]
+            t = t.reshape(padded // BLOCK, BLOCK, *t.shape[1:])
+            return t.transpose(1, 2).contiguous()
+
+        return cls(pack(q), pack(scale), pack(lo), n)
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[3]
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return torch.Size((self.out_features, self.q.shape[1] * self.group))
 
     @property
     def device(self) -> torch.device:
@@ -83,9 +99,8 @@ class Int8Weight:
         return self.q.numel() + 4 * (self.scale.numel() + self.zero.numel())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
-        n, k = self.q.shape
-        w = self.q.reshape(n, -1, self.group).float() * self.scale[..., None] + self.zero[..., None]
-        return w.reshape(n, k).to(dtype)
+        w = self.q.float() * self.scale[..., None] + self.zero[..., None]  # [b, g, BLOCK, G]
+        return w.transpose(1, 2).reshape(-1, self.shape[1])[:self.out_features].to(dtype)
 
     def linear(
         self,
@@ -95,12 +110,13 @@ class Int8Weight:
         kernel = self._kernel(x)
         if kernel is None:
             return F.linear(x, self.dequantize(x.dtype), bias)
-        out = kernel.int8_gemm(x.float().contiguous(), self.q, self.scale, self.zero, self.group)
+        out = kernel.int8_gemm(x.float().contiguous(), self.q, self.scale, self.zero,
+                               self.out_features)
         out = out.to(x.dtype)
         return out if bias is None else out + bias
 
     def _kernel(self, x: torch.Tensor):
-        if (x.shape[0] > MAX_KERNEL_ROWS or x.device.type != "cpu" or self.group % 8
-                or x.dim() != 2):
+        if (x.dim() != 2 or x.shape[0] > MAX_KERNEL_ROWS or x.device.type != "cpu"
+                or self.group % 8):
             return None
         return int8_cpu.load()

@@ -20,18 +20,20 @@ pytestmark = pytest.mark.unit
 
 def test_quantize_is_per_group_and_within_half_a_step():
     torch.manual_seed(0)
-    w = torch.randn(24, 64) * torch.logspace(-3, 1, 64)  # groups of very different range
+    w = torch.randn(21, 64) * torch.logspace(-3, 1, 64)  # groups of very different range
     w[3, :32] = 0.25  # a constant group
     q = Int8Weight.quantize(w)
-    assert q.q.dtype == torch.uint8 and q.group == 32
-    assert q.scale.shape == q.zero.shape == (24, 2)
+    assert q.q.dtype == torch.uint8 and q.group == 32 and q.shape == (21, 64)
+    # 21 channels pack into 3 blocks of 8 (the last padded), 2 groups each.
+    assert tuple(q.q.shape) == (3, 2, 8, 32) and tuple(q.scale.shape) == (3, 2, 8)
     # Every group uses its own range: its extremes land on codes 0 and 255.
-    codes = q.q.reshape(24, 2, 32)
     varying = q.scale > 0
-    assert (codes.amin(-1)[varying] == 0).all() and (codes.amax(-1)[varying] == 255).all()
-    step = q.scale.repeat_interleave(32, dim=1)
-    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
-    assert torch.equal(q.dequantize()[3, :32], w[3, :32])
+    assert (q.q.amin(-1)[varying] == 0).all() and (q.q.amax(-1)[varying] == 255).all()
+    deq = q.dequantize()
+    assert deq.shape == w.shape
+    step = torch.stack([q.scale[b, :, r] for b in range(3) for r in range(8)])[:21]
+    assert ((deq - w).abs() <= step.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
+    assert torch.equal(deq[3, :32], w[3, :32])
     assert q.nbytes == 24 * 64 + 4 * 2 * 24 * 2
 
 
@@ -71,13 +73,14 @@ def test_a_rows_output_does_not_depend_on_the_batch_it_runs_in():
 
 
 def test_bad_parts_are_refused():
-    codes = torch.zeros(2, 8, dtype=torch.uint8)
+    codes = torch.zeros(1, 1, 8, 8, dtype=torch.uint8)
+    ones, zeros = torch.ones(1, 1, 8), torch.zeros(1, 1, 8)
     with pytest.raises(ValueError, match="uint8"):
-        Int8Weight(torch.zeros(2, 8), torch.ones(2, 1), torch.zeros(2, 1), 8)
+        Int8Weight(codes.float(), ones, zeros, 8)
     with pytest.raises(ValueError, match="scale"):
-        Int8Weight(codes, torch.ones(3, 1), torch.zeros(2, 1), 8)
-    with pytest.raises(ValueError, match="group"):
-        Int8Weight(codes, torch.ones(2, 1), torch.zeros(2, 1), 3)
+        Int8Weight(codes, torch.ones(1, 2, 8), zeros, 8)
+    with pytest.raises(ValueError, match="does not fit"):
+        Int8Weight(codes, ones, zeros, 9)
     with pytest.raises(ValueError, match="dtype must be one of"):
         compute_dtype("int4")
     with pytest.raises(ValueError, match="dtype"):
