@@ -29,7 +29,7 @@ _FLAGS = (
     ("max_context_length", int, "longest sequence, 0 = the draft model's limit"),
     ("eagle_vocab", int, "draft from the EAGLE head's commonest N tokens only, 0 = all"),
     ("dtype", str, "draft model weight dtype: " + ", ".join(DTYPES) + " (int8: weight-only, "
-                   "per-channel scales, fp32 activations between products)"),
+                   "per-group scales, fp32 activations)"),
     ("suffix_cache_tokens", int, "suffix decoding: finished tokens cached per scope, 0 = none"),
     ("suffix_scope", str, "suffix decoding cache: one for all (global) or one per tenant"),
     ("suffix_min_prob", float, "suffix decoding: stop a proposal below this estimated chance"),

@@ -38,7 +38,7 @@ def register(sub) -> None:
              help="target: default name or HF checkpoint dir")
     add_flag(p, "--dtype", "TANDEM_VERIFIER_DTYPE", _DEFAULTS.dtype,
              help="target weight dtype: " + ", ".join(WEIGHT_DTYPES) + " (int8: weight-only, "
-                  "per-channel scales; activations, norms and KV cache stay fp32)")
+                  "per-group scales; activations, norms and KV cache stay fp32)")
     for name, text in _INT_FLAGS.items():
         add_flag(p, "--" + name.replace("_", "-"), f"TANDEM_VERIFIER_{name.upper()}",
                  getattr(_DEFAULTS, name), int, help=text)
