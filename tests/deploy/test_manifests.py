@@ -286,96 +286,93 @@ def _k8s_definitions() -> Resource:
 
 _DEFS = "/api/_definitions.json#/$defs/"
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+
+
+def crd_schema(api_version: str, kind: str, spec: dict) -> dict:
+    """A strict schema for one custom resource: our `spec` schema under Kubernetes' envelope."""
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        # under the bundled definitions' base URI, so "/api/_definitions.json#..." resolves
+        "$id": f"https://kubernetes.io/api/{kind.lower()}/{api_version}",
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": api_version},
+            "kind": {"const": kind},
+            "metadata": {"$ref": _DEFS + "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"},
+            "spec": spec,
+        },
+    }
+
+
 # KEDA ScaledObject (keda.sh/v1alpha1, KEDA 2.x): the fields we use, strictly; the HPA behavior
 # block is Kubernetes' own type, checked against the bundled definitions.
-SCALED_OBJECT_SCHEMA = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    # under the bundled definitions' base URI, so "/api/_definitions.json#..." resolves
-    "$id": "https://kubernetes.io/api/scaledobject/keda.sh/v1alpha1",
+SCALED_OBJECT_SCHEMA = crd_schema("keda.sh/v1alpha1", "ScaledObject", {
     "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "required": ["scaleTargetRef", "triggers"],
     "additionalProperties": False,
     "properties": {
-        "apiVersion": {"const": "keda.sh/v1alpha1"},
-        "kind": {"const": "ScaledObject"},
-        "metadata": {"$ref": _DEFS + "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"},
-        "spec": {
-            "type": "object",
-            "required": ["scaleTargetRef", "triggers"],
-            "additionalProperties": False,
+        "scaleTargetRef": {
+            "type": "object", "required": ["name"], "additionalProperties": False,
+            "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                           "name": {"type": "string", "minLength": 1},
+                           "envSourceContainerName": {"type": "string"}}},
+        "pollingInterval": {"type": "integer", "minimum": 1},
+        "cooldownPeriod": {"type": "integer", "minimum": 0},
+        "initialCooldownPeriod": {"type": "integer", "minimum": 0},
+        "idleReplicaCount": {"type": "integer", "minimum": 0},
+        "minReplicaCount": {"type": "integer", "minimum": 0},
+        "maxReplicaCount": {"type": "integer", "minimum": 1},
+        "fallback": {
+            "type": "object", "required": ["failureThreshold", "replicas"],
+            "properties": {"failureThreshold": {"type": "integer"},
+                           "replicas": {"type": "integer"}}},
+        "advanced": {
+            "type": "object", "additionalProperties": False,
             "properties": {
-                "scaleTargetRef": {
-                    "type": "object", "required": ["name"], "additionalProperties": False,
-                    "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
-                                   "name": {"type": "string", "minLength": 1},
-                                   "envSourceContainerName": {"type": "string"}}},
-                "pollingInterval": {"type": "integer", "minimum": 1},
-                "cooldownPeriod": {"type": "integer", "minimum": 0},
-                "initialCooldownPeriod": {"type": "integer", "minimum": 0},
-                "idleReplicaCount": {"type": "integer", "minimum": 0},
-                "minReplicaCount": {"type": "integer", "minimum": 0},
-                "maxReplicaCount": {"type": "integer", "minimum": 1},
-                "fallback": {
-                    "type": "object", "required": ["failureThreshold", "replicas"],
-                    "properties": {"failureThreshold": {"type": "integer"},
-                                   "replicas": {"type": "integer"}}},
-                "advanced": {
+                "restoreToOriginalReplicaCount": {"type": "boolean"},
+                "horizontalPodAutoscalerConfig": {
                     "type": "object", "additionalProperties": False,
                     "properties": {
-                        "restoreToOriginalReplicaCount": {"type": "boolean"},
-                        "horizontalPodAutoscalerConfig": {
-                            "type": "object", "additionalProperties": False,
-                            "properties": {
-                                "name": {"type": "string"},
-                                "behavior": {"$ref": _DEFS + "io.k8s.api.autoscaling.v2."
-                                             "HorizontalPodAutoscalerBehavior"}}},
-                        "scalingModifiers": {"type": "object"}}},
-                "triggers": {
-                    "type": "array", "minItems": 1,
-                    "items": {
-                        "type": "object", "required": ["type", "metadata"],
-                        "additionalProperties": False,
-                        "properties": {
-                            "type": {"type": "string", "minLength": 1},
-                            "name": {"type": "string"},
-                            "metadata": _STR_MAP,  # KEDA wants every value as a string
-                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
-                            "useCachedMetrics": {"type": "boolean"},
-                            "authenticationRef": {
-                                "type": "object", "required": ["name"],
-                                "properties": {"name": {"type": "string"},
-                                               "kind": {"type": "string"}}}}}}}}},
-}
+                        "name": {"type": "string"},
+                        "behavior": {"$ref": _DEFS + "io.k8s.api.autoscaling.v2."
+                                     "HorizontalPodAutoscalerBehavior"}}},
+                "scalingModifiers": {"type": "object"}}},
+        "triggers": {
+            "type": "array", "minItems": 1,
+            "items": {
+                "type": "object", "required": ["type", "metadata"],
+                "additionalProperties": False,
+                "properties": {
+                    "type": {"type": "string", "minLength": 1},
+                    "name": {"type": "string"},
+                    "metadata": _STR_MAP,  # KEDA wants every value as a string
+                    "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                    "useCachedMetrics": {"type": "boolean"},
+                    "authenticationRef": {
+                        "type": "object", "required": ["name"],
+                        "properties": {"name": {"type": "string"},
+                                       "kind": {"type": "string"}}}}}}}})
 # Prometheus Operator PodMonitor (monitoring.coreos.com/v1): the fields we use, strictly.
-POD_MONITOR_SCHEMA = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "$id": "https://kubernetes.io/api/podmonitor/monitoring.coreos.com/v1",
+POD_MONITOR_SCHEMA = crd_schema("monitoring.coreos.com/v1", "PodMonitor", {
     "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "required": ["selector", "podMetricsEndpoints"],
     "additionalProperties": False,
     "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PodMonitor"},
-        "metadata": {"$ref": _DEFS + "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"},
-        "spec": {
-            "type": "object",
-            "required": ["selector", "podMetricsEndpoints"],
-            "additionalProperties": False,
-            "properties": {
-                "selector": {"$ref": _DEFS + "io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"},
-                "namespaceSelector": {"type": "object"},
-                "jobLabel": {"type": "string"},
-                "podMetricsEndpoints": {
-                    "type": "array", "minItems": 1,
-                    "items": {
-                        "type": "object", "required": ["port"], "additionalProperties": False,
-                        "properties": {
-                            "port": {"type": "string", "minLength": 1},
-                            "path": {"type": "string", "pattern": "^/"},
-                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
-                            "scrapeTimeout": {"type": "string"},
-                            "scheme": {"enum": ["http", "https"]}}}}}}},
-}
+        "selector": {"$ref": _DEFS + "io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"},
+        "namespaceSelector": {"type": "object"},
+        "jobLabel": {"type": "string"},
+        "podMetricsEndpoints": {
+            "type": "array", "minItems": 1,
+            "items": {
+                "type": "object", "required": ["port"], "additionalProperties": False,
+                "properties": {
+                    "port": {"type": "string", "minLength": 1},
+                    "path": {"type": "string", "pattern": "^/"},
+                    "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                    "scrapeTimeout": {"type": "string"},
+                    "scheme": {"enum": ["http", "https"]}}}}}})
 CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT_SCHEMA,
                ("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_SCHEMA}
 # The label kube-prometheus-stack's Prometheus selects PodMonitors by (podMonitorSelector).
