@@ -85,9 +85,13 @@ def _shipped_eagle() -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def _says_none(value: str | None) -> bool:
+    return value is not None and value.strip().lower() == "none"
+
+
 def resolve_eagle_flag(value: str | None) -> str | None:
     """The EAGLE head directory to load, or None."""
-    if value is not None and value.strip().lower() == "none":
+    if _says_none(value):
         return None
     if value:
         return value
@@ -97,7 +101,7 @@ def resolve_eagle_flag(value: str | None) -> str | None:
 
 def resolve_model_flag(value: str | None) -> str | None:
     """The draft model directory to load, or None for n-gram lookup only."""
-    if value is not None and value.strip().lower() == "none":
+    if _says_none(value):
         return None
     if value:
         return value
@@ -114,7 +118,7 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
     values = {name: getattr(args, name) for name, _, _ in _FLAGS}
     return DraftConfig(model=resolve_model_flag(args.model),
                        eagle=resolve_eagle_flag(args.eagle),
-                       mtp=None if (args.mtp or "none").lower() == "none" else args.mtp,
+                       mtp=None if not args.mtp or _says_none(args.mtp) else args.mtp,
                        **values)
 
 

@@ -11,7 +11,6 @@ import transformers
 from inproc import run_sessions, target_joint_top2
 from safetensors.torch import save_file
 
-from draft_service.proposers.eagle import cache_blocks
 from draft_service.proposers.mtp import MtpProposer
 from kernels.paged_attention import build_attention_metadata
 from tandem.engine.generate import LocalGenerator
@@ -112,11 +111,6 @@ def tiny(tmp_path_factory):
     return LlamaModel.load(paths), paths
 
 
-def proposer(paths):
-    head = MtpHead.load(paths)
-    return MtpProposer(head, cache_blocks(head, 1 << 20, 16), 16)
-
-
 class FailingMtp(MtpProposer):
     calls = 0
 
@@ -133,12 +127,11 @@ def test_mtp_greedy_is_identical_to_plain_and_fails_open(tiny):
     prompts = [torch.randint(0, 61, (n,), generator=gen).tolist() for n in (5, 12, 30)]
     greedy = SamplingParams(temperature=0.0)
     plain = LocalGenerator(ModelRunner(target, 64, 16)).generate(prompts, greedy, 24)
-    got, drafted, _, link = run_sessions(target, {Method.MTP: proposer(paths)}, Method.MTP,
-                                         prompts, greedy, 24)
+    mtp = {Method.MTP: MtpProposer.load(paths, 1 << 20)}
+    got, drafted, _, link = run_sessions(target, mtp, Method.MTP, prompts, greedy, 24)
     assert got == plain and drafted > 0
     assert link.features_rows > 0  # the verifier shipped the target's hidden states
-    head = MtpHead.load(paths)
-    failing = FailingMtp(head, cache_blocks(head, 1 << 20, 16), 16)
+    failing = FailingMtp.load(paths, 1 << 20)
     got, _, _, _ = run_sessions(target, {Method.MTP: failing}, Method.MTP, prompts, greedy, 24)
     assert got == plain and failing.calls > 2
 
@@ -149,8 +142,9 @@ def test_mtp_sampling_keeps_the_targets_joint_distribution(tiny):
     sampling = SamplingParams(temperature=1.0, top_k=2)
     joint = target_joint_top2(target, prompt)
     n = 500
-    got, drafted, accepted, _ = run_sessions(target, {Method.MTP: proposer(paths)}, Method.MTP,
-                                             [prompt] * n, sampling, 3, batch=8)
+    mtp = {Method.MTP: MtpProposer.load(paths, 1 << 20)}
+    got, drafted, accepted, _ = run_sessions(target, mtp, Method.MTP, [prompt] * n, sampling, 3,
+                                             batch=8)
     counts = Counter(tuple(t[:2]) for t in got)
     assert set(counts) <= set(joint)
     tv = 0.5 * sum(abs(counts[o] / n - p) for o, p in joint.items())
