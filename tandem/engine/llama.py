@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from kernels import int8_cpu
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from tandem.engine.linear import LinearRouter
 from tandem.engine.quant import Int8Weight, compute_dtype
@@ -219,6 +220,9 @@ class LlamaModel:
             layer.quantize_int8()
         # A tied head keeps its fp32 twin for the embedding lookup (a gather, not bandwidth-bound).
         self.lm_head = Int8Weight.quantize(self.lm_head)
+        # Build (or load from cache) the CPU kernel now: a first build takes a minute or two,
+        # which belongs at startup, not inside the first request's engine step.
+        int8_cpu.load()
 
     def _layer(self, w, weights, i: int) -> LayerWeights:
         p = f"layers.{i}."
