@@ -53,6 +53,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(p, "--mtp", "TANDEM_DRAFT_MTP",
              help="checkpoint directory whose config declares num_nextn_predict_layers: draft "
                   "with its first multi-token-prediction module (default: none)")
+    add_flag(p, "--layer-skip", "TANDEM_DRAFT_LAYER_SKIP",
+             help="target checkpoint (or 'default') to draft for by layer skip: the target "
+                  "itself minus its searched skip set (default: none; a verifier serves "
+                  "layer skip in its own process unless told otherwise)")
+    add_flag(p, "--skip-set", "TANDEM_DRAFT_SKIP_SET", "auto",
+             help="layer skip: 'auto' (the set saved or shipped with the checkpoint, see "
+                  "`tandem search-skip`) or a layer_skip.json path")
     defaults = {f.name: f.default for f in dataclasses.fields(DraftConfig)}
     for name, kind, text in _FLAGS:
         add_flag(p, "--" + name.replace("_", "-"), "TANDEM_DRAFT_" + name.upper(), defaults[name],
@@ -114,11 +121,16 @@ def resolve_model_flag(value: str | None) -> str | None:
     return str(shipped)
 
 
+def _optional(value: str | None) -> str | None:
+    return None if not value or _says_none(value) else value
+
+
 def config_from_args(args: argparse.Namespace) -> DraftConfig:
     values = {name: getattr(args, name) for name, _, _ in _FLAGS}
     return DraftConfig(model=resolve_model_flag(args.model),
                        eagle=resolve_eagle_flag(args.eagle),
-                       mtp=None if not args.mtp or _says_none(args.mtp) else args.mtp,
+                       mtp=_optional(args.mtp), layer_skip=_optional(args.layer_skip),
+                       skip_set=args.skip_set,
                        **values)
 
 

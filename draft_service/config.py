@@ -21,6 +21,10 @@ class DraftConfig:
     model: str | None = None  # draft checkpoint directory; None = n-gram lookup only
     eagle: str | None = None  # EAGLE head directory (tandem.engine.eagle); None = no head
     mtp: str | None = None  # target checkpoint carrying MTP modules (tandem.engine.mtp)
+    # Target checkpoint to draft for by layer skip (tandem.engine.layer_skip), and its skip
+    # set: "auto" (the one saved or shipped with the checkpoint) or a layer_skip.json path.
+    layer_skip: str | None = None
+    skip_set: str = "auto"
     # Rows of the head's vocabulary it drafts from (0 = all): its LM head is most of a draft
     # step, and the commonest 4096 tokens agree with the target as often as all 12288 do.
     eagle_vocab: int = 4096
@@ -51,7 +55,7 @@ class DraftConfig:
             raise ValueError(f"host must be a non-empty string, got {self.host!r}")
         if not (_is_int(self.port) and 0 <= self.port <= 65535):
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port!r}")
-        for name in ("model", "tokenizer", "eagle", "mtp"):
+        for name in ("model", "tokenizer", "eagle", "mtp", "layer_skip"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be None or a non-empty path, got {value!r}")
@@ -72,6 +76,8 @@ class DraftConfig:
         if not (_is_int(self.max_context_length) and self.max_context_length >= 0):
             raise ValueError(f"max_context_length must be an int >= 0 (0 = the model's), got "
                              f"{self.max_context_length!r}")
+        if not isinstance(self.skip_set, str) or not self.skip_set:
+            raise ValueError(f"skip_set must be 'auto' or a file path, got {self.skip_set!r}")
         if self.suffix_scope not in SUFFIX_SCOPES:
             raise ValueError(f"suffix_scope must be one of {', '.join(SUFFIX_SCOPES)}, got "
                              f"{self.suffix_scope!r}")

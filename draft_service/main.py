@@ -27,12 +27,15 @@ from draft_service.config import DraftConfig
 from draft_service.limits import Limits
 from draft_service.proposers.draft_model import DraftModelProposer
 from draft_service.proposers.eagle import EagleProposer
+from draft_service.proposers.layer_skip import LayerSkipProposer
 from draft_service.proposers.mtp import MtpProposer
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.proposers.suffix import SuffixProposer
 from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.worker import DraftWorker
 from tandem import telemetry
+from tandem.engine.layer_skip import resolve_skip_set
+from tandem.engine.llama import LlamaModel
 from tandem.grpc_status import StatusInterceptor
 from tandem.models import ModelError, ModelPaths, default_target_dir, resolve_model, tokenizer_hash
 from tandem.registration import Registration, start_registration
@@ -45,8 +48,8 @@ _NGRAM_CONTEXT = 32768  # no model, so no positional limit; this only bounds mem
 
 def _token_space(config: DraftConfig, proposer: DraftModelProposer | None):
     """(model_id, tokenizer_hash, vocab_size) that Info advertises."""
-    if proposer is not None:
-        paths = resolve_model(config.model)
+    if proposer is not None:  # a draft model, else the layer-skip target
+        paths = resolve_model(config.model if config.model is not None else config.layer_skip)
         return paths.root.name, tokenizer_hash(paths), proposer.vocab_size
     if config.eagle is not None and not config.tokenizer:  # the head ships its tokenizer
         root = Path(config.eagle)
@@ -77,6 +80,20 @@ def _check_eagle_tokens(eagle: EagleProposer, model: DraftModelProposer | None) 
                          f"from the draft model's ({model.vocab_size})")
 
 
+def _layer_skip(config: DraftConfig, model: DraftModelProposer | None) -> LayerSkipProposer:
+    paths = resolve_model(config.layer_skip)
+    skip = resolve_skip_set(config.skip_set, paths)
+    if skip is None:
+        raise ModelError(f"no layer-skip set saved with {paths.root}: run `tandem search-skip "
+                         f"--model {config.layer_skip}` or pass --skip-set FILE")
+    proposer = LayerSkipProposer.over(LlamaModel.load(paths, config.dtype), skip,
+                                      config.kv_cache_mb << 20, config.block_size)
+    if model is not None and model.vocab_size != proposer.vocab_size:
+        raise ModelError(f"the layer-skip target's vocabulary ({proposer.vocab_size}) differs "
+                         f"from the draft model's ({model.vocab_size})")
+    return proposer
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("tandem")
@@ -102,6 +119,10 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
                                config.block_size)
         _check_eagle_tokens(mtp, model)
         proposers[Method.MTP] = mtp
+    if config.layer_skip is not None:
+        skip = _layer_skip(config, model)
+        proposers[Method.LAYER_SKIP] = skip
+        model = model or skip
     proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_run_ahead_cap)
     proposers[Method.SUFFIX] = SuffixProposer(config.suffix_config(), config.max_run_ahead_cap)
     model_id, tok_hash, vocab = _token_space(config, model)

@@ -103,6 +103,13 @@ def _cmd_up(args) -> int:
     return 0
 
 
+async def _colocate(model, paths, config):
+    """The verifier's in-process layer-skip worker (imports draft_service only when used)."""
+    from tandem.colocate import start_layer_skip
+
+    return await start_layer_skip(model, paths, config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description="Disaggregated speculative decoding: draft workers propose, "
@@ -153,13 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.bench.cli import register as register_bench
     from verify_service.cli import register as register_verifier
 
-    register_verifier(sub)
+    register_verifier(sub, _colocate)
     register_draft(sub)
     register_gateway(sub)
     register_bench(sub)
     from tandem.distill.cli import register as register_distill
 
     register_distill(sub)
+    from tandem.skip_search_cli import register as register_search_skip
+
+    register_search_skip(sub)
     return parser
 
 

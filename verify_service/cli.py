@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 
 from tandem.engine.quant import WEIGHT_DTYPES
@@ -23,10 +24,12 @@ _INT_FLAGS = {
     "top_n": "size of the sparse draft distribution asked from draft workers",
     "calibrate_reps": "timed forwards per token count at start-up, seeding the cost curve "
                       "k is chosen from (0: a built-in table)",
+    "layer_skip_kv_mb": "KV cache budget in MiB of the in-process layer-skip draft",
 }
 
 
-def register(sub) -> None:
+def register(sub, colocate=None) -> None:
+    """Add `verifier`; `colocate` starts in-process draft workers (tandem.colocate)."""
     p = sub.add_parser("verifier", help="run a verifier worker (target model + paged KV cache)",
                        description="Serve tandem.v1.VerifyService over gRPC. Every flag also "
                        "reads the environment variable named in its help "
@@ -59,10 +62,14 @@ def register(sub) -> None:
              help="seconds running streams get to finish when stopping")
     add_flag(p, "--metrics-port", "TANDEM_VERIFIER_METRICS_PORT", -1, int,
              help="Prometheus /metrics HTTP port: -1 off, 0 any free port")
-    p.set_defaults(func=_run)
+    add_flag(p, "--layer-skip", "TANDEM_VERIFIER_LAYER_SKIP", _DEFAULTS.layer_skip,
+             help="serve speculation.method=layer_skip in this process over the target's own "
+                  "weights: auto (if a skip set is saved or shipped with the model; see "
+                  "`tandem search-skip`), off, or a layer_skip.json path")
+    p.set_defaults(func=functools.partial(_run, colocate=colocate))
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, colocate=None) -> int:
     fields = {f.name for f in dataclasses.fields(VerifierConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
     config = VerifierConfig(**values, draft_addresses=tuple(args.drafts))
@@ -73,5 +80,5 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(config.threads)
     from verify_service.main import serve
 
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, colocate if config.layer_skip != "off" else None))
     return 0

@@ -32,6 +32,11 @@ class VerifierConfig:
     # Timed forwards per token count at start-up, seeding the cost curve k is chosen from
     # (then rounds keep it current); 0 = start from the built-in relative table.
     calibrate_reps: int = 3
+    # Layer skip served from this process over the target's own weights: "auto" (when a skip
+    # set is saved or shipped with the model), "off", or a layer_skip.json path; and the KV
+    # budget of that draft (its kept layers only).
+    layer_skip: str = "auto"
+    layer_skip_kv_mb: int = 64
 
     def __post_init__(self):
         if self.dtype not in WEIGHT_DTYPES:
@@ -40,7 +45,11 @@ class VerifierConfig:
             raise ValueError(f"metrics_port must be -1 (off) or a port, got {self.metrics_port}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("kv_cache_mb", "block_size", "max_sessions", "max_num_seqs", "top_n"):
+        if not isinstance(self.layer_skip, str) or not self.layer_skip:
+            raise ValueError(f"layer_skip must be 'auto', 'off' or a file path, got "
+                             f"{self.layer_skip!r}")
+        for name in ("kv_cache_mb", "block_size", "max_sessions", "max_num_seqs", "top_n",
+                     "layer_skip_kv_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_spec_tokens <= 32:

@@ -130,8 +130,12 @@ class DraftPool:
 
     def __init__(self, static_addresses: list[str],
                  discover: Callable[[], Awaitable[list[str]]] | None,
-                 on_message, on_broken, clock=time.monotonic):
+                 on_message, on_broken, clock=time.monotonic,
+                 pinned: tuple[str, ...] = ()):
         self._static = list(static_addresses)
+        # Workers used only when a session names them (the verifier's own layer-skip
+        # worker): never a fallback for a method they may not serve.
+        self._pinned = pinned
         self._discover = discover
         self._on_message = on_message
         self._on_broken = on_broken
@@ -157,8 +161,9 @@ class DraftPool:
 
     async def get(self, hint: str = "") -> DraftLink | None:
         order = await self.candidates()
-        if hint and hint in order:
-            order.remove(hint)
+        if hint and (hint in order or hint in self._pinned):
+            if hint in order:
+                order.remove(hint)
             order.insert(0, hint)
         for address in order:
             link = self.links.get(address)

@@ -20,6 +20,7 @@ from tandem.spec import (
     Control,
     DraftToken,
     Features,
+    Method,
     Open,
     Proposal,
     Reply,
@@ -54,6 +55,7 @@ class DraftSide:
         self.sessions = sessions  # the engine's, read-only here
         self.vocab_size, self.top_n, self.max_run_ahead = vocab_size, top_n, max_run_ahead
         self.pool = pool
+        self.local: dict[Method, str] = {}  # methods served in this process -> their address
         self.links: dict[str, Link] = {}
         self.arrived = asyncio.Event()  # set whenever a draft token is accepted for checking
         self.arrival_ms = 5.0  # EMA of the gap between draft tokens, for the wait bound
@@ -76,7 +78,9 @@ class DraftSide:
 
     async def _attach(self, seq: Sequence) -> None:
         try:
-            link = await self.pool.get(seq.params.draft_address)
+            # A method this process serves itself goes to its own worker first.
+            link = await self.pool.get(self.local.get(seq.params.method)
+                                       or seq.params.draft_address)
         finally:
             self._attaching.discard(seq.seq_id)
         if link is None or seq.finished or seq.seq_id not in self.sessions:

@@ -4,7 +4,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,6 +40,8 @@ class Verifier:
     servicer: VerifyServicer
     health: health.HealthServicer
     tasks: list[asyncio.Task] = field(default_factory=list)
+    colocated: Colocated | None = None
+
 
     async def drain_and_stop(self, grace_s: float) -> None:
         """Refuse new work, report NOT_SERVING, let running streams finish within grace_s."""
@@ -47,6 +51,8 @@ class Verifier:
         for task in self.tasks:
             task.cancel()
         await self.engine.close()
+        if self.colocated is not None:
+            await self.colocated.stop()
 
 
 def build_info(model: LlamaModel, paths: ModelPaths, config: VerifierConfig, model_id: str):
@@ -59,9 +65,23 @@ def build_info(model: LlamaModel, paths: ModelPaths, config: VerifierConfig, mod
         methods=[int(m) for m in Method if m is not Method.UNSPECIFIED])
 
 
+class Colocated(Protocol):
+    """Draft workers this process runs over its own target (layer skip)."""
+
+    addresses: dict[Method, str]
+
+    async def stop(self) -> None: ...
+
+
+# (target, its checkpoint, the config) -> the started workers, or None when there are none.
+Colocate = Callable[[LlamaModel, ModelPaths, VerifierConfig], Awaitable["Colocated | None"]]
+
+
 async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None,
-                         discover=None) -> Verifier:
-    """Start serving; `model` lets tests share one loaded target across servers."""
+                         discover=None, colocate: Colocate | None = None) -> Verifier:
+    """Start serving; `model` lets tests share one loaded target across servers;
+    `colocate` starts draft workers in this process (the tools layer passes the layer-skip
+    one, since services do not import each other)."""
     paths = resolve_model(config.model)
     if model is None:
         model = LlamaModel.load(paths, config.dtype)
@@ -86,11 +106,18 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
                       waiting=lambda: len(scheduler.waiting),
                       kv_usage=lambda: scheduler.blocks.usage)
     engine = Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics)
-    if config.draft_addresses or discover is not None:
+    colocated = None if colocate is None else await colocate(model, paths, config)
+    pinned = tuple(colocated.addresses.values()) if colocated is not None else ()
+    remote = bool(config.draft_addresses) or discover is not None
+    if remote or pinned:
         engine.drafts.pool = DraftPool(list(config.draft_addresses), discover,
-                                       engine.drafts.on_reply, engine.drafts.on_link_broken)
+                                       engine.drafts.on_reply, engine.drafts.on_link_broken,
+                                       pinned=pinned)
+    if colocated is not None:
+        engine.drafts.local = dict(colocated.addresses)
     model_id = paths.root.name
-    default_method = Method.DRAFT_MODEL if engine.drafts.pool is not None else Method.NONE
+    # Layer skip is served only when asked for: on a small target it rarely pays.
+    default_method = Method.DRAFT_MODEL if remote else Method.NONE
     servicer = VerifyServicer(engine, build_info(model, paths, config, model_id),
                               default_method, metrics)
     server = grpc.aio.server(interceptors=[StatusInterceptor()],
@@ -104,7 +131,7 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     await _set_serving(health_servicer)
-    verifier = Verifier(server, port, engine, servicer, health_servicer)
+    verifier = Verifier(server, port, engine, servicer, health_servicer, colocated=colocated)
     verifier.tasks.append(asyncio.create_task(engine.run()))
     return verifier
 
@@ -116,13 +143,13 @@ async def _set_serving(servicer) -> None:
             await result
 
 
-async def serve(config: VerifierConfig) -> None:
+async def serve(config: VerifierConfig, colocate: Colocate | None = None) -> None:
     """Run until SIGTERM/SIGINT, registered in Redis when config.redis_url is set."""
     from tandem.registration import Registration, draft_discovery, start_registration
 
     telemetry.setup_tracing("tandem-verifier")
     discover = draft_discovery(config.redis_url) if config.redis_url else None
-    verifier = await start_verifier(config, discover=discover)
+    verifier = await start_verifier(config, discover=discover, colocate=colocate)
     address = config.advertise_address or f"{config.host}:{verifier.port}"
     print(f"verifier serving on {address}", flush=True)
     if config.metrics_port >= 0:

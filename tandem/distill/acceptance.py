@@ -157,12 +157,12 @@ def simulate(draft_model, target_model, prompts: list[list[int]], temperature: f
 
 def forward_cost_ms(model: LlamaModel, reps: int, prefix: int = 128) -> float:
     """Median batch-1, 1-token forward on a cached prefix, through ModelRunner (ms)."""
-    runner = _Runner(model, 1, prefix + 2)
-    runner.forward([(0, [(7 * j) % 1000 + 100 for j in range(prefix)], 0, 1)])
+    runner, vocab = _Runner(model, 1, prefix + 2), model.cfg.vocab_size
+    runner.forward([(0, [((7 * j) % 1000 + 100) % vocab for j in range(prefix)], 0, 1)])
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        runner.forward([(0, [42], prefix, 1)])
+        runner.forward([(0, [42 % vocab], prefix, 1)])
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 

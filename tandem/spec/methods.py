@@ -19,6 +19,7 @@ class Method(enum.IntEnum):
     EAGLE = 4  # a feature head on the target's hidden states (draft worker)
     SUFFIX = 5  # suffix decoding over this and earlier sequences, no model (draft worker)
     MTP = 6  # the target checkpoint's own multi-token-prediction module (draft worker)
+    LAYER_SKIP = 7  # the target minus a searched set of layers (in the verifier's process)
 
     @property
     def needs_features(self) -> bool:

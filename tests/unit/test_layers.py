@@ -28,6 +28,9 @@ LAYERS = {
     "tandem.launcher": TOOLS,
     "tandem.bench": TOOLS,
     "tandem.distill": TOOLS,
+    "tandem.skip_search": TOOLS,
+    "tandem.skip_search_cli": TOOLS,
+    "tandem.colocate": TOOLS,    # joins the two services in the verifier's process
     "benchmarks": TOOLS,
 }
 NOT_LAYERED = {"tests"}  # top-level directories that hold Python but sit outside the rule
