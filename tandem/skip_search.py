@@ -1,11 +1,20 @@
 """`tandem search-skip`: find the layers a self-speculative draft skips, by Bayesian
 optimisation (Optuna's TPE) of the measured speedup.
 
-A trial is a skip set. Its score is Leviathan's speedup (tandem.distill.acceptance.speedup)
-from two measurements: the acceptance rates of the skip view along the target's own greedy
-paths on a prompt set (a round at every position, k drafts from the true prefix), and c, the
-view's timed 1-token forward over the target's (interleaved, same thread count). The first and
-last layers are always kept (LayerSkip and Draft & Verify both find them indispensable).
+A trial is a skip set. Its score is a speedup estimated from two measurements: the
+acceptance rates of the skip view along the target's own greedy paths on a prompt set (a round
+at every position, k drafts from the true prefix), and c, the view's timed 1-token forward over
+the target's (interleaved, same thread count). The first and last layers are always kept
+(LayerSkip and Draft & Verify both find them indispensable).
+
+Two cost models (`objective`):
+- "serial" (Leviathan et al.): drafting and verifying take turns on the same compute,
+  tokens / (1 + k c). With this alone, when nothing pays, the cheapest junk draft scores best.
+- "pipelined" (the default; how Tandem runs drafts, the in-process layer-skip worker included):
+  the draft runs on its own thread or device while the target verifies, so a round costs one
+  target forward, plus what drafting k tokens takes beyond it (k c - 1), plus the restart
+  after a rejection (probability 1 - P(all k accepted)), when the verifier waits c for the
+  first draft from the corrected token.
 """
 from __future__ import annotations
 
@@ -29,9 +38,22 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.sampling_params import SamplingParams
 
 
+def pipelined_speedup(rates: list[float], k: int, c: float) -> float:
+    """Tokens per round over a round's cost in target forwards, drafting concurrently."""
+    all_accepted = 1.0
+    for r in rates[:k]:
+        all_accepted *= r
+    cost = 1 + max(0.0, k * c - 1) + (1 - all_accepted) * c
+    return (1 + mean_accepted(rates, k)) / cost
+
+
+OBJECTIVES = {"serial": speedup, "pipelined": pipelined_speedup}
+
+
 @dataclass(frozen=True)
 class SearchConfig:
     trials: int = 60
+    objective: str = "pipelined"  # or "serial" (see the module docstring)
     k: int = 8  # longest proposal scored; the best k <= this is reported
     max_new_tokens: int = 48  # length of each target path
     num_prompts: int = 8
@@ -46,6 +68,9 @@ class SearchConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.k > 16:
             raise ValueError(f"k must be <= 16, got {self.k}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got "
+                             f"{self.objective!r}")
 
 
 @dataclass(frozen=True)
@@ -115,27 +140,30 @@ class CostTable:
         return self._c[kept]
 
 
-def score(counts: list[int], k_max: int, c: float) -> tuple[int, float, float]:
+def score(counts: list[int], k_max: int, c: float,
+          objective: str = "serial") -> tuple[int, float, float]:
     """(best k, its speedup, alpha) from a trial's accepted counts."""
-    rates = per_position_rates(counts, k_max)
-    best = max(range(1, k_max + 1), key=lambda j: speedup(rates, j, c))
-    return best, speedup(rates, best, c), rates[0]
+    rates, estimate = per_position_rates(counts, k_max), OBJECTIVES[objective]
+    best = max(range(1, k_max + 1), key=lambda j: estimate(rates, j, c))
+    return best, estimate(rates, best, c), rates[0]
 
 
 def evaluate(model: LlamaModel, skip: SkipSet, paths, starts, cfg: SearchConfig,
              cost: CostTable) -> TrialResult:
     counts = greedy_counts(skip_view(model, skip), paths, starts, cfg.k)
     c = cost(skip)
-    k, sp, alpha = score(counts, cfg.k, c)
+    k, sp, alpha = score(counts, cfg.k, c, cfg.objective)
     return TrialResult(skip, tuple(counts), c, k, sp, alpha)
 
 
 def seed_sets(num_layers: int) -> list[tuple[int, ...]]:
-    """Starting points the literature suggests: alternate middle layers, the upper half."""
+    """Starting points: alternate middle layers, the upper half (LayerSkip's early exit), and
+    a single upper layer (the cheapest change to the model)."""
     middle = range(1, num_layers - 1)
     return [tuple(i for i in middle if i % 2 == 1),
             tuple(i for i in middle if i % 3 == 1),
-            tuple(i for i in middle if i >= num_layers // 2)]
+            tuple(i for i in middle if i >= num_layers // 2),
+            (max(1, num_layers - 4),)]
 
 
 def search(model: LlamaModel, prompts: list[list[int]], stop: tuple[int, ...],
@@ -171,7 +199,8 @@ def search(model: LlamaModel, prompts: list[list[int]], stop: tuple[int, ...],
 
 def summary(best: TrialResult, cfg: SearchConfig) -> dict:
     rates = per_position_rates(list(best.counts), cfg.k)
-    return {"k": best.k, "estimated_speedup": round(best.speedup, 4),
+    return {"objective": cfg.objective, "k": best.k,
+            "estimated_speedup": round(best.speedup, 4),
             "alpha": round(best.alpha, 4), "c": round(best.c, 4),
             "mean_accepted": round(mean_accepted(rates, best.k), 3),
             "rounds": len(best.counts)}

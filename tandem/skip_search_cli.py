@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -24,6 +25,9 @@ def register(sub) -> None:
              help="JSONL of {\"prompt\": ...} chat prompts (default: the held-out set)")
     add_flag(p, "--num-prompts", "TANDEM_SEARCH_NUM_PROMPTS", 8, int, help="prompts used")
     add_flag(p, "--trials", "TANDEM_SEARCH_TRIALS", 60, int, help="skip sets tried")
+    add_flag(p, "--objective", "TANDEM_SEARCH_OBJECTIVE", "pipelined",
+             help="cost model of a round: pipelined (the draft runs concurrently with "
+                  "verification, as Tandem runs it) or serial (Leviathan: they take turns)")
     add_flag(p, "--k", "TANDEM_SEARCH_K", 8, int, help="longest proposal scored (1..16)")
     add_flag(p, "--max-new-tokens", "TANDEM_SEARCH_MAX_NEW_TOKENS", 48, int,
              help="length of each target path the drafts are scored along")
@@ -48,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from tandem.models import resolve_model
     from tandem.skip_search import SearchConfig, search, summary
 
-    cfg = SearchConfig(trials=args.trials, k=args.k, max_new_tokens=args.max_new_tokens,
+    cfg = SearchConfig(trials=args.trials, objective=args.objective, k=args.k,
+                       max_new_tokens=args.max_new_tokens,
                        num_prompts=args.num_prompts, seed=args.seed,
                        timing_threads=args.threads)
     paths = resolve_model(args.model)
@@ -68,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     info = summary(best, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(best.skip.to_json(model=paths.root.name, **info))
-    report.write_text(json.dumps({"model": paths.root.name, "config": vars(cfg) | {},
+    report.write_text(json.dumps({"model": paths.root.name, "config": dataclasses.asdict(cfg),
                                   "best": {"skip": list(best.skip.skip), **info},
                                   "trials": [_trial(r) for r in results]}, indent=1) + "\n")
     print(f"best: skip {list(best.skip.skip)} -> estimated speedup {best.speedup:.3f} at "

@@ -12,7 +12,14 @@ from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelError, ModelPaths, resolve_model
 from tandem.sampling_params import SamplingParams
-from tandem.skip_search import SearchConfig, greedy_counts, score, search, target_paths
+from tandem.skip_search import (
+    SearchConfig,
+    greedy_counts,
+    pipelined_speedup,
+    score,
+    search,
+    target_paths,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -109,6 +116,15 @@ def test_score_prefers_what_pays():
     assert (k, alpha) == (3, 1.0) and sp == pytest.approx(4 / 1.3)
     k, sp, _ = score([0, 0, 1, 0], 3, 0.5)
     assert k == 1 and sp < 1
+
+
+def test_pipelined_cost_hides_a_draft_no_slower_than_the_target():
+    assert pipelined_speedup([1.0], 1, 0.5) == pytest.approx(2.0)  # drafting fully hidden
+    assert pipelined_speedup([0.0], 1, 0.5) == pytest.approx(1 / 1.5)  # every round restarts
+    # Drafting 4 tokens at c = 0.5 takes 2 forwards: one beyond the verify.
+    assert pipelined_speedup([1.0] * 4, 4, 0.5) == pytest.approx(5 / 2)
+    with pytest.raises(ValueError, match="objective"):
+        SearchConfig(objective="fastest")
 
 
 def test_search_runs_its_trials_and_always_keeps_the_first_and_last_layers(tiny):
