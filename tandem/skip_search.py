@@ -180,12 +180,17 @@ def search(model: LlamaModel, prompts: list[list[int]], stop: tuple[int, ...],
     results: list[TrialResult] = []
     study = optuna.create_study(direction="maximize",
                                 sampler=optuna.samplers.TPESampler(seed=cfg.seed))
-    for s in seed_sets(layers):
-        study.enqueue_trial({f"skip_{i}": i in s for i in range(1, layers - 1)})
+    middle, most = range(1, layers - 1), max(1, (layers - 2) // 2)
+    # How many layers, then which: a per-layer score ranks them. (Independent per-layer
+    # booleans make TPE sample about half the layers skipped, never the few that can pay.)
+    for s in (s for s in seed_sets(layers) if 1 <= len(s) <= most):
+        study.enqueue_trial({"num_skipped": len(s)}
+                            | {f"rank_{i}": float(i in s) for i in middle})
 
     def objective(trial) -> float:
-        skip = tuple(i for i in range(1, layers - 1)
-                     if trial.suggest_categorical(f"skip_{i}", [False, True]))
+        n = trial.suggest_int("num_skipped", 1, most)
+        ranks = {i: trial.suggest_float(f"rank_{i}", 0.0, 1.0) for i in middle}
+        skip = tuple(sorted(sorted(middle, key=lambda i: -ranks[i])[:n]))
         result = evaluate(model, SkipSet(layers, skip), paths, starts, cfg, cost)
         trial.set_user_attr("k", result.k)
         results.append(result)
