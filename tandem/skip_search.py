@@ -178,6 +178,7 @@ def search(model: LlamaModel, prompts: list[list[int]], stop: tuple[int, ...],
     starts = [len(p) for p in prompts[:cfg.num_prompts]]
     cost = CostTable(model, cfg)
     results: list[TrialResult] = []
+    seen: dict[tuple[int, ...], TrialResult] = {}
     study = optuna.create_study(direction="maximize",
                                 sampler=optuna.samplers.TPESampler(seed=cfg.seed))
     middle, most = range(1, layers - 1), max(1, (layers - 2) // 2)
@@ -191,7 +192,9 @@ def search(model: LlamaModel, prompts: list[list[int]], stop: tuple[int, ...],
         n = trial.suggest_int("num_skipped", 1, most)
         ranks = {i: trial.suggest_float(f"rank_{i}", 0.0, 1.0) for i in middle}
         skip = tuple(sorted(sorted(middle, key=lambda i: -ranks[i])[:n]))
-        result = evaluate(model, SkipSet(layers, skip), paths, starts, cfg, cost)
+        if skip not in seen:  # TPE proposes a converged set again and again
+            seen[skip] = evaluate(model, SkipSet(layers, skip), paths, starts, cfg, cost)
+        result = seen[skip]
         trial.set_user_attr("k", result.k)
         results.append(result)
         if on_trial is not None:

@@ -184,6 +184,23 @@ def measure_eagle_c(head_dir: str, target: str, reps: int = 40) -> dict:
             "threads": 1}
 
 
+def measure_layer_skip_c(target: str, reps: int = 40) -> dict:
+    """c of the layer-skip draft the verifier serves (the set found with the target), as
+    measure_c times a draft model; {} when the target has no skip set."""
+    from tandem.distill.acceptance import AcceptanceConfig, measure_cost
+    from tandem.engine.layer_skip import find_skip_set, resolve_skip_set, skip_view
+    from tandem.engine.llama import LlamaModel
+    from tandem.models import resolve_model
+
+    paths = resolve_model(target)
+    skip = resolve_skip_set("auto", paths)
+    if skip is None:
+        return {}
+    tm = LlamaModel.load(paths)
+    cost = measure_cost(skip_view(tm, skip), tm, AcceptanceConfig(timing_reps=reps))
+    return cost | {"skip": list(skip.skip), "file": str(find_skip_set(paths))}
+
+
 def measure_c(draft: str, target: str, reps: int = 40) -> dict:
     """The draft/target cost ratio c for Leviathan's formula: median batch-1 1-token forward
     of each through our runner on one thread. tandem.distill.acceptance's measurement when it

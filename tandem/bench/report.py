@@ -173,6 +173,16 @@ def _draft(meta: dict) -> str:
     return text
 
 
+
+def _layer_skip_line(m: dict) -> str:
+    ls = m.get("cost_layer_skip") or {}
+    if not ls:
+        return "- **Layer skip:** no skip set for this target (`tandem search-skip`): not served"
+    return (f"- **Layer skip:** served in the verifier's process, skipping {len(ls['skip'])} of "
+            f"the target's layers {ls['skip']} (`{Path(ls['file']).name}`); view/target 1-token "
+            f"forward {fmt(ls.get('draft_ms'), '.2f')} / {fmt(ls.get('target_ms'), '.2f')} ms, "
+            f"c = {fmt(ls.get('c'), '.3f')}")
+
 def render_markdown(result: dict, s: dict, img_prefix: str) -> str:
     m, cfg = result["meta"], result["meta"]["config"]
     mach = m["machine"]
@@ -194,6 +204,7 @@ def render_markdown(result: dict, s: dict, img_prefix: str) -> str:
         f"{cfg['threads']} torch thread each, gateway over HTTP (streaming); transformers "
         f"peers in the benchmark process, {cfg.get('peer_threads', 1)} torch thread, "
         "before the cluster starts",
+        _layer_skip_line(m),
         f"- **Suffix decoding:** cross-request cache {m.get('suffix_cache', 'on')}: every "
         "prompt is asked several times in this run; the repetitive workload that the cache "
         "is for is in benchmarks-repetitive.md (`tandem bench --workload repetitive`)",

@@ -276,7 +276,7 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from tandem.bench.baselines import measure_c, measure_eagle_c
+    from tandem.bench.baselines import measure_c, measure_eagle_c, measure_layer_skip_c
     from tandem.bench.client import worker_addresses
     from tandem.launcher import Cluster, ClusterConfig, free_port
     from tandem.models import resolve_model
@@ -308,6 +308,9 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
             bar.set_description("eagle head/target cost (c)")
             _phase(ctx, "cost_eagle", lambda c: c.result["meta"].update(
                 cost_eagle=measure_eagle_c(eagle, target)))
+        bar.set_description("layer-skip/target cost (c)")
+        _phase(ctx, "cost_layer_skip", lambda c: c.result["meta"].update(
+            cost_layer_skip=measure_layer_skip_c(target)))
         bar.set_description("starting the cluster")
         cluster = Cluster(ClusterConfig(num_drafts=1, num_verifiers=1, gateway_port=free_port(),
                                         model=cfg.model, draft_model=draft, eagle=eagle,

@@ -81,7 +81,8 @@ def speculation_table(result: dict, table: dict) -> dict:
     verifier's rounds where measured), Leviathan's bound and the measured speedup."""
     k = result["meta"]["config"]["k"]
     costs = {"draft_model": (result["meta"].get("cost") or {}).get("c", math.nan),
-             "eagle": (result["meta"].get("cost_eagle") or {}).get("c", math.nan)}
+             "eagle": (result["meta"].get("cost_eagle") or {}).get("c", math.nan),
+             "layer_skip": (result["meta"].get("cost_layer_skip") or {}).get("c", math.nan)}
     out = {}
     temps = sorted({r["temperature"] for r in result["runs"] if r["system"] == "tandem"} |
                    {r["temperature"] for r in result["rounds"]})
