@@ -89,7 +89,7 @@ def plain(cluster):
     return [chat(cluster, p, **spec("none"))[0] for p in PROMPTS]
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle", "suffix"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle", "suffix", "layer_skip"])
 def test_greedy_identical_to_plain_decoding(cluster, plain, method):
     for prompt, ref in zip(PROMPTS, plain):
         text, body = chat(cluster, prompt, **spec(method))
