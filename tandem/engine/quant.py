@@ -13,6 +13,7 @@ the dequantizing path: correct, but slower than fp32.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,32 @@ def _group_for(in_features: int) -> int:
     return GROUP if in_features % GROUP == 0 else in_features
 
 
+def group_scales(
+    w: torch.Tensor,  # [rows, groups, group] float32
+    lo: torch.Tensor,  # [rows, groups] the groups' minima
+    hi: torch.Tensor,  # [rows, groups] maxima
+) -> torch.Tensor:  # [rows, groups] float32 step between codes
+    """(hi - lo) / 255, except where a group's values already sit on an evenly spaced grid of
+    at most 256 levels: then the grid's own step, and the codes are exact. Weights dequantized
+    from a 4- or 8-bit checkpoint do (the default target was converted from a Q4_1 GGUF, so its
+    projections have 16 levels per 32-group), and min/max codes would round them a second time
+    to a grid that does not line up with theirs."""
+    span = hi - lo
+    scale = span / 255
+    ordered = w.sort(-1).values
+    gaps = ordered[..., 1:] - ordered[..., :-1]
+    real = gaps > 1e-6 * span[..., None]  # below this, two codes of one level (fp rounding)
+    smallest = torch.where(real, gaps, torch.full_like(gaps, math.inf)).amin(-1)
+    done = ~torch.isfinite(smallest)  # constant groups keep span / 255 = 0
+    for j in (1, 2, 3, 4):  # the grid's step may divide the smallest gap present
+        step = smallest / j
+        n = (w - lo[..., None]) / step[..., None]
+        fits = ((n - n.round()).abs() <= 1e-3).all(-1) & (span <= 255.001 * step) & ~done
+        scale = torch.where(fits, step, scale)
+        done |= fits
+    return scale
+
+
 @dataclass(frozen=True, eq=False)
 class Int8Weight:
     """W ~= q * scale + zero per group; stands in for a [out, in] float weight in LinearRouter.
@@ -46,7 +73,7 @@ class Int8Weight:
     multiple), group by group, so each block is one sequential stream."""
 
     q: torch.Tensor  # [blocks, in // group, BLOCK, group] uint8 codes
-    scale: torch.Tensor  # [blocks, in // group, BLOCK] float32, >= 0
+    scale: torch.Tensor  # [blocks, in // group, BLOCK] float32, >= 0 (group_scales)
     zero: torch.Tensor  # [blocks, in // group, BLOCK] float32 (the group's minimum)
     out_features: int
 
@@ -72,7 +99,7 @@ class Int8Weight:
         w[:n] = weight.detach().float()
         w = w.reshape(padded, k // group, group)
         lo, hi = w.amin(-1), w.amax(-1)
-        scale = (hi - lo) / 255
+        scale = group_scales(w, lo, hi)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant groups: q = 0
         q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, 255).to(torch.uint8)
 

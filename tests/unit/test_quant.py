@@ -39,6 +39,33 @@ def test_quantize_is_per_group_and_within_half_a_step():
     assert q.nbytes == 24 * 64 + 4 * 2 * 24 * 2
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "three_levels"])
+def test_weights_already_on_a_grid_keep_it_exactly(kind):
+    """Q4_1-like (16 levels above a minimum), Q8_0-like (symmetric, bell-shaped codes in
+    +-127) and sparse grids: the codes reproduce every weight up to fp32 rounding, even in
+    groups that miss the grid's extremes."""
+    torch.manual_seed(len(kind))
+    d = torch.rand(40, 4, 1) * 0.01 + 1e-4  # a step per 32-group, as fp16 scales would be
+    m = torch.randn(40, 4, 1) * 0.05
+    if kind == "q8_0":
+        m, codes = 0.0, (torch.randn(40, 4, 32) * 20).round().clamp(-127, 127)
+    else:
+        codes = torch.randint(0, 16 if kind == "q4_1" else 3, (40, 4, 32)).float()
+    codes[:5] = codes[:5].clamp(2, 9)  # groups without the extremes
+    w = (m + d * codes).reshape(40, 128).float()
+    deq = Int8Weight.quantize(w).dequantize()
+    # fp32 rounding of q * step + min, against min/max codes' error of up to span / 510.
+    assert (deq - w).abs().max() <= 1e-5 * w.abs().max()
+
+
+def test_off_grid_groups_use_their_range():
+    w = torch.tensor([[0.0, 1.0, 2.0, 3.0] * 8, [0.0, 0.3, 1.0, 2.71828] * 8])
+    q = Int8Weight.quantize(w)
+    assert torch.equal(q.dequantize()[0], w[0])  # 4 levels, step 1: exact
+    assert q.scale[0, 0, 1] == pytest.approx(2.71828 / 255)  # no grid: min/max codes
+    assert (q.dequantize()[1] - w[1]).abs().max() <= 2.71828 / 510 + 1e-6
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1])
 @pytest.mark.parametrize("shape", [(64, 64), (17, 96), (1728, 576), (13, 40), (5, 33)])
 def test_linear_matches_the_dequantized_product(rows, shape):
