@@ -127,7 +127,9 @@ def report(r: dict) -> str:
         "",
         f"`python benchmarks/int8_quality.py` on {r['machine']}, {r['date']}. Target "
         f"SmolLM2-135M-Instruct; int8 = uint8 codes with an fp32 scale and zero per 32 inputs "
-        f"of every output channel, for every projection and the LM head; fp32 activations "
+        f"of every output channel, for every projection and the LM head (a group already on "
+        f"an evenly spaced grid of <= 256 levels keeps it: this target's Q4_1-derived weights "
+        f"all do, so its codes are exact); fp32 activations "
         f"(`tandem/engine/quant.py`, kernel `kernels/csrc/int8_gemm.cpp`). Weights streamed "
         f"per decode step: {r['bytes']['float32'] / 2**20:.0f} MiB fp32, "
         f"{r['bytes']['int8'] / 2**20:.0f} MiB int8 (the fp32 embedding stays for lookups).",

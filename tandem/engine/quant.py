@@ -3,8 +3,9 @@
 At batch 1 a decode step streams every weight once, so its time is the bytes read: these
 weights read ~1.25 bytes each instead of fp32's 4. Per-group ranges (rather than one per
 output channel) keep the rounding error near bf16's: per-channel int8 changed the greedy text
-of this 135M target on most prompts (docs/int8.md). Activations, norms, attention, the residual
-stream and the KV cache stay fp32.
+of this 135M target on most prompts (docs/int8.md). A group already on a grid keeps it
+(group_scales): weights that came from a 4- or 8-bit checkpoint quantize exactly. Activations,
+norms, attention, the residual stream and the KV cache stay fp32.
 
 Products of up to MAX_KERNEL_ROWS rows (decode, verify) run kernels/csrc/int8_gemm.cpp, which
 computes every output the same way whatever the row count; larger ones (prefill) dequantize the
