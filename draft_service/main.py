@@ -132,6 +132,13 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
             context = min(context, proposers[method].max_context_length)
     if config.max_context_length:
         context = min(context, config.max_context_length)
+    return assemble_worker(config, proposers, model_id, tok_hash, vocab, context)
+
+
+def assemble_worker(config: DraftConfig, proposers: dict[Method, Proposer], model_id: str,
+                    tok_hash: str, vocab: int, context: int
+                    ) -> tuple[DraftWorker, common_pb2.WorkerInfo]:
+    """A worker over ready proposers, sized by the config, and the Info it advertises."""
     limits = Limits(vocab, context, config.max_sessions, config.max_run_ahead,
                     config.max_run_ahead_cap, config.top_n, config.max_top_n,
                     config.max_ngram_size)

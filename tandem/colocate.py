@@ -30,11 +30,8 @@ async def start_layer_skip(model: LlamaModel, paths: ModelPaths, config) -> Colo
     """A layer-skip draft worker on a free loopback port, or None when the verifier's config
     turns it off or no skip set is known for the model (`tandem search-skip` makes one)."""
     from draft_service.config import DraftConfig
-    from draft_service.limits import Limits
-    from draft_service.main import build_app
+    from draft_service.main import assemble_worker, build_app
     from draft_service.proposers.layer_skip import LayerSkipProposer
-    from draft_service.worker import DraftWorker
-    from tandem.v1 import common_pb2
 
     skip = resolve_skip_set(config.layer_skip, paths)
     if skip is None:
@@ -44,16 +41,10 @@ async def start_layer_skip(model: LlamaModel, paths: ModelPaths, config) -> Colo
     proposer = LayerSkipProposer.over(model, skip, config.layer_skip_kv_mb << 20,
                                       config.block_size)
     draft_cfg = DraftConfig(host="127.0.0.1", port=0, max_sessions=config.max_sessions)
-    limits = Limits(proposer.vocab_size, proposer.max_context_length, draft_cfg.max_sessions,
-                    draft_cfg.max_run_ahead, draft_cfg.max_run_ahead_cap, draft_cfg.top_n,
-                    draft_cfg.max_top_n)
-    info = common_pb2.WorkerInfo(
-        role=common_pb2.WORKER_ROLE_DRAFT, model_id=paths.root.name,
-        tokenizer_hash=tokenizer_hash(paths), vocab_size=proposer.vocab_size,
-        max_context_length=proposer.max_context_length, max_sessions=draft_cfg.max_sessions,
-        max_speculative_tokens=draft_cfg.max_run_ahead_cap, max_top_n=draft_cfg.max_top_n,
-        methods=[int(Method.LAYER_SKIP)])
-    app = await build_app(draft_cfg, DraftWorker({Method.LAYER_SKIP: proposer}, limits), info)
+    worker, info = assemble_worker(draft_cfg, {Method.LAYER_SKIP: proposer}, paths.root.name,
+                                   tokenizer_hash(paths), proposer.vocab_size,
+                                   proposer.max_context_length)
+    app = await build_app(draft_cfg, worker, info)
     await app.server.start()
     log.info("layer skip served in-process on 127.0.0.1:%d (skipping layers %s of %d)",
              app.port, list(skip.skip), skip.num_layers)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.distill.acceptance import (
-    _Runner,
+    SlotRunner,
     forward_cost_ms,
     mean_accepted,
     per_position_rates,
@@ -96,7 +96,7 @@ def greedy_counts(draft: LlamaModel, paths: list[list[int]], starts: list[int],
                   k: int) -> list[int]:
     """Accepted drafts of a round at every generated position: under greedy a draft is
     accepted exactly when it equals the target's path token, so no target forward is needed."""
-    runner = _Runner(draft, len(paths), max(map(len, paths)) + k + 1)
+    runner = SlotRunner(draft, len(paths), max(map(len, paths)) + k + 1)
     for i, (p, s) in enumerate(zip(paths, starts)):
         if s > 1:
             runner.forward([(i, p[:s - 1], 0, 0)])

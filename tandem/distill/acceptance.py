@@ -78,7 +78,7 @@ def load_prompts(path: Path | None) -> list[str]:
         raise ValueError(f"cannot read prompts from {path}: {exc}") from exc
 
 
-class _Runner:
+class SlotRunner:
     """A ModelRunner with a fixed, private slice of blocks per sequence (no sharing needed)."""
 
     def __init__(self, model: LlamaModel, num_seqs: int, max_len: int, block_size: int = 16):
@@ -100,7 +100,7 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
                            torch.ones(n))
 
 
-def _draft_round(draft: _Runner, paths: dict[int, list[int]], k: int, temperature: float, gen):
+def _draft_round(draft: SlotRunner, paths: dict[int, list[int]], k: int, temperature: float, gen):
     """k draft tokens per active sequence from its true prefix; returns ids [B, k] and the
     dense q rows [B * k, V] (None when greedy)."""
     order = list(paths)
@@ -122,8 +122,8 @@ def simulate(draft_model, target_model, prompts: list[list[int]], temperature: f
              cfg: AcceptanceConfig, stop: tuple[int, ...]) -> list[int]:
     """Accepted-draft counts (0..k) of rounds started at every position of target paths."""
     k, max_len = cfg.k, max(map(len, prompts)) + cfg.max_new_tokens + cfg.k + 1
-    draft = _Runner(draft_model, len(prompts), max_len)
-    target = _Runner(target_model, len(prompts), max_len)
+    draft = SlotRunner(draft_model, len(prompts), max_len)
+    target = SlotRunner(target_model, len(prompts), max_len)
     # Prefill everything but the last prompt token, which each round feeds itself.
     for i, p in enumerate(prompts):
         if len(p) > 1:
@@ -157,7 +157,7 @@ def simulate(draft_model, target_model, prompts: list[list[int]], temperature: f
 
 def forward_cost_ms(model: LlamaModel, reps: int, prefix: int = 128) -> float:
     """Median batch-1, 1-token forward on a cached prefix, through ModelRunner (ms)."""
-    runner, vocab = _Runner(model, 1, prefix + 2), model.cfg.vocab_size
+    runner, vocab = SlotRunner(model, 1, prefix + 2), model.cfg.vocab_size
     runner.forward([(0, [((7 * j) % 1000 + 100) % vocab for j in range(prefix)], 0, 1)])
     times = []
     for _ in range(reps):
