@@ -93,28 +93,27 @@ def test_the_verifier_serves_layer_skip_from_its_own_process(target_model, chats
     plain = LocalGenerator(ModelRunner(target_model, 64, 16)).generate(chats[:1], GREEDY, 24)[0]
 
     async def main():
-        # A layer-skip draft costs most of a target forward: let rounds wait for it, so the
-        # test sees drafts verified however loaded the machine is.
-        config = VerifierConfig(kv_cache_mb=64, layer_skip=str(skip_file), calibrate_reps=0,
-                                max_draft_wait_ms=2000)
+        config = VerifierConfig(kv_cache_mb=64, layer_skip=str(skip_file), calibrate_reps=0)
         v = await start_verifier(config, model=target_model, colocate=start_layer_skip)
         try:
             assert v.colocated is not None and set(v.engine.drafts.local) == {Method.LAYER_SKIP}
+            worker = v.colocated.app.worker
             async with grpc.aio.insecure_channel(f"127.0.0.1:{v.port}") as ch:
                 stub = verify_pb2_grpc.VerifyServiceStub(ch)
                 out = {}
                 for method in (Method.LAYER_SKIP, Method.DRAFT_MODEL):
-                    ids, drafted = [], 0
+                    before, ids = worker.stats().tokens_drafted, []
                     async for msg in stub.Generate(_request(method.api_name, chats[0], method),
                                                    timeout=120):
                         ids += msg.token_ids
-                        drafted += msg.round.drafted
-                    out[method] = ids, drafted
+                    out[method] = ids, worker.stats().tokens_drafted - before
                 return out
         finally:
             await v.drain_and_stop(0)
 
     out = asyncio.run(main())
+    # The in-process worker drafted for the layer_skip session. (Whether its drafts arrive
+    # inside a round's wait depends on the machine's load: c is about 1 for this set.)
     assert out[Method.LAYER_SKIP][0] == plain and out[Method.LAYER_SKIP][1] > 0
     # No draft worker serves draft_model here: that session decodes plainly, and is not
     # handed to the layer-skip worker.
