@@ -80,5 +80,5 @@ def _run(args: argparse.Namespace, colocate=None) -> int:
         torch.set_num_threads(config.threads)
     from verify_service.main import serve
 
-    asyncio.run(serve(config, colocate if config.layer_skip != "off" else None))
+    asyncio.run(serve(config, colocate))
     return 0

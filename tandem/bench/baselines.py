@@ -188,17 +188,17 @@ def measure_layer_skip_c(target: str, reps: int = 40) -> dict:
     """c of the layer-skip draft the verifier serves (the set found with the target), as
     measure_c times a draft model; {} when the target has no skip set."""
     from tandem.distill.acceptance import AcceptanceConfig, measure_cost
-    from tandem.engine.layer_skip import find_skip_set, resolve_skip_set, skip_view
+    from tandem.engine.layer_skip import SkipSet, find_skip_set, skip_view
     from tandem.engine.llama import LlamaModel
     from tandem.models import resolve_model
 
     paths = resolve_model(target)
-    skip = resolve_skip_set("auto", paths)
-    if skip is None:
+    found = find_skip_set(paths)
+    if found is None:
         return {}
-    tm = LlamaModel.load(paths)
+    skip, tm = SkipSet.read(found), LlamaModel.load(paths)
     cost = measure_cost(skip_view(tm, skip), tm, AcceptanceConfig(timing_reps=reps))
-    return cost | {"skip": list(skip.skip), "file": str(find_skip_set(paths))}
+    return cost | {"skip": list(skip.skip), "file": str(found)}
 
 
 def measure_c(draft: str, target: str, reps: int = 40) -> dict:

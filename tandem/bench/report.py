@@ -173,7 +173,6 @@ def _draft(meta: dict) -> str:
     return text
 
 
-
 def _layer_skip_line(m: dict) -> str:
     ls = m.get("cost_layer_skip") or {}
     if not ls:
@@ -182,6 +181,7 @@ def _layer_skip_line(m: dict) -> str:
             f"the target's layers {ls['skip']} (`{Path(ls['file']).name}`); view/target 1-token "
             f"forward {fmt(ls.get('draft_ms'), '.2f')} / {fmt(ls.get('target_ms'), '.2f')} ms, "
             f"c = {fmt(ls.get('c'), '.3f')}")
+
 
 def render_markdown(result: dict, s: dict, img_prefix: str) -> str:
     m, cfg = result["meta"], result["meta"]["config"]

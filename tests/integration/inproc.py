@@ -17,6 +17,22 @@ from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.sequence import GenerateParams
 
 
+def fails_after(proposer_cls, calls: int, message: str):
+    """A subclass of proposer_cls whose propose() raises from call `calls + 1` on (the worker
+    then reports INTERNAL for the sessions: fail-open tests); `.calls` counts them."""
+
+    class Failing(proposer_cls):
+        calls = 0
+
+        def propose(self, requests):
+            self.calls += 1
+            if self.calls > calls:
+                raise RuntimeError(message)
+            return super().propose(requests)
+
+    return Failing
+
+
 class WorkerLink:
     """A verifier's draft link straight into a DraftWorker's stream."""
 

@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 import transformers
-from inproc import run_sessions, target_joint_top2
+from inproc import fails_after, run_sessions, target_joint_top2
 
 from draft_service.proposers.layer_skip import LayerSkipProposer
 from tandem.colocate import start_layer_skip
@@ -36,14 +36,7 @@ def chats(tokenizer):
             for t in ("Name three rivers.", "What is a tuple in Python?")]
 
 
-class FailingSkip(LayerSkipProposer):
-    calls = 0
-
-    def propose(self, requests):
-        self.calls += 1
-        if self.calls > 3:
-            raise RuntimeError("layer-skip draft lost")
-        return super().propose(requests)
+FailingSkip = fails_after(LayerSkipProposer, 3, "layer-skip draft lost")
 
 
 def test_layer_skip_greedy_is_identical_to_plain_and_fails_open(target_model, chats):
@@ -51,21 +44,37 @@ def test_layer_skip_greedy_is_identical_to_plain_and_fails_open(target_model, ch
     skip = {Method.LAYER_SKIP: LayerSkipProposer.over(target_model, SKIP, 16 << 20)}
     got, drafted, accepted, _ = run_sessions(target_model, skip, Method.LAYER_SKIP, chats,
                                              GREEDY, 24)
-    assert got == plain
-    assert drafted > 0 and 0 < accepted < drafted  # really speculated, and really checked
+    # Identity only: a draft this costly (c ~ 0.85) lands inside the engine's adaptive draft
+    # wait or not depending on load; the tiny target below shows drafts really verified.
+    assert got == plain and accepted <= drafted
     failing = FailingSkip.over(target_model, SKIP, 16 << 20)
     got, _, _, _ = run_sessions(target_model, {Method.LAYER_SKIP: failing}, Method.LAYER_SKIP,
                                 chats, GREEDY, 24)
     assert got == plain and failing.calls > 3
 
 
-def test_layer_skip_sampling_keeps_the_targets_joint_distribution(tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
     torch.manual_seed(1)
     cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=4, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=128)
-    transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(tmp_path)
-    target = LlamaModel.load(resolve_model(tmp_path))
+    root = tmp_path_factory.mktemp("tiny-skip")
+    transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(root)
+    return LlamaModel.load(resolve_model(root))
+
+
+def test_layer_skip_greedy_drafts_are_verified_on_a_fast_target(tiny):
+    prompts = [[3, 14, 15, 9, 26], [2, 7, 1, 8, 2, 8]]
+    plain = LocalGenerator(ModelRunner(tiny, 16, 16)).generate(prompts, GREEDY, 24)
+    skip = {Method.LAYER_SKIP: LayerSkipProposer.over(tiny, SkipSet(4, (2,)), 1 << 20)}
+    got, drafted, accepted, _ = run_sessions(tiny, skip, Method.LAYER_SKIP, prompts, GREEDY, 24)
+    assert got == plain
+    assert drafted > 0 and 0 < accepted < drafted  # really speculated, and really checked
+
+
+def test_layer_skip_sampling_keeps_the_targets_joint_distribution(tiny):
+    target = tiny
     prompt, n = [3, 14, 15, 9, 26], 500
     sampling = SamplingParams(temperature=1.0, top_k=2)
     joint = target_joint_top2(target, prompt)

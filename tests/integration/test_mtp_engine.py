@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 import transformers
-from inproc import run_sessions, target_joint_top2
+from inproc import fails_after, run_sessions, target_joint_top2
 from safetensors.torch import save_file
 
 from draft_service.proposers.mtp import MtpProposer
@@ -111,14 +111,7 @@ def tiny(tmp_path_factory):
     return LlamaModel.load(paths), paths
 
 
-class FailingMtp(MtpProposer):
-    calls = 0
-
-    def propose(self, requests):
-        self.calls += 1
-        if self.calls > 2:
-            raise RuntimeError("mtp head lost")
-        return super().propose(requests)
+FailingMtp = fails_after(MtpProposer, 2, "mtp head lost")
 
 
 def test_mtp_greedy_is_identical_to_plain_and_fails_open(tiny):

@@ -6,7 +6,7 @@ nothing (fail-open)."""
 from collections import Counter
 
 import pytest
-from inproc import run_sessions, target_joint_top2
+from inproc import fails_after, run_sessions, target_joint_top2
 
 from draft_service.proposers.suffix import SuffixConfig, SuffixProposer
 from tandem.engine.generate import LocalGenerator
@@ -18,18 +18,8 @@ pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0)
 
 
-class FailingSuffix(SuffixProposer):
-    """Raises from its third step on: the worker reports INTERNAL for the sessions."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def propose(self, requests):
-        self.calls += 1
-        if self.calls > 2:
-            raise RuntimeError("suffix index corrupted")
-        return super().propose(requests)
+# Raises from its third step on: the worker reports INTERNAL for the sessions.
+FailingSuffix = fails_after(SuffixProposer, 2, "suffix index corrupted")
 
 
 @pytest.fixture(scope="module")
