@@ -34,6 +34,7 @@ def _add_data_args(p, d) -> None:
 def _add_distill(sub) -> None:
     from tandem.distill.data import DataConfig
     from tandem.distill.eagle import EagleTrainConfig
+    from tandem.distill.medusa import MedusaTrainConfig
     from tandem.distill.train import DraftArch, TrainConfig
 
     d, a, t = DataConfig(), DraftArch(), TrainConfig()
@@ -44,9 +45,10 @@ def _add_distill(sub) -> None:
                            "HF-format draft directory with a model card."))
     p.add_argument("--target", default=os.environ.get("TANDEM_MODEL", DEFAULT_TARGET),
                    help="target: default name or HF checkpoint dir [default %(default)s]")
-    p.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model",
-                   help="what to train: an independent draft model, or an EAGLE head on the "
-                   "target's features [%(default)s]")
+    p.add_argument("--method", choices=("draft_model", "eagle", "medusa"),
+                   default="draft_model",
+                   help="what to train: an independent draft model, an EAGLE head or Medusa "
+                   "heads on the target's features [%(default)s]")
     p.add_argument("--out", type=Path, required=True, help="output draft directory")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="generation cache (resumable) [default: OUT.data]")
@@ -82,6 +84,15 @@ def _add_distill(sub) -> None:
                    help="token loss weight against the feature regression [%(default)s]")
     g.add_argument("--step2-weight", type=float, default=e.step2_weight,
                    help="weight of the second draft step's losses, 0 = off [%(default)s]")
+    m = MedusaTrainConfig()
+    g = p.add_argument_group("medusa heads (--method medusa; the same data as eagle)")
+    g.add_argument("--medusa-num-heads", type=int, default=m.num_heads)
+    g.add_argument("--medusa-num-layers", type=int, default=m.num_layers)
+    g.add_argument("--medusa-vocab", type=int, default=m.vocab,
+                   help="LM-head rows the heads may name [%(default)s]")
+    g.add_argument("--tree-size", type=int, default=m.tree_size,
+                   help="nodes of the exported candidate tree [%(default)s]")
+    g.add_argument("--batch-positions", type=int, default=m.batch_positions)
     g.add_argument("--resume", action="store_true", help="continue from OUT's train state")
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.set_defaults(func=_cmd_distill)
@@ -96,7 +107,7 @@ def _cmd_distill(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.method == "eagle":
+    if args.method in ("eagle", "medusa"):
         return _cmd_eagle(args)
     data = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
                       max_new_tokens=args.max_new_tokens, top_k=args.teacher_top_k,
@@ -133,15 +144,28 @@ def _cmd_eagle(args) -> int:
                       sampled_every=args.sampled_every, temperature=args.gen_temperature,
                       seed=args.seed, dtype=args.gen_dtype, mix="chat", features=True,
                       kv_cache_mb=max(1024, args.gen_batch * 48))
+    job_args = dict(target=args.target, out_dir=args.out,
+                    data_dir=args.data_dir or args.out.with_name(args.out.name + ".data"),
+                    data=data, gen_minutes=args.gen_minutes, resume=args.resume,
+                    command=shlex.join(["tandem", *getattr(args, "argv", sys.argv[1:])]))
+    if args.method == "medusa":
+        from tandem.distill.medusa import MedusaTrainConfig
+        from tandem.distill.medusa_job import MedusaJob, run_medusa
+
+        cfg = MedusaTrainConfig(
+            num_heads=args.medusa_num_heads, num_layers=args.medusa_num_layers,
+            vocab=args.medusa_vocab, tree_size=args.tree_size,
+            time_budget_min=args.time_budget, epochs=args.epochs,
+            batch_positions=args.batch_positions, lr=args.lr,
+            checkpoint_min=args.checkpoint_minutes, seed=args.seed)
+        print(run_medusa(MedusaJob(**job_args, train=cfg),
+                         log=lambda m: print(m, file=sys.stderr)))
+        return 0
     cfg = EagleTrainConfig(vocab=args.eagle_vocab, time_budget_min=args.time_budget,
                            epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
                            cls_weight=args.cls_weight, step2_weight=args.step2_weight,
                            checkpoint_min=args.checkpoint_minutes, seed=args.seed)
-    job = EagleJob(target=args.target, out_dir=args.out,
-                   data_dir=args.data_dir or args.out.with_name(args.out.name + ".data"),
-                   data=data, train=cfg, gen_minutes=args.gen_minutes, resume=args.resume,
-                   command=shlex.join(["tandem", *getattr(args, "argv", sys.argv[1:])]))
-    print(run_eagle(job, log=lambda m: print(m, file=sys.stderr)))
+    print(run_eagle(EagleJob(**job_args, train=cfg), log=lambda m: print(m, file=sys.stderr)))
     return 0
 
 

@@ -1,0 +1,90 @@
+"""`tandem distill --method medusa` end to end: generate chat responses with the target while
+recording its features (the EAGLE cache: resumable shards, shareable between the two), train the
+heads (checkpointed, `--resume`), export them with the held-out accuracy per head and rank and
+the candidate tree built from it."""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.distill.data import DataConfig, generate_dataset
+from tandem.distill.eagle import load_feature_seqs
+from tandem.distill.medusa import MedusaTrainConfig, card, flatten, make_heads, split, train
+from tandem.engine.llama import DraftVocab, LlamaConfig
+from tandem.engine.medusa import expected_accepted, tree_from_accuracy
+from tandem.models import read_hf_config, resolve_model
+
+
+@dataclass(frozen=True)
+class MedusaJob:
+    target: str
+    out_dir: Path
+    data_dir: Path
+    data: DataConfig
+    train: MedusaTrainConfig
+    gen_minutes: float = 0.0  # 0 = every prompt
+    resume: bool = False
+    command: str = ""
+
+    def __post_init__(self):
+        if not self.data.features:
+            raise ValueError("Medusa heads train on recorded features (DataConfig.features)")
+        if self.gen_minutes < 0:
+            raise ValueError("--gen-minutes must be >= 0")
+
+
+def run_medusa(job: MedusaJob, log=print) -> Path:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from tandem.engine.llama import LlamaModel
+    from tandem.engine.model_runner import ModelRunner
+
+    paths = resolve_model(job.target)
+    tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
+    deadline = time.time() + 60 * job.gen_minutes if job.gen_minutes else None
+    runner = ModelRunner.with_memory(LlamaModel.load(paths, job.data.torch_dtype),
+                                     job.data.kv_cache_mb << 20)
+    generate_dataset(paths.root, tokenizer, runner, job.data, job.data_dir, log, deadline)
+    del runner
+    seqs = load_feature_seqs(job.data_dir)
+    if len(seqs) < 2:
+        raise ValueError(f"only {len(seqs)} sequences with features in {job.data_dir}")
+    cfg = job.train
+    train_seqs, val_seqs = split(seqs, max(cfg.val_fraction, 1 / len(seqs)), cfg.seed)
+    special = tuple(t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id,
+                                tokenizer.pad_token_id) if t is not None)
+    heads = make_heads(paths, train_seqs, cfg, special)
+    vocab = DraftVocab(heads.cfg.vocab_ids, LlamaConfig.from_hf(read_hf_config(paths)).vocab_size)
+    kept = torch.zeros(vocab.target_vocab_size, dtype=torch.bool)
+    kept[torch.tensor(vocab.target_ids)] = True
+    data = flatten(train_seqs, cfg.num_heads, cfg.teacher_top_k, vocab.input_map(), kept)
+    val = flatten(val_seqs, cfg.num_heads, cfg.teacher_top_k, vocab.input_map(), kept)
+    log(f"medusa: {len(data.features)} train / {len(val.features)} held-out positions; "
+        f"vocabulary {len(heads.cfg.vocab_ids)}")
+    bar = tqdm(total=None, unit="step", file=sys.stderr, desc="medusa train")
+
+    def progress(step, total, losses):
+        bar.total = total
+        bar.update(step - bar.n)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in losses.items()})
+
+    stats = train(heads, data, val, cfg, job.data_dir / "medusa_train_state.pt", job.resume,
+                  log, progress)
+    bar.close()
+    acc = stats.get("accuracy") or [[1.0]] * cfg.num_heads
+    choices = tree_from_accuracy(acc, cfg.tree_size)
+    heads.cfg = type(heads.cfg)(**{**asdict(heads.cfg), "choices": choices,
+                                   "accuracy": tuple(tuple(a) for a in acc)})
+    stats["expected_accepted_greedy"] = round(expected_accepted(acc, choices), 3)
+    command = job.command or shlex.join(["tandem", *sys.argv[1:]])
+    heads.save(job.out_dir, **card(paths, cfg, command, {"progress": stats}))
+    log(f"medusa: heads written to {job.out_dir}; tree of {len(choices)} nodes, "
+        f"expected {stats['expected_accepted_greedy']} drafts accepted per greedy round")
+    return job.out_dir
+
