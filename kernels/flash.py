@@ -32,6 +32,8 @@ def flash_paged_attention(
     """Same contract as kernels.paged_attention.paged_attention, on the GPU."""
     if not is_available():
         raise RuntimeError("flash-attn with CUDA is not available (install the `gpu` extra)")
+    if meta.has_tree:  # flash-attn takes causal masks only: trees use the reference path
+        raise ValueError("flash-attn cannot apply a token-tree mask; use paged_attention")
     if key_cache.shape[1] % FLASH_BLOCK_MULTIPLE:
         raise ValueError(
             f"flash-attn paged KV needs block_size % {FLASH_BLOCK_MULTIPLE} == 0, "

@@ -5,6 +5,12 @@ many for prefill) laid out back to back (cumulative offsets `cu_seqlens_q`). The
 values are written into a paged cache through `slot_mapping`; each query then attends causally
 to its own sequence's cached keys through its block table. The CUDA path in `kernels.flash` is
 checked against this one.
+
+Token trees: a sequence's new tokens may be the nodes of a draft tree (parents before
+children) instead of a chain. They still take consecutive cache slots, but node i sees only the
+context and its own ancestors (`tree_masks[b]`, [q, q] ancestor-or-self), and its position
+(RoPE) is its depth, which the caller passes; after verification the accepted path's KV is
+moved into place (tandem.engine.model_runner.ModelRunner.move_kv).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ class AttentionMetadata:
     q_rows: torch.Tensor  # [batch, max_seqlen_q] int64, row in the flat batch (padded: 0)
     q_valid: torch.Tensor  # [batch * max_seqlen_q] bool, which padded rows are real
     mask: torch.Tensor | None  # [batch, 1, max_seqlen_q, max_seqlen_k] bool, None = no mask
+    has_tree: bool = False  # some sequence's new tokens are a tree (an explicit mask needed)
 
     @property
     def batch_size(self) -> int:
@@ -40,13 +47,28 @@ def _check_int_list(name: str, values, minimum: int) -> None:
         raise ValueError(f"{name} must be integers >= {minimum}, got {list(values)}")
 
 
+def ancestor_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """[q, q] bool: row i is true at i and every ancestor of i. parents[i] < i is node i's
+    parent among the new tokens, -1 for a node hanging off the cached context."""
+    q = len(parents)
+    mask = torch.eye(q, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"tree node {i} has parent {p}: parents must come first")
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
 def build_attention_metadata(
     q_lens: list[int],
     seq_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
+    tree_masks: list[torch.Tensor | None] | None = None,
 ) -> AttentionMetadata:
-    """Layout for sequences with `q_lens[i]` new tokens ending at context length `seq_lens[i]`."""
+    """Layout for sequences with `q_lens[i]` new tokens ending at context length `seq_lens[i]`;
+    tree_masks[i], if given, is sequence i's [q_i, q_i] ancestor mask (see ancestor_mask)."""
     if not (len(q_lens) == len(seq_lens) == len(block_tables)) or not q_lens:
         raise ValueError(
             f"q_lens, seq_lens and block_tables must be non-empty and equally long, got "
@@ -89,7 +111,13 @@ def build_attention_metadata(
     mask &= pos_k[None, None, :] < seq_len_t[:, None, None]
     # Padded query rows see key 0 only, so softmax stays finite; their output is dropped.
     mask |= (~q_valid[:, :, None]) & (pos_k[None, None, :] == 0)
-    needs_mask = not (batch == 1 and max_q in (1, max_k))
+    trees = [(i, t) for i, t in enumerate(tree_masks or ()) if t is not None]
+    for i, tree in trees:
+        q, s = q_lens[i], seq_lens[i]
+        if tuple(tree.shape) != (q, q):
+            raise ValueError(f"sequence {i}: tree mask {tuple(tree.shape)} for {q} new tokens")
+        mask[i, :q, s - q:s] = tree
+    needs_mask = bool(trees) or not (batch == 1 and max_q in (1, max_k))
     return AttentionMetadata(
         cu_seqlens_q=cu,
         seq_lens=seq_len_t,
@@ -101,6 +129,7 @@ def build_attention_metadata(
         q_rows=q_rows,
         q_valid=q_valid.reshape(-1),
         mask=mask[:, None] if needs_mask else None,
+        has_tree=bool(trees),
     )
 
 

@@ -66,6 +66,10 @@ def register(sub, colocate=None) -> None:
              help="serve speculation.method=layer_skip in this process over the target's own "
                   "weights: auto (if a skip set is saved or shipped with the model; see "
                   "`tandem search-skip`), off, or a layer_skip.json path")
+    add_flag(p, "--medusa", "TANDEM_VERIFIER_MEDUSA", _DEFAULTS.medusa,
+             help="serve speculation.method=medusa with these heads: auto (heads saved or "
+                  "shipped with the model; see `tandem distill --method medusa`), off, or a "
+                  "directory with medusa.json")
     p.set_defaults(func=functools.partial(_run, colocate=colocate))
 
 

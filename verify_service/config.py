@@ -37,6 +37,9 @@ class VerifierConfig:
     # budget of that draft (its kept layers only).
     layer_skip: str = "auto"
     layer_skip_kv_mb: int = 64
+    # Medusa heads run inside the engine step: "auto" (heads saved or shipped with the
+    # model), "off", or a directory holding medusa.json + medusa.safetensors.
+    medusa: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in WEIGHT_DTYPES:
@@ -45,9 +48,10 @@ class VerifierConfig:
             raise ValueError(f"metrics_port must be -1 (off) or a port, got {self.metrics_port}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if not isinstance(self.layer_skip, str) or not self.layer_skip:
-            raise ValueError(f"layer_skip must be 'auto', 'off' or a file path, got "
-                             f"{self.layer_skip!r}")
+        for name in ("layer_skip", "medusa"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be 'auto', 'off' or a path, got {value!r}")
         for name in ("kv_cache_mb", "block_size", "max_sessions", "max_num_seqs", "top_n",
                      "layer_skip_kv_mb"):
             if getattr(self, name) < 1:

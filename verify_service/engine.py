@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.errors import AlreadyExists, ResourceExhausted
-from tandem.spec.cost import update_acceptance
+from tandem.spec.cost import update_acceptance, update_tree_scale
 from tandem.telemetry import VerifierMetrics
 from verify_service.drafts import DraftSide
 from verify_service.executor import Executor, RoundOutcome, StepInput, StepTimings
@@ -193,8 +193,9 @@ class Engine:
         return StepInput(s.token_ids, s.start_pos, list(self.scheduler.blocks.block_table(
             seq.seq_id)), list(seq.drafts[: s.num_drafts]), seq.params.sampling,
             carried=self._carried.get(seq.seq_id) if seq.carried else None,
-            sample_bonus=not self._may_carry(seq, s.num_drafts),
-            want_features=seq.params.method.needs_features)
+            sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
+            want_features=seq.params.method.needs_features,
+            propose_tree=seq.params.method.in_verifier)
 
     def _may_carry(self, seq: Sequence, k: int) -> bool:
         """Skip the bonus token when the draft's next token is already here (unseeded
@@ -224,7 +225,8 @@ class Engine:
         if seq.finished or seq.seq_id not in self.sessions:
             return  # aborted while the step ran; its blocks are already freed
         accepted, next_token = outcome.accepted, outcome.next_token
-        self.scheduler.update_from_output(s, len(accepted))  # roll back rejected KV
+        # Roll back rejected KV (a tree's accepted path is already in place: name its tokens).
+        self.scheduler.update_from_output(s, len(accepted), accepted if s.parents else None)
         start = seq.num_tokens
         new = seq.commit(accepted, next_token)  # may bump the epoch (the draft diverged)
         seq.carried = next_token is None and not seq.finished
@@ -238,7 +240,12 @@ class Engine:
         kept = min(len(accepted), len(new))
         st.rounds, st.drafted, st.accepted = (st.rounds + 1, st.drafted + s.num_drafts,
                                               st.accepted + kept)
-        if s.num_drafts:
+        if outcome.tree is not None and not seq.finished:  # Medusa: the next round's tree
+            seq.drafts, seq.draft_parents = outcome.tree[0], outcome.tree[1]
+        if s.parents is not None and s.num_drafts:
+            expected = sum(self.scheduler.tree_reach[:s.num_drafts]) * seq.tree_scale
+            seq.tree_scale = update_tree_scale(seq.tree_scale, expected, len(accepted))
+        elif s.num_drafts:
             seq.late_rounds = 0
             seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts,
                                                    len(accepted))

@@ -15,6 +15,7 @@ from kernels.sampling import keyed_seed, logits_to_probs, make_generator, sample
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Features
+from verify_service import tree
 from verify_service.rejection import SpecDecodeMetadata, is_chain, verify
 
 # Tokens per forward the verifier times at start-up (k + 1 of a round); past 8 the curve is
@@ -29,8 +30,8 @@ def calibration_counts(max_spec_tokens: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class StepInput:
-    """One session's verification input: a chain of drafts today, a tree once `parents`
-    describes one (index of each draft's parent among the drafts, -1 = the committed end)."""
+    """One session's verification input: a chain of drafts, or a tree when `parents` describes
+    one (index of each draft's parent among the drafts, -1 = the round's root)."""
 
     token_ids: list[int]  # [last committed token, *drafts], a prefill chunk, or carried: drafts
     start_pos: int
@@ -41,10 +42,27 @@ class StepInput:
     sample_bonus: bool = True  # False: if all drafts pass, carry the bonus row instead
     parents: tuple[int, ...] | None = None  # None = a chain
     want_features: bool = False  # EAGLE sessions: return the kept positions' hidden states
+    propose_tree: bool = False  # Medusa sessions: draft the next round's tree from this one
 
     def __post_init__(self):
-        if not is_chain(self.parents):  # the tree mask and walk arrive with "Token trees"
-            raise NotImplementedError("token-tree verification is not implemented yet")
+        if self.parents is not None:
+            if len(self.parents) != len(self.drafts):
+                raise ValueError(f"{len(self.parents)} parents for {len(self.drafts)} drafts")
+            if self.is_tree and (self.carried is not None or not self.sample_bonus):
+                raise ValueError("a token tree is verified from its root: no carried row")
+
+    @property
+    def is_tree(self) -> bool:
+        return not is_chain(self.parents)
+
+    def chunk(self) -> SeqChunk:
+        """The forward's view: the new tokens, with the tree's shape (root first) if any."""
+        parents = None
+        if self.is_tree:
+            parents = (-1, *(p + 1 for p in self.parents))
+        return SeqChunk(self.token_ids, self.start_pos, self.block_table,
+                        num_logits=len(self.drafts) + (0 if self.carried is not None else 1),
+                        parents=parents)
 
     @property
     def first_sampled_pos(self) -> int:
@@ -58,6 +76,7 @@ class RoundOutcome:
     next_token: int | None  # recovered (first rejection) or bonus token; None when carried
     carry: torch.Tensor | None = None  # [vocab] the unsampled bonus row, when next_token is None
     features: Features | None = None  # hidden states of the positions whose KV was kept
+    tree: tuple[list[DraftToken], tuple[int, ...]] | None = None  # Medusa: next round's drafts
 
 
 @dataclass(frozen=True)
@@ -67,8 +86,9 @@ class StepTimings:
 
 
 class Executor:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, medusa=None):
         self.runner = runner
+        self.medusa = medusa  # tandem.engine.medusa.MedusaHeads, or None
 
     def calibrate(self, token_counts=CALIBRATION_COUNTS, reps: int = 3,
                   context: int = 64) -> dict[int, float]:
@@ -93,38 +113,57 @@ class Executor:
 
     def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
         t0 = time.perf_counter()
+        with_hidden = any(s.want_features or s.propose_tree for s in inputs)
         if all(s.sampling.is_greedy and s.sample_bonus and s.carried is None and s.token_ids
                for s in inputs):
-            logits, hidden, forward_ms = self._forward(
-                [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=len(s.drafts) + 1)
-                 for s in inputs], any(s.want_features for s in inputs))
+            logits, hidden, forward_ms = self._forward([s.chunk() for s in inputs], with_hidden)
             found = _greedy_verify(inputs, logits)
         else:
-            probs, hidden, forward_ms = self._target_probs(inputs)
+            probs, hidden, forward_ms = self._target_probs(inputs, with_hidden)
             found = self._verify(inputs, probs)
         outcomes, hidden_at = [], 0
-        for s, (accepted, next_token, carry) in zip(inputs, found):
-            feats = None
-            if s.want_features and hidden is not None and s.token_ids:
-                kept = len(s.token_ids) - len(s.drafts) + len(accepted)  # rows whose KV stays
-                feats = Features(s.start_pos, hidden.shape[1], hidden[
-                    hidden_at:hidden_at + kept].to(torch.float16).numpy().tobytes())
+        for s, (accepted, next_token, carry, path) in zip(inputs, found):
+            if path is not None and path != list(range(len(path))):  # a tree's path, in place
+                root = s.first_sampled_pos - 1
+                self.runner.move_kv(s.block_table, [root + 1 + j for j in path],
+                                    list(range(root + 1, root + 1 + len(path))))
+            outcomes.append(self._outcome(s, accepted, next_token, carry, path, hidden,
+                                          hidden_at))
             hidden_at += len(s.token_ids)
-            outcomes.append(RoundOutcome(accepted, next_token, carry, feats))
         total_ms = (time.perf_counter() - t0) * 1e3
         return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
 
+    def _outcome(self, s: StepInput, accepted, next_token, carry, path, hidden,
+                 hidden_at: int) -> RoundOutcome:
+        """The round's result for one session, with the hidden states it asked for."""
+        if hidden is None or not s.token_ids:
+            return RoundOutcome(accepted, next_token, carry)
+        before = len(s.token_ids) - len(s.drafts)  # rows of the committed part (root incl.)
+        rows = list(range(before)) + [before + j for j in (path or [])]
+        h = hidden[hidden_at:hidden_at + len(s.token_ids)][rows]
+        feats = tree_out = None
+        if s.want_features:
+            feats = Features(s.start_pos, h.shape[1], h.to(torch.float16).numpy().tobytes())
+        if s.propose_tree and self.medusa is not None and next_token is not None:
+            tree_out = self.medusa.propose(h[-1])
+        return RoundOutcome(accepted, next_token, carry, feats, tree_out)
+
     @staticmethod
     def _verify(inputs: list[StepInput], probs: torch.Tensor):
-        """(accepted, next token or None, carried row) per input: seeded sessions by
-        _coupled_verify, the rest by the batched rejection sampler."""
+        """(accepted, next token or None, carried row, kept draft indices) per input: seeded
+        sessions by _coupled_verify, trees by tree.reject, the rest (chains) by the batched
+        rejection sampler."""
         starts = [0]
         for s in inputs:  # each input owns len(drafts) + 1 rows (a carried row included)
             starts.append(starts[-1] + len(s.drafts) + 1)
         coupled = [s.sampling.seed is not None and not s.sampling.is_greedy for s in inputs]
         found: list = [_coupled_verify(s, probs[a:b]) if c else None
                        for s, c, a, b in zip(inputs, coupled, starts, starts[1:])]
-        rest = [i for i, c in enumerate(coupled) if not c]
+        for i, s in enumerate(inputs):
+            if found[i] is None and s.is_tree:
+                p = tree.reject(s.drafts, s.parents, probs[starts[i]:starts[i + 1]])
+                found[i] = (p.accepted, p.next_token, None, p.nodes)
+        rest = [i for i, f in enumerate(found) if f is None]
         if rest:
             rows = probs if len(rest) == len(inputs) else probs[torch.cat(
                 [torch.arange(starts[i], starts[i + 1]) for i in rest])]
@@ -145,9 +184,9 @@ class Executor:
         for s, row, a, e in zip(inputs, tokens, accepted, emitted):
             last_row += len(s.drafts) + 1
             if e > a:
-                found.append((row[:a], row[a], None))
+                found.append((row[:a], row[a], None, list(range(a))))
             else:  # every draft accepted and no bonus sampled: carry the bonus row
-                found.append((row[:a], None, probs[last_row].clone()))
+                found.append((row[:a], None, probs[last_row].clone(), list(range(a))))
         return found
 
     def _forward(self, chunks: list[SeqChunk], with_hidden: bool):
@@ -161,17 +200,15 @@ class Executor:
             logits = self.runner.forward(chunks)
         return logits, hidden, (time.perf_counter() - t0) * 1e3
 
-    def _target_probs(self, inputs: list[StepInput]):
+    def _target_probs(self, inputs: list[StepInput], with_hidden: bool):
         """([sum(k_i + 1), vocab] probs: carried rows (if any) then each forward's rows;
         [sum(len(token_ids)), hidden] final hidden states if any input wants them, else None;
         forward ms)."""
         rows = [len(s.drafts) + (0 if s.carried is not None else 1) for s in inputs]
-        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=n)
-                  for s, n in zip(inputs, rows) if s.token_ids]
+        chunks = [s.chunk() for s in inputs if s.token_ids]
         if not chunks:  # carried sessions whose drafts vanished: no forward needed
             return torch.stack([s.carried for s in inputs]), None, 0.0
-        logits, hidden, forward_ms = self._forward(  # logits [sum(rows), vocab]
-            chunks, any(s.want_features for s in inputs))
+        logits, hidden, forward_ms = self._forward(chunks, with_hidden)  # [sum(rows), vocab]
 
         def per_row(values, dtype):
             return torch.tensor([v for v, n in zip(values, rows) for _ in range(n)], dtype=dtype)
@@ -196,12 +233,19 @@ class Executor:
 def _coupled_verify(
     s: StepInput,
     probs: torch.Tensor,  # [k + 1, vocab] target probs of the round's positions
-) -> tuple[list[int], int, None]:
+):
     """A seeded session's round: the token at each position is the target's own sample with
     that position's keyed noise (kernels.sampling.position_noise), whatever was drafted.
     Drafts are accepted while they equal it, so the text depends only on the seed and the
     target: the same with speculation on or off, at any k, in any batch. Exact (each token is
-    a sample of p), and a draft that shares the noise is accepted often."""
+    a sample of p), and a draft that shares the noise is accepted often. A tree takes the
+    child carrying that token, so the text is again the same."""
+    def keyed(row: int, depth: int) -> int:
+        gen = make_generator(keyed_seed(s.sampling.seed, s.first_sampled_pos + depth))
+        return int(sample(probs[row:row + 1], [gen]))
+
+    if s.is_tree:
+        return _from_path(tree.walk(s.drafts, s.parents, keyed))
     gens = [make_generator(keyed_seed(s.sampling.seed, s.first_sampled_pos + j))
             for j in range(probs.shape[0])]
     return _match(s.drafts, sample(probs, gens).tolist())
@@ -217,14 +261,19 @@ def _greedy_verify(inputs: list[StepInput], logits: torch.Tensor):
     for s in inputs:
         row = top[at:at + len(s.drafts) + 1]
         at += len(row)
-        found.append(_match(s.drafts, row))
+        found.append(_from_path(tree.walk(s.drafts, s.parents, lambda r, _d, row=row: row[r]))
+                     if s.is_tree else _match(s.drafts, row))
     return found
 
 
-def _match(drafts: list[DraftToken], tokens: list[int]) -> tuple[list[int], int, None]:
+def _from_path(p: tree.TreePath):
+    return p.accepted, p.next_token, None, p.nodes
+
+
+def _match(drafts: list[DraftToken], tokens: list[int]):
     """The target's own tokens of a round ([k + 1]) against the drafts: accepted while they
     agree, then the target's token at the first mismatch (recovered) or after the last (bonus)."""
     a = 0
     while a < len(drafts) and drafts[a].token_id == tokens[a]:
         a += 1
-    return tokens[:a], tokens[a], None
+    return tokens[:a], tokens[a], None, list(range(a))

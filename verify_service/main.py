@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem import __version__, telemetry
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.llama import LlamaModel
+from tandem.engine.medusa import load_for
 from tandem.engine.model_runner import ModelRunner
 from tandem.grpc_status import StatusInterceptor
 from tandem.models import ModelPaths, resolve_model, tokenizer_hash
@@ -89,7 +90,11 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                 max_spec_tokens=config.max_spec_tokens,
                                 max_model_len=model.cfg.max_position_embeddings)
-    executor = Executor(runner)
+    medusa = load_for(model, paths, config.medusa)
+    if medusa is not None:
+        log.info("medusa: %d heads, a tree of %d nodes", medusa.cfg.num_heads,
+                 len(medusa.cfg.choices))
+    executor = Executor(runner, medusa)
     calibrated = {}
     if config.calibrate_reps:
         calibrated = await asyncio.get_running_loop().run_in_executor(
@@ -98,7 +103,8 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
         log.info("verify cost by tokens per forward (ms): %s",
                  {q: round(ms, 1) for q, ms in calibrated.items()})
     scheduler = Scheduler(BlockManager(runner.num_blocks, runner.block_size), sched_cfg,
-                          CostModel(dict(calibrated)))
+                          CostModel(dict(calibrated)),
+                          tree_reach=medusa.cfg.reach if medusa is not None else ())
     eng_cfg = EngineConfig(max_sessions=config.max_sessions,
                            max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n)
     metrics = VerifierMetrics()

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
-from tandem.spec.cost import CostModel, choose_k
+from tandem.spec.cost import CostModel, choose_k, choose_tree_size
 from verify_service.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
@@ -42,6 +42,7 @@ class ScheduledSeq:
     num_drafts: int  # draft tokens verified (0: prefill or plain decode)
     is_prefill: bool
     wanted: int = 0  # the k the session wanted; more than num_drafts when drafts were late
+    parents: tuple[int, ...] | None = None  # the drafts' tree (None = a chain)
 
 
 @dataclass
@@ -55,10 +56,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig, cost: CostModel):
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig, cost: CostModel,
+                 tree_reach: tuple[float, ...] = ()):
         self.blocks = blocks
         self.config = config
         self.cost = cost
+        # Medusa: estimated chance each node of the tree (in order) is reached under greedy.
+        self.tree_reach = tree_reach
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
@@ -102,6 +106,9 @@ class Scheduler:
         # Under batch load the verification tokens of all sessions share one forward.
         per_seq = self.config.max_verify_tokens // max(1, len(self.running)) - 1
         k_max = max(0, min(k_max, per_seq))
+        if seq.params.method.in_verifier:
+            reach = [r * seq.tree_scale for r in self.tree_reach]
+            return choose_tree_size(reach, k_max, self.cost)
         k = choose_k(seq.acceptance_ema, k_max, self.cost)
         if k == 0 and k_max and seq.stats.rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             k = 1  # speculation is off for this session: probe now and then, estimates move
@@ -124,13 +131,15 @@ class Scheduler:
             room = self.config.max_model_len - seq.num_tokens - 1
             k = max(0, min(k, room))
             drafts = [d.token_id for d in seq.drafts[:k]]
+            # A tree's first k nodes are a tree too: parents come before their children.
+            parents = seq.draft_parents[:k] if seq.draft_parents is not None else None
             # A carried session's last token is already in the cache: only drafts go in (none:
             # the engine samples from the carried distribution without a forward).
             new = drafts if seq.carried else [seq.tokens[-1], *drafts]
             if not self._append_or_preempt(seq, new, preempted):
                 continue
             start = seq.num_tokens - (0 if seq.carried else 1)
-            out.append(ScheduledSeq(seq, new, start, k, False, wanted))
+            out.append(ScheduledSeq(seq, new, start, k, False, wanted, parents))
         return out
 
     def _append_or_preempt(self, seq: Sequence, new: list[int], preempted: list) -> bool:
@@ -150,7 +159,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
-        seq.drafts = []
+        seq.drafts, seq.draft_parents = [], None
         seq.carried = False  # the re-prefill recomputes that distribution
         seq.epoch += 1
         self.waiting.appendleft(seq)
@@ -174,9 +183,13 @@ class Scheduler:
             budget -= len(tokens) - cached
         return out
 
-    def update_from_output(self, sched: ScheduledSeq, num_accepted: int) -> None:
-        """Keep the KV of the round's first input and the accepted drafts; roll back the rest."""
+    def update_from_output(self, sched: ScheduledSeq, num_accepted: int,
+                           path: list[int] | None = None) -> None:
+        """Keep the KV of the round's first input and the accepted drafts; roll back the rest.
+        A tree's accepted path (its tokens, `path`) was moved to the slots after the root."""
         seq = sched.seq
         if sched.num_drafts > num_accepted:
             self.blocks.rollback(seq.seq_id, sched.num_drafts - num_accepted)
+        if path:
+            self.blocks.rewrite(seq.seq_id, path)
         self.blocks.commit(seq.seq_id, self.blocks.num_tokens(seq.seq_id))

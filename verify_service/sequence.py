@@ -70,8 +70,11 @@ class Sequence:
     output: list[int] = field(default_factory=list)  # committed generated tokens
     status: SeqStatus = SeqStatus.WAITING
     epoch: int = 0
-    # Checked proposals, contiguous from position num_tokens (a chain; trees: issue 11).
+    # Checked proposals, contiguous from position num_tokens: a chain, or a tree when
+    # draft_parents gives each draft's parent among them (-1 = the last committed token).
     drafts: list[DraftToken] = field(default_factory=list)
+    draft_parents: tuple[int, ...] | None = None
+    tree_scale: float = 1.0  # accepted / expected per tree round (EMA): corrects the estimate
     stats: SessionStats = field(default_factory=SessionStats)
     finish_reason: str | None = None
     acceptance_ema: float = 0.7  # prior: a fresh session is assumed to speculate well
@@ -126,7 +129,9 @@ class Sequence:
                 new, self.finish_reason = new[:budget], "length"
         self.output.extend(new)
         k = len(accepted)
-        if next_token is None:
+        if self.draft_parents is not None:  # a tree is drafted afresh after every round
+            self.drafts, self.draft_parents = [], None
+        elif next_token is None:
             self.drafts = self.drafts[k:]
         elif len(self.drafts) > k and self.drafts[k].token_id == next_token:
             self.drafts = self.drafts[k + 1:]

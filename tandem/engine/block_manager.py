@@ -172,6 +172,17 @@ class BlockManager:
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop())
 
+    def rewrite(self, seq_id: str, token_ids: Iterable[int]) -> None:
+        """Replace the token ids of the last tentative slots (a token tree's accepted path,
+        whose KV was moved there), so committed blocks hash the tokens they really hold."""
+        seq = self._get(seq_id)
+        tokens = _check_tokens(token_ids)
+        if len(tokens) > len(seq.token_ids) - seq.num_committed:
+            raise ValueError(f"cannot rewrite {len(tokens)} tokens of sequence {seq_id!r}: "
+                             "committed tokens are final")
+        if tokens:
+            seq.token_ids[-len(tokens):] = tokens
+
     def commit(self, seq_id: str, num_tokens: int) -> None:
         """Mark the first `num_tokens` slots final and publish newly full blocks for sharing."""
         seq = self._get(seq_id)

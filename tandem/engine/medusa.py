@@ -58,6 +58,22 @@ class MedusaConfig:
         _check_choices(self.choices, self.num_heads)
 
     @property
+    def reach(self) -> tuple[float, ...]:
+        """Per node of the tree, the estimated chance greedy verification reaches it (the
+        product of its ranks' accuracies)."""
+        out = []
+        for path in self.choices:
+            r = 1.0
+            for depth, rank in enumerate(path):
+                if not self.accuracy:  # unmeasured heads: a modest guess, halving per level
+                    r *= 0.5 / (rank + 1)
+                    continue
+                row = self.accuracy[depth]
+                r *= row[rank] if rank < len(row) else 0.0
+            out.append(r)
+        return tuple(out)
+
+    @property
     def max_rank(self) -> int:
         return 1 + max((r for path in self.choices for r in path), default=0)
 
@@ -79,7 +95,8 @@ class MedusaConfig:
 
 def tree_from_accuracy(accuracy, size: int) -> tuple[tuple[int, ...], ...]:
     """The `size` paths of highest estimated reach (the product of the ranks' accuracies along
-    the path, heads taken as independent, as the Medusa repo builds its trees), parents first."""
+    the path, heads taken as independent, as the Medusa repo builds its trees), in order of
+    reach: parents first, and every prefix is the best tree of its size."""
     heap = [(-accuracy[0][r], (r,)) for r in range(len(accuracy[0]))]
     heapq.heapify(heap)
     out: list[tuple[int, ...]] = []
@@ -89,18 +106,13 @@ def tree_from_accuracy(accuracy, size: int) -> tuple[tuple[int, ...], ...]:
         if len(path) < len(accuracy):
             for r in range(len(accuracy[len(path)])):
                 heapq.heappush(heap, (neg * accuracy[len(path)][r], (*path, r)))
-    return tuple(sorted(out, key=lambda p: (len(p), p)))
+    return tuple(out)
 
 
 def expected_accepted(accuracy, choices) -> float:
     """Expected drafts accepted per round under greedy, by the same independence estimate."""
-    total = 0.0
-    for path in choices:
-        reach = 1.0
-        for depth, r in enumerate(path):
-            reach *= accuracy[depth][r] if r < len(accuracy[depth]) else 0.0
-        total += reach
-    return total
+    cfg = MedusaConfig(len(accuracy), 0, 1, (0,), tuple(choices), tuple(accuracy))
+    return sum(cfg.reach)
 
 
 class MedusaHeads(torch.nn.Module):
@@ -170,6 +182,25 @@ class MedusaHeads(torch.nn.Module):
         heads = cls(cfg, lm_head[torch.tensor(cfg.vocab_ids)])
         heads.load_state_dict(tensors, strict=True)
         return heads.eval()
+
+
+def load_for(model, paths: ModelPaths, choice: str) -> MedusaHeads | None:
+    """The heads `choice` names (see resolve_medusa) over `model`'s LM head, or None."""
+    path = resolve_medusa(choice, paths)
+    if path is None:
+        return None
+    lm_head = model.lm_head
+    if model.cfg.tie_word_embeddings or not isinstance(lm_head, torch.Tensor):
+        lm_head = model.embed  # tied (int8 keeps a float twin), else read below
+        if not model.cfg.tie_word_embeddings:
+            from safetensors import safe_open
+
+            for file in paths.safetensors():
+                with safe_open(str(file), framework="pt") as f:
+                    names = [n for n in f.keys() if n.endswith("lm_head.weight")]  # noqa: SIM118
+                    if names:
+                        lm_head = f.get_tensor(names[0])
+    return MedusaHeads.load(path, lm_head)
 
 
 def find_medusa(paths: ModelPaths) -> Path | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import build_attention_metadata
+from kernels.paged_attention import ancestor_mask, build_attention_metadata
 from tandem.engine.llama import LlamaModel
 
 
@@ -22,6 +22,9 @@ class SeqChunk:
     start_pos: int  # absolute position of token_ids[0] (= tokens already cached)
     block_table: list[int]  # covers start_pos + len(token_ids) slots
     num_logits: int = 1  # logits wanted for the last num_logits of token_ids
+    # A token tree: parents[i] is the index in token_ids of token i's parent, -1 = it follows
+    # the cached context. None = a chain. Slots stay consecutive; positions follow depth.
+    parents: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if not self.token_ids:
@@ -32,6 +35,24 @@ class SeqChunk:
             raise ValueError(
                 f"SeqChunk.num_logits {self.num_logits} outside [0, {len(self.token_ids)}]"
             )
+        if self.parents is not None and len(self.parents) != len(self.token_ids):
+            raise ValueError(f"SeqChunk.parents has {len(self.parents)} entries for "
+                             f"{len(self.token_ids)} tokens")
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
+
+    def positions(self) -> list[int]:
+        """Absolute position of each token: consecutive for a chain, by depth for a tree."""
+        if not self.is_tree:
+            return list(range(self.start_pos, self.start_pos + len(self.token_ids)))
+        pos: list[int] = []
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"tree token {i} has parent {p}: parents must come first")
+            pos.append(self.start_pos if p < 0 else pos[p] + 1)
+        return pos
 
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
@@ -81,7 +102,7 @@ class ModelRunner:
                 raise ValueError(f"block table {c.block_table} has ids outside the cache")
             base = len(ids)
             ids.extend(c.token_ids)
-            positions.extend(range(c.start_pos, end))
+            positions.extend(c.positions())
             end_row = base + len(c.token_ids)
             logit_rows.extend(range(end_row - c.num_logits, end_row))
         vocab = self.model.cfg.vocab_size
@@ -92,6 +113,7 @@ class ModelRunner:
             [c.start_pos + len(c.token_ids) for c in chunks],
             [c.block_table for c in chunks],
             self.block_size,
+            [ancestor_mask(c.parents) if c.is_tree else None for c in chunks],
         )
         return self.model.forward(
             torch.tensor(ids, dtype=torch.int64),
@@ -101,3 +123,26 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.int64),
             with_hidden=with_hidden,
         )
+
+    @torch.inference_mode()
+    def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy the KV at positions src to positions dst of one sequence, every layer (a tree's
+        accepted path moved to consecutive positions; sources are read before any write)."""
+        if len(src) != len(dst):
+            raise ValueError(f"move_kv got {len(src)} sources and {len(dst)} destinations")
+        pairs = [(a, b) for a, b in zip(src, dst) if a != b]
+        if not pairs:
+            return
+        bs = self.block_size
+
+        def slot(pos: int) -> int:
+            if not 0 <= pos < len(block_table) * bs:
+                raise ValueError(f"position {pos} outside the block table")
+            return block_table[pos // bs] * bs + pos % bs
+
+        from_slots = torch.tensor([slot(a) for a, _ in pairs])
+        to_slots = torch.tensor([slot(b) for _, b in pairs])
+        for k_cache, v_cache in self.kv_cache:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat.index_copy_(0, to_slots, flat[from_slots])  # the gather copies first

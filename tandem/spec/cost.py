@@ -65,6 +65,28 @@ def choose_k(alpha: float, k_max: int, cost: CostModel) -> int:
     return best_k
 
 
+def choose_tree_size(reach: list[float] | tuple[float, ...], n_max: int,
+                     cost: CostModel) -> int:
+    """How many nodes of a tree to verify: argmax_n (1 + sum(reach[:n])) / cost(n + 1) over
+    0..n_max, where reach[i] estimates the chance node i (parents first) is accepted."""
+    best_n, best, gain = 0, 1.0 / cost.cost(1), 1.0
+    for n in range(1, min(n_max, len(reach)) + 1):
+        gain += reach[n - 1]
+        rate = gain / cost.cost(n + 1)
+        if rate > best * 1.001:
+            best_n, best = n, rate
+    return best_n
+
+
+def update_tree_scale(scale: float, expected: float, accepted: int) -> float:
+    """A session's correction to the tree's reach estimates: accepted over expected, smoothed
+    (and bounded, so one lucky or unlucky round cannot switch the tree off or blow it up)."""
+    if expected <= 0:
+        return scale
+    sample = scale * accepted / expected
+    return min(4.0, max(0.05, (1 - _EMA) * scale + _EMA * sample))
+
+
 def update_acceptance(ema: float, drafted: int, accepted: int) -> float:
     """Per-token acceptance estimate: accepted / (accepted + rejections), smoothed."""
     if drafted == 0:

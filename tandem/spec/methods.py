@@ -20,11 +20,17 @@ class Method(enum.IntEnum):
     SUFFIX = 5  # suffix decoding over this and earlier sequences, no model (draft worker)
     MTP = 6  # the target checkpoint's own multi-token-prediction module (draft worker)
     LAYER_SKIP = 7  # the target minus a searched set of layers (in the verifier's process)
+    MEDUSA = 8  # heads on the target's last hidden state proposing a tree (in the verifier)
 
     @property
     def needs_features(self) -> bool:
         """Whether the verifier ships the target's hidden states to this method's sessions."""
         return self in (Method.EAGLE, Method.MTP)
+
+    @property
+    def in_verifier(self) -> bool:
+        """Whether the verifier drafts this method itself, inside its engine step."""
+        return self is Method.MEDUSA
 
     @property
     def api_name(self) -> str:

@@ -76,17 +76,17 @@ class OnePool:
 
 
 def run_sessions(target_model, proposers, method, prompts, sampling, max_new, die_after=None,
-                 stop=(), batch=64):
-    """Generate every prompt through the engine with `method`'s proposer in a DraftWorker:
-    (token lists, drafted, accepted, link)."""
+                 stop=(), batch=64, medusa=None, max_spec_tokens=4, cost=None):
+    """Generate every prompt through the engine with `method`'s proposer in a DraftWorker
+    (or the engine's own Medusa heads): (token lists, drafted, accepted, link)."""
     async def main():
         runner = ModelRunner(target_model, 512, 16)
-        sched = Scheduler(BlockManager(512, 16), SchedulerConfig(max_spec_tokens=4,
-                                                                  max_num_seqs=batch),
-                          CostModel())
+        sched = Scheduler(BlockManager(512, 16), SchedulerConfig(
+            max_spec_tokens=max_spec_tokens, max_num_seqs=batch), cost or CostModel(),
+            tree_reach=medusa.cfg.reach if medusa is not None else ())
         # A generous wait bound: the head's first draft of a session (the whole prompt to
         # read) is slower than the 25 ms default, and these sessions only have two rounds.
-        engine = Engine(Executor(runner), sched,
+        engine = Engine(Executor(runner, medusa), sched,
                         EngineConfig(max_sessions=4096, max_draft_wait_ms=500),
                         target_model.cfg.vocab_size)
         worker = DraftWorker(proposers,
