@@ -81,7 +81,7 @@ class _Failover:
         shown = max(0, kept - (len(self.committed) - used))  # of the last round's tokens
         unused = max(0, accepted - shown)  # accepted drafts the client never got
         return speculation_stats(self.plan.method, t.rounds, t.drafted_tokens,
-                                 t.accepted_tokens - unused, used)
+                                 t.accepted_tokens - unused, used, t.lossy)
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         cfg, loop = self.deps.config, asyncio.get_running_loop()

@@ -29,6 +29,7 @@ class GenerationPlan:
     affinity_key: str | None = None
     tenant: str = ""  # a digest of the API key (auth on), else "": scopes suffix caches
     trace_metadata: tuple[tuple[str, str], ...] = ()  # W3C context for the verifier call
+    typical: tuple[float, float] | None = None  # LOSSY typical acceptance (medusa only)
 
 
 async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: GatewayConfig,
@@ -54,8 +55,18 @@ async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: Gatewa
         num_speculative_tokens=(spec.num_speculative_tokens
                                 if spec.num_speculative_tokens is not None
                                 else config.default_speculative_tokens),
-        affinity_key=affinity_key(conversation))
+        affinity_key=affinity_key(conversation), typical=_typical(spec))
     return plan, TextStream(tokenizer, req.stop_strings(), stop_ids)
+
+
+def _typical(spec: schemas.SpeculationOptions) -> tuple[float, float] | None:
+    t = spec.typical_acceptance
+    if t is None:
+        return None
+    if spec.method != Method.MEDUSA.api_name:
+        raise bad_request("speculation.typical_acceptance applies to method 'medusa' only",
+                          param="speculation.typical_acceptance")
+    return (t.posterior_threshold, t.posterior_alpha)
 
 
 def _stop_token_ids(req: schemas.GenerationRequest, tokenizer: Any) -> tuple[int, ...]:

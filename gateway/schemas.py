@@ -21,12 +21,21 @@ _MAX_STOP_STRINGS = 16
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+class TypicalAcceptance(BaseModel):
+    """Medusa's typical acceptance: LOSSY (see docs/medusa.md); the response says so."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    posterior_threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.09
+    posterior_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.3
+
+
 class SpeculationOptions(BaseModel):
     """The `speculation` extension: which proposer and how many draft tokens per round."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     method: Literal[_METHOD_NAMES] | None = None  # a Method.api_name; the plan parses it
     num_speculative_tokens: Annotated[int, Field(ge=0)] | None = None
+    typical_acceptance: TypicalAcceptance | None = None  # medusa only; None = lossless
 
 
 class StreamOptions(BaseModel):
@@ -192,10 +201,11 @@ def resolve_max_tokens(req: CompletionRequest | ChatCompletionRequest, prompt_le
 
 
 def speculation_stats(method: Method, rounds: int, drafted: int, accepted: int,
-                      committed: int) -> dict:
-    """The `speculation` extension object of every response."""
+                      committed: int, lossy: bool = False) -> dict:
+    """The `speculation` extension object of every response (`lossy`: typical acceptance
+    was used, so the text is not distributed as the target's)."""
     return {"method": method.api_name, "rounds": rounds, "drafted_tokens": drafted,
-            "accepted_tokens": accepted,
+            "accepted_tokens": accepted, "lossy": lossy,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": committed / rounds if rounds else 0.0}
 

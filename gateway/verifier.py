@@ -55,10 +55,11 @@ class Totals:
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    lossy: bool = False
 
     def __add__(self, other: Totals) -> Totals:
         return Totals(self.rounds + other.rounds, self.drafted_tokens + other.drafted_tokens,
-                      self.accepted_tokens + other.accepted_tokens)
+                      self.accepted_tokens + other.accepted_tokens, self.lossy or other.lossy)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ class Round:
 
 def _round(resp: verify_pb2.GenerateResponse) -> Round:
     t = resp.totals
-    return Round(tuple(resp.token_ids), Totals(t.rounds, t.drafted_tokens, t.accepted_tokens),
+    return Round(tuple(resp.token_ids),
+                 Totals(t.rounds, t.drafted_tokens, t.accepted_tokens, t.lossy),
                  _FINISH.get(resp.finish_reason, ""),
                  resp.finish_reason == verify_pb2.FINISH_REASON_ABORT)
 
@@ -84,6 +86,10 @@ def build_request(plan: GenerationPlan, committed: Sequence[int],
                                          top_k=plan.sampling.top_k, top_p=plan.sampling.top_p)
     if plan.sampling.seed is not None:
         sampling.seed = plan.sampling.seed
+    typical = None
+    if plan.typical is not None:
+        typical = verify_pb2.TypicalAcceptance(posterior_threshold=plan.typical[0],
+                                               posterior_alpha=plan.typical[1])
     return verify_pb2.GenerateRequest(
         session_id=plan.session_id, prompt_token_ids=plan.prompt_token_ids,
         committed_token_ids=list(committed), sampling=sampling,
@@ -92,7 +98,7 @@ def build_request(plan: GenerationPlan, committed: Sequence[int],
                                              ignore_eos=plan.ignore_eos),
         speculation=verify_pb2.SpeculationConfig(
             method=int(plan.method), num_speculative_tokens=plan.num_speculative_tokens,
-            draft_address=draft_address, tenant=plan.tenant))
+            draft_address=draft_address, tenant=plan.tenant, typical_acceptance=typical))
 
 
 class GenerateCall:

@@ -59,6 +59,7 @@ class RoundOutput:
     drafted_total: int
     accepted_total: int
     finish_reason: str | None
+    lossy: bool = False  # typical acceptance was used: not the target's distribution
 
 
 class Engine:
@@ -195,7 +196,8 @@ class Engine:
             carried=self._carried.get(seq.seq_id) if seq.carried else None,
             sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
             want_features=seq.params.method.needs_features,
-            propose_tree=seq.params.method.in_verifier)
+            propose_tree=seq.params.method.in_verifier,
+            typical=None if seq.params.sampling.is_greedy else seq.params.typical)
 
     def _may_carry(self, seq: Sequence, k: int) -> bool:
         """Skip the bonus token when the draft's next token is already here (unseeded
@@ -240,6 +242,8 @@ class Engine:
         kept = min(len(accepted), len(new))
         st.rounds, st.drafted, st.accepted = (st.rounds + 1, st.drafted + s.num_drafts,
                                               st.accepted + kept)
+        st.lossy |= bool(s.num_drafts) and seq.params.typical is not None \
+            and not seq.params.sampling.is_greedy
         if outcome.tree is not None and not seq.finished:  # Medusa: the next round's tree
             seq.drafts, seq.draft_parents = outcome.tree[0], outcome.tree[1]
         if s.parents is not None and s.num_drafts:
@@ -289,7 +293,7 @@ class Engine:
             token_ids=new, num_committed=len(seq.output), drafted=drafted, accepted=accepted,
             bonus=bonus, draft_wait_ms=wait_ms, verify_ms=timings.forward_ms,
             rejection_ms=timings.rejection_ms, rounds=st.rounds, drafted_total=st.drafted,
-            accepted_total=st.accepted, finish_reason=seq.finish_reason)
+            accepted_total=st.accepted, finish_reason=seq.finish_reason, lossy=st.lossy)
 
     async def close(self) -> None:
         for seq_id in list(self.sessions):

@@ -43,6 +43,7 @@ class StepInput:
     parents: tuple[int, ...] | None = None  # None = a chain
     want_features: bool = False  # EAGLE sessions: return the kept positions' hidden states
     propose_tree: bool = False  # Medusa sessions: draft the next round's tree from this one
+    typical: tuple[float, float] | None = None  # LOSSY typical acceptance (threshold, alpha)
 
     def __post_init__(self):
         if self.parents is not None:
@@ -160,9 +161,14 @@ class Executor:
         found: list = [_coupled_verify(s, probs[a:b]) if c else None
                        for s, c, a, b in zip(inputs, coupled, starts, starts[1:])]
         for i, s in enumerate(inputs):
-            if found[i] is None and s.is_tree:
-                p = tree.reject(s.drafts, s.parents, probs[starts[i]:starts[i + 1]])
-                found[i] = (p.accepted, p.next_token, None, p.nodes)
+            rows = probs[starts[i]:starts[i + 1]]
+            if s.typical is not None and s.carried is None:
+                parents = s.parents or tuple(range(-1, len(s.drafts) - 1))
+                gen = None if s.sampling.seed is None else make_generator(
+                    keyed_seed(s.sampling.seed, s.first_sampled_pos))
+                found[i] = _from_path(tree.typical(s.drafts, parents, rows, *s.typical, gen))
+            elif found[i] is None and s.is_tree:
+                found[i] = _from_path(tree.reject(s.drafts, s.parents, rows))
         rest = [i for i, f in enumerate(found) if f is None]
         if rest:
             rows = probs if len(rest) == len(inputs) else probs[torch.cat(

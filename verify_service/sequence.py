@@ -37,6 +37,8 @@ class GenerateParams:
     draft_address: str = ""
     tenant: str = ""  # passed on to the draft worker (per-tenant suffix caches)
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers for the draft's span
+    # Medusa's typical acceptance (posterior_threshold, posterior_alpha): LOSSY; None = exact.
+    typical: tuple[float, float] | None = None
 
     def __post_init__(self):
         if not self.session_id:
@@ -55,6 +57,15 @@ class GenerateParams:
         if self.num_speculative_tokens < 0:
             raise InvalidArgument(
                 f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.typical is not None:
+            threshold, alpha = self.typical
+            if not (0 < threshold <= 1 and 0 <= alpha <= 1):
+                raise InvalidArgument(
+                    "typical_acceptance needs posterior_threshold in (0, 1] and "
+                    f"posterior_alpha in [0, 1], got {threshold} and {alpha}")
+            if self.method is not Method.MEDUSA:
+                raise InvalidArgument("typical_acceptance applies to the medusa method only, "
+                                      f"not {self.method.api_name}")
 
 
 @dataclass
@@ -62,6 +73,7 @@ class SessionStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    lossy: bool = False  # a round accepted drafts by typical acceptance
 
 
 @dataclass

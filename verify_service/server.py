@@ -61,7 +61,9 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
         max_new_tokens=req.stopping.max_new_tokens,
         stop_token_ids=frozenset(req.stopping.stop_token_ids), method=method,
         num_speculative_tokens=spec.num_speculative_tokens, draft_address=spec.draft_address,
-        tenant=spec.tenant)
+        tenant=spec.tenant, typical=(
+            (spec.typical_acceptance.posterior_threshold, spec.typical_acceptance.posterior_alpha)
+            if spec.HasField("typical_acceptance") else None))
 
 
 def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
@@ -72,7 +74,7 @@ def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
             draft_wait_ms=out.draft_wait_ms, verify_ms=out.verify_ms,
             rejection_ms=out.rejection_ms),
         totals=verify_pb2.SessionStats(rounds=out.rounds, drafted_tokens=out.drafted_total,
-                                       accepted_tokens=out.accepted_total),
+                                       accepted_tokens=out.accepted_total, lossy=out.lossy),
         finish_reason=_FINISH[out.finish_reason])
 
 

@@ -17,6 +17,7 @@ row j + 1 the one for node j's children.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -98,5 +99,28 @@ def reject(drafts: Sequence[DraftToken], parents: Sequence[int],
             return TreePath(accepted, nodes, int(sample(p[None],
                                                         [generator] if generator else None)))
         accepted.append(d.token_id)
+        nodes.append(child)
+        node = child
+
+
+def typical(drafts: Sequence[DraftToken], parents: Sequence[int],
+            probs: torch.Tensor,  # [k + 1, vocab] target probs (after sampling params)
+            threshold: float, alpha: float,
+            generator: torch.Generator | None = None) -> TreePath:
+    """Medusa's typical acceptance (LOSSY: the text is no longer distributed as the target's):
+    keep the first child whose p(x) > min(threshold, alpha * exp(-H(p))), so a confident target
+    accepts only its likely tokens and an uncertain one accepts more; then sample the next
+    token from the last kept node's row."""
+    kids = children_of(parents)
+    node, accepted, nodes = -1, [], []
+    while True:
+        p = probs[node + 1].float()
+        entropy = float(-(p * p.clamp_min(1e-12).log()).sum())
+        bar = min(threshold, alpha * math.exp(-entropy))
+        child = next((c for c in kids.get(node, ()) if p[drafts[c].token_id] > bar), None)
+        if child is None:
+            return TreePath(accepted, nodes, int(sample(p[None],
+                                                        [generator] if generator else None)))
+        accepted.append(drafts[child].token_id)
         nodes.append(child)
         node = child

@@ -30,16 +30,26 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SpeculationConfig(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "draft_address", "tenant")
+    __slots__ = ("method", "num_speculative_tokens", "draft_address", "tenant", "typical_acceptance")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     method: _common_pb2.SpeculationMethod
     num_speculative_tokens: int
     draft_address: str
     tenant: str
-    def __init__(self, method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_address: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    typical_acceptance: TypicalAcceptance
+    def __init__(self, method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_address: _Optional[str] = ..., tenant: _Optional[str] = ..., typical_acceptance: _Optional[_Union[TypicalAcceptance, _Mapping]] = ...) -> None: ...
+
+class TypicalAcceptance(_message.Message):
+    __slots__ = ("posterior_threshold", "posterior_alpha")
+    POSTERIOR_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    POSTERIOR_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    posterior_threshold: float
+    posterior_alpha: float
+    def __init__(self, posterior_threshold: _Optional[float] = ..., posterior_alpha: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "committed_token_ids", "sampling", "stopping", "speculation")
@@ -74,14 +84,16 @@ class RoundStats(_message.Message):
     def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus: _Optional[bool] = ..., draft_wait_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., rejection_ms: _Optional[float] = ...) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens")
+    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "lossy")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted_tokens: int
     accepted_tokens: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    lossy: bool
+    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., lossy: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "num_committed", "round", "totals", "finish_reason")

@@ -72,8 +72,16 @@ BAD_COMPLETIONS = [
     ("top_p 0", _completion(top_p=0), ["top_p"]),
     ("top_p > 1", _completion(top_p=1.5), ["top_p"]),
     ("top_k < 0", _completion(top_k=-1), ["top_k"]),
-    ("unknown speculation method", _completion(speculation={"method": "medusa"}),
+    ("unknown speculation method", _completion(speculation={"method": "lookahead"}),
      ["speculation.method"]),
+    ("typical acceptance off medusa", _completion(speculation={
+        "method": "ngram", "typical_acceptance": {}}), ["typical_acceptance", "medusa"]),
+    ("posterior_threshold 0", _completion(speculation={
+        "method": "medusa", "typical_acceptance": {"posterior_threshold": 0}}),
+     ["posterior_threshold"]),
+    ("posterior_alpha > 1", _completion(speculation={
+        "method": "medusa", "typical_acceptance": {"posterior_alpha": 2.0}}),
+     ["posterior_alpha"]),
     ("num_speculative_tokens > max", _completion(speculation={"num_speculative_tokens": 17}),
      ["speculation.num_speculative_tokens", "16"]),
     ("num_speculative_tokens < 0", _completion(speculation={"num_speculative_tokens": -1}),

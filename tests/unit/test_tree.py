@@ -197,3 +197,17 @@ def test_block_manager_rewrites_only_tentative_tokens():
     assert bm.num_tokens("s") == 5
     with pytest.raises(ValueError, match="committed tokens are final"):
         bm.rewrite("s", [9, 9, 9])
+
+
+def test_typical_acceptance_keeps_likely_children_only():
+    drafts = [DraftToken(t) for t in (0, 1, 2)]
+    parents = (-1, -1, 0)
+    confident = torch.tensor([0.9, 0.05, 0.03, 0.02])
+    flat = torch.full((4,), 0.25)
+    probs = torch.stack([confident, flat, flat, flat])  # rows: root, below 0, below 1, 2
+    got = tree.typical(drafts, parents, probs, 0.09, 0.3)
+    # Root: token 0 (p 0.9) clears the bar; below it token 2 has p 0.25 > min(0.09, ...).
+    assert got.accepted == [0, 2] and got.nodes == [0, 2]
+    probs = torch.stack([torch.tensor([0.05, 0.05, 0.0, 0.9]), confident, flat, flat])
+    got = tree.typical(drafts, parents, probs, 0.09, 0.3)
+    assert got.accepted == [] and got.next_token in (0, 1, 3)
