@@ -73,7 +73,7 @@ class SessionStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
-    lossy: bool = False  # a round accepted drafts by typical acceptance
+    lossy: bool = False  # a round verified drafts by typical acceptance
 
 
 @dataclass

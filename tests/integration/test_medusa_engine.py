@@ -126,16 +126,31 @@ def test_the_verifier_serves_medusa(target_model, chats, target_paths):
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{v.port}") as ch:
                 stub = verify_pb2_grpc.VerifyServiceStub(ch)
-                req = verify_pb2.GenerateRequest(
-                    session_id="m", prompt_token_ids=chats[0],
-                    sampling=common_pb2.SamplingParams(temperature=0),
-                    stopping=verify_pb2.StoppingCriteria(max_new_tokens=24),
-                    speculation=verify_pb2.SpeculationConfig(method=int(Method.MEDUSA)))
-                tokens = []
-                async for resp in stub.Generate(req):
-                    tokens += list(resp.token_ids)
-                return tokens
+                greedy = await _generate(stub, chats[0], 0.0, None)
+                typical = await _generate(stub, chats[0], 0.7, verify_pb2.TypicalAcceptance(
+                    posterior_threshold=0.09, posterior_alpha=0.3))
+                with pytest.raises(grpc.aio.AioRpcError) as bad:  # typical is medusa-only
+                    await _generate(stub, chats[0], 0.7, verify_pb2.TypicalAcceptance(
+                        posterior_threshold=0.09, posterior_alpha=0.3), Method.NGRAM)
+                return greedy, typical, bad.value
         finally:
             await v.drain_and_stop(0)
 
-    assert asyncio.run(main()) == plain[0]
+    (tokens, last), (typical, typical_last), bad = asyncio.run(main())
+    assert tokens == plain[0] and not last.totals.lossy
+    # Typical acceptance is marked lossy once it accepted drafts (rounds with drafts).
+    assert typical and typical_last.totals.lossy == (typical_last.totals.drafted_tokens > 0)
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "medusa" in bad.details()
+
+
+async def _generate(stub, prompt, temperature, typical, method=Method.MEDUSA):
+    spec = verify_pb2.SpeculationConfig(method=int(method), typical_acceptance=typical)
+    req = verify_pb2.GenerateRequest(
+        session_id=f"m{temperature}{method}", prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(temperature=temperature),
+        stopping=verify_pb2.StoppingCriteria(max_new_tokens=24), speculation=spec)
+    tokens, last = [], None
+    async for resp in stub.Generate(req):
+        tokens += list(resp.token_ids)
+        last = resp
+    return tokens, last
