@@ -97,8 +97,9 @@ class Scheduler:
         if self.blocks.has(seq.seq_id):
             self.blocks.free(seq.seq_id)
 
-    def desired_k(self, seq: Sequence) -> int:
-        """The session's adaptive cap on draft tokens this round (before arrivals)."""
+    def desired_k(self, seq: Sequence, ahead: int = 0) -> int:
+        """The session's adaptive cap on draft tokens this round (before arrivals); `ahead`
+        rounds later if nothing else changes."""
         if not seq.speculating:
             return 0
         k_max = min(seq.params.num_speculative_tokens or self.config.max_spec_tokens,
@@ -108,9 +109,10 @@ class Scheduler:
         k_max = max(0, min(k_max, per_seq))
         if seq.params.method.in_verifier:
             reach = [r * seq.tree_scale for r in self.tree_reach]
-            return choose_tree_size(reach, k_max, self.cost)
-        k = choose_k(seq.acceptance_ema, k_max, self.cost)
-        if k == 0 and k_max and seq.stats.rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            k = choose_tree_size(reach, k_max, self.cost)
+        else:
+            k = choose_k(seq.acceptance_ema, k_max, self.cost)
+        if k == 0 and k_max and (seq.stats.rounds + ahead) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             k = 1  # speculation is off for this session: probe now and then, estimates move
         return k
 
