@@ -252,7 +252,7 @@ def sse_events(body: str) -> list:
 def expected_stats(rounds: int, drafted: int, accepted: int, committed: int,
                    method: str = "none") -> dict:
     return {"method": method, "rounds": rounds, "drafted_tokens": drafted,
-            "accepted_tokens": accepted,
+            "accepted_tokens": accepted, "lossy": False,
             "acceptance_rate": pytest.approx(accepted / drafted if drafted else 0.0),
             "mean_accepted_length": pytest.approx(committed / rounds if rounds else 0.0)}
 

@@ -89,14 +89,23 @@ def plain(cluster):
     return [chat(cluster, p, **spec("none"))[0] for p in PROMPTS]
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle", "suffix", "layer_skip"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle", "suffix", "layer_skip",
+                                    "medusa"])
 def test_greedy_identical_to_plain_decoding(cluster, plain, method):
     for prompt, ref in zip(PROMPTS, plain):
         text, body = chat(cluster, prompt, **spec(method))
         assert text == ref
         stats = body["speculation"]
         assert stats["rounds"] >= 1 and body["usage"]["completion_tokens"] >= 1
-        assert stats["accepted_tokens"] <= stats["drafted_tokens"]
+        assert stats["accepted_tokens"] <= stats["drafted_tokens"] and not stats["lossy"]
+
+
+def test_typical_acceptance_is_reported_lossy(cluster):
+    body = chat(cluster, PROMPTS[0], temperature=0.8, speculation={
+        "method": "medusa", "num_speculative_tokens": 4,
+        "typical_acceptance": {"posterior_threshold": 0.09, "posterior_alpha": 0.3}})[1]
+    stats = body["speculation"]
+    assert stats["method"] == "medusa" and stats["lossy"] == (stats["drafted_tokens"] > 0)
 
 
 def test_eight_concurrent_streams_identical(cluster, plain):

@@ -308,3 +308,28 @@ def test_one_sessions_late_drafts_cost_the_batch_only_its_share_of_the_wait():
     for seq in seqs:
         seq.drafts = []
     assert engine._draft_wait_limit_ms() == pytest.approx(alone)
+
+
+def test_medusa_tree_prefix_scheduled_and_probed_when_off():
+    reach = (0.6, 0.3, 0.2, 0.1)
+    flat = CostModel({q: 10.0 for q in range(1, 20)})
+    sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_spec_tokens=3), flat,
+                      tree_reach=reach)
+    seq = Sequence(params(method=Method.MEDUSA))
+    sched.add(seq)
+    prefill = sched.schedule().scheduled[0]
+    sched.update_from_output(prefill, 0)
+    seq.output.append(5)
+    drafts(seq, [11, 12, 13, 14])
+    seq.draft_parents = (-1, -1, 0, 1)
+    s = sched.schedule().scheduled[0]  # k capped at 3: the first three nodes, still a tree
+    assert s.num_drafts == 3 and s.parents == (-1, -1, 0) and s.token_ids == [5, 11, 12, 13]
+    sched.update_from_output(s, 2, [12, 13])  # path b -> c moved after the root
+    assert sched.blocks.num_tokens(seq.seq_id) == 6
+    assert seq.commit([12, 13], 9) == [12, 13, 9] and seq.drafts == []
+    assert seq.draft_parents is None and seq.epoch == 0
+    # A tree the cost curve does not pay for is off, but probed every EXPLORE_EVERY rounds.
+    steep = Scheduler(BlockManager(64, 4), SchedulerConfig(), CostModel(
+        {1: 10.0, **{q: 40.0 * q for q in range(2, 20)}}), tree_reach=reach)
+    ks = [steep.desired_k(seq, ahead) for ahead in range(16)]
+    assert ks.count(0) == 15 and ks.count(1) == 1
