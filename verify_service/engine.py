@@ -196,8 +196,9 @@ class Engine:
             carried=self._carried.get(seq.seq_id) if seq.carried else None,
             sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
             want_features=seq.params.method.needs_features,
-            # The heads cost a few ms: only when the next round may verify a tree.
-            propose_tree=seq.params.method.in_verifier and self.scheduler.desired_k(seq, 1) > 0,
+            # The heads cost a few ms: only the nodes the next round may verify.
+            propose_tree=self.scheduler.desired_k(seq, 1) if seq.params.method.in_verifier
+            else 0,
             typical=None if seq.params.sampling.is_greedy else seq.params.typical)
 
     def _may_carry(self, seq: Sequence, k: int) -> bool:

@@ -42,7 +42,7 @@ class StepInput:
     sample_bonus: bool = True  # False: if all drafts pass, carry the bonus row instead
     parents: tuple[int, ...] | None = None  # None = a chain
     want_features: bool = False  # EAGLE sessions: return the kept positions' hidden states
-    propose_tree: bool = False  # Medusa sessions: draft the next round's tree from this one
+    propose_tree: int = 0  # Medusa sessions: nodes of the next round's tree drafted now
     typical: tuple[float, float] | None = None  # LOSSY typical acceptance (threshold, alpha)
 
     def __post_init__(self):
@@ -146,7 +146,7 @@ class Executor:
         if s.want_features:
             feats = Features(s.start_pos, h.shape[1], h.to(torch.float16).numpy().tobytes())
         if s.propose_tree and self.medusa is not None and next_token is not None:
-            tree_out = self.medusa.propose(h[-1])
+            tree_out = self.medusa.propose(h[-1], s.propose_tree)
         return RoundOutcome(accepted, next_token, carry, feats, tree_out)
 
     @staticmethod

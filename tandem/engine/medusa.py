@@ -130,30 +130,37 @@ class MedusaHeads(torch.nn.Module):
         self.register_buffer("vocab", torch.tensor(cfg.vocab_ids, dtype=torch.int64),
                              persistent=False)
 
-    def hidden(self, h: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [heads, N, hidden]
-        x = h.float()[None].expand(self.cfg.num_heads, -1, -1)
+    def hidden(self, h: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """[N, hidden] -> [heads, N, hidden], for the first `heads` heads (default all)."""
+        n = self.cfg.num_heads if heads is None else heads
+        x = h.float()[None].expand(n, -1, -1)
         for layer in range(self.cfg.num_layers):
-            x = x + F.silu(torch.baddbmm(self.bias[:, layer, None], x,
-                                         self.weight[:, layer].transpose(1, 2)))
+            x = x + F.silu(torch.baddbmm(self.bias[:n, layer, None], x,
+                                         self.weight[:n, layer].transpose(1, 2)))
         return x
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [heads, N, V_d]
-        return self.hidden(h) @ self.lm_rows.T
+    def forward(self, h: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """[N, hidden] -> [heads, N, V_d] logits over the heads' vocabulary."""
+        return self.hidden(h, heads) @ self.lm_rows.T
 
     @torch.inference_mode()
-    def top_tokens(self, h: torch.Tensor, k: int) -> list[list[int]]:
-        """[hidden] -> per head, its k most likely target ids."""
-        idx = self.forward(h[None])[:, 0].topk(k, dim=-1).indices  # [heads, k]
+    def top_tokens(self, h: torch.Tensor, k: int, heads: int | None = None) -> list[list[int]]:
+        """[hidden] -> per head (the first `heads`), its k most likely target ids."""
+        idx = self.forward(h[None], heads)[:, 0].topk(k, dim=-1).indices  # [heads, k]
         return self.vocab[idx].tolist()
 
-    def propose(self, h: torch.Tensor) -> tuple[list[DraftToken], tuple[int, ...]]:
-        """The tree for the position after the one `h` [hidden] predicts: its tokens (one-hot
-        q: deterministic candidates) and each node's parent index (-1 = the tree's root, the
-        token the target itself emits)."""
-        top = self.top_tokens(h, self.cfg.max_rank)
-        index = {path: i for i, path in enumerate(self.cfg.choices)}
-        tokens = [DraftToken(top[len(p) - 1][p[-1]]) for p in self.cfg.choices]
-        parents = tuple(index[p[:-1]] if len(p) > 1 else -1 for p in self.cfg.choices)
+    def propose(self, h: torch.Tensor, nodes: int | None = None
+                ) -> tuple[list[DraftToken], tuple[int, ...]]:
+        """The tree (its first `nodes` nodes; default all) for the position after the one `h`
+        [hidden] predicts: its tokens (one-hot q: deterministic candidates) and each node's
+        parent index (-1 = the tree's root, the token the target itself emits). Only the
+        heads those nodes reach are run."""
+        choices = self.cfg.choices[:nodes]
+        depth = max(len(p) for p in choices)
+        top = self.top_tokens(h, 1 + max(r for p in choices for r in p), depth)
+        index = {path: i for i, path in enumerate(choices)}
+        tokens = [DraftToken(top[len(p) - 1][p[-1]]) for p in choices]
+        parents = tuple(index[p[:-1]] if len(p) > 1 else -1 for p in choices)
         return tokens, parents
 
     def save(self, out_dir: Path, **extra) -> None:

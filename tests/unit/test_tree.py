@@ -174,6 +174,7 @@ def test_medusa_heads_propose_the_configured_tree():
     top = heads.top_tokens(h, 2)
     assert [t.token_id for t in tokens] == [top[0][0], top[0][1], top[1][0], top[1][0],
                                             top[1][1]]
+    assert heads.propose(h, 2) == (tokens[:2], parents[:2])  # head 1 alone suffices
     with pytest.raises(ValueError, match="before its parent"):
         MedusaConfig(2, 1, 8, (1, 2), ((0, 0), (0,)))
 
