@@ -4,6 +4,7 @@ heads (checkpointed, `--resume`), export them with the held-out accuracy per hea
 the candidate tree built from it."""
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 import time
@@ -83,7 +84,12 @@ def run_medusa(job: MedusaJob, log=print) -> Path:
                                    "accuracy": tuple(tuple(a) for a in acc)})
     stats["expected_accepted_greedy"] = round(expected_accepted(acc, choices), 3)
     command = job.command or shlex.join(["tandem", *sys.argv[1:]])
-    heads.save(job.out_dir, **card(paths, cfg, command, {"progress": stats}))
+    extra = {"progress": stats}
+    old_card = job.out_dir / "medusa.json"
+    if job.resume and old_card.exists():  # every command that trained these weights
+        old = json.loads(old_card.read_text())
+        extra["earlier_commands"] = [*old.get("earlier_commands", []), old.get("command", "?")]
+    heads.save(job.out_dir, **card(paths, cfg, command, extra))
     log(f"medusa: heads written to {job.out_dir}; tree of {len(choices)} nodes, "
         f"expected {stats['expected_accepted_greedy']} drafts accepted per greedy round")
     return job.out_dir
