@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test venv stubs bench lint clean
+.PHONY: run test audit venv stubs bench lint clean
 
 $(BIN)/tandem: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,11 @@ run: venv
 test: venv
 	$(BIN)/tandem models fetch
 	$(BIN)/python -m pytest -q
+
+# Known vulnerabilities in the installed dependencies (pip-audit); fails on findings only,
+# not when the vulnerability service is unreachable (.ci/audit.py says which happened).
+audit: venv
+	$(BIN)/python .ci/audit.py
 
 stubs: venv
 	$(BIN)/python -m tandem.protogen

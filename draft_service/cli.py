@@ -9,6 +9,7 @@ from pathlib import Path
 
 from draft_service.config import DTYPES, DraftConfig
 from tandem.envflags import add_flag
+from tandem.tls import add_tls_flags, tls_from_args
 
 # (field, type, help) of the flags that read TANDEM_DRAFT_<FIELD>; defaults come from
 # DraftConfig so they are stated once.
@@ -72,6 +73,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(p, "--metrics-port", "TANDEM_DRAFT_METRICS_PORT", -1, int,
              "Prometheus /metrics HTTP port: -1 off, 0 any free port")
     add_flag(p, "--log-level", "TANDEM_DRAFT_LOG_LEVEL", "INFO", help="logging level")
+    add_tls_flags(p)
     p.set_defaults(func=run)
     return p
 
@@ -130,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> DraftConfig:
     return DraftConfig(model=resolve_model_flag(args.model),
                        eagle=resolve_eagle_flag(args.eagle),
                        mtp=_optional(args.mtp), layer_skip=_optional(args.layer_skip),
-                       skip_set=args.skip_set,
+                       skip_set=args.skip_set, tls=tls_from_args(args),
                        **values)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from draft_service.proposers.suffix import SuffixConfig
 from tandem.engine.quant import WEIGHT_DTYPES as DTYPES
+from tandem.tls import TlsConfig
 
 SUFFIX_SCOPES = ("global", "tenant")
 
@@ -49,6 +50,7 @@ class DraftConfig:
     suffix_min_prob: float = 0.1
     suffix_spec_factor: float = 1.0
     drain_grace_s: float = 5.0  # SIGTERM: streams keep drafting this long, then UNAVAILABLE
+    tls: TlsConfig | None = None  # serve gRPC over TLS (mTLS with require_client_cert)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -87,6 +89,9 @@ class DraftConfig:
         grace = self.drain_grace_s
         if not (isinstance(grace, (int, float)) and math.isfinite(grace) and grace >= 0):
             raise ValueError(f"drain_grace_s must be a finite number >= 0, got {grace!r}")
+        if self.tls is not None and not (isinstance(self.tls, TlsConfig) and self.tls.can_serve):
+            raise ValueError("tls must be None or a TlsConfig with a certificate and key to "
+                             "serve with (--tls-cert, --tls-key)")
 
     def suffix_config(self) -> SuffixConfig:
         return SuffixConfig(min_prob=self.suffix_min_prob, spec_factor=self.suffix_spec_factor,

@@ -36,10 +36,12 @@ from draft_service.worker import DraftWorker
 from tandem import telemetry
 from tandem.engine.layer_skip import resolve_skip_set
 from tandem.engine.llama import LlamaModel
+from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
 from tandem.models import ModelError, ModelPaths, default_target_dir, resolve_model, tokenizer_hash
 from tandem.registration import Registration, start_registration
 from tandem.spec import Method, Proposer
+from tandem.tls import add_port
 from tandem.v1 import common_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -150,6 +152,14 @@ def assemble_worker(config: DraftConfig, proposers: dict[Method, Proposer], mode
     return DraftWorker(proposers, limits), info
 
 
+def _message_limit(worker: DraftWorker) -> int:
+    """Room for the largest Open this worker takes: a whole context, with its features when
+    a head reads them (tandem.grpc_limits)."""
+    hidden = max((getattr(p, "feature_size", 0) for m, p in worker.proposers.items()
+                  if m.needs_features), default=0)
+    return max_message_bytes(worker.limits.max_context_length, hidden)
+
+
 @dataclass
 class DraftApp:
     """A built (not yet started) draft server and the pieces a drain needs."""
@@ -177,6 +187,7 @@ async def build_app(config: DraftConfig, worker: DraftWorker | None = None,
         # Speculate streams live for hours: let verifiers keep them alive with pings.
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+        *message_options(_message_limit(worker)),
     ])
     servicer = DraftServicer(worker, info or common_pb2.WorkerInfo())
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
@@ -186,7 +197,7 @@ async def build_app(config: DraftConfig, worker: DraftWorker | None = None,
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(config.address)
+    port = add_port(server, config.address, config.tls)
     if port == 0:
         raise OSError(f"cannot bind {config.address}")
     return DraftApp(server, port, worker, servicer, health_servicer)

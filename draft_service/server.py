@@ -13,6 +13,7 @@ import grpc
 from draft_service.session import Stream
 from draft_service.tracing import SessionSpans
 from draft_service.worker import DraftWorker
+from tandem.errors import InvalidArgument
 from tandem.spec import Close, Commit, Control, Features, Invalid, Open, Reply, SessionError
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -85,8 +86,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             context.set_details("draft worker is draining; reconnect to another one")
 
     async def _read(self, request_iterator, stream: Stream, spans: SessionSpans) -> None:
+        requests = request_iterator.__aiter__()
         try:
-            async for msg in request_iterator:
+            while True:
+                try:
+                    msg = await requests.__anext__()
+                except StopAsyncIteration:
+                    break
+                except InvalidArgument as exc:  # one undecodable message (grpc_status): in-band
+                    self.worker.handle(stream, Invalid("", str(exc)))
+                    continue
                 cmd = control_from_proto(msg)
                 try:
                     spans.control(cmd)

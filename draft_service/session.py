@@ -52,8 +52,9 @@ class FeatureStore:
     consistent view while the event loop stores the next commit's rows.
     """
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, max_rows: int | None = None):
         self.hidden_size = hidden_size
+        self.max_rows = max_rows  # the context length: what a peer can make us hold
         self._buf = torch.empty(0, hidden_size)
         self.rows = 0
 
@@ -72,6 +73,9 @@ class FeatureStore:
         if not torch.isfinite(new).all():
             raise SessionFailure(ErrorCode.INVALID_ARGUMENT, "features are not all finite")
         end = f.start_position + len(new)
+        if self.max_rows is not None and end > self.max_rows:
+            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, f"features reach position {end}, "
+                                 f"beyond the context length {self.max_rows}")
         if end > len(self._buf):
             grown = torch.empty(max(end, 2 * len(self._buf), 64), self.hidden_size)
             grown[:self.rows] = self._buf[:self.rows]

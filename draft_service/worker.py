@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from draft_service.limits import Limits, WorkerStats
 from draft_service.session import FeatureStore, Session, SessionFailure, Stream
+from tandem.grpc_limits import MAX_SESSION_ID_CHARS
 from tandem.sampling_params import SamplingParams
 from tandem.spec import (
     Close,
@@ -92,6 +93,10 @@ class DraftWorker:
         """Apply one control message; problems are reported in-band, never raised."""
         sid = getattr(cmd, "session_id", "")
         epoch = getattr(cmd, "epoch", 0)  # errors carry the epoch they answer
+        if len(sid) > MAX_SESSION_ID_CHARS:  # never a verifier's: answer without echoing it
+            cmd = Invalid("", f"session_id has {len(sid)} characters, more than "
+                              f"{MAX_SESSION_ID_CHARS}")
+            sid = ""
         try:
             if isinstance(cmd, Invalid):
                 raise SessionFailure(ErrorCode.INVALID_ARGUMENT, cmd.message)
@@ -116,6 +121,10 @@ class DraftWorker:
         if cmd.session_id in stream.sessions:  # reopening replaces the session completely
             self._drop(stream.sessions[cmd.session_id])
         lim = self.limits
+        if len(cmd.token_ids) > lim.max_context_length:  # before scanning them
+            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, f"sequence of "
+                                 f"{len(cmd.token_ids)} tokens exceeds the context length "
+                                 f"{lim.max_context_length}")
         tokens = self._check_tokens(cmd.token_ids, allow_empty=False)
         try:
             sampling = SamplingParams(cmd.temperature, cmd.top_k, cmd.top_p, cmd.seed)
@@ -128,9 +137,6 @@ class DraftWorker:
         if method not in self.proposers:  # includes values newer than this enum
             raise SessionFailure(ErrorCode.UNSUPPORTED_METHOD, f"method {cmd.method} is not "
                                  f"served here (have {[m.name for m in self.proposers]})")
-        if len(tokens) > lim.max_context_length:
-            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, f"sequence of {len(tokens)} "
-                                 f"tokens exceeds the context length {lim.max_context_length}")
         if len(self._sessions) >= lim.max_sessions:
             raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED,
                                  f"worker is full ({lim.max_sessions} sessions)")
@@ -142,7 +148,8 @@ class DraftWorker:
             max_ngram_size=min(cmd.max_ngram_size or lim.max_ngram_size, _MAX_NGRAM_SIZE),
             seed=cmd.seed, tenant=cmd.tenant[:_MAX_TENANT_LEN])
         if method.needs_features:
-            session.features = FeatureStore(self.proposers[method].feature_size)
+            session.features = FeatureStore(self.proposers[method].feature_size,
+                                            lim.max_context_length)
             if cmd.features is not None:
                 session.features.put(cmd.features)
         stream.sessions[cmd.session_id] = session
@@ -154,6 +161,9 @@ class DraftWorker:
         if session is None:
             raise SessionFailure(ErrorCode.UNKNOWN_SESSION,
                                  f"session {cmd.session_id!r} is not open on this stream")
+        if cmd.start_position + len(cmd.token_ids) > self.limits.max_context_length:
+            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, "commit reaches position "
+                                 f"{cmd.start_position + len(cmd.token_ids)}, beyond the context")
         tokens = self._check_tokens(cmd.token_ids, allow_empty=True)
         if cmd.epoch < session.epoch:
             raise SessionFailure(ErrorCode.INVALID_ARGUMENT,

@@ -9,7 +9,6 @@ import asyncio
 import json
 import logging
 import math
-import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -26,6 +25,8 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from gateway import schemas
+from gateway.auth import ApiKey, match_key
+from gateway.body_limit import BodyLimit
 from gateway.config import GatewayConfig
 from gateway.errors import (
     bad_request,
@@ -37,14 +38,13 @@ from gateway.errors import (
 from gateway.generation import GenerationDeps, run_session
 from gateway.observe import observed, start_request_span
 from gateway.plan import build_plan
+from gateway.quotas import Limits, RedisQuotas, metered
 from gateway.responses import ResponseMeta, collect, stream
 from gateway.routing import Router
 from gateway.sessions import (
     Guarded,
-    RateLimiter,
     RedisAffinityStore,
     RedisBreaker,
-    RedisRateLimiter,
     RedisSessionStore,
     identity,
 )
@@ -66,7 +66,7 @@ class _Gateway:
     redis: aioredis.Redis
     breaker: RedisBreaker
     router: Router
-    limiter: RateLimiter
+    limiter: RedisQuotas  # behind the breaker (Guarded)
     deps: GenerationDeps
     started: int
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
@@ -84,11 +84,12 @@ def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
         Guarded(RedisAffinityStore(redis, prefix=p, ttl_s=config.affinity_ttl_s), breaker),
         static_verifiers=config.static_verifiers, static_drafts=config.static_drafts,
         describe_verifier=channels.describe_verifier, static_capacity=config.static_capacity,
-        tokenizer_hash=config.tokenizer_hash)
+        tokenizer_hash=config.tokenizer_hash,
+        # a Redis restarted empty lists no workers until their next heartbeat (ttl / 3)
+        empty_grace_s=config.registry_ttl_s)
     store = Guarded(RedisSessionStore(redis, prefix=p, ttl_s=config.session_ttl_s, clock=clock),
                     breaker)
-    limiter = Guarded(RedisRateLimiter(redis, rpm=config.rate_limit_rpm, prefix=p, clock=clock),
-                      breaker)
+    limiter = Guarded(RedisQuotas(redis, prefix=p, clock=clock), breaker)
     gw = _Gateway(config, tokenizer, clock, redis, breaker, router, limiter,
                   GenerationDeps(config, router, channels, store), int(clock()))
 
@@ -102,6 +103,7 @@ def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
     app = FastAPI(title="Tandem gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gw
     install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     _add_routes(app, gw)
     return app
 
@@ -133,35 +135,41 @@ def _add_routes(app: FastAPI, gw: _Gateway) -> None:
         return await _generate(gw, request, chat=True)
 
 
+def _authenticate(gw: _Gateway, request: Request) -> ApiKey | None:
+    """The presented key's ApiKey; None when keys are not configured."""
+    if not gw.config.auth_enabled:
+        return None
+    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    presented = presented.strip()
+    if scheme.lower() != "bearer" or not presented:
+        raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    key = match_key(presented, gw.config.api_keys)
+    if key is None:
+        raise unauthorized("invalid API key")
+    return key
+
+
 async def _authorize(gw: _Gateway, request: Request) -> None:
-    """API key (when configured), then the per-key rate limit."""
-    key = None
-    if gw.config.auth_enabled:
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        # compare every key in constant time: no early exit that leaks which prefix matched
-        if not any([secrets.compare_digest(key.encode(), k.encode())
-                    for k in gw.config.api_keys]):
-            raise unauthorized("invalid API key")
-    who = identity(key, request.client.host if request.client else None)
+    """API key (when configured), then its quotas (else the global rate limit)."""
+    key = _authenticate(gw, request)
+    request.state.api_key = key  # for _tenant and the token meter
+    who = key.identity if key else identity(None, request.client.host if request.client
+                                            else None)
+    rpm = gw.config.rate_limit_rpm if key is None or key.rpm is None else key.rpm
     try:
-        retry_after = await gw.limiter.hit(who)
+        refusal = await gw.limiter.check(who, Limits(rpm=rpm, tpm=key.tpm if key else 0))
     except (RedisError, OSError) as exc:  # fail open: Redis trouble must not block traffic
         log.warning("rate limiter unavailable: %s", exc)
         return
-    if retry_after is not None:
-        raise rate_limited(f"rate limit exceeded: {gw.config.rate_limit_rpm} requests per "
-                           "minute", math.ceil(retry_after))
+    if refusal is not None:
+        raise rate_limited(refusal.message, math.ceil(refusal.retry_after_s))
 
 
-def _tenant(gw: _Gateway, request: Request) -> str:
+def _tenant(request: Request) -> str:
     """Who the draft side may keep state for: the key's digest when keys are configured
     (already checked by _authorize), else anonymous."""
-    if not gw.config.auth_enabled:
-        return ""
-    return identity(request.headers.get("authorization", "").partition(" ")[2].strip(), None)
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    return key.identity if key else ""
 
 
 async def _health(gw: _Gateway) -> dict:
@@ -199,7 +207,7 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
             plan, text = await build_plan(req, sid, config=gw.config, router=gw.router,
                                           tokenizer=gw.tokenizer)
             plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()),
-                           tenant=_tenant(gw, request))
+                           tenant=_tenant(request))
             try:
                 await gw.deps.store.create(sid, model=gw.config.model_name,
                                            prompt_token_ids=plan.prompt_token_ids)
@@ -213,8 +221,11 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
         raise
     meta = ResponseMeta(chat, sid, int(gw.clock()), gw.config.model_name,
                         len(plan.prompt_token_ids))
-    events = observed(run_session(plan, gw.deps, text), span, gw.metrics, endpoint,
-                      meta.prompt_tokens)
+    events = run_session(plan, gw.deps, text)
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    if key is not None and key.tpm:
+        events = metered(events, gw.limiter, key.identity, meta.prompt_tokens)
+    events = observed(events, span, gw.metrics, endpoint, meta.prompt_tokens)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream(events, meta, include_usage)

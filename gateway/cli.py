@@ -6,8 +6,10 @@ import json
 import logging
 import sys
 
+from gateway.auth import load_keys_file
 from gateway.config import GatewayConfig
 from tandem.envflags import add_flag, csv, env
+from tandem.tls import add_tls_flags, tls_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -24,9 +26,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
              help="Redis for registry, sessions, rate limits; unset = start one")
     add_flag(p, "--redis-prefix", "TANDEM_REDIS_PREFIX", d.redis_prefix, help="key namespace")
     add_flag(p, "--api-keys", "TANDEM_API_KEYS", "",
-             help="comma-separated API keys; empty = no auth")
+             help="comma-separated API keys, plain or sha256:<hex>; none here and no "
+                  "--api-keys-file = no auth")
+    add_flag(p, "--api-keys-file", "TANDEM_API_KEYS_FILE", "",
+             help="file of 'sha256:<hex> [name] [rpm=N] [tpm=N]' lines (tandem keys hash)")
     add_flag(p, "--rate-limit-rpm", "TANDEM_GATEWAY_RATE_LIMIT_RPM", 0, int,
-             "requests per minute per key, 0 = off")
+             "requests per minute per key (unless its rpm= says otherwise), 0 = off")
     add_flag(p, "--model", "TANDEM_MODEL", "default",
              help="target checkpoint (for the tokenizer)")
     add_flag(p, "--served-model-name", "TANDEM_GATEWAY_MODEL_NAME",
@@ -43,6 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                   "worker serves [%(default)s]")
     add_flag(p, "--request-timeout", "TANDEM_GATEWAY_REQUEST_TIMEOUT", d.request_timeout_s,
              float, "seconds per request")
+    add_flag(p, "--max-request-bytes", "TANDEM_GATEWAY_MAX_REQUEST_BYTES", d.max_request_bytes,
+             int, "largest request body accepted; larger ones get 413")
     # Repeatable flags: build_config reads their environment lists, which a flag replaces.
     p.add_argument("--verifier", action="append", default=None,
                    help="static verifier host:port, repeatable "
@@ -52,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "[env TANDEM_GATEWAY_DRAFTS, comma list]")
     add_flag(p, "--log-level", "TANDEM_LOG_LEVEL", "info",
              choices=["debug", "info", "warning", "error"])
+    add_tls_flags(p, serves=False)  # the gateway dials verifiers; its HTTP side is plain
     p.set_defaults(func=run_gateway)
     return p
 
@@ -73,16 +81,19 @@ def build_config(args, redis_url: str, model_root) -> GatewayConfig:
                                       else model_root.name)
     return GatewayConfig(
         host=args.host, port=args.port, redis_url=redis_url, redis_prefix=args.redis_prefix,
-        api_keys=csv(args.api_keys), rate_limit_rpm=args.rate_limit_rpm, model_name=name,
+        api_keys=csv(args.api_keys) + (load_keys_file(args.api_keys_file)
+                                       if args.api_keys_file else ()),
+        rate_limit_rpm=args.rate_limit_rpm, model_name=name,
         model_path=str(model_root), context_length=_context_length(model_root,
                                                                    args.context_length),
         default_speculative_tokens=args.default_speculative_tokens,
         max_speculative_tokens=args.max_speculative_tokens,
         method_preference=tuple(csv(args.method_preference)),
-        request_timeout_s=args.request_timeout,
+        request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
         # flags replace the environment's list rather than adding to it
         static_verifiers=tuple(args.verifier or csv(env("TANDEM_GATEWAY_VERIFIERS"))),
-        static_drafts=tuple(args.draft or csv(env("TANDEM_GATEWAY_DRAFTS"))))
+        static_drafts=tuple(args.draft or csv(env("TANDEM_GATEWAY_DRAFTS"))),
+        tls=tls_from_args(args))
 
 
 def run_gateway(args) -> int:

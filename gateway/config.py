@@ -4,8 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gateway.auth import ApiKey, normalize_keys
 from tandem.models import DEFAULT_TARGET
 from tandem.spec.methods import Method
+from tandem.tls import TlsConfig
 
 
 def _check_address(addr: str, what: str) -> None:
@@ -23,9 +25,12 @@ class GatewayConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Key namespace in Redis, shared with the workers' registry.
     redis_prefix: str = "tandem"
-    # Empty = no authentication.
-    api_keys: tuple[str, ...] = ()
-    # Requests per minute per API key (per client address without keys); 0 = off.
+    # Empty = no authentication. Plain keys or "sha256:<hex>" strings, or ApiKeys (with
+    # quotas, see gateway/auth.py); __post_init__ turns them all into ApiKeys, so only digests
+    # are kept.
+    api_keys: tuple[ApiKey | str, ...] = ()
+    # Requests per minute per API key (per client address without keys); 0 = off. A key's own
+    # rpm (ApiKey.rpm) overrides it.
     rate_limit_rpm: int = 0
     # Name clients put in "model"; model_path is what the tokenizer was loaded from.
     model_name: str = DEFAULT_TARGET
@@ -61,6 +66,11 @@ class GatewayConfig:
     static_capacity: int = 64
     # sha256 of tokenizer.json; verifiers registered with another hash are never picked.
     tokenizer_hash: str = ""
+    # Larger request bodies get 413. A whole context of text (8192 tokens is ~40 KB, a
+    # 128k-token one under 1 MB even as a JSON id list) fits many times over.
+    max_request_bytes: int = 4 << 20
+    # gRPC to verifiers over TLS (presenting cert_file when given, for mTLS); None = plaintext.
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -71,12 +81,14 @@ class GatewayConfig:
             Method.parse(name)  # InvalidArgument (a ValueError) names the choices
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must be a redis:// URL, got {self.redis_url!r}")
-        if any(not k or "," in k or k.strip() != k for k in self.api_keys):
-            raise ValueError("api_keys must be non-empty strings without commas or spaces")
+        # frozen: the one place the value is replaced, so a plain key is never stored
+        object.__setattr__(self, "api_keys", normalize_keys(self.api_keys))
         for addr in self.static_verifiers:
             _check_address(addr, "a static verifier address")
         for addr in self.static_drafts:
             _check_address(addr, "a static draft address")
+        if self.tls is not None and not isinstance(self.tls, TlsConfig):
+            raise ValueError(f"tls must be None or a TlsConfig, got {self.tls!r}")
         if self.default_speculative_tokens > self.max_speculative_tokens:
             raise ValueError("default_speculative_tokens must be <= max_speculative_tokens")
 
@@ -84,7 +96,8 @@ class GatewayConfig:
         ranges = {"port": (0, 65535), "rate_limit_rpm": (0, None), "context_length": (2, None),
                   "default_max_tokens": (1, None), "default_speculative_tokens": (0, None),
                   "max_speculative_tokens": (0, 1024), "max_attempts": (1, 32),
-                  "retry_after_s": (1, None), "static_capacity": (1, None)}
+                  "retry_after_s": (1, None), "static_capacity": (1, None),
+                  "max_request_bytes": (1, None)}
         for name, (lo, hi) in ranges.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -91,7 +92,8 @@ class Router:
     def __init__(self, source: WorkerSource, affinity: AffinityStore, *,
                  static_verifiers: tuple[str, ...] = (), static_drafts: tuple[str, ...] = (),
                  describe_verifier: Describe | None = None, static_capacity: int = 64,
-                 tokenizer_hash: str = ""):
+                 tokenizer_hash: str = "", empty_grace_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         self._source = source
         self._affinity = affinity
         self._static_verifiers = static_verifiers
@@ -100,17 +102,31 @@ class Router:
         self._static_capacity = static_capacity
         self._tokenizer_hash = tokenizer_hash
         self.inflight: dict[str, int] = {}
-        self._last_known: dict[str, list[WorkerRecord]] = {}
+        # role -> (workers, when listed): the last listing that found any
+        self._last_known: dict[str, tuple[list[WorkerRecord], float]] = {}
+        self._empty_grace_s = empty_grace_s
+        self._clock = clock
 
     async def _registered(self, role: str) -> list[WorkerRecord]:
-        """Live workers; while Redis is unreachable, the last listing that succeeded
-        (failover copes with any of them having died since)."""
+        """Live workers; while Redis is unreachable, the last listing that found any
+        (failover copes with any of them having died since). An empty listing within
+        `empty_grace_s` of a non-empty one also keeps the last workers: a Redis restarted
+        empty knows none until their next heartbeat, and refusing traffic meanwhile would
+        turn a Redis blip into an outage."""
+        last, when = self._last_known.get(role, ([], float("-inf")))
         try:
             found = await self._source.list(role)
         except (RedisError, OSError) as exc:
             log.warning("worker registry unavailable, using the last known workers: %s", exc)
-            return self._last_known.get(role, [])
-        self._last_known[role] = found
+            if last:  # still our best belief: the grace runs from when Redis answers again
+                self._last_known[role] = (last, self._clock())
+            return last
+        now = self._clock()
+        if found:
+            self._last_known[role] = (found, now)
+            return found
+        if last and now - when <= self._empty_grace_s:
+            return last
         return found
 
     def _static(self, role: str, address: str) -> WorkerRecord:

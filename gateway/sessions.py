@@ -1,4 +1,4 @@
-"""Per-session and per-key state in Redis: session records, affinity, rate limits.
+"""Per-session state in Redis: session records, affinity (rate limits: gateway/quotas.py).
 
 Key layout (prefix defaults to "tandem"; every key expires):
   {prefix}:session:{id}            HASH    status, model, prompt_token_ids (JSON), verifier,
@@ -6,7 +6,6 @@ Key layout (prefix defaults to "tandem"; every key expires):
                                            created_at, updated_at
   {prefix}:session:{id}:committed  LIST    committed token ids, appended as they stream
   {prefix}:affinity:{hash}         STRING  address of the verifier that served the prefix
-  {prefix}:ratelimit:{who}:{win}   STRING  requests of `who` in minute `win` (INCR/EXPIRE)
 
 The committed list is what a resumed session sends back to the next verifier, so it is
 appended (RPUSH) before the tokens are shown to the client.
@@ -69,11 +68,6 @@ class AffinityStore(Protocol):
     async def get(self, key: str) -> str | None: ...
 
     async def set(self, key: str, address: str) -> None: ...
-
-
-class RateLimiter(Protocol):
-    async def hit(self, who: str) -> float | None:
-        """Count one request; None when allowed, else seconds until the window resets."""
 
 
 def _s(value: bytes | str | None, default: str = "") -> str:
@@ -162,33 +156,6 @@ class RedisAffinityStore:
 
     async def set(self, key: str, address: str) -> None:
         await self._redis.set(f"{self._prefix}:affinity:{key}", address, ex=self._ttl)
-
-
-class RedisRateLimiter:
-    """Fixed one-minute windows: INCR a per-window counter; the first hit sets its expiry."""
-
-    WINDOW_S = 60
-
-    def __init__(self, redis: aioredis.Redis, *, rpm: int, prefix: str = "tandem",
-                 clock: Callable[[], float]):
-        self._redis = redis
-        self._rpm = rpm
-        self._prefix = prefix
-        self._clock = clock
-
-    async def hit(self, who: str) -> float | None:
-        if self._rpm <= 0:
-            return None
-        now = self._clock()
-        window = int(now // self.WINDOW_S)
-        key = f"{self._prefix}:ratelimit:{who}:{window}"
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.incr(key)
-        pipe.expire(key, self.WINDOW_S + 1)
-        count, _ = await pipe.execute()
-        if int(count) <= self._rpm:
-            return None
-        return (window + 1) * self.WINDOW_S - now
 
 
 def identity(api_key: str | None, client_host: str | None) -> str:

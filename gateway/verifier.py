@@ -17,7 +17,9 @@ import grpc
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.plan import GenerationPlan
+from tandem.grpc_limits import message_options
 from tandem.registry import WorkerRecord
+from tandem.tls import open_channel
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,8 +33,9 @@ _RESUMABLE = frozenset({
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS})
 # Reconnect quickly: a verifier restarted at the same address should be usable in seconds.
+# Messages as large as a verifier takes (tandem.grpc_limits' default: requests carry ids only).
 _CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", 2000))
+                    ("grpc.max_reconnect_backoff_ms", 2000), *message_options())
 
 
 class VerifierLost(Exception):
@@ -145,7 +148,7 @@ class ChannelPool:
 
     def stub(self, address: str) -> verify_pb2_grpc.VerifyServiceStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, _CHANNEL_OPTIONS)
+            self._channels[address] = open_channel(address, self._config.tls, _CHANNEL_OPTIONS)
         return verify_pb2_grpc.VerifyServiceStub(self._channels[address])
 
     def generate(self, address: str, plan: GenerationPlan, committed: Sequence[int],

@@ -176,3 +176,39 @@ def paged_attention(
     if batch == 1:
         return out
     return out[meta.q_valid]
+
+
+def row_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """paged_attention, batch-invariant: each query row attends alone, over exactly the keys
+    it sees, contiguous. SDPA's blocking over several rows and padded keys changes the
+    reduction order, so the same row gives other low bits in a decode step, a verify chunk,
+    a prefill or beside a longer sequence; one row at a time it cannot. Slower (a call per
+    row): the price of `--batch-invariant`."""
+    _, heads, dim = query.shape
+    kvh = key_cache.shape[2]
+    flat_k, flat_v = key_cache.view(-1, kvh, dim), value_cache.view(-1, kvh, dim)
+    out = torch.empty_like(query)
+    cu = meta.cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(meta.seq_lens.tolist()):
+        start, q_len = cu[b], cu[b + 1] - cu[b]
+        slots = meta.kv_slots[b, :seq_len]
+        k_all = flat_k[slots].transpose(0, 1)  # [kv_heads, seq_len, dim]
+        v_all = flat_v[slots].transpose(0, 1)
+        for i in range(q_len):
+            if meta.mask is not None:  # a tree (or padding): the row's own visible keys
+                seen = meta.mask[b, 0, i, :seq_len].nonzero().squeeze(1)
+                k, v = k_all[:, seen], v_all[:, seen]
+            else:
+                last = seq_len - q_len + i + 1
+                k, v = k_all[:, :last].contiguous(), v_all[:, :last].contiguous()
+            q = query[start + i][None, :, None]  # [1, heads, 1, dim]
+            o = F.scaled_dot_product_attention(q, k[None], v[None], scale=scale,
+                                               enable_gqa=heads != kvh)
+            out[start + i] = o[0, :, 0]
+    return out

@@ -7,6 +7,7 @@ import time
 
 from tandem.envflags import add_flag, env
 from tandem.models import DEFAULT_TARGET, ModelError
+from tandem.tls import add_tls_flags, tls_from_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -82,7 +83,8 @@ def _cmd_up(args) -> int:
     config = ClusterConfig(num_drafts=args.drafts, num_verifiers=args.verifiers,
                            gateway_host=args.host, gateway_port=args.port, model=args.model,
                            draft_model=args.draft_model,
-                           redis_url=env("REDIS_URL", ""), threads=args.threads)
+                           redis_url=env("REDIS_URL", ""), threads=args.threads,
+                           tls=tls_from_args(args))
     cluster = Cluster(config, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("starting the Tandem cluster ...", file=sys.stderr, flush=True)
     try:
@@ -101,6 +103,34 @@ def _cmd_up(args) -> int:
     finally:
         cluster.stop()
     return 0
+
+
+def _cmd_keys_hash(args) -> int:
+    """Read one key from stdin (without echo on a terminal), print its keys-file line."""
+    import getpass
+
+    from gateway.auth import ApiKey, digest_of
+
+    key = (getpass.getpass("API key: ") if sys.stdin.isatty()
+           else sys.stdin.readline().rstrip("\r\n"))
+    if not key or any(c.isspace() for c in key) or "," in key:
+        raise ValueError("the key on stdin must be one non-empty line without spaces or commas")
+    print(ApiKey(digest_of(key), args.name, args.rpm, args.tpm).line())
+    return 0
+
+
+def _add_keys(sub) -> None:
+    keys = sub.add_parser("keys", help="API keys for the gateway's --api-keys-file")
+    ksub = keys.add_subparsers(dest="keys_command", required=True)
+    h = ksub.add_parser("hash", help="print the keys-file line for a key read from stdin "
+                        "(e.g. `tandem keys hash --name team-a --rpm 60 < key.txt`)")
+    h.add_argument("--name", default="", help="label for logs and errors")
+    h.add_argument("--rpm", type=int, default=None,
+                   help="requests per minute for this key (0 = unlimited); "
+                        "default: the gateway's --rate-limit-rpm")
+    h.add_argument("--tpm", type=int, default=0,
+                   help="prompt + completion tokens per minute, 0 = unlimited (default)")
+    h.set_defaults(func=_cmd_keys_hash)
 
 
 async def _colocate(model, paths, config):
@@ -153,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--demo", default="", metavar="PROMPT",
                     help="send this chat message once the cluster is up and print the reply")
     up.add_argument("--exit-after-demo", action="store_true", help="stop after the demo")
+    add_tls_flags(up)  # passed on to every process; the certificate must name 127.0.0.1
     up.set_defaults(func=_cmd_up)
+    _add_keys(sub)
 
     from draft_service.cli import register as register_draft
     from gateway.cli import register as register_gateway

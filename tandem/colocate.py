@@ -40,6 +40,8 @@ async def start_layer_skip(model: LlamaModel, paths: ModelPaths, config) -> Colo
         return None
     proposer = LayerSkipProposer.over(model, skip, config.layer_skip_kv_mb << 20,
                                       config.block_size)
+    # No TLS even when the verifier has it: loopback only, and its DraftPool dials pinned
+    # (in-process) workers in plaintext.
     draft_cfg = DraftConfig(host="127.0.0.1", port=0, max_sessions=config.max_sessions)
     worker, info = assemble_worker(draft_cfg, {Method.LAYER_SKIP: proposer}, paths.root.name,
                                    tokenizer_hash(paths), proposer.vocab_size,

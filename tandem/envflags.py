@@ -19,6 +19,18 @@ def env(name: str, default: Any = None) -> Any:
     return default if value is None or value == "" else value
 
 
+def boolean(value: str | bool) -> bool:
+    """An on/off flag's value: 1/0, true/false, yes/no, on/off (argparse `type`)."""
+    if isinstance(value, bool):
+        return value
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on/off (1/0, true/false, yes/no), got {value!r}")
+
+
 def csv(value: str | None) -> tuple[str, ...]:
     """'a, b,,c' -> ('a', 'b', 'c')."""
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())

@@ -3,6 +3,10 @@
 Servicers raise `tandem.errors` exceptions (or ValueError for bad input); `StatusInterceptor`
 turns them into `context.abort(code, message)` for every method shape, so no servicer picks a
 status code by itself and none matches on an error message's text.
+
+It also parses requests: a message that does not decode (corrupt bytes, invalid UTF-8 in a
+string) is INVALID_ARGUMENT saying why, not grpc's UNKNOWN. In a request stream, reading such a
+message raises InvalidArgument from that `__anext__` only; a servicer may report it and read on.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import logging
 
 import grpc
 
-from tandem.errors import TandemError
+from tandem.errors import InvalidArgument, TandemError
 
 log = logging.getLogger(__name__)
 
@@ -32,22 +36,66 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception):
     await context.abort(code, str(exc) or type(exc).__name__)
 
 
-def _wrap_unary(behavior):
+class _Malformed:
+    """What the tolerant deserializer hands on for bytes that do not parse."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _tolerant(deserialize):
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # DecodeError, or whatever a custom deserializer raises
+            return _Malformed(f"malformed request, could not parse it: {exc}")
+    return parse
+
+
+class _CheckedRequests:
+    """A request stream that raises InvalidArgument for each malformed message and can be read
+    on after it (a plain `async for` stops there, and the call ends INVALID_ARGUMENT)."""
+
+    def __init__(self, requests):
+        self._requests = requests.__aiter__()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        msg = await self._requests.__anext__()
+        if isinstance(msg, _Malformed):
+            raise InvalidArgument(msg.message)
+        return msg
+
+
+def _checked(request_or_iterator, streaming: bool):
+    if streaming:
+        return _CheckedRequests(request_or_iterator)
+    if isinstance(request_or_iterator, _Malformed):
+        raise InvalidArgument(request_or_iterator.message)
+    return request_or_iterator
+
+
+def _wrap_unary(behavior, streaming: bool):
     async def call(request_or_iterator, context):
         try:
-            return await behavior(request_or_iterator, context)
+            return await behavior(_checked(request_or_iterator, streaming), context)
         except (TandemError, ValueError) as exc:
             await _abort(context, exc)
     return call
 
 
-def _wrap_stream(behavior):
+def _wrap_stream(behavior, streaming: bool):
     if not inspect.isasyncgenfunction(behavior):  # a coroutine writing with context.write()
-        return _wrap_unary(behavior)
+        return _wrap_unary(behavior, streaming)
 
     async def call(request_or_iterator, context):
         try:
-            async for item in behavior(request_or_iterator, context):
+            async for item in behavior(_checked(request_or_iterator, streaming), context):
                 yield item
         except (TandemError, ValueError) as exc:
             await _abort(context, exc)
@@ -68,6 +116,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         for attr, make, wrap in kinds:
             behavior = getattr(handler, attr)
             if behavior is not None:
-                return make(wrap(behavior), request_deserializer=handler.request_deserializer,
+                return make(wrap(behavior, attr.startswith("stream")),
+                            request_deserializer=_tolerant(handler.request_deserializer),
                             response_serializer=handler.response_serializer)
         return handler

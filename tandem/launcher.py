@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.tls import TlsConfig, open_sync_channel, tls_args
+
 STARTUP_TIMEOUT_S = 180.0
 
 
@@ -34,6 +36,7 @@ class ClusterConfig:
     eagle: str = ""  # EAGLE head directory; "" = the shipped one if present
     redis_url: str = ""
     threads: int = 1  # per worker: a batch-1 forward keeps one core busy
+    tls: TlsConfig | None = None  # gRPC over TLS between every process (and our checks)
 
     def __post_init__(self):
         if self.num_drafts < 0 or self.num_verifiers < 1:
@@ -46,9 +49,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def grpc_healthy(address: str, timeout: float = 1.0) -> bool:
+def grpc_healthy(address: str, timeout: float = 1.0, tls: TlsConfig | None = None) -> bool:
     try:
-        with grpc.insecure_channel(address) as ch:
+        with open_sync_channel(address, tls) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                         timeout=timeout)
         return resp.status == health_pb2.HealthCheckResponse.SERVING
@@ -77,6 +80,7 @@ class Cluster:
         self.metrics_urls: dict[str, str] = {}
         self.stack = ExitStack()
         self.redis_url = config.redis_url
+        self.redis = None  # the RedisProcess we started (None when REDIS_URL was given)
         self.gateway_url = f"http://{config.gateway_host}:{config.gateway_port}"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -102,10 +106,11 @@ class Cluster:
         if not self.redis_url:
             from tandem.redis_server import start_redis
 
-            redis = self.stack.enter_context(start_redis())
-            self.redis_url = redis.url
-            self.log(f"  redis-server on {redis.url}")
-        common = ["--redis-url", self.redis_url, "--threads", str(cfg.threads)]
+            self.redis = self.stack.enter_context(start_redis())
+            self.redis_url = self.redis.url
+            self.log(f"  redis-server on {self.redis.url}")
+        common = ["--redis-url", self.redis_url, "--threads", str(cfg.threads),
+                  *tls_args(cfg.tls)]
         for i in range(cfg.num_drafts):
             port, mport = free_port(), free_port()
             extra = ["--model", cfg.draft_model] if cfg.draft_model else []
@@ -115,7 +120,7 @@ class Cluster:
             proc = self._spawn(f"draft-{i}", ["draft", "--port", str(port), *common, *extra])
             self.addresses[f"draft-{i}"] = f"127.0.0.1:{port}"
             self._wait(f"draft-{i} (127.0.0.1:{port})", proc,
-                       lambda p=port: grpc_healthy(f"127.0.0.1:{p}"))
+                       lambda p=port: grpc_healthy(f"127.0.0.1:{p}", tls=cfg.tls))
         for i in range(cfg.num_verifiers):
             port, mport = free_port(), free_port()
             extra = ["--model", cfg.model] if cfg.model else []
@@ -125,11 +130,11 @@ class Cluster:
                                                  *extra])
             self.addresses[f"verifier-{i}"] = f"127.0.0.1:{port}"
             self._wait(f"verifier-{i} (127.0.0.1:{port})", proc,
-                       lambda p=port: grpc_healthy(f"127.0.0.1:{p}"))
+                       lambda p=port: grpc_healthy(f"127.0.0.1:{p}", tls=cfg.tls))
         extra = ["--model", cfg.model] if cfg.model else []
         proc = self._spawn("gateway", ["gateway", "--host", cfg.gateway_host, "--port",
                                        str(cfg.gateway_port), "--redis-url", self.redis_url,
-                                       *extra])
+                                       *tls_args(cfg.tls, serves=False), *extra])
         self._wait(f"gateway ({self.gateway_url})", proc,
                    lambda: http_healthy(self.gateway_url + "/health"))
         self.metrics_urls["gateway"] = self.gateway_url + "/metrics"
@@ -150,9 +155,20 @@ class Cluster:
         self.procs.clear()
         self.stack.close()
 
+    def supervise_redis(self) -> bool:
+        """Restart our own Redis if it died (the workers and gateway ride it out and
+        re-register); True if it had to be restarted."""
+        if self.redis is None or self.redis.is_running():
+            return False
+        self.redis.restart()
+        self.log(f"  redis-server died; restarted on {self.redis.url} "
+                 f"(restart {self.redis.restarts})")
+        return True
+
     def wait(self) -> None:
-        """Block until a child dies or we are signalled."""
+        """Block until a child dies or we are signalled; a dead Redis is restarted."""
         while all(proc.poll() is None for _, proc in self.procs):
+            self.supervise_redis()
             time.sleep(0.5)
         dead = [n for n, p in self.procs if p.poll() is not None]
         raise RuntimeError(f"{', '.join(dead)} exited")

@@ -55,11 +55,14 @@ def _serves(port: int, pid: int) -> bool:
 class RedisProcess:
     """A running redis-server child process. `stop()` is idempotent; usable as a context."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, workdir: Path, owns_workdir: bool):
+    def __init__(self, proc: subprocess.Popen, port: int, workdir: Path, owns_workdir: bool,
+                 binary: str = ""):
         self._proc = proc
         self.port = port
         self.workdir = workdir
         self._owns_workdir = owns_workdir
+        self._binary = binary or redis_server_path()
+        self.restarts = 0
 
     @property
     def url(self) -> str:
@@ -67,6 +70,26 @@ class RedisProcess:
 
     def is_running(self) -> bool:
         return self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def restart(self) -> None:
+        """Start a fresh (empty) server on the same port after this one died.
+
+        Clients reconnect by themselves and workers re-register on their next heartbeat, so a
+        local cluster heals from a crashed Redis without restarting anything else."""
+        if self.is_running():
+            return
+        proc = _spawn(self._binary, self.port, self.workdir)
+        if not _wait_ready(proc, self.port):
+            proc.kill()
+            proc.wait()
+            raise RedisStartError(f"redis-server did not restart on port {self.port}: "
+                                  f"{_tail(self.workdir / 'redis.stderr') or 'no output'}")
+        self._proc = proc
+        self.restarts += 1
 
     def stop(self) -> None:
         if self._proc.poll() is None:
@@ -127,7 +150,7 @@ def start_redis(port: int = 0, workdir: str | None = None) -> RedisProcess:
         chosen = port or _free_port()
         proc = _spawn(binary, chosen, wd)
         if _wait_ready(proc, chosen):
-            return RedisProcess(proc, chosen, wd, owns)
+            return RedisProcess(proc, chosen, wd, owns, binary)
         proc.kill()
         proc.wait()
         last_err = _tail(wd / "redis.stderr") or _tail(wd / "redis.log") or "no output"

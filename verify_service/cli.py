@@ -8,7 +8,8 @@ import functools
 import logging
 
 from tandem.engine.quant import WEIGHT_DTYPES
-from tandem.envflags import add_flag, csv, env
+from tandem.envflags import add_flag, boolean, csv, env
+from tandem.tls import add_tls_flags, tls_from_args
 from verify_service.config import VerifierConfig
 
 _DEFAULTS = VerifierConfig()
@@ -42,6 +43,11 @@ def register(sub, colocate=None) -> None:
     add_flag(p, "--dtype", "TANDEM_VERIFIER_DTYPE", _DEFAULTS.dtype,
              help="target weight dtype: " + ", ".join(WEIGHT_DTYPES) + " (int8: weight-only, "
                   "per-group scales; activations, norms and KV cache stay fp32)")
+    add_flag(p, "--batch-invariant", "TANDEM_VERIFIER_BATCH_INVARIANT", False, boolean,
+             nargs="?", const=True, metavar="on|off",
+             help="batch-invariant numerics: a session's tokens never depend on what shares "
+                  "its batch (greedy identical alone, batched, speculative, after failover); "
+                  "costs speed, see docs/batch_invariance.md")
     for name, text in _INT_FLAGS.items():
         add_flag(p, "--" + name.replace("_", "-"), f"TANDEM_VERIFIER_{name.upper()}",
                  getattr(_DEFAULTS, name), int, help=text)
@@ -70,13 +76,15 @@ def register(sub, colocate=None) -> None:
              help="serve speculation.method=medusa with these heads: auto (heads saved or "
                   "shipped with the model; see `tandem distill --method medusa`), off, or a "
                   "directory with medusa.json")
+    add_tls_flags(p)
     p.set_defaults(func=functools.partial(_run, colocate=colocate))
 
 
 def _run(args: argparse.Namespace, colocate=None) -> int:
     fields = {f.name for f in dataclasses.fields(VerifierConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    config = VerifierConfig(**values, draft_addresses=tuple(args.drafts))
+    config = VerifierConfig(**values, draft_addresses=tuple(args.drafts),
+                            tls=tls_from_args(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if config.threads:
         import torch

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from tandem.engine.quant import WEIGHT_DTYPES
 from tandem.models import DEFAULT_TARGET
+from tandem.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,9 @@ class VerifierConfig:
     model: str = DEFAULT_TARGET
     threads: int = 0  # torch threads, 0 = torch's default
     dtype: str = "float32"  # target weights: float32, bfloat16, float16 or int8 (weight-only)
+    # Every row's logits independent of the batch it runs in (tandem.engine.llama): greedy
+    # text the same alone, batched, speculative or after failover; slower.
+    batch_invariant: bool = False
     kv_cache_mb: int = 512
     block_size: int = 16
     max_sessions: int = 64
@@ -40,8 +44,13 @@ class VerifierConfig:
     # Medusa heads run inside the engine step: "auto" (heads saved or shipped with the
     # model), "off", or a directory holding medusa.json + medusa.safetensors.
     medusa: str = "auto"
+    # gRPC over TLS: served with it and presented to draft workers; None = plaintext.
+    tls: TlsConfig | None = None
 
     def __post_init__(self):
+        if self.tls is not None and not (isinstance(self.tls, TlsConfig) and self.tls.can_serve):
+            raise ValueError("tls must be None or a TlsConfig with a certificate and key to serve "
+                             "with (--tls-cert, --tls-key)")
         if self.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.dtype!r}")
         if not -1 <= self.metrics_port < 65536:

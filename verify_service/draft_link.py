@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from tandem.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES, message_options
 from tandem.spec import (
     Close,
     Commit,
@@ -26,6 +27,7 @@ from tandem.spec import (
     Reply,
     SessionError,
 )
+from tandem.tls import TlsConfig, open_channel
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,11 @@ def reply_from_proto(msg: draft_pb2.DraftProposal) -> Reply:
 class DraftLink:
     def __init__(self, address: str,
                  on_message: Callable[[DraftLink, Reply], None],
-                 on_broken: Callable[[DraftLink], None]):
+                 on_broken: Callable[[DraftLink], None], tls: TlsConfig | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.address = address
+        self.tls = tls
+        self.max_message_bytes = max_message_bytes
         self.alive = False
         self._on_message = on_message
         self._on_broken = on_broken
@@ -83,7 +88,8 @@ class DraftLink:
         self._reader: asyncio.Task | None = None
 
     async def start(self, connect_timeout_s: float = 2.0) -> bool:
-        self._channel = grpc.aio.insecure_channel(self.address)
+        self._channel = open_channel(self.address, self.tls,
+                                     message_options(self.max_message_bytes))
         try:
             await asyncio.wait_for(self._channel.channel_ready(), connect_timeout_s)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError):
@@ -131,11 +137,16 @@ class DraftPool:
     def __init__(self, static_addresses: list[str],
                  discover: Callable[[], Awaitable[list[str]]] | None,
                  on_message, on_broken, clock=time.monotonic,
-                 pinned: tuple[str, ...] = ()):
+                 pinned: tuple[str, ...] = (), tls: TlsConfig | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self._static = list(static_addresses)
         # Workers used only when a session names them (the verifier's own layer-skip
         # worker): never a fallback for a method they may not serve.
         self._pinned = pinned
+        # Pinned workers run in this process on loopback, so they stay plaintext: a pod's
+        # certificate names its Service, not 127.0.0.1.
+        self._tls = tls
+        self._max_message_bytes = max_message_bytes
         self._discover = discover
         self._on_message = on_message
         self._on_broken = on_broken
@@ -169,7 +180,9 @@ class DraftPool:
             link = self.links.get(address)
             if link is not None and link.alive:
                 return link
-            link = DraftLink(address, self._on_message, self._on_broken)
+            link = DraftLink(address, self._on_message, self._on_broken,
+                             None if address in self._pinned else self._tls,
+                             self._max_message_bytes)
             if await link.start():
                 self.links[address] = link
                 return link

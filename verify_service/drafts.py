@@ -151,7 +151,11 @@ class DraftSide:
             return None
         ids, probs = tok.q_ids, tok.q_probs
         if ids or probs:
-            if len(ids) != len(probs) or any(not 0 <= i < v for i in ids):
+            # At most the top-N asked for (before any scan: a peer could send millions), each
+            # id once (a dense q would keep only one of its entries).
+            if len(ids) != len(probs) or len(ids) > self.top_n or len(set(ids)) != len(ids):
+                return None
+            if any(not 0 <= i < v for i in ids):
                 return None
             if any(not math.isfinite(q) or q < 0 for q in probs) or abs(sum(probs) - 1) > 1e-3:
                 return None

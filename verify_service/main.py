@@ -17,11 +17,13 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.llama import LlamaModel
 from tandem.engine.medusa import load_for
 from tandem.engine.model_runner import ModelRunner
+from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
 from tandem.models import ModelPaths, resolve_model, tokenizer_hash
 from tandem.spec import Method
 from tandem.spec.cost import CostModel
 from tandem.telemetry import VerifierMetrics
+from tandem.tls import add_port
 from tandem.v1 import common_pb2, verify_pb2_grpc
 from verify_service.config import VerifierConfig
 from verify_service.draft_link import DraftPool
@@ -85,7 +87,10 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     one, since services do not import each other)."""
     paths = resolve_model(config.model)
     if model is None:
-        model = LlamaModel.load(paths, config.dtype)
+        model = LlamaModel.load(paths, config.dtype, batch_invariant=config.batch_invariant)
+    if model.batch_invariant != config.batch_invariant:
+        raise ValueError(f"config.batch_invariant={config.batch_invariant} but the model given "
+                         f"was loaded with batch_invariant={model.batch_invariant}")
     runner = ModelRunner.with_memory(model, config.kv_cache_mb << 20, config.block_size)
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                 max_spec_tokens=config.max_spec_tokens,
@@ -118,7 +123,11 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     if remote or pinned:
         engine.drafts.pool = DraftPool(list(config.draft_addresses), discover,
                                        engine.drafts.on_reply, engine.drafts.on_link_broken,
-                                       pinned=pinned)
+                                       pinned=pinned, tls=config.tls,
+                                       # an EAGLE re-open carries every position's features
+                                       max_message_bytes=max_message_bytes(
+                                           model.cfg.max_position_embeddings,
+                                           model.cfg.hidden_size))
     if colocated is not None:
         engine.drafts.local = dict(colocated.addresses)
     model_id = paths.root.name
@@ -126,15 +135,16 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     default_method = Method.DRAFT_MODEL if remote else Method.NONE
     servicer = VerifyServicer(engine, build_info(model, paths, config, model_id),
                               default_method, metrics)
+    limit = max_message_bytes(model.cfg.max_position_embeddings)  # requests carry ids only
     server = grpc.aio.server(interceptors=[StatusInterceptor()],
-                             options=[("grpc.so_reuseport", 0)])
+                             options=[("grpc.so_reuseport", 0), *message_options(limit)])
     verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \
         health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", config.tls)
     await server.start()
     await _set_serving(health_servicer)
     verifier = Verifier(server, port, engine, servicer, health_servicer, colocated=colocated)

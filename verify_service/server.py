@@ -13,6 +13,7 @@ from opentelemetry import trace
 
 from tandem import telemetry
 from tandem.errors import InvalidArgument, Unavailable
+from tandem.grpc_limits import MAX_SESSION_ID_CHARS, MAX_STOP_TOKEN_IDS
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
@@ -26,28 +27,46 @@ _FINISH = {None: verify_pb2.FINISH_REASON_UNSPECIFIED, "stop": verify_pb2.FINISH
            "length": verify_pb2.FINISH_REASON_LENGTH, "abort": verify_pb2.FINISH_REASON_ABORT}
 
 
-def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo,
-                      default_method: Method) -> GenerateParams:
-    """Validates a request against the model's limits; InvalidArgument says what is wrong."""
+def _check_sizes(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo) -> None:
+    """Lengths first (cheap, and they bound the scans after them), then the ids."""
+    if len(req.session_id) > MAX_SESSION_ID_CHARS:
+        raise InvalidArgument(f"session_id has {len(req.session_id)} characters, more than "
+                              f"{MAX_SESSION_ID_CHARS}")
+    stops = req.stopping.stop_token_ids
+    if len(stops) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(f"stop_token_ids has {len(stops)} ids, more than "
+                              f"{MAX_STOP_TOKEN_IDS}")
+    prompt, ctx = req.prompt_token_ids, info.max_context_length
+    max_new = req.stopping.max_new_tokens
+    if len(prompt) + max_new > ctx:
+        raise InvalidArgument(f"prompt ({len(prompt)}) + max_new_tokens ({max_new}) exceeds the "
+                              f"context {ctx}")
+    if len(req.committed_token_ids) > ctx:  # (and below max_new_tokens: GenerateParams)
+        raise InvalidArgument(f"committed_token_ids has {len(req.committed_token_ids)} ids, "
+                              f"more than the context {ctx}")
     v = info.vocab_size
     for name, ids in (("prompt_token_ids", req.prompt_token_ids),
                       ("committed_token_ids", req.committed_token_ids),
-                      ("stop_token_ids", req.stopping.stop_token_ids)):
+                      ("stop_token_ids", stops)):
         bad = [t for t in ids if not 0 <= t < v]
         if bad:
             raise InvalidArgument(f"{name} has ids outside the vocabulary [0, {v}): {bad[:5]}")
-    s = req.sampling
-    try:
-        sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k,
-                                  top_p=s.top_p if s.top_p > 0 else 1.0,
-                                  seed=s.seed if s.HasField("seed") else None)
+
+
+def _sampling(s: common_pb2.SamplingParams) -> SamplingParams:
+    try:  # top_p 0 is proto3's "unset", which means off, like 1; anything else is checked
+        return SamplingParams(temperature=s.temperature, top_k=s.top_k,
+                              top_p=s.top_p if s.top_p != 0 else 1.0,
+                              seed=s.seed if s.HasField("seed") else None)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
-    total = len(req.prompt_token_ids) + req.stopping.max_new_tokens
-    if total > info.max_context_length:
-        raise InvalidArgument(f"prompt ({len(req.prompt_token_ids)}) + max_new_tokens "
-                         f"({req.stopping.max_new_tokens}) exceeds the context "
-                         f"{info.max_context_length}")
+
+
+def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo,
+                      default_method: Method) -> GenerateParams:
+    """Validates a request against the model's limits; InvalidArgument says what is wrong."""
+    _check_sizes(req, info)
+    sampling = _sampling(req.sampling)
     spec = req.speculation
     method = Method.from_wire(spec.method)
     if method is Method.UNSPECIFIED:

@@ -41,16 +41,57 @@ def mm_transposed(
     return out if bias is None else out + bias
 
 
-class LinearRouter:
-    """Chooses F.linear or mm_transposed per (out, in, rows); F.linear until tuned."""
+def invariant_linear(
+    x: torch.Tensor,  # [m, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None,  # [out_features]
+    min_rows: int,
+) -> torch.Tensor:  # [m, out_features]
+    """F.linear with at least `min_rows` rows: from there on (measured_invariant_rows) the BLAS
+    computes each output row the same way whatever the row count, so a row's result depends
+    on that row alone, not on what else shares its batch."""
+    m = x.shape[0]
+    if m < min_rows:
+        x = torch.cat([x, x.new_zeros(min_rows - m, x.shape[1])])
+    out = F.linear(x, weight)[:m]
+    return out if bias is None else out + bias
 
-    def __init__(self):
+
+def measure_invariant_rows(weights: Sequence[torch.Tensor], probe_rows: int = 48,
+                           reference_rows: int = 160) -> int:
+    """The fewest rows from which F.linear gives every row bit-identically to a large
+    product, for each of these weight shapes (on this machine, BLAS and thread count: the
+    small-row paths, gemv and thread splits, reduce in other orders). 0 if none up to
+    probe_rows does, i.e. padding cannot make this BLAS batch-invariant."""
+    needed = 1
+    for w in weights:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(reference_rows, w.shape[1], generator=gen).to(w.dtype)
+        ref = F.linear(x, w)
+        bad = [m for m in range(1, probe_rows + 1) if not torch.equal(F.linear(x[:m], w),
+                                                                     ref[:m])]
+        if bad and bad[-1] == probe_rows:
+            return 0
+        needed = max(needed, bad[-1] + 1 if bad else 1)
+    return needed
+
+
+class LinearRouter:
+    """Chooses F.linear or mm_transposed per (out, in, rows); F.linear until tuned.
+
+    `invariant_rows` > 0 is batch-invariant mode: every product runs invariant_linear (one
+    layout, padded to that many rows), so a row's output does not depend on the batch."""
+
+    def __init__(self, invariant_rows: int = 0):
         self.use_mm: dict[tuple[int, int, int], bool] = {}
+        self.invariant_rows = invariant_rows
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, Int8Weight):
-            return weight.linear(x, bias)
+            return weight.linear(x, bias, invariant=self.invariant_rows > 0)
+        if self.invariant_rows:
+            return invariant_linear(x, weight, bias, self.invariant_rows)
         m = x.shape[0]
         if m <= MAX_ROUTED_ROWS and self.use_mm.get((*weight.shape, _bucket(m)), False):
             return mm_transposed(x, weight, bias)

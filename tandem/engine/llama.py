@@ -6,6 +6,7 @@ traffic, so fewer, larger matmuls are faster.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -16,8 +17,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from kernels import int8_cpu
-from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-from tandem.engine.linear import LinearRouter
+from kernels.paged_attention import AttentionMetadata, paged_attention, row_attention, write_kv
+from tandem.engine.linear import LinearRouter, measure_invariant_rows
 from tandem.engine.quant import Int8Weight, compute_dtype
 from tandem.models import ModelError, ModelPaths, read_hf_config
 
@@ -177,14 +178,20 @@ class LlamaModel:
     `dtype` is a torch float dtype, or "int8" for weight-only int8 (tandem.engine.quant): the
     projections and the LM head are quantized, the rest (embedding lookup, norms, KV cache)
     stays fp32.
+
+    `batch_invariant`: every row's logits depend on its own context only, never on what else
+    shares the forward (decode, verify chunk, prefill, other sessions): one padded matmul
+    layout and row-at-a-time attention. Greedy text is then the same alone, batched, with
+    speculation or after failover, at a measured cost in speed (docs/batch_invariance.md).
     """
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype | str = torch.float32,
-                 draft_vocab: DraftVocab | None = None):
+                 draft_vocab: DraftVocab | None = None, batch_invariant: bool = False):
         self.weight_dtype = str(dtype).removeprefix("torch.")
         dtype = compute_dtype(self.weight_dtype)
         self.dtype = dtype
+        self.batch_invariant = batch_invariant
         self.linear = LinearRouter()
         # With a truncated draft vocabulary, vocab_map[i] is the target id of draft row i and
         # cfg.vocab_size is the target's, so callers see target ids only.
@@ -222,7 +229,9 @@ class LlamaModel:
         self.lm_head = Int8Weight.quantize(self.lm_head)
         # Build (or load from cache) the CPU kernel now: a first build takes a minute or two,
         # which belongs at startup, not inside the first request's engine step.
-        int8_cpu.load()
+        if int8_cpu.load() is None and self.batch_invariant:
+            raise ModelError("batch-invariant int8 needs the C++ int8 kernel, which could "
+                             "not be built here")
 
     def _layer(self, w, weights, i: int) -> LayerWeights:
         p = f"layers.{i}."
@@ -242,21 +251,38 @@ class LlamaModel:
 
     @classmethod
     def load(cls, paths: ModelPaths, dtype: torch.dtype | str = torch.float32,
-             tune: bool = True) -> LlamaModel:
+             tune: bool = True, batch_invariant: bool = False) -> LlamaModel:
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
-        model = cls(cfg, _load_tensors(paths), dtype, DraftVocab.read(paths.root))
-        if tune:
+        model = cls(cfg, _load_tensors(paths), dtype, DraftVocab.read(paths.root),
+                    batch_invariant=batch_invariant)
+        if tune or batch_invariant:
             model.tune_kernels()
         return model
 
+    def batch_invariant_view(self) -> LlamaModel:
+        """This model in batch-invariant mode, sharing every weight tensor."""
+        view = copy.copy(self)
+        view.batch_invariant, view.linear = True, LinearRouter()
+        view.tune_kernels()
+        return view
+
     def tune_kernels(self) -> None:
-        """Measure the faster matmul layout per weight shape and row count (tandem.engine.linear).
+        """Measure the faster matmul layout per weight shape and row count (tandem.engine.linear);
+        in batch-invariant mode, the row count from which the BLAS is invariant instead.
 
         Call after torch.set_num_threads: the answer depends on the thread count.
         """
         groups = [[getattr(layer, name) for layer in self.layers]
                   for name in LayerWeights.PROJECTIONS]
-        self.linear.tune([*groups, [self.lm_head]])
+        if not self.batch_invariant:
+            self.linear.tune([*groups, [self.lm_head]])
+            return
+        dense = [g[0] for g in [*groups, [self.lm_head]] if isinstance(g[0], torch.Tensor)]
+        rows = measure_invariant_rows(dense)
+        if not rows:
+            raise ModelError("batch-invariant mode: this BLAS gives rows that depend on the "
+                             "row count however many are padded in (try --threads 1)")
+        self.linear.invariant_rows = rows
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
@@ -285,7 +311,8 @@ class LlamaModel:
         q = self._rope(q.view(n, cfg.num_heads, hd), cos, sin)
         k = self._rope(k.view(n, cfg.num_kv_heads, hd), cos, sin)
         write_kv(k, v.view(n, cfg.num_kv_heads, hd), k_cache, v_cache, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta, hd**-0.5)
+        attend = row_attention if self.batch_invariant else paged_attention
+        attn = attend(q, k_cache, v_cache, meta, hd**-0.5)
         h = h + self.linear(attn.reshape(n, q_size), layer.o)
         x = self._rms_norm(h, layer.post_norm)
         gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)

@@ -134,9 +134,19 @@ class Int8Weight:
         self,
         x: torch.Tensor,  # [rows, in_features] float
         bias: torch.Tensor | None = None,  # [out_features]
+        invariant: bool = False,
     ) -> torch.Tensor:  # [rows, out_features] in x.dtype
+        """invariant: large products too go through the kernel (in slices of
+        MAX_KERNEL_ROWS), so every row is computed the same way whatever the row count."""
+        if invariant and x.dim() == 2 and x.shape[0] > MAX_KERNEL_ROWS:
+            parts = [self.linear(part, None, True) for part in x.split(MAX_KERNEL_ROWS)]
+            out = torch.cat(parts)
+            return out if bias is None else out + bias
         kernel = self._kernel(x)
         if kernel is None:
+            if invariant:
+                raise RuntimeError("batch-invariant int8 needs the C++ kernel, which did "
+                                   "not build here (no compiler?)")
             return F.linear(x, self.dequantize(x.dtype), bias)
         out = kernel.int8_gemm(x.float().contiguous(), self.q, self.scale, self.zero,
                                self.out_features)

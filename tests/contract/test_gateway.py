@@ -8,6 +8,7 @@ multi-byte characters and stop strings are exercised for real.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import socket
 import threading
@@ -697,6 +698,36 @@ def test_router_uses_the_last_known_workers_while_the_registry_is_unreachable():
     assert asyncio.run(go()) == ("v:1", "v:1")
 
 
+def test_router_keeps_the_last_workers_briefly_when_a_restarted_registry_is_empty():
+    """A Redis restarted empty lists nobody until the workers' next heartbeat."""
+    class RestartedSource:
+        listings = [[verifier_rec("v:1")], [], []]
+
+        async def list(self, role):
+            return self.listings.pop(0)
+
+    class NoAffinity:
+        async def get(self, key):
+            return None
+
+        async def set(self, key, address):
+            pass
+
+    now = [0.0]
+
+    async def go():
+        router = Router(RestartedSource(), NoAffinity(), empty_grace_s=6.0,
+                        clock=lambda: now[0])
+        seen = [(await router.assign("k", need_draft=False)).verifier.address]
+        now[0] = 5.0  # within the grace: still the last workers
+        seen.append((await router.assign("k", need_draft=False)).verifier.address)
+        now[0] = 12.0  # nobody re-registered after the grace: really gone
+        seen.append(await router.assign("k", need_draft=False))
+        return seen
+
+    assert asyncio.run(go()) == ["v:1", "v:1", None]
+
+
 def test_registry_entries_take_precedence_over_static_addresses(redis_proc, tokenizer, prefix,
                                                                 fakes, text_ids):
     registered, static = fakes(continue_text(text_ids[:2])), fakes(continue_text(text_ids[:2]))
@@ -879,7 +910,8 @@ def test_cli_registers_gateway_with_flags_and_env(monkeypatch, capsys, tmp_path)
                               "--rate-limit-rpm", "30", "--context-length", "2048"])
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     config = build_config(args, "redis://127.0.0.1:6379/0", tmp_path)
-    assert config.port == 9000 and config.api_keys == ("k1", "k2")
+    assert config.port == 9000 and [k.digest for k in config.api_keys] == [
+        hashlib.sha256(k).hexdigest() for k in (b"k1", b"k2")]  # hashed: no plain key kept
     assert config.static_verifiers == ("10.0.0.2:50051",)  # the flag replaces the env list
     assert config.rate_limit_rpm == 30 and config.context_length == 2048
     config = build_config(parser.parse_args(["gateway"]), "redis://x:1/0", tmp_path)

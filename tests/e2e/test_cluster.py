@@ -175,20 +175,96 @@ def test_bad_input_gets_400_and_services_keep_serving(cluster, plain):
     assert chat(cluster, PROMPTS[0], **spec("draft_model"))[0] == plain[0]
 
 
-def _kill_during_streams(cluster, plain, victim, n_streams):
-    jobs = [(PROMPTS[i % 3], plain[i % 3]) for i in range(n_streams)]
-    with cf.ThreadPoolExecutor(n_streams) as pool:
+def _gauge(url: str, name: str) -> float:
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported at {url}")
+
+
+def _verifier_load(cluster) -> tuple[float, float]:
+    """(running sessions, KV blocks in use) summed over the live verifiers."""
+    urls = [u for n, u in cluster.metrics_urls.items() if n.startswith("verifier")
+            and dict(cluster.procs)[n].poll() is None]
+    return (sum(_gauge(u, "tandem_verifier_running_sessions") for u in urls),
+            sum(_gauge(u, "tandem_verifier_kv_cache_usage_ratio") for u in urls))
+
+
+def _wait_for(check, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return check()
+
+
+def test_client_disconnect_frees_the_verifier_session_and_kv_at_once(cluster):
+    assert _wait_for(lambda: _verifier_load(cluster) == (0, 0), 30), "cluster not idle"
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 400, "temperature": 0,
+            "stream": True, "messages": [{"role": "user", "content": "Tell a long story."}],
+            **spec("draft_model")}
+    with httpx.stream("POST", cluster.gateway_url + "/v1/chat/completions", json=body,
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(4):  # a few chunks: the session holds KV on a verifier
+            next(lines)
+        running, kv = _verifier_load(cluster)
+        assert running == 1 and kv > 0
+    # the client has gone: the verifier must drop the session now, not after 400 tokens
+    assert _wait_for(lambda: _verifier_load(cluster) == (0, 0), 3.0), _verifier_load(cluster)
+
+
+def test_redis_killed_and_restarted_during_streams(cluster, plain):
+    """Workers and gateway ride out a dead Redis; the launcher restarts it, the workers
+    re-register, and streams under way finish as if nothing happened."""
+    import redis as redis_client
+
+    jobs = [(PROMPTS[i % 3], plain[i % 3]) for i in range(4)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(chat, cluster, p, True, **spec("eagle")) for p, _ in jobs]
+        time.sleep(1.0)
+        os.kill(cluster.redis.pid, signal.SIGKILL)
+        assert _wait_for(lambda: not cluster.redis.is_running(), 5)
+        # Redis is gone: new requests are still served, from the last known workers
+        assert chat(cluster, PROMPTS[0], **spec("ngram"))[0] == plain[0]
+        assert cluster.supervise_redis()  # what `tandem up` does every 0.5 s
+        # restarted empty: served in the moment before the workers' next heartbeat too
+        assert chat(cluster, PROMPTS[1], **spec("draft_model"))[0] == plain[1]
+        outs = [f.result(timeout=300)[0] for f in futures]
+    assert outs == [ref for _, ref in jobs]
+    client = redis_client.Redis.from_url(cluster.redis_url)
+    assert _wait_for(lambda: len(client.smembers("tandem:workers:verifier")) == 2
+                     and len(client.smembers("tandem:workers:draft")) == 2, 10)
+    # the gateway skips Redis for its breaker's cooldown (5 s) after failures, then uses it
+    assert _wait_for(lambda: httpx.get(cluster.gateway_url + "/health",
+                                       timeout=10).json()["redis"] == "ok", 15)
+    assert chat(cluster, PROMPTS[2], **spec("eagle"))[0] == plain[2]
+
+
+def _kill_during_streams(cluster, jobs, victim):
+    """jobs: (prompt, request options, expected text); `victim` is SIGKILLed mid-stream."""
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(chat, cluster, p, True, **kw) for p, kw, _ in jobs]
         time.sleep(1.5)  # streams are under way
         proc = dict(cluster.procs)[victim]
         os.kill(proc.pid, signal.SIGKILL)
         outs = [f.result(timeout=300)[0] for f in futures]
-    assert outs == [ref for _, ref in jobs]
+    assert outs == [ref for _, _, ref in jobs]
 
 
 def test_kill_draft_worker_during_streams(cluster, plain):
-    _kill_during_streams(cluster, plain, "draft-0", 8)
+    _kill_during_streams(cluster, [(PROMPTS[i % 3], spec("eagle"), plain[i % 3])
+                                   for i in range(8)], "draft-0")
 
 
 def test_kill_verifier_streams_continue_on_the_other(cluster, plain):
-    _kill_during_streams(cluster, plain, "verifier-0", 4)
+    """Greedy and seeded sampled streams resume on the other verifier from the committed
+    tokens: nothing lost or repeated (a seeded text depends on the seed only)."""
+    sampled = {"temperature": 0.8, "top_p": 0.95}
+    seeded = [chat(cluster, PROMPTS[i], seed=7 + i, **sampled, **spec("none"))[0]
+              for i in range(2)]
+    jobs = [(PROMPTS[i % 3], spec("eagle"), plain[i % 3]) for i in range(2)]
+    jobs += [(PROMPTS[i], {"seed": 7 + i, **sampled, **spec("draft_model")}, seeded[i])
+             for i in range(2)]
+    _kill_during_streams(cluster, jobs, "verifier-0")

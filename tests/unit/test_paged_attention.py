@@ -5,7 +5,13 @@ import random
 import pytest
 import torch
 
-from kernels.paged_attention import build_attention_metadata, paged_attention, write_kv
+from kernels.paged_attention import (
+    ancestor_mask,
+    build_attention_metadata,
+    paged_attention,
+    row_attention,
+    write_kv,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +28,8 @@ def dense_reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_case(q_lens, ctx_lens, heads=4, kvh=2, dim=8, block_size=4, num_blocks=64, seed=0):
+def run_case(q_lens, ctx_lens, heads=4, kvh=2, dim=8, block_size=4, num_blocks=64, seed=0,
+             attend=paged_attention):
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     k_cache = torch.zeros(num_blocks, block_size, kvh, dim)
@@ -46,7 +53,7 @@ def run_case(q_lens, ctx_lens, heads=4, kvh=2, dim=8, block_size=4, num_blocks=6
     new_k = torch.cat([k[k.shape[0] - q.shape[0]:] for k, q in zip(keys, queries)])
     new_v = torch.cat([v[v.shape[0] - q.shape[0]:] for v, q in zip(values, queries)])
     write_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
-    out = paged_attention(torch.cat(queries), k_cache, v_cache, meta, dim**-0.5)
+    out = attend(torch.cat(queries), k_cache, v_cache, meta, dim**-0.5)
     expected = torch.cat(
         [dense_reference(q, k, v, dim**-0.5) for q, k, v in zip(queries, keys, values)]
     )
@@ -84,6 +91,35 @@ def test_random_batches_property():
         q = [rng.randint(1, c) for c in ctx]
         out, expected = run_case(q, ctx, seed=trial)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_row_attention_matches_dense_causal_attention():
+    rng = random.Random(11)
+    for trial in range(12):
+        batch = rng.randint(1, 4)
+        ctx = [rng.randint(1, 30) for _ in range(batch)]
+        q = [rng.randint(1, c) for c in ctx]
+        out, expected = run_case(q, ctx, seed=trial, heads=6, kvh=2, attend=row_attention)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_row_attention_keeps_tree_masks_and_is_batch_invariant():
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(16, 4, 2, 8, generator=g), torch.randn(16, 4, 2, 8, generator=g)
+    parents = [-1, 0, 0, 1]  # a tree over the last 4 of 10 positions
+    q = torch.randn(4, 4, 8, generator=g)
+    tree = build_attention_metadata([4], [10], [[0, 1, 2]], 4, [ancestor_mask(parents)])
+    want = paged_attention(q, kc, vc, tree, 0.3)
+    torch.testing.assert_close(row_attention(q, kc, vc, tree, 0.3), want)
+    # the same chain rows alone, and beside a longer sequence: bit-identical
+    chain = build_attention_metadata([4], [10], [[0, 1, 2]], 4)
+    alone = row_attention(q, kc, vc, chain, 0.3)
+    other = torch.randn(3, 4, 8, generator=g)
+    both = build_attention_metadata([3, 4], [15, 10], [[3, 4, 5, 6], [0, 1, 2]], 4)
+    beside = row_attention(torch.cat([other, q]), kc, vc, both, 0.3)[3:]
+    assert torch.equal(alone, beside)
+    last = build_attention_metadata([1], [10], [[0, 1, 2]], 4)
+    assert torch.equal(row_attention(q[3:], kc, vc, last, 0.3), alone[3:])
 
 
 def test_slot_mapping_points_into_block_table():

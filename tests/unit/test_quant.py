@@ -148,3 +148,21 @@ def test_int8_tiny_model_stays_close_to_fp32(tmp_path):
     ref, got = out
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_invariant_linear_rows_do_not_depend_on_the_row_count():
+    from tandem.engine.linear import invariant_linear, measure_invariant_rows
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(40, 64, generator=g)
+    rows = measure_invariant_rows([w])
+    assert rows >= 1
+    full = invariant_linear(x, w, None, rows)
+    for m in (1, 2, 3, 5, 17):
+        assert torch.equal(invariant_linear(x[:m], w, None, rows), full[:m])
+    router = LinearRouter(invariant_rows=rows)
+    assert torch.equal(router(x[:1], w), full[:1])
+    int8 = Int8Weight.quantize(w)
+    if int8_cpu.load() is not None:  # the kernel: large products in slices, same per row
+        big = torch.randn(150, 64, generator=g)
+        assert torch.equal(router(big, int8)[:3], router(big[:3], int8))

@@ -1,0 +1,37 @@
+"""Size limits of the gRPC surface, in one place: message bytes and the repeated fields that
+would otherwise only be bounded by them.
+
+gRPC's implicit default (4 MiB received, unlimited sent) is wrong both ways here: the largest
+legitimate message is an EAGLE re-open (OpenSession carrying the session's fp16 features, 2 *
+hidden_size bytes per position), which for the default target is 8192 * 576 * 2 B = 9.4 MB,
+while a verifier's GenerateRequest never needs more than 5 bytes per context token. So every
+server and channel sets both limits explicitly from `max_message_bytes`: twice the largest
+legitimate message for its model, never below DEFAULT_MAX_MESSAGE_BYTES. A larger message is
+refused by the transport with RESOURCE_EXHAUSTED before it is parsed.
+"""
+from __future__ import annotations
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+GRPC_MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's own ceiling (message lengths are int32)
+_ID_BYTES = 5  # a token id (a non-negative int32) as a varint, at most
+# Everything but ids and features: names, sampling, trace context, tenant, MAX_STOP_TOKEN_IDS.
+_FIXED_BYTES = 1 << 20
+
+# Session ids are chosen by the gateway ("chatcmpl-" + 32 hex digits); one travels in every
+# draft message and keys the verifier's and the draft worker's state, so bound it.
+MAX_SESSION_ID_CHARS = 256
+# Stop tokens are a handful in practice (EOS plus the request's own); each session keeps a set.
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def max_message_bytes(context_length: int, hidden_size: int = 0) -> int:
+    """The message limit of a worker whose sessions reach context_length tokens and, when
+    hidden_size > 0, carry fp16 features of that width per position."""
+    largest = context_length * (_ID_BYTES + 2 * hidden_size) + _FIXED_BYTES
+    return min(max(DEFAULT_MAX_MESSAGE_BYTES, 2 * largest), GRPC_MAX_MESSAGE_BYTES)
+
+
+def message_options(limit: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Server or channel options capping received and sent messages at `limit` bytes."""
+    return [("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit)]

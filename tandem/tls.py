@@ -1,0 +1,174 @@
+"""TLS and mutual TLS on every gRPC hop: gateway -> verifier -> draft worker.
+
+One `TlsConfig` per process, from flags or TANDEM_TLS_* (in Kubernetes each pod mounts its own
+secret at the same path, so one set of names serves every role). A process serves with its
+certificate and presents the same one when it dials a peer. `require_client_cert` makes a
+server refuse clients whose certificate the CA did not sign (mTLS). `None` everywhere means
+plaintext, the default.
+
+Certificates are read when a server or channel is built: a rotated secret takes effect when
+the process restarts.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import grpc
+
+from tandem.envflags import add_flag, boolean
+
+ChannelOptions = Sequence[tuple[str, object]]
+
+# What each file must hold: a swapped --tls-cert/--tls-key fails here, not inside a handshake.
+_PEM_MARKERS = MappingProxyType({"certificate": b"CERTIFICATE-----",
+                                 "private key": b"PRIVATE KEY-----", "CA": b"CERTIFICATE-----"})
+
+
+def _check_pem(path: str, what: str) -> None:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"TLS {what} file {path!r} cannot be read: "
+                         f"{exc.strerror or exc}") from None
+    if _PEM_MARKERS[what] not in data:
+        raise ValueError(f"TLS {what} file {path!r} holds no PEM {what} "
+                         f"(no '-----BEGIN ...{_PEM_MARKERS[what].decode()}' line)")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """PEM file paths; a config with only `ca_file` is a client that presents no certificate."""
+
+    cert_file: str = ""  # certificate (chain) served, and presented when dialling
+    key_file: str = ""  # its private key
+    ca_file: str = ""  # peers must chain to this; "" = the system roots (clients only)
+    require_client_cert: bool = False  # mTLS: servers refuse clients the CA did not sign
+    server_name: str = ""  # name checked in the server's certificate; "" = the dialled host
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file", "ca_file", "server_name"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.require_client_cert, bool):
+            raise ValueError(f"require_client_cert must be a bool, got "
+                             f"{self.require_client_cert!r}")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("a TLS certificate needs its private key and a key its "
+                             "certificate: give both --tls-cert and --tls-key")
+        if not (self.cert_file or self.ca_file):
+            raise ValueError("TLS needs a certificate (--tls-cert and --tls-key) or a CA to "
+                             "verify servers with (--tls-ca)")
+        if self.require_client_cert and not (self.cert_file and self.ca_file):
+            raise ValueError("--tls-client-auth (mTLS) needs --tls-ca to verify clients with "
+                             "and --tls-cert/--tls-key to serve with")
+        if self.server_name and (":" in self.server_name or
+                                 any(c.isspace() for c in self.server_name)):
+            raise ValueError(f"server_name must be a host name, got {self.server_name!r}")
+        for path, what in ((self.cert_file, "certificate"), (self.key_file, "private key"),
+                           (self.ca_file, "CA")):
+            if path:
+                _check_pem(path, what)
+
+    @property
+    def can_serve(self) -> bool:
+        return bool(self.cert_file)
+
+
+def _read(path: str) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_credentials(cfg: TlsConfig) -> grpc.ServerCredentials:
+    if not cfg.can_serve:
+        raise ValueError("serving TLS needs --tls-cert and --tls-key")
+    # Roots only with mTLS: given roots, a server also checks certificates it did not require.
+    roots = _read(cfg.ca_file) if cfg.require_client_cert else None
+    return grpc.ssl_server_credentials([(_read(cfg.key_file), _read(cfg.cert_file))],
+                                       root_certificates=roots,
+                                       require_client_auth=cfg.require_client_cert)
+
+
+def channel_credentials(cfg: TlsConfig) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=_read(cfg.ca_file),
+                                        private_key=_read(cfg.key_file),
+                                        certificate_chain=_read(cfg.cert_file))
+
+
+def channel_options(cfg: TlsConfig | None, options: ChannelOptions = ()) -> tuple:
+    if cfg is None or not cfg.server_name:
+        return tuple(options)
+    return (*options, ("grpc.ssl_target_name_override", cfg.server_name))
+
+
+def add_port(server: grpc.Server | grpc.aio.Server, address: str,
+             cfg: TlsConfig | None) -> int:
+    """Bind `address` over TLS (or plaintext when cfg is None); the bound port, 0 on failure."""
+    if cfg is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, server_credentials(cfg))
+
+
+def open_channel(address: str, cfg: TlsConfig | None,
+                 options: ChannelOptions = ()) -> grpc.aio.Channel:
+    if cfg is None:
+        return grpc.aio.insecure_channel(address, tuple(options))
+    return grpc.aio.secure_channel(address, channel_credentials(cfg),
+                                   channel_options(cfg, options))
+
+
+def open_sync_channel(address: str, cfg: TlsConfig | None,
+                      options: ChannelOptions = ()) -> grpc.Channel:
+    """open_channel for blocking callers (the launcher's health checks)."""
+    if cfg is None:
+        return grpc.insecure_channel(address, tuple(options))
+    return grpc.secure_channel(address, channel_credentials(cfg), channel_options(cfg, options))
+
+
+def add_tls_flags(parser: argparse.ArgumentParser, serves: bool = True) -> None:
+    """--tls-* flags reading TANDEM_TLS_*; `serves` adds --tls-client-auth (gRPC servers)."""
+    group = parser.add_argument_group(
+        "TLS", "gRPC between the services over TLS (default: plaintext). --tls-cert/--tls-key "
+        "turn it on: a worker serves with that certificate, and every process presents it to "
+        "the peers it dials, whose certificates must chain to --tls-ca.")
+    add_flag(group, "--tls-cert", "TANDEM_TLS_CERT", "",
+             help="PEM certificate (chain) to serve with and present as a client",
+             metavar="FILE")
+    add_flag(group, "--tls-key", "TANDEM_TLS_KEY", "", help="PEM private key of --tls-cert",
+             metavar="FILE")
+    add_flag(group, "--tls-ca", "TANDEM_TLS_CA", "",
+             help="PEM CA bundle peers' certificates must chain to (default: system roots)",
+             metavar="FILE")
+    if serves:
+        add_flag(group, "--tls-client-auth", "TANDEM_TLS_CLIENT_AUTH", False, boolean,
+                 help="mutual TLS: refuse clients without a certificate signed by --tls-ca",
+                 nargs="?", const=True, metavar="BOOL")
+    add_flag(group, "--tls-server-name", "TANDEM_TLS_SERVER_NAME", "",
+             help="name to verify in peers' certificates instead of the dialled host (workers "
+                  "are dialled at their registered pod IPs, which certificates rarely name)",
+             metavar="NAME")
+
+
+def tls_from_args(args: argparse.Namespace) -> TlsConfig | None:
+    """The TlsConfig the --tls-* flags describe, or None when none is set (plaintext)."""
+    values = {"cert_file": args.tls_cert or "", "key_file": args.tls_key or "",
+              "ca_file": args.tls_ca or "",
+              "require_client_cert": boolean(getattr(args, "tls_client_auth", False)),
+              "server_name": args.tls_server_name or ""}
+    return TlsConfig(**values) if any(values.values()) else None
+
+
+def tls_args(cfg: TlsConfig | None, serves: bool = True) -> list[str]:
+    """The command-line flags that give a child process `cfg` (the launcher's)."""
+    if cfg is None:
+        return []
+    args = []
+    for flag, value in (("--tls-cert", cfg.cert_file), ("--tls-key", cfg.key_file),
+                        ("--tls-ca", cfg.ca_file), ("--tls-server-name", cfg.server_name)):
+        args += [f"{flag}={value}"] if value else []
+    if serves and cfg.require_client_cert:
+        args.append("--tls-client-auth=true")
+    return args
