@@ -188,6 +188,8 @@ async def _parse(request: Request, model: type[schemas.GenerationRequest]):
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:  # json recurses per level: a hostile body must not become a 500
+        raise bad_request("malformed JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     try:

@@ -100,3 +100,14 @@ def test_the_limit_is_configured_by_flag_or_environment(monkeypatch, tmp_path):
     assert build_config(args, "redis://x:1/0", tmp_path).max_request_bytes == 1000
     with pytest.raises(ValueError, match="max_request_bytes"):
         GatewayConfig(max_request_bytes=0)
+
+
+@pytest.mark.parametrize("raw", [b"[" * 1500, b'{"prompt": ' + b"[" * 1500,
+                                 b'{"messages": [' + b"[" * 1500 + b"]" * 100])
+def test_deeply_nested_json_is_400_not_500(client, raw):
+    resp = client.post("/v1/completions", content=raw,
+                       headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert "nested" in resp.json()["error"]["message"]
+    assert client.post("/v1/completions", content=body(256),
+                       headers={"Content-Type": "application/json"}).status_code == 503
