@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+import grpc
 from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
@@ -97,6 +98,14 @@ class _Failover:
                                                        method=self.plan.method.api_name)
             if assignment is None:
                 break
+            address = assignment.verifier.address
+            if self.deps.router.inflight.get(address, 0) >= assignment.verifier.capacity:
+                # Our own streams alone fill it: refuse now, not after a Redis write and a
+                # gRPC round trip that the verifier would answer RESOURCE_EXHAUSTED.
+                excluded.append(address)
+                last = VerifierLost(f"{address} is full ({assignment.verifier.capacity} "
+                                    "sessions)", grpc.StatusCode.RESOURCE_EXHAUSTED)
+                continue
             try:
                 # aclosing: an early stop (stop string, client gone) cancels the call now
                 async with aclosing(self._attempt(assignment, attempt,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.errors import bad_request
 from tandem.spec.methods import API_NAMES, Method
@@ -91,6 +91,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        # As OpenAI: only an assistant turn may omit its content (it then carried tool calls).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for a {self.role} message")
+        return self
 
     def text(self) -> str:
         if self.content is None:

@@ -8,6 +8,7 @@ multi-byte characters and stop strings are exercised for real.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import hashlib
 import json
 import socket
@@ -542,6 +543,21 @@ def test_resource_exhausted_is_429_with_retry_after(redis_proc, tokenizer, prefi
     assert resp.status_code == 429, resp.text
     assert resp.headers["retry-after"] == "3"
     assert "capacity" in resp.json()["error"]["message"]
+
+
+def test_a_verifier_our_own_streams_fill_is_refused_without_calling_it(redis_proc, tokenizer,
+                                                                       prefix, fakes, text_ids):
+    fake = fakes(continue_text(text_ids, per_round=1, delay=0.3), max_sessions=1)
+    with gateway(redis_proc, tokenizer, prefix, static_verifiers=(fake.address,),
+                 retry_after_s=2) as client, cf.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(client.post, "/v1/completions",
+                           json={"model": MODEL, "prompt": "x", "max_tokens": 6})
+        assert wait_for(lambda: len(fake.requests) == 1), "the first stream never started"
+        refused = client.post("/v1/completions", json={"model": MODEL, "prompt": "y"})
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "2"
+        assert "full" in refused.json()["error"]["message"]
+        assert len(fake.requests) == 1  # refused at the gateway: the verifier never saw it
+        assert busy.result(timeout=30).status_code == 200
 
 
 def test_verifier_invalid_argument_is_400_with_its_message(redis_proc, tokenizer, prefix, fakes):

@@ -115,6 +115,11 @@ BAD_CHATS = [
     ("unknown role", _chat(messages=[{"role": "robot", "content": "x"}]), ["messages[0].role"]),
     ("image content", _chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]), ["messages[0].content"]),
+    ("user message without content", _chat(messages=[{"role": "user"}]),
+     ["messages[0]", "content is required"]),
+    ("system content null", _chat(messages=[{"role": "system", "content": None},
+                                            {"role": "user", "content": "x"}]),
+     ["messages[0]", "content is required"]),
     ("max_completion_tokens 0", _chat(max_completion_tokens=0), ["max_completion_tokens"]),
     ("max_completion_tokens beyond context", _chat(max_completion_tokens=CONTEXT),
      ["max_completion_tokens", "context"]),
