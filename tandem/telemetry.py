@@ -1,7 +1,9 @@
 """Every telemetry name in one place: metrics, span names and attributes, tracing setup.
 
-Tracing follows the standard OTEL_* environment: OTEL_TRACES_EXPORTER=otlp|console|none and
-OTEL_EXPORTER_OTLP_ENDPOINT (OTLP over HTTP); with neither set, tracing is off (no-op tracer).
+Tracing follows the standard OTEL_* environment: OTEL_TRACES_EXPORTER=otlp|console|none,
+OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL (or their _TRACES_ forms) =
+http/protobuf (the default, port 4318) or grpc (port 4317); with neither exporter nor endpoint
+set, tracing is off (no-op tracer).
 W3C trace context travels in HTTP headers, gRPC metadata, and OpenSession.trace_context.
 Metrics use one prometheus_client registry per service object (no process-global state).
 """
@@ -56,19 +58,32 @@ def setup_tracing(service_name: str) -> bool:
 
     name = os.environ.get("OTEL_SERVICE_NAME", service_name)
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    if exporter_name == "console":
-        exporter = ConsoleSpanExporter()
-    else:
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        except ImportError:
-            log.warning("OTLP exporter not installed (pip install "
-                        "opentelemetry-exporter-otlp-proto-http): tracing off")
-            return False
-        exporter = OTLPSpanExporter()
+    exporter = ConsoleSpanExporter() if exporter_name == "console" else otlp_exporter()
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return True
+
+
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+
+
+def otlp_protocol() -> str:
+    """The OTLP transport asked for by env (the signal-specific variable wins)."""
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
+    if protocol.strip().lower() not in OTLP_PROTOCOLS:
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL must be one of {', '.join(OTLP_PROTOCOLS)}"
+                         f", got {protocol!r}")
+    return protocol.strip().lower()
+
+
+def otlp_exporter():
+    """The OTLP span exporter for otlp_protocol(); it reads its endpoint from the env."""
+    if otlp_protocol() == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter()
 
 
 def tracer(component: str) -> trace.Tracer:

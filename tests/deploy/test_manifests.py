@@ -30,6 +30,7 @@ from fractions import Fraction
 from functools import cache
 from importlib.resources import files as _resource_files
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -761,6 +762,10 @@ def check_termination(docs: list[Doc]) -> list[str]:
     return problems
 
 
+# The collector's standard ports per OTLP transport, for every protocol tandem.telemetry exports.
+OTLP_PORTS = MappingProxyType({"grpc": 4317, "http/protobuf": 4318})
+
+
 def check_env_wiring(docs: list[Doc]) -> list[str]:
     """OTEL_* and REDIS_URL reach Services of the render; one OTEL service name per role."""
     problems = []
@@ -784,6 +789,13 @@ def check_env_wiring(docs: list[Doc]) -> list[str]:
         if svc is None or url.port not in {p["port"] for p in svc["spec"]["ports"]}:
             problems.append(f"{name_of(dep)}: OTEL_EXPORTER_OTLP_ENDPOINT {endpoint!r} is not "
                             "a Service port in this render")
+        protocol = env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        if protocol not in OTLP_PORTS:
+            problems.append(f"{name_of(dep)}: OTEL_EXPORTER_OTLP_PROTOCOL {protocol!r} is not one "
+                            f"the services export ({', '.join(OTLP_PORTS)})")
+        elif url.port != OTLP_PORTS[protocol]:
+            problems.append(f"{name_of(dep)}: OTLP over {protocol} to port {url.port}; the "
+                            f"collector takes {protocol} on {OTLP_PORTS[protocol]}")
         redis = urlsplit(env.get("REDIS_URL", ""))
         if redis.scheme not in ("redis", "rediss"):
             problems.append(f"{name_of(dep)}: REDIS_URL {env.get('REDIS_URL')!r} is no redis URL")
