@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from draft_service.proposers.suffix import SuffixConfig
 from tandem.engine.quant import WEIGHT_DTYPES as DTYPES
-from tandem.tls import TlsConfig
+from tandem.tls import TlsConfig, check_serving
 
 SUFFIX_SCOPES = ("global", "tenant")
 
@@ -89,9 +89,7 @@ class DraftConfig:
         grace = self.drain_grace_s
         if not (isinstance(grace, (int, float)) and math.isfinite(grace) and grace >= 0):
             raise ValueError(f"drain_grace_s must be a finite number >= 0, got {grace!r}")
-        if self.tls is not None and not (isinstance(self.tls, TlsConfig) and self.tls.can_serve):
-            raise ValueError("tls must be None or a TlsConfig with a certificate and key to "
-                             "serve with (--tls-cert, --tls-key)")
+        check_serving(self.tls)
 
     def suffix_config(self) -> SuffixConfig:
         return SuffixConfig(min_prob=self.suffix_min_prob, spec_factor=self.suffix_spec_factor,

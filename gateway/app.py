@@ -46,7 +46,7 @@ from gateway.sessions import (
     RedisAffinityStore,
     RedisBreaker,
     RedisSessionStore,
-    identity,
+    client_identity,
 )
 from gateway.verifier import ChannelPool
 from tandem import telemetry
@@ -153,8 +153,8 @@ async def _authorize(gw: _Gateway, request: Request) -> None:
     """API key (when configured), then its quotas (else the global rate limit)."""
     key = _authenticate(gw, request)
     request.state.api_key = key  # for _tenant and the token meter
-    who = key.identity if key else identity(None, request.client.host if request.client
-                                            else None)
+    who = key.identity if key else client_identity(request.client.host if request.client
+                                                   else None)
     rpm = gw.config.rate_limit_rpm if key is None or key.rpm is None else key.rpm
     try:
         refusal = await gw.limiter.check(who, Limits(rpm=rpm, tpm=key.tpm if key else 0))

@@ -70,7 +70,7 @@ class ApiKey:
 
     @property
     def identity(self) -> str:
-        """Who rate limits and quotas count: the same name gateway.sessions.identity gives."""
+        """Who rate limits and quotas count (never the key itself)."""
         return "key-" + self.digest[:16]
 
     def line(self) -> str:

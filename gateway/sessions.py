@@ -13,7 +13,6 @@ appended (RPUSH) before the tokens are shown to the client.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import json
 import math
@@ -158,10 +157,9 @@ class RedisAffinityStore:
         await self._redis.set(f"{self._prefix}:affinity:{key}", address, ex=self._ttl)
 
 
-def identity(api_key: str | None, client_host: str | None) -> str:
-    """Who a rate limit counts: a hash of the key (never the key itself) or the client host."""
-    if api_key:
-        return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+def client_identity(client_host: str | None) -> str:
+    """Who a rate limit counts without API keys: the client host (with keys it is
+    ApiKey.identity, a name derived from the key's digest)."""
     return "ip-" + (client_host or "unknown")
 
 

@@ -78,6 +78,13 @@ class TlsConfig:
         return bool(self.cert_file)
 
 
+def check_serving(tls: object) -> None:
+    """A worker config's `tls` field: None (plaintext) or a TlsConfig it can serve with."""
+    if tls is not None and not (isinstance(tls, TlsConfig) and tls.can_serve):
+        raise ValueError("tls must be None or a TlsConfig with a certificate and key to serve "
+                         "with (--tls-cert, --tls-key)")
+
+
 def _read(path: str) -> bytes | None:
     return Path(path).read_bytes() if path else None
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from tandem.engine.quant import WEIGHT_DTYPES
 from tandem.models import DEFAULT_TARGET
-from tandem.tls import TlsConfig
+from tandem.tls import TlsConfig, check_serving
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,7 @@ class VerifierConfig:
     tls: TlsConfig | None = None
 
     def __post_init__(self):
-        if self.tls is not None and not (isinstance(self.tls, TlsConfig) and self.tls.can_serve):
-            raise ValueError("tls must be None or a TlsConfig with a certificate and key to serve "
-                             "with (--tls-cert, --tls-key)")
+        check_serving(self.tls)
         if self.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.dtype!r}")
         if not -1 <= self.metrics_port < 65536:
