@@ -14,7 +14,7 @@ moved into place (tandem.engine.model_runner.ModelRunner.move_kv).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,15 @@ class AttentionMetadata:
     @property
     def batch_size(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The same layout on `device` (built on the CPU from Python lists, then copied once
+        per forward rather than once per layer)."""
+        if self.seq_lens.device == torch.device(device):
+            return self
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=True)
+                 for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
 
 
 def _check_int_list(name: str, values, minimum: int) -> None:

@@ -171,7 +171,8 @@ def _uniforms(
     for i, gen in enumerate(generators or ()):
         lo, hi = cu_list[i], cu_list[i + 1]
         if gen is not None and hi > lo:  # a seeded sequence draws from its own generator
-            u[lo:hi] = torch.rand(hi - lo, generator=gen, device=device)
+            # drawn on the generator's device (the CPU), so a seed means the same on any GPU
+            u[lo:hi] = torch.rand(hi - lo, generator=gen, device=gen.device).to(device)
     return u
 
 
@@ -263,6 +264,11 @@ def rejection_sample(
     cu = cu_num_draft_tokens.to(device=device, dtype=torch.int64)
     draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
     is_greedy = is_greedy.to(device)
+    if isinstance(draft_probs, SparseDraftProbs):  # built on the CPU from the wire
+        draft_probs = SparseDraftProbs(draft_probs.token_ids.to(device),
+                                       draft_probs.probs.to(device))
+    elif draft_probs is not None:
+        draft_probs = draft_probs.to(device)
     batch_size, num_draft_tokens = cu.shape[0] - 1, draft_token_ids.shape[0]
     arange_b = torch.arange(batch_size, device=device)
     num_draft = cu[1:] - cu[:-1]  # [B]

@@ -150,10 +150,11 @@ def sample(
                 f"generators has {len(generators)} entries, probs has {probs.shape[0]} rows"
             )
         # A seeded row redraws its own noise from its own generator, so its token does not
-        # depend on what else is in the batch.
+        # depend on what else is in the batch. Generators stay on the CPU (one stream per
+        # seed, whatever the device): the noise is drawn there and copied over.
         for row, gen in enumerate(generators):
             if gen is not None:
-                noise[row].exponential_(generator=gen)
+                noise[row] = position_noise(gen, probs.shape[1]).to(noise.device)
     # Exp(1) can return exactly 0: 0/0 would be NaN, which argmax treats as the maximum.
     noise.clamp_min_(torch.finfo(torch.float32).tiny)
     return (probs.float() / noise).argmax(dim=-1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampling import keyed_seed, logits_to_probs, make_generator, sample
+from tandem.device import synchronize
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Features
@@ -109,6 +110,7 @@ class Executor:
             for q in token_counts:
                 t0 = time.perf_counter()
                 self.runner.forward([SeqChunk(ids[context:context + q], context, table, q)])
+                synchronize(self.runner.device)  # a GPU forward returns before it is done
                 times[q].append((time.perf_counter() - t0) * 1e3)
         return {q: sorted(ts[1:])[len(ts[1:]) // 2] for q, ts in times.items()}
 
@@ -144,7 +146,8 @@ class Executor:
         h = hidden[hidden_at:hidden_at + len(s.token_ids)][rows]
         feats = tree_out = None
         if s.want_features:
-            feats = Features(s.start_pos, h.shape[1], h.to(torch.float16).numpy().tobytes())
+            feats = Features(s.start_pos, h.shape[1],
+                             h.to(torch.float16).cpu().numpy().tobytes())
         if s.propose_tree and self.medusa is not None and next_token is not None:
             tree_out = self.medusa.propose(h[-1], s.propose_tree)
         return RoundOutcome(accepted, next_token, carry, feats, tree_out)
@@ -172,7 +175,7 @@ class Executor:
         rest = [i for i, f in enumerate(found) if f is None]
         if rest:
             rows = probs if len(rest) == len(inputs) else probs[torch.cat(
-                [torch.arange(starts[i], starts[i + 1]) for i in rest])]
+                [torch.arange(starts[i], starts[i + 1], device=probs.device) for i in rest])]
             for i, f in zip(rest, Executor._reject([inputs[i] for i in rest], rows)):
                 found[i] = f
         return found
@@ -204,6 +207,7 @@ class Executor:
             logits, hidden = self.runner.forward(chunks, with_hidden=True)
         else:
             logits = self.runner.forward(chunks)
+        synchronize(self.runner.device)  # forward_ms feeds the cost model: the real time
         return logits, hidden, (time.perf_counter() - t0) * 1e3
 
     def _target_probs(self, inputs: list[StepInput], with_hidden: bool):
@@ -217,7 +221,8 @@ class Executor:
         logits, hidden, forward_ms = self._forward(chunks, with_hidden)  # [sum(rows), vocab]
 
         def per_row(values, dtype):
-            return torch.tensor([v for v, n in zip(values, rows) for _ in range(n)], dtype=dtype)
+            return torch.tensor([v for v, n in zip(values, rows) for _ in range(n)], dtype=dtype,
+                                device=logits.device)
 
         probs = logits_to_probs(
             logits,

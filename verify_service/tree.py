@@ -86,7 +86,7 @@ def reject(drafts: Sequence[DraftToken], parents: Sequence[int],
         p = probs[node + 1].float()
         for child in kids.get(node, ()):
             d = drafts[child]
-            q = _q_row(d, vocab)
+            q = _q_row(d, vocab).to(p.device)
             if q[d.token_id] <= 0:
                 raise ValueError(f"draft node {child} (id {d.token_id}) has q(x) = 0")
             u = float(torch.rand((), generator=generator))

@@ -37,8 +37,9 @@ class DraftModelProposer:
 
     @classmethod
     def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16,
-             dtype: torch.dtype | str = torch.float32) -> DraftModelProposer:
-        model = LlamaModel.load(paths, dtype)
+             dtype: torch.dtype | str = torch.float32,
+             device: torch.device | str = "cpu") -> DraftModelProposer:
+        model = LlamaModel.load(paths, dtype, device=device)
         return cls(ModelRunner.with_memory(model, kv_cache_bytes, block_size))
 
     def release(self, key: Hashable) -> None:
@@ -146,7 +147,7 @@ def _sample_top_n(
     picks = sample(q).tolist()  # [rows] index into ids
     for row, r in enumerate(reqs):
         if r.generator is not None:  # seeded: race q with the verifier's noise of this position
-            noise = position_noise(r.generator, logits.shape[1])[ids[row]]  # [n]
+            noise = position_noise(r.generator, logits.shape[1]).to(q.device)[ids[row]]  # [n]
             picks[row] = int((q[row] / noise).argmax())
     tokens = []
     for row, pick in enumerate(picks):

@@ -62,14 +62,15 @@ class EagleProposer:
         self.block_size = block_size
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        dtype = head.model.dtype
-        self.kv_cache = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))]
+        self.device = head.model.device
+        kw = {"dtype": head.model.dtype, "device": self.device}
+        self.kv_cache = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw))]
         self._state: dict[Hashable, _HeadState] = {}
 
     @classmethod
     def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16,
-             draft_vocab: int = 0) -> EagleProposer:
-        head = EagleHead.load(paths, draft_vocab=draft_vocab)
+             draft_vocab: int = 0, device="cpu") -> EagleProposer:
+        head = EagleHead.load(paths, draft_vocab=draft_vocab, device=device)
         return cls(head, cache_blocks(head, kv_cache_bytes, block_size), block_size)
 
     def release(self, key: Hashable) -> None:
@@ -138,7 +139,8 @@ class EagleProposer:
             else:
                 self.blocks.allocate(w.req.key, new)
             if w.nxt <= w.m:
-                feats.append(w.req.features[w.nxt - 1:end])
+                # the verifier's features arrive on the CPU (from the wire)
+                feats.append(w.req.features[w.nxt - 1:end].to(self.device))
             else:
                 feats.append(st.pred[w.nxt - 1][None])
             ids.extend(new)
@@ -147,11 +149,11 @@ class EagleProposer:
             seq_lens.append(end)
             tables.append(self.blocks.block_table(w.req.key))
             spans.append((w, end))
-        meta = build_attention_metadata(q_lens, seq_lens, tables, self.block_size)
+        meta = build_attention_metadata(q_lens, seq_lens, tables, self.block_size).to(self.device)
+        on = {"dtype": torch.int64, "device": self.device}
         _, pred = self.head.forward(
-            torch.tensor(ids, dtype=torch.int64), torch.cat(feats),
-            torch.tensor(pos, dtype=torch.int64), meta, self.kv_cache,
-            torch.empty(0, dtype=torch.int64))  # [sum(q_lens), hidden]
+            torch.tensor(ids, **on), torch.cat(feats), torch.tensor(pos, **on), meta,
+            self.kv_cache, torch.empty(0, **on))  # [sum(q_lens), hidden]
         at = 0
         for (w, end), n in zip(spans, q_lens):
             st = self._state[w.req.key]
@@ -166,5 +168,5 @@ class EagleProposer:
     def _next_feature(self, w: _Work) -> torch.Tensor:  # [hidden]
         """Feature of the last token's position: the target's if known, else predicted."""
         if w.m > w.last:
-            return w.req.features[w.last]
+            return w.req.features[w.last].to(self.device)
         return self._state[w.req.key].pred[w.last]

@@ -16,6 +16,6 @@ class MtpProposer(EagleProposer):
 
     @classmethod
     def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16,
-             module: int = 0) -> MtpProposer:
-        head = MtpHead.load(paths, index=module)
+             module: int = 0, device="cpu") -> MtpProposer:
+        head = MtpHead.load(paths, index=module, device=device)
         return cls(head, cache_blocks(head, kv_cache_bytes, block_size), block_size)

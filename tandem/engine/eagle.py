@@ -35,13 +35,14 @@ class EagleHead:
     """The head's weights and its functional forward over a paged KV cache (1 layer)."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor],
-                 draft_vocab: DraftVocab | None, dtype=torch.float32):
+                 draft_vocab: DraftVocab | None, dtype=torch.float32, device="cpu"):
         if cfg.num_layers != 1:
             raise ModelError(f"an EAGLE head has one decoder layer, config says {cfg.num_layers}")
         if "fc.weight" not in weights:
             raise ModelError("EAGLE head checkpoint is missing tensor 'fc.weight'")
-        self.model = LlamaModel(cfg, weights, dtype, draft_vocab)
-        self.fc = weights["fc.weight"].to(dtype).contiguous()  # [hidden, 2 * hidden]
+        self.model = LlamaModel(cfg, weights, dtype, draft_vocab, device=device)
+        # [hidden, 2 * hidden]
+        self.fc = weights["fc.weight"].to(device=self.model.device, dtype=dtype).contiguous()
         hidden = self.model.cfg.hidden_size
         if tuple(self.fc.shape) != (hidden, 2 * hidden):
             raise ModelError(f"fc.weight has shape {tuple(self.fc.shape)}, "
@@ -60,12 +61,13 @@ class EagleHead:
         return self.model.cfg  # vocab_size is the target's
 
     @classmethod
-    def load(cls, paths: ModelPaths, dtype=torch.float32, draft_vocab: int = 0) -> EagleHead:
+    def load(cls, paths: ModelPaths, dtype=torch.float32, draft_vocab: int = 0,
+             device="cpu") -> EagleHead:
         """draft_vocab > 0 drafts from only the first that many rows of the head's vocabulary
         (the commonest tokens: draft_vocab.json is ordered by frequency in the training data).
         The LM head is most of a draft step's time; inputs still embed every token."""
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
-        head = cls(cfg, _load_tensors(paths), DraftVocab.read(paths.root), dtype)
+        head = cls(cfg, _load_tensors(paths), DraftVocab.read(paths.root), dtype, device)
         try:
             head.card = json.loads((paths.root / EAGLE_CARD).read_text())
         except (OSError, ValueError) as exc:

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from kernels import int8_cpu
-from kernels.paged_attention import AttentionMetadata, paged_attention, row_attention, write_kv
+from kernels.attention import attention
+from kernels.paged_attention import AttentionMetadata, row_attention, write_kv
 from tandem.engine.linear import LinearRouter, measure_invariant_rows
 from tandem.engine.quant import Int8Weight, compute_dtype
 from tandem.models import ModelError, ModelPaths, read_hf_config
@@ -187,10 +188,16 @@ class LlamaModel:
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype | str = torch.float32,
-                 draft_vocab: DraftVocab | None = None, batch_invariant: bool = False):
+                 draft_vocab: DraftVocab | None = None, batch_invariant: bool = False,
+                 device: torch.device | str = "cpu"):
         self.weight_dtype = str(dtype).removeprefix("torch.")
         dtype = compute_dtype(self.weight_dtype)
         self.dtype = dtype
+        self.device = device = torch.device(device)
+        if device.type != "cpu" and (self.weight_dtype == "int8" or batch_invariant):
+            # Both are CPU kernels (the int8 GEMM, the measured BLAS padding).
+            raise ModelError(f"--dtype int8 and --batch-invariant run on the cpu only, not "
+                             f"{device}")
         self.batch_invariant = batch_invariant
         self.linear = LinearRouter()
         # With a truncated draft vocabulary, vocab_map[i] is the target id of draft row i and
@@ -200,15 +207,16 @@ class LlamaModel:
             if len(draft_vocab.target_ids) != cfg.vocab_size:
                 raise ModelError(f"{DRAFT_VOCAB_FILE} has {len(draft_vocab.target_ids)} ids, "
                                  f"the checkpoint's vocab_size is {cfg.vocab_size}")
-            self.vocab_map = torch.tensor(draft_vocab.target_ids, dtype=torch.int64)
-            self._input_map = draft_vocab.input_map()
+            self.vocab_map = torch.tensor(draft_vocab.target_ids, dtype=torch.int64,
+                                          device=device)
+            self._input_map = draft_vocab.input_map().to(device)
             cfg = replace(cfg, vocab_size=draft_vocab.target_vocab_size)
         self.cfg = cfg
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ModelError(f"checkpoint is missing tensor {name!r}")
-            return weights[name].to(dtype).contiguous()
+            return weights[name].to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("embed_tokens.weight")
         self.final_norm = w("norm.weight")
@@ -217,8 +225,9 @@ class LlamaModel:
         inv = rope_inv_freq(cfg)
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv)  # [max_pos, head_dim // 2]
-        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(dtype)  # [max_pos, head_dim]
-        self.sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(dtype)
+        # [max_pos, head_dim], computed in fp32 on the CPU whatever the device
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(device=device, dtype=dtype)
+        self.sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(device=device, dtype=dtype)
         if self.weight_dtype == "int8":
             self._quantize_int8()
 
@@ -251,10 +260,11 @@ class LlamaModel:
 
     @classmethod
     def load(cls, paths: ModelPaths, dtype: torch.dtype | str = torch.float32,
-             tune: bool = True, batch_invariant: bool = False) -> LlamaModel:
+             tune: bool = True, batch_invariant: bool = False,
+             device: torch.device | str = "cpu") -> LlamaModel:
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
         model = cls(cfg, _load_tensors(paths), dtype, DraftVocab.read(paths.root),
-                    batch_invariant=batch_invariant)
+                    batch_invariant=batch_invariant, device=device)
         if tune or batch_invariant:
             model.tune_kernels()
         return model
@@ -311,7 +321,7 @@ class LlamaModel:
         q = self._rope(q.view(n, cfg.num_heads, hd), cos, sin)
         k = self._rope(k.view(n, cfg.num_kv_heads, hd), cos, sin)
         write_kv(k, v.view(n, cfg.num_kv_heads, hd), k_cache, v_cache, meta.slot_mapping)
-        attend = row_attention if self.batch_invariant else paged_attention
+        attend = row_attention if self.batch_invariant else attention
         attn = attend(q, k_cache, v_cache, meta, hd**-0.5)
         h = h + self.linear(attn.reshape(n, q_size), layer.o)
         x = self._rms_norm(h, layer.post_norm)

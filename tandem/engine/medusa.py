@@ -207,7 +207,8 @@ def load_for(model, paths: ModelPaths, choice: str) -> MedusaHeads | None:
                     names = [n for n in f.keys() if n.endswith("lm_head.weight")]  # noqa: SIM118
                     if names:
                         lm_head = f.get_tensor(names[0])
-    return MedusaHeads.load(path, lm_head)
+    # The heads run inside the verifier's step, on the target's hidden states: same device.
+    return MedusaHeads.load(path, lm_head).to(model.device)
 
 
 def find_medusa(paths: ModelPaths) -> Path | None:

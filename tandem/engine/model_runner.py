@@ -73,10 +73,13 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = [
-            (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
-            for _ in range(cfg.num_layers)
-        ]
+        kw = {"dtype": model.dtype, "device": model.device}  # the cache lives beside the weights
+        self.kv_cache = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw))
+                         for _ in range(cfg.num_layers)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     @classmethod
     def with_memory(cls, model: LlamaModel, kv_cache_bytes: int, block_size: int = 16):
@@ -114,15 +117,13 @@ class ModelRunner:
             [c.block_table for c in chunks],
             self.block_size,
             [ancestor_mask(c.parents) if c.is_tree else None for c in chunks],
-        )
-        return self.model.forward(
-            torch.tensor(ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            meta,
-            self.kv_cache,
-            torch.tensor(logit_rows, dtype=torch.int64),
-            with_hidden=with_hidden,
-        )
+        ).to(self.device)
+
+        def on_device(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        return self.model.forward(on_device(ids), on_device(positions), meta, self.kv_cache,
+                                  on_device(logit_rows), with_hidden=with_hidden)
 
     @torch.inference_mode()
     def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
@@ -140,8 +141,8 @@ class ModelRunner:
                 raise ValueError(f"position {pos} outside the block table")
             return block_table[pos // bs] * bs + pos % bs
 
-        from_slots = torch.tensor([slot(a) for a, _ in pairs])
-        to_slots = torch.tensor([slot(b) for _, b in pairs])
+        from_slots = torch.tensor([slot(a) for a, _ in pairs], device=self.device)
+        to_slots = torch.tensor([slot(b) for _, b in pairs], device=self.device)
         for k_cache, v_cache in self.kv_cache:
             for cache in (k_cache, v_cache):
                 flat = cache.view(-1, *cache.shape[2:])

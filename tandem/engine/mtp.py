@@ -64,20 +64,22 @@ class MtpHead(EagleHead):
     """One MTP module: EAGLE's head with DeepSeek's input norms and [embedding ; hidden]."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor],
-                 dtype=torch.float32):
-        super().__init__(cfg, weights, None, dtype)
-        self.enorm = weights["enorm"].to(dtype)  # [hidden]
-        self.hnorm = weights["hnorm"].to(dtype)  # [hidden]
+                 dtype=torch.float32, device="cpu"):
+        super().__init__(cfg, weights, None, dtype, device)
+        on = {"device": self.model.device, "dtype": dtype}
+        self.enorm = weights["enorm"].to(**on)  # [hidden]
+        self.hnorm = weights["hnorm"].to(**on)  # [hidden]
 
     @classmethod
-    def load(cls, paths: ModelPaths, dtype=torch.float32, index: int = 0) -> MtpHead:
+    def load(cls, paths: ModelPaths, dtype=torch.float32, index: int = 0,
+             device="cpu") -> MtpHead:
         declared = mtp_layers(paths)
         if not 0 <= index < declared:
             raise ModelError(f"{paths.root} declares {declared} MTP module(s) "
                              f"({MTP_LAYERS_KEY}); module {index} does not exist")
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
         weights, tied = _module_weights(_load_tensors(paths), cfg, index)
-        head = cls(replace(cfg, num_layers=1, tie_word_embeddings=tied), weights, dtype)
+        head = cls(replace(cfg, num_layers=1, tie_word_embeddings=tied), weights, dtype, device)
         head.card = {"method": "mtp", "source": str(paths.root), "module": index}
         head.model.tune_kernels()
         return head
