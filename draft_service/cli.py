@@ -8,7 +8,9 @@ import logging
 from pathlib import Path
 
 from draft_service.config import DTYPES, DraftConfig
-from tandem.envflags import add_flag
+from tandem.envflags import add_flag, add_log_level_flag
+from tandem.netaddr import advertised
+from tandem.redis_conn import add_password_flag
 from tandem.tls import add_tls_flags, tls_from_args
 
 # (field, type, help) of the flags that read TANDEM_DRAFT_<FIELD>; defaults come from
@@ -25,12 +27,15 @@ _FLAGS = (
     ("top_n", int, "default size of the truncated q sent with each draft token"),
     ("max_top_n", int, "largest top-N a verifier may ask for"),
     ("kv_cache_mb", int, "draft KV cache budget in MiB"),
-    ("block_size", int, "KV cache block size in tokens"),
+    ("block_size", int, "KV cache block size in tokens, 0 = the device's (256 with "
+                        "flash-attn on a GPU, else 16)"),
     ("max_ngram_size", int, "default longest suffix matched by n-gram lookup"),
     ("max_context_length", int, "longest sequence, 0 = the draft model's limit"),
     ("eagle_vocab", int, "draft from the EAGLE head's commonest N tokens only, 0 = all"),
-    ("dtype", str, "draft model weight dtype: " + ", ".join(DTYPES) + " (int8: weight-only, "
-                   "per-group scales, fp32 activations)"),
+    ("dtype", str, "draft model weight dtype: " + ", ".join(DTYPES) + " (auto: float32 on "
+                   "cpu, bfloat16 on cuda; int8: cpu weight-only, fp32 activations)"),
+    ("device", str, "where the draft models run: auto (CUDA when present), cpu, cuda, "
+                    "cuda:N"),
     ("suffix_cache_tokens", int, "suffix decoding: finished tokens cached per scope, 0 = none"),
     ("suffix_scope", str, "suffix decoding cache: one for all (global) or one per tenant"),
     ("suffix_min_prob", float, "suffix decoding: stop a proposal below this estimated chance"),
@@ -66,13 +71,18 @@ def register(subparsers) -> argparse.ArgumentParser:
         add_flag(p, "--" + name.replace("_", "-"), "TANDEM_DRAFT_" + name.upper(), defaults[name],
                  kind, text)
     add_flag(p, "--redis-url", "REDIS_URL", "", help="register in this Redis worker registry")
+    add_password_flag(p)
     add_flag(p, "--worker-id", "TANDEM_DRAFT_WORKER_ID", "",
              help="id in the registry (default: generated from the host name)")
     add_flag(p, "--advertise-address", "TANDEM_DRAFT_ADVERTISE_ADDRESS", "",
-             help="address verifiers dial (default host:port)")
+             help="host:port verifiers dial, IPv6 in brackets (default: --advertise-host and "
+                  "the bound port)")
+    add_flag(p, "--advertise-host", "TANDEM_DRAFT_ADVERTISE_HOST", "",
+             help="host or IP verifiers dial (e.g. the pod IP, IPv6 too), joined with the "
+                  "bound port (default: --host)")
     add_flag(p, "--metrics-port", "TANDEM_DRAFT_METRICS_PORT", -1, int,
              "Prometheus /metrics HTTP port: -1 off, 0 any free port")
-    add_flag(p, "--log-level", "TANDEM_DRAFT_LOG_LEVEL", "INFO", help="logging level")
+    add_log_level_flag(p, "TANDEM_DRAFT_LOG_LEVEL")
     add_tls_flags(p)
     p.set_defaults(func=run)
     return p
@@ -146,8 +156,11 @@ def run(args: argparse.Namespace) -> int:
     if args.redis_url:
         from tandem.registration import Registration
 
-        registration = Registration(args.redis_url, "draft",
-                                    args.advertise_address or config.address, args.worker_id)
+        # port 0 is replaced by the bound one in serve()
+        address = advertised(args.advertise_address, args.advertise_host, config.host,
+                             config.port)
+        registration = Registration(args.redis_url, "draft", address, args.worker_id,
+                                    redis_password=args.redis_password)
     asyncio.run(serve(config, registration=registration, metrics_port=args.metrics_port,
                       ready=lambda addr: print(
         f"tandem draft: serving on {addr} ({config.model or 'n-gram only'})", flush=True)))

@@ -5,7 +5,9 @@ import math
 from dataclasses import dataclass
 
 from draft_service.proposers.suffix import SuffixConfig
-from tandem.engine.quant import WEIGHT_DTYPES as DTYPES
+from tandem.device import DTYPE_CHOICES as DTYPES
+from tandem.device import check_device_spec
+from tandem.netaddr import join_host_port
 from tandem.tls import TlsConfig, check_serving
 
 SUFFIX_SCOPES = ("global", "tenant")
@@ -37,10 +39,11 @@ class DraftConfig:
     top_n: int = 8  # default size of the truncated q sent per draft token
     max_top_n: int = 64
     kv_cache_mb: int = 256
-    block_size: int = 16
+    block_size: int = 0  # 0 = the device's (tandem.kernels.attention.default_block_size)
     max_ngram_size: int = 3
     max_context_length: int = 0  # 0 = the draft model's limit (n-gram only: 32768)
-    dtype: str = "float32"
+    dtype: str = "auto"  # float32 on the cpu, bfloat16 on a GPU (tandem.device)
+    device: str = "auto"  # auto (CUDA when present), cpu, cuda, cuda:N
     # Suffix decoding: finished tokens held per scope (0 = own sequence only), one cache per
     # tenant ("tenant": without API keys every request is one anonymous tenant) or one for all
     # ("global": faster acceptance may then tell one tenant what another asked), and its
@@ -62,7 +65,7 @@ class DraftConfig:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be None or a non-empty path, got {value!r}")
         positive = ("threads", "max_sessions", "max_run_ahead", "max_run_ahead_cap", "top_n",
-                    "max_top_n", "kv_cache_mb", "block_size", "max_ngram_size")
+                    "max_top_n", "kv_cache_mb", "max_ngram_size")
         for name in positive:
             value = getattr(self, name)
             if not (_is_int(value) and value >= 1):
@@ -72,6 +75,10 @@ class DraftConfig:
                              f"{self.max_run_ahead_cap}")
         if self.top_n > self.max_top_n:
             raise ValueError(f"top_n {self.top_n} exceeds max_top_n {self.max_top_n}")
+        if not (_is_int(self.block_size) and self.block_size >= 0):
+            raise ValueError(f"block_size must be an int >= 0 (0 = the device's), got "
+                             f"{self.block_size!r}")
+        check_device_spec(self.device)
         if not (_is_int(self.eagle_vocab) and self.eagle_vocab >= 0):
             raise ValueError(f"eagle_vocab must be an int >= 0 (0 = every row), got "
                              f"{self.eagle_vocab!r}")
@@ -98,5 +105,4 @@ class DraftConfig:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
-        return f"{host}:{self.port}"
+        return join_host_port(self.host, self.port)

@@ -33,13 +33,16 @@ from draft_service.proposers.ngram import NgramProposer
 from draft_service.proposers.suffix import SuffixProposer
 from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.worker import DraftWorker
-from tandem import telemetry
+from tandem import redis_conn, telemetry
+from tandem.device import Placement, place
+from tandem.drain import DrainSignal, set_health
 from tandem.engine.layer_skip import resolve_skip_set
 from tandem.engine.llama import LlamaModel
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
 from tandem.models import ModelError, ModelPaths, default_target_dir, resolve_model, tokenizer_hash
-from tandem.registration import Registration, start_registration
+from tandem.netaddr import join_host_port, split_host_port
+from tandem.registration import Beat, Registration, start_registration, stop_registration
 from tandem.spec import Method, Proposer
 from tandem.tls import add_port
 from tandem.v1 import common_pb2, draft_pb2_grpc
@@ -82,14 +85,15 @@ def _check_eagle_tokens(eagle: EagleProposer, model: DraftModelProposer | None) 
                          f"from the draft model's ({model.vocab_size})")
 
 
-def _layer_skip(config: DraftConfig, model: DraftModelProposer | None) -> LayerSkipProposer:
+def _layer_skip(config: DraftConfig, model: DraftModelProposer | None,
+                at: Placement) -> LayerSkipProposer:
     paths = resolve_model(config.layer_skip)
     skip = resolve_skip_set(config.skip_set, paths)
     if skip is None:
         raise ModelError(f"no layer-skip set saved with {paths.root}: run `tandem search-skip "
                          f"--model {config.layer_skip}` or pass --skip-set FILE")
-    proposer = LayerSkipProposer.over(LlamaModel.load(paths, config.dtype), skip,
-                                      config.kv_cache_mb << 20, config.block_size)
+    proposer = LayerSkipProposer.over(LlamaModel.load(paths, at.dtype, device=at.device), skip,
+                                      config.kv_cache_mb << 20, at.block_size)
     if model is not None and model.vocab_size != proposer.vocab_size:
         raise ModelError(f"the layer-skip target's vocabulary ({proposer.vocab_size}) differs "
                          f"from the draft model's ({model.vocab_size})")
@@ -107,22 +111,25 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
     """Load the proposers and size the worker from the config."""
     proposers: dict[Method, Proposer] = {}
     model = None
+    at = place(config.device, config.dtype, config.block_size)
+    log.info("draft models on %s", at)
+    kv_bytes = config.kv_cache_mb << 20
     if config.model is not None:
-        model = DraftModelProposer.load(resolve_model(config.model), config.kv_cache_mb << 20,
-                                        config.block_size, config.dtype)
+        model = DraftModelProposer.load(resolve_model(config.model), kv_bytes, at.block_size,
+                                        at.dtype, at.device)
         proposers[Method.DRAFT_MODEL] = model
     if config.eagle is not None:
-        eagle = EagleProposer.load(ModelPaths(Path(config.eagle)), config.kv_cache_mb << 20,
-                                   config.block_size, config.eagle_vocab)
+        eagle = EagleProposer.load(ModelPaths(Path(config.eagle)), kv_bytes, at.block_size,
+                                   config.eagle_vocab, at.device)
         _check_eagle_tokens(eagle, model)
         proposers[Method.EAGLE] = eagle
     if config.mtp is not None:
-        mtp = MtpProposer.load(resolve_model(config.mtp), config.kv_cache_mb << 20,
-                               config.block_size)
+        mtp = MtpProposer.load(resolve_model(config.mtp), kv_bytes, at.block_size,
+                               device=at.device)
         _check_eagle_tokens(mtp, model)
         proposers[Method.MTP] = mtp
     if config.layer_skip is not None:
-        skip = _layer_skip(config, model)
+        skip = _layer_skip(config, model, at)
         proposers[Method.LAYER_SKIP] = skip
         model = model or skip
     proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_run_ahead_cap)
@@ -169,6 +176,16 @@ class DraftApp:
     worker: DraftWorker
     servicer: DraftServicer
     health: health.aio.HealthServicer = field(repr=False)
+
+    async def begin_drain(self, beat: Beat | None = None) -> None:
+        """SIGUSR1 (`tandem drain`, the preStop hook): leave the registry, report the service
+        NOT_SERVING ("" stays SERVING for liveness) and refuse new streams with UNAVAILABLE;
+        the open streams, and their sessions, are served on until SIGTERM's drain."""
+        self.servicer.accepting = False
+        await set_health(self.health, (SERVICE_NAME,),
+                         health_pb2.HealthCheckResponse.NOT_SERVING)
+        await stop_registration(beat)
+        log.info("draining: left the registry, refusing new streams")
 
     async def drain(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()  # NOT_SERVING: routers stop sending
@@ -218,29 +235,33 @@ def draft_metrics(worker: DraftWorker) -> telemetry.DraftMetrics:
 
 async def serve(config: DraftConfig, ready: Callable[[str], None] | None = None,
                 registration: Registration | None = None, metrics_port: int = -1) -> None:
-    """Serve until SIGTERM / SIGINT, then drain gracefully."""
+    """Serve until SIGTERM / SIGINT, then drain gracefully; SIGUSR1 begins a drain
+    (DraftApp.begin_drain)."""
+    drain = DrainSignal()  # from here on, SIGUSR1 while the models load is not fatal
     torch.set_num_threads(config.threads)
     telemetry.setup_tracing("tandem-draft")
+    if registration is not None:  # a refused password fails here, before the models load
+        await redis_conn.check_auth(registration.redis_url, registration.redis_password)
     app = await build_app(config)
     await app.server.start()
     if ready is not None:
-        ready(f"{config.host}:{app.port}")
+        ready(join_host_port(config.host, app.port))
     if metrics_port >= 0:
         port = telemetry.start_metrics_server(metrics_port, draft_metrics(app.worker).registry,
                                               config.host)
-        log.info("metrics on http://%s:%d/metrics", config.host, port)
+        log.info("metrics on http://%s/metrics", join_host_port(config.host, port))
     beat = None
     if registration is not None:
-        if registration.address.endswith(":0"):  # the port was picked at bind time
-            registration = dataclasses.replace(
-                registration, address=f"{config.host}:{app.port}")
+        host, port = split_host_port(registration.address)
+        if port == 0:  # the port was picked at bind time
+            registration = dataclasses.replace(registration,
+                                               address=join_host_port(host, app.port))
         beat = start_registration(registration, capacity=config.max_sessions,
                                   load=app.worker.load, methods=tuple(
                                       m.api_name for m in app.worker.proposers))
+    drain.on_loop(lambda: app.begin_drain(beat))
     await _stop_signal()
-    if beat is not None:  # leave the registry first so no verifier picks us anew
-        beat[1].set()
-        await asyncio.wait_for(beat[0], 5)
+    await stop_registration(beat)  # leave the registry first so no verifier picks us anew
     log.info("draining for %.1f s", config.drain_grace_s)
     await app.drain(config.drain_grace_s)
 

@@ -13,7 +13,7 @@ import grpc
 from draft_service.session import Stream
 from draft_service.tracing import SessionSpans
 from draft_service.worker import DraftWorker
-from tandem.errors import InvalidArgument
+from tandem.errors import InvalidArgument, Unavailable
 from tandem.spec import Close, Commit, Control, Features, Invalid, Open, Reply, SessionError
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -65,11 +65,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.worker = worker
         self.info = info
         self.draining = False
+        # False once draining began (SIGUSR1): open streams go on, new ones are refused
+        self.accepting = True
 
     async def Info(self, request, context):  # noqa: N802 (gRPC method name)
         return self.info
 
     async def Speculate(self, request_iterator, context):  # noqa: N802
+        if not self.accepting:  # the verifier's DraftPool moves on to another worker
+            raise Unavailable("draft worker is draining; connect to another one")
         stream = self.worker.open_stream()
         spans = SessionSpans()
         reader = asyncio.create_task(self._read(request_iterator, stream, spans))

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -71,6 +72,13 @@ class _Gateway:
     started: int
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     tracer: Any = field(default_factory=lambda: telemetry.tracer("gateway"))
+    # Set by a stop or drain signal (gateway/serve.py), from the main thread: /health
+    # answers 503 from then on so readiness drops; requests are still served.
+    draining: threading.Event = field(default_factory=threading.Event)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs (special tokens included: they were generated)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
@@ -113,12 +121,17 @@ def _add_routes(app: FastAPI, gw: _Gateway) -> None:
         await _authorize(gw, request)
 
     @app.get("/health")
-    async def health() -> dict:
-        return await _health(gw)
+    async def health() -> JSONResponse:
+        body = await _health(gw)
+        if gw.draining.is_set():
+            return JSONResponse({**body, "status": "draining"}, status_code=503)
+        return JSONResponse(body)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(telemetry.render(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    if not gw.config.metrics_port:  # else served on its own port (gateway/serve.py)
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(telemetry.render(gw.metrics.registry),
+                            media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(guard)])
     async def models() -> dict:
@@ -133,6 +146,11 @@ def _add_routes(app: FastAPI, gw: _Gateway) -> None:
     @app.post("/v1/chat/completions", dependencies=[Depends(guard)])
     async def chat_completions(request: Request):
         return await _generate(gw, request, chat=True)
+
+
+def begin_drain(app: FastAPI) -> None:
+    """/health answers 503 from now on (readiness drops); everything else is still served."""
+    app.state.gateway.draining.set()
 
 
 def _authenticate(gw: _Gateway, request: Request) -> ApiKey | None:
@@ -222,7 +240,8 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
                                    status=str(getattr(exc, "status", "error"))).inc()
         raise
     meta = ResponseMeta(chat, sid, int(gw.clock()), gw.config.model_name,
-                        len(plan.prompt_token_ids))
+                        len(plan.prompt_token_ids),
+                        None if plan.logprobs is None else gw.token_text)
     events = run_session(plan, gw.deps, text)
     key: ApiKey | None = getattr(request.state, "api_key", None)
     if key is not None and key.tpm:

@@ -6,22 +6,26 @@ from dataclasses import dataclass
 
 from gateway.auth import ApiKey, normalize_keys
 from tandem.models import DEFAULT_TARGET
+from tandem.netaddr import check_target
 from tandem.spec.methods import Method
 from tandem.tls import TlsConfig
 
 
 def _check_address(addr: str, what: str) -> None:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{what} must be host:port, got {addr!r}")
+    try:
+        check_target(addr)
+    except ValueError as exc:
+        raise ValueError(f"{what} must be host:port ([v6]:port for IPv6): {exc}") from None
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     """Everything the gateway process needs; invalid combinations fail at construction."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # "::" = every IPv6 and IPv4 address
     port: int = 8000
+    # Prometheus /metrics on its own port (e.g. kept off a public Service); 0 = on `port`.
+    metrics_port: int = 0
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Key namespace in Redis, shared with the workers' registry.
     redis_prefix: str = "tandem"
@@ -45,6 +49,8 @@ class GatewayConfig:
     # 0.85x, eagle 0.83x of plain): best speedup first.
     method_preference: tuple[str, ...] = ("ngram", "draft_model", "eagle")
     request_timeout_s: float = 600.0
+    # After SIGTERM: how long open streams may run on before uvicorn cancels them.
+    shutdown_grace_s: float = 600.0
     # A verifier stream silent this long counts as dead and the session fails over.
     stall_timeout_s: float = 60.0
     info_timeout_s: float = 2.0
@@ -93,7 +99,8 @@ class GatewayConfig:
             raise ValueError("default_speculative_tokens must be <= max_speculative_tokens")
 
     def _check_ints(self) -> None:
-        ranges = {"port": (0, 65535), "rate_limit_rpm": (0, None), "context_length": (2, None),
+        ranges = {"port": (0, 65535), "metrics_port": (0, 65535), "rate_limit_rpm": (0, None),
+                  "context_length": (2, None),
                   "default_max_tokens": (1, None), "default_speculative_tokens": (0, None),
                   "max_speculative_tokens": (0, 1024), "max_attempts": (1, 32),
                   "retry_after_s": (1, None), "static_capacity": (1, None),
@@ -113,6 +120,11 @@ class GatewayConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        grace = self.shutdown_grace_s
+        if not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace < 0:
+            raise ValueError(f"shutdown_grace_s must be a finite number >= 0, got {grace!r}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port must differ from port ({self.port})")
 
     @property
     def auth_enabled(self) -> bool:

@@ -18,12 +18,13 @@ from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, rate_limited, unavailable
+from gateway.logprobs import TokenLogprobs
 from gateway.plan import GenerationPlan
 from gateway.routing import Assignment, Router
 from gateway.schemas import speculation_stats
 from gateway.sessions import SessionStore
 from gateway.text import TextStream
-from gateway.verifier import ChannelPool, Round, Totals, VerifierLost
+from gateway.verifier import ChannelPool, Round, RoundStats, Totals, VerifierLost
 from tandem.spec.methods import Method
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,23 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()  # of the tokens this delta used, when asked
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    """One verification round, for clients that asked for speculation.events."""
+
+    round: int  # the session's round count so far (across failovers)
+    committed: int  # tokens this round gave the client's session
+    stats: RoundStats
+
+    def as_dict(self) -> dict:
+        s = self.stats
+        return {"round": self.round, "drafted": s.drafted, "accepted": s.accepted,
+                "bonus": s.bonus, "committed": self.committed,
+                "draft_wait_ms": round(s.draft_wait_ms, 3), "verify_ms": round(s.verify_ms, 3),
+                "rejection_ms": round(s.rejection_ms, 3)}
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,8 @@ class _Failover:
         # The last round: how many of its tokens were accepted drafts (they come first), and
         # how many the gateway kept (max_tokens may cut it).
         self._last_round = (0, 0)
+        self.round_logprobs: tuple[TokenLogprobs, ...] = ()  # of the last round's ids
+        self.last_round: RoundEvent | None = None
 
     def stats(self, used: int | None = None) -> dict:
         """Speculation stats over the tokens the client got: `used` of the committed ones
@@ -173,6 +193,9 @@ class _Failover:
         room = self.plan.max_new_tokens - len(self.committed)
         ids = list(rnd.token_ids)[:room]
         self._last_round = (accepted, len(ids))
+        self.round_logprobs = rnd.logprobs[:len(ids)]
+        rounds = (self._ended_totals + self._call_totals).rounds
+        self.last_round = RoundEvent(rounds, len(ids), rnd.stats)
         if rnd.finish_reason:
             self.finish_reason = rnd.finish_reason
         elif len(self.committed) + len(ids) >= self.plan.max_new_tokens:
@@ -189,9 +212,14 @@ async def run_session(plan: GenerationPlan, deps: GenerationDeps,
     try:
         async with aclosing(runner.tokens()) as token_stream:
             async for ids in token_stream:
+                used = text.num_tokens
                 delta = text.push(ids)
-                if delta:
-                    yield TextDelta(delta)
+                # the logprobs of the tokens the text used (not those after a stop)
+                logprobs = runner.round_logprobs[:max(0, text.num_tokens - used)]
+                if delta or logprobs:
+                    yield TextDelta(delta, logprobs)
+                if plan.round_events and runner.last_round is not None:
+                    yield runner.last_round
                 if text.stopped:
                     break  # leaving the block closes the stream, which cancels the call
         tail = text.finish()

@@ -8,6 +8,7 @@ from typing import Any
 from gateway import schemas
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request
+from gateway.logprobs import requested as requested_logprobs
 from gateway.routing import Router, affinity_key
 from gateway.text import TextStream
 from tandem.sampling_params import SamplingParams
@@ -30,6 +31,8 @@ class GenerationPlan:
     tenant: str = ""  # a digest of the API key (auth on), else "": scopes suffix caches
     trace_metadata: tuple[tuple[str, str], ...] = ()  # W3C context for the verifier call
     typical: tuple[float, float] | None = None  # LOSSY typical acceptance (medusa only)
+    logprobs: int | None = None  # each token's logprob with this many top ones; None = off
+    round_events: bool = False  # stream a speculation_round chunk per verification round
 
 
 async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: GatewayConfig,
@@ -55,7 +58,8 @@ async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: Gatewa
         num_speculative_tokens=(spec.num_speculative_tokens
                                 if spec.num_speculative_tokens is not None
                                 else config.default_speculative_tokens),
-        affinity_key=affinity_key(conversation), typical=_typical(spec))
+        affinity_key=affinity_key(conversation), typical=_typical(spec),
+        logprobs=requested_logprobs(req), round_events=spec.events)
     return plan, TextStream(tokenizer, req.stop_strings(), stop_ids)
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -11,7 +11,8 @@ from fastapi.responses import StreamingResponse
 
 from gateway import schemas
 from gateway.errors import APIError
-from gateway.generation import Finished, TextDelta
+from gateway.generation import Finished, RoundEvent, TextDelta
+from gateway.logprobs import LogprobsFormatter, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class ResponseMeta:
     created: int
     model: str
     prompt_tokens: int
+    decode: Callable[[int], str] | None = None  # a token's text; None = no logprobs asked
+
+    def formatter(self) -> LogprobsFormatter | None:
+        return None if self.decode is None else LogprobsFormatter(self.chat, self.decode)
 
     def head(self) -> tuple:
         return self.chat, self.rid, self.created, self.model
@@ -31,18 +36,22 @@ class ResponseMeta:
 async def collect(events: AsyncIterator, meta: ResponseMeta, request: Request) -> dict:
     """The whole response as one body (stream=false)."""
     parts: list[str] = []
+    logprobs: list[TokenLogprobs] = []
     async with aclosing(events):
         async for ev in events:
             if isinstance(ev, TextDelta):
                 parts.append(ev.text)
+                logprobs.extend(ev.logprobs)
                 # Nobody to answer: stop (closing `events` cancels the verifier's work).
                 if await request.is_disconnected():
                     raise APIError(499, "client disconnected", code="client_closed")
             elif isinstance(ev, Finished):
                 usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
                 build = schemas.chat_response if meta.chat else schemas.completion_response
+                fmt = meta.formatter()
                 return build(meta.rid, meta.created, meta.model, "".join(parts),
-                             ev.finish_reason, usage, ev.speculation)
+                             ev.finish_reason, usage, ev.speculation,
+                             None if fmt is None else fmt.format(logprobs))
     raise APIError(502, "generation ended without a result")
 
 
@@ -66,10 +75,10 @@ async def stream(events: AsyncIterator, meta: ResponseMeta,
         async with aclosing(events):
             if meta.chat:
                 yield _sse(schemas.stream_chunk(*meta.head(), role=True))
-            ev = first
+            ev, fmt = first, meta.formatter()
             try:
                 while ev is not None:
-                    for chunk in _chunks(ev, meta, include_usage):
+                    for chunk in _chunks(ev, meta, include_usage, fmt):
                         yield _sse(chunk)
                     ev = await anext(events, None)
             except APIError as exc:  # mid-stream failure: OpenAI-style error event
@@ -80,9 +89,13 @@ async def stream(events: AsyncIterator, meta: ResponseMeta,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _chunks(ev: TextDelta | Finished, meta: ResponseMeta, include_usage: bool) -> list[dict]:
+def _chunks(ev: TextDelta | RoundEvent | Finished, meta: ResponseMeta, include_usage: bool,
+            fmt: LogprobsFormatter | None) -> list[dict]:
+    if isinstance(ev, RoundEvent):
+        return [schemas.round_chunk(*meta.head(), ev.as_dict())]
     if isinstance(ev, TextDelta):
-        return [schemas.stream_chunk(*meta.head(), text=ev.text)]
+        return [schemas.stream_chunk(*meta.head(), text=ev.text,
+                                     logprobs=None if fmt is None else fmt.format(ev.logprobs))]
     usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
     last = schemas.stream_chunk(*meta.head(), finish=ev.finish_reason)
     if include_usage:

@@ -2,7 +2,7 @@
 
 Requests are parsed strictly: "10" is not an int and true is not 1, so a client's type bug
 comes back as a 400 naming the field instead of silently meaning something else. Fields the
-gateway cannot honour (logprobs, penalties, best_of > 1, ...) are rejected, not ignored.
+gateway cannot honour (penalties, best_of > 1, ...) are rejected, not ignored.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.errors import bad_request
+from gateway.logprobs import MAX_TOP_LOGPROBS
 from tandem.spec.methods import API_NAMES, Method
 
 # Sorted, so a bad method's 400 lists the choices alphabetically.
@@ -36,6 +37,9 @@ class SpeculationOptions(BaseModel):
     method: Literal[_METHOD_NAMES] | None = None  # a Method.api_name; the plan parses it
     num_speculative_tokens: Annotated[int, Field(ge=0)] | None = None
     typical_acceptance: TypicalAcceptance | None = None  # medusa only; None = lossless
+    # Streaming only: one extra chunk per verification round (empty choices, a
+    # `speculation_round` object) so a client can watch acceptance live.
+    events: bool = False
 
 
 class StreamOptions(BaseModel):
@@ -76,7 +80,7 @@ class GenerationRequest(BaseModel):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None
 
 
@@ -111,6 +115,7 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Any] | None = None
 
     def template_messages(self) -> list[dict[str, str]]:
@@ -130,6 +135,9 @@ def check_common(req: GenerationRequest, *, max_speculative_tokens: int) -> None
     if len(stops) > _MAX_STOP_STRINGS:
         raise bad_request(f"stop: at most {_MAX_STOP_STRINGS} stop strings", param="stop")
     spec = req.speculation
+    if spec and spec.events and not req.stream:
+        raise bad_request("speculation.events: per-round events need stream: true",
+                          param="speculation.events")
     if spec and spec.num_speculative_tokens is not None and (
             spec.num_speculative_tokens > max_speculative_tokens):
         raise bad_request(
@@ -143,7 +151,6 @@ def check_unsupported(req: GenerationRequest) -> None:
               ("presence_penalty", bool(req.presence_penalty)),
               ("frequency_penalty", bool(req.frequency_penalty)),
               ("logit_bias", bool(req.logit_bias)),
-              ("logprobs", bool(getattr(req, "logprobs", None))),
               ("suffix", bool(getattr(req, "suffix", None))),
               ("tools", bool(getattr(req, "tools", None)))]
     for name, is_set in checks:
@@ -227,31 +234,40 @@ def _envelope(rid: str, obj: str, created: int, model: str, choices: list) -> di
 
 
 def completion_response(rid: str, created: int, model: str, text: str, finish: str,
-                        usage: dict, speculation: dict) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                        usage: dict, speculation: dict, logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     body = _envelope(rid, "text_completion", created, model, [choice])
     return {**body, "usage": usage, "speculation": speculation}
 
 
 def chat_response(rid: str, created: int, model: str, text: str, finish: str,
-                  usage: dict, speculation: dict) -> dict:
+                  usage: dict, speculation: dict, logprobs: dict | None = None) -> dict:
     choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": None, "finish_reason": finish}
+              "logprobs": logprobs, "finish_reason": finish}
     body = _envelope(rid, "chat.completion", created, model, [choice])
     return {**body, "usage": usage, "speculation": speculation}
 
 
 def stream_chunk(chat: bool, rid: str, created: int, model: str, *, text: str | None = None,
-                 role: bool = False, finish: str | None = None) -> dict:
-    """One streamed choice: a text delta, the assistant role opener, or the finish."""
+                 role: bool = False, finish: str | None = None,
+                 logprobs: dict | None = None) -> dict:
+    """One streamed choice: a text delta (with its tokens' logprobs when asked for), the
+    assistant role opener, or the finish."""
     if chat:
         delta: dict = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return _envelope(rid, "chat.completion.chunk", created, model, [choice])
-    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return _envelope(rid, "text_completion", created, model, [choice])
+
+
+def round_chunk(chat: bool, rid: str, created: int, model: str, event: dict) -> dict:
+    """The speculation.events chunk of one verification round: no choices (like the usage
+    chunk, so OpenAI clients skip it), the round in `speculation_round`."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    return {**_envelope(rid, obj, created, model, []), "speculation_round": event}
 
 
 def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: dict,

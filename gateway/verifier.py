@@ -16,6 +16,7 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
+from gateway.logprobs import TokenLogprobs
 from gateway.plan import GenerationPlan
 from tandem.grpc_limits import message_options
 from tandem.registry import WorkerRecord
@@ -66,6 +67,18 @@ class Totals:
 
 
 @dataclass(frozen=True)
+class RoundStats:
+    """What the verifier did in one round (verify_pb2.RoundStats)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    bonus: bool = False
+    draft_wait_ms: float = 0.0
+    verify_ms: float = 0.0
+    rejection_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class Round:
     """One GenerateResponse: the tokens it committed and whether the session ended."""
 
@@ -73,6 +86,8 @@ class Round:
     totals: Totals
     finish_reason: str = ""  # "stop" or "length" once the verifier finished the session
     aborted: bool = False  # the verifier gave the session up (draining): resume elsewhere
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token_id, when the plan asked
+    stats: RoundStats = RoundStats()
 
 
 def _round(resp: verify_pb2.GenerateResponse) -> Round:
@@ -80,7 +95,13 @@ def _round(resp: verify_pb2.GenerateResponse) -> Round:
     return Round(tuple(resp.token_ids),
                  Totals(t.rounds, t.drafted_tokens, t.accepted_tokens, t.lossy),
                  _FINISH.get(resp.finish_reason, ""),
-                 resp.finish_reason == verify_pb2.FINISH_REASON_ABORT)
+                 resp.finish_reason == verify_pb2.FINISH_REASON_ABORT,
+                 tuple(TokenLogprobs(lp.token_id, lp.logprob,
+                                     tuple(zip(lp.top_token_ids, lp.top_logprobs)))
+                       for lp in resp.logprobs),
+                 RoundStats(resp.round.drafted, resp.round.accepted, resp.round.bonus,
+                            resp.round.draft_wait_ms, resp.round.verify_ms,
+                            resp.round.rejection_ms))
 
 
 def build_request(plan: GenerationPlan, committed: Sequence[int],
@@ -101,7 +122,8 @@ def build_request(plan: GenerationPlan, committed: Sequence[int],
                                              ignore_eos=plan.ignore_eos),
         speculation=verify_pb2.SpeculationConfig(
             method=int(plan.method), num_speculative_tokens=plan.num_speculative_tokens,
-            draft_address=draft_address, tenant=plan.tenant, typical_acceptance=typical))
+            draft_address=draft_address, tenant=plan.tenant, typical_acceptance=typical),
+        logprobs=plan.logprobs is not None, top_logprobs=plan.logprobs or 0)
 
 
 class GenerateCall:

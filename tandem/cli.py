@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from tandem.device import add_device_flags
 from tandem.envflags import add_flag, env
 from tandem.models import DEFAULT_TARGET, ModelError
 from tandem.tls import add_tls_flags, tls_from_args
@@ -38,6 +39,7 @@ def _cmd_generate(args) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    from tandem.device import place
     from tandem.engine.generate import LocalGenerator
     from tandem.engine.llama import LlamaModel
     from tandem.engine.model_runner import ModelRunner
@@ -48,10 +50,11 @@ def _cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
+    at = place(args.device, args.dtype)  # a device this host lacks fails before any loading
     paths = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
-    model = LlamaModel.load(paths, args.dtype)
-    runner = ModelRunner.with_memory(model, args.kv_cache_mb << 20)
+    model = LlamaModel.load(paths, at.dtype, device=at.device)
+    runner = ModelRunner.with_memory(model, args.kv_cache_mb << 20, at.block_size)
     if args.raw or not tokenizer.chat_template:
         prompt_ids = tokenizer(args.prompt).input_ids
     else:
@@ -84,7 +87,7 @@ def _cmd_up(args) -> int:
                            gateway_host=args.host, gateway_port=args.port, model=args.model,
                            draft_model=args.draft_model,
                            redis_url=env("REDIS_URL", ""), threads=args.threads,
-                           tls=tls_from_args(args))
+                           tls=tls_from_args(args), device=args.device, dtype=args.dtype)
     cluster = Cluster(config, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("starting the Tandem cluster ...", file=sys.stderr, flush=True)
     try:
@@ -159,8 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate locally with the target runner (no services)")
     gen.add_argument("prompt", help="the user message (or raw text with --raw)")
     _add_model_args(gen)
-    add_flag(gen, "--dtype", "TANDEM_DTYPE", "float32",
-             help="weight dtype: float32, bfloat16, float16 or int8 (weight-only)")
+    add_device_flags(gen, "TANDEM")
     gen.add_argument("--max-tokens", type=int, default=128, help="default %(default)s")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
@@ -180,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--draft-model", "TANDEM_DRAFT_MODEL", "",
              help="draft model (default: the shipped draft)")
     add_flag(up, "--threads", "TANDEM_THREADS", 1, int, help="torch threads per worker process")
+    add_device_flags(up, "TANDEM_UP")  # passed to the verifier and draft processes
     up.add_argument("--demo", default="", metavar="PROMPT",
                     help="send this chat message once the cluster is up and print the reply")
     up.add_argument("--exit-after-demo", action="store_true", help="stop after the demo")
@@ -202,12 +205,27 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.skip_search_cli import register as register_search_skip
 
     register_search_skip(sub)
+    from tandem.drain import register as register_drain
+
+    register_drain(sub)
+    return parser
+
+
+def _drain_parser() -> argparse.ArgumentParser:
+    """`tandem drain` alone: it is a preStop hook, so it must not wait ~1.5 s for every
+    other command's imports (torch among them) before it signals."""
+    from tandem.drain import register as register_drain
+
+    parser = argparse.ArgumentParser(prog="tandem")
+    register_drain(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # model cards record the command
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _drain_parser() if argv[:1] == ["drain"] else build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv  # model cards record the command
     try:
         return args.func(args)
     except (ModelError, ValueError) as exc:

@@ -42,3 +42,26 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, env_name: str, default:
     shown = "" if default is None or default == "" else f", default {default}"
     parser.add_argument(flag, default=env(env_name, default), type=type,
                         help=f"{help} [env {env_name}{shown}]".strip(), **kwargs)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level(value: str) -> str:
+    """A logging level name in any case ('INFO', 'info') -> lower case (argparse `type`)."""
+    word = value.strip().lower()
+    word = "warning" if word == "warn" else word
+    if word not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)} (any case), "
+                                         f"got {value!r}")
+    return word
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser, service_env: str = "") -> None:
+    """--log-level from $service_env, else $TANDEM_LOG_LEVEL (one setting for every service,
+    e.g. from a shared ConfigMap), else info."""
+    names = [n for n in (service_env, "TANDEM_LOG_LEVEL") if n]
+    value = next((env(n) for n in names if env(n) is not None), "info")
+    parser.add_argument("--log-level", default=value, type=log_level, metavar="LEVEL",
+                        help=f"logging level: {', '.join(LOG_LEVELS)}, any case "
+                             f"[env {' or '.join(names)}, default info]")

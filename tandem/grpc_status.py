@@ -60,12 +60,16 @@ class _CheckedRequests:
     on after it (a plain `async for` stops there, and the call ends INVALID_ARGUMENT)."""
 
     def __init__(self, requests):
-        self._requests = requests.__aiter__()
+        self._source = requests
+        self._requests = None  # opened on the first read: a handler that refuses the call
+        # unread would otherwise leave grpc's receiver coroutine never awaited (a warning)
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
+        if self._requests is None:
+            self._requests = self._source.__aiter__()
         msg = await self._requests.__anext__()
         if isinstance(msg, _Malformed):
             raise InvalidArgument(msg.message)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.device import check_device_spec, check_dtype_spec
+from tandem.netaddr import join_host_port
 from tandem.tls import TlsConfig, open_sync_channel, tls_args
 
 STARTUP_TIMEOUT_S = 180.0
@@ -29,24 +31,43 @@ STARTUP_TIMEOUT_S = 180.0
 class ClusterConfig:
     num_drafts: int = 1
     num_verifiers: int = 1
-    gateway_host: str = "127.0.0.1"
+    gateway_host: str = "127.0.0.1"  # "::" = every IPv6 and IPv4 address
     gateway_port: int = 8000
     model: str = ""  # "" = each role's default
     draft_model: str = ""
     eagle: str = ""  # EAGLE head directory; "" = the shipped one if present
     redis_url: str = ""
     threads: int = 1  # per worker: a batch-1 forward keeps one core busy
+    worker_host: str = "127.0.0.1"  # where verifiers and drafts bind and register ("::1" too)
     tls: TlsConfig | None = None  # gRPC over TLS between every process (and our checks)
+    # Where the verifiers and draft workers run their models (tandem.device): "auto" passes
+    # nothing, so each process decides (its TANDEM_VERIFIER_DEVICE / TANDEM_DRAFT_DEVICE,
+    # else CUDA when present); anything else is passed as --device / --dtype.
+    device: str = "auto"
+    dtype: str = "auto"
 
     def __post_init__(self):
         if self.num_drafts < 0 or self.num_verifiers < 1:
             raise ValueError("need num_verifiers >= 1 and num_drafts >= 0")
+        check_device_spec(self.device)
+        check_dtype_spec(self.dtype)
+
+    def placement_args(self) -> list[str]:
+        """--device / --dtype for a verifier's or draft worker's command line."""
+        return ([] if self.device == "auto" else ["--device", self.device]) + \
+            ([] if self.dtype == "auto" else ["--dtype", self.dtype])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host.strip("[]"), 0))
         return s.getsockname()[1]
+
+
+def _dialable(host: str) -> str:
+    """Where to reach a server bound to `host` from this machine (not the wildcard)."""
+    return "127.0.0.1" if host.strip("[]") in ("0.0.0.0", "::", "") else host
 
 
 def grpc_healthy(address: str, timeout: float = 1.0, tls: TlsConfig | None = None) -> bool:
@@ -81,7 +102,8 @@ class Cluster:
         self.stack = ExitStack()
         self.redis_url = config.redis_url
         self.redis = None  # the RedisProcess we started (None when REDIS_URL was given)
-        self.gateway_url = f"http://{config.gateway_host}:{config.gateway_port}"
+        gateway = join_host_port(_dialable(config.gateway_host), config.gateway_port)
+        self.gateway_url = f"http://{gateway}"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "tandem.cli", *args]
@@ -110,27 +132,21 @@ class Cluster:
             self.redis_url = self.redis.url
             self.log(f"  redis-server on {self.redis.url}")
         common = ["--redis-url", self.redis_url, "--threads", str(cfg.threads),
-                  *tls_args(cfg.tls)]
+                  f"--host={cfg.worker_host}", *tls_args(cfg.tls), *cfg.placement_args()]
+        host = _dialable(cfg.worker_host)
         for i in range(cfg.num_drafts):
-            port, mport = free_port(), free_port()
+            port, mport = free_port(host), free_port(host)
             extra = ["--model", cfg.draft_model] if cfg.draft_model else []
             extra += ["--eagle", cfg.eagle] if cfg.eagle else []
             extra += ["--metrics-port", str(mport)]
-            self.metrics_urls[f"draft-{i}"] = f"http://127.0.0.1:{mport}/metrics"
-            proc = self._spawn(f"draft-{i}", ["draft", "--port", str(port), *common, *extra])
-            self.addresses[f"draft-{i}"] = f"127.0.0.1:{port}"
-            self._wait(f"draft-{i} (127.0.0.1:{port})", proc,
-                       lambda p=port: grpc_healthy(f"127.0.0.1:{p}", tls=cfg.tls))
+            self._start_worker(f"draft-{i}", ["draft", "--port", str(port), *common, *extra],
+                               port, mport)
         for i in range(cfg.num_verifiers):
-            port, mport = free_port(), free_port()
+            port, mport = free_port(host), free_port(host)
             extra = ["--model", cfg.model] if cfg.model else []
             extra += ["--metrics-port", str(mport)]
-            self.metrics_urls[f"verifier-{i}"] = f"http://127.0.0.1:{mport}/metrics"
-            proc = self._spawn(f"verifier-{i}", ["verifier", "--port", str(port), *common,
-                                                 *extra])
-            self.addresses[f"verifier-{i}"] = f"127.0.0.1:{port}"
-            self._wait(f"verifier-{i} (127.0.0.1:{port})", proc,
-                       lambda p=port: grpc_healthy(f"127.0.0.1:{p}", tls=cfg.tls))
+            self._start_worker(f"verifier-{i}", ["verifier", "--port", str(port), *common,
+                                                 *extra], port, mport)
         extra = ["--model", cfg.model] if cfg.model else []
         proc = self._spawn("gateway", ["gateway", "--host", cfg.gateway_host, "--port",
                                        str(cfg.gateway_port), "--redis-url", self.redis_url,
@@ -140,6 +156,14 @@ class Cluster:
         self.metrics_urls["gateway"] = self.gateway_url + "/metrics"
         for name, url in self.metrics_urls.items():
             self.log(f"  metrics of {name}: {url}")
+
+    def _start_worker(self, name: str, args: list[str], port: int, metrics_port: int) -> None:
+        host = _dialable(self.config.worker_host)
+        self.metrics_urls[name] = f"http://{join_host_port(host, metrics_port)}/metrics"
+        address = self.addresses[name] = join_host_port(host, port)
+        proc = self._spawn(name, args)
+        self._wait(f"{name} ({address})", proc,
+                   lambda: grpc_healthy(address, tls=self.config.tls))
 
     def stop(self) -> None:
         for _, proc in reversed(self.procs):

@@ -38,12 +38,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serves(port: int, pid: int) -> bool:
+def _serves(port: int, pid: int, password: str = "") -> bool:
     """PING answered by *our* process: another server already on the port must not count."""
     import redis
 
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5,
-                         socket_connect_timeout=0.5)
+                         socket_connect_timeout=0.5, password=password or None)
     try:
         return bool(client.ping()) and int(client.info("server")["process_id"]) == pid
     except (redis.RedisError, OSError, KeyError, ValueError):
@@ -56,9 +56,10 @@ class RedisProcess:
     """A running redis-server child process. `stop()` is idempotent; usable as a context."""
 
     def __init__(self, proc: subprocess.Popen, port: int, workdir: Path, owns_workdir: bool,
-                 binary: str = ""):
+                 binary: str = "", password: str = ""):
         self._proc = proc
         self.port = port
+        self.password = password  # "" = none; not part of `url` (clients pass it apart)
         self.workdir = workdir
         self._owns_workdir = owns_workdir
         self._binary = binary or redis_server_path()
@@ -82,8 +83,8 @@ class RedisProcess:
         local cluster heals from a crashed Redis without restarting anything else."""
         if self.is_running():
             return
-        proc = _spawn(self._binary, self.port, self.workdir)
-        if not _wait_ready(proc, self.port):
+        proc = _spawn(self._binary, self.port, self.workdir, self.password)
+        if not _wait_ready(proc, self.port, self.password):
             proc.kill()
             proc.wait()
             raise RedisStartError(f"redis-server did not restart on port {self.port}: "
@@ -113,22 +114,27 @@ class RedisProcess:
         return f"RedisProcess(url={self.url!r}, pid={self._proc.pid})"
 
 
-def _spawn(binary: str, port: int, workdir: Path) -> subprocess.Popen:
+def _spawn(binary: str, port: int, workdir: Path, password: str = "") -> subprocess.Popen:
     cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
            "no", "--dir", str(workdir), "--daemonize", "no", "--protected-mode", "yes",
            "--loglevel", "warning", "--logfile", str(workdir / "redis.log")]
+    if password:  # from a private file, not the command line (ps shows that to every user)
+        conf = workdir / "auth.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(f"requirepass {password}\n")
+        cmd.insert(1, str(conf))  # redis-server [config file] [options]
     # stderr goes to a file, not a pipe: an unread pipe would block a long-lived server
     with open(workdir / "redis.stderr", "ab") as err:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err)
 
 
-def _wait_ready(proc: subprocess.Popen, port: int) -> bool:
+def _wait_ready(proc: subprocess.Popen, port: int, password: str = "") -> bool:
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        if _serves(port, proc.pid):
+        if _serves(port, proc.pid, password):
             return True
         time.sleep(0.02)
     return False
@@ -138,8 +144,9 @@ def _tail(path: Path) -> str:
     return path.read_text(errors="replace")[-500:].strip() if path.exists() else ""
 
 
-def start_redis(port: int = 0, workdir: str | None = None) -> RedisProcess:
-    """Start redis-server on 127.0.0.1 (`port` 0 = a free one) and wait until it answers PING."""
+def start_redis(port: int = 0, workdir: str | None = None, password: str = "") -> RedisProcess:
+    """Start redis-server on 127.0.0.1 (`port` 0 = a free one) and wait until it answers PING;
+    with `password`, clients must authenticate (requirepass)."""
     binary = redis_server_path()
     owns = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="tandem-redis-")) if owns else Path(workdir)
@@ -148,9 +155,9 @@ def start_redis(port: int = 0, workdir: str | None = None) -> RedisProcess:
     last_err = ""
     for _ in range(attempts):
         chosen = port or _free_port()
-        proc = _spawn(binary, chosen, wd)
-        if _wait_ready(proc, chosen):
-            return RedisProcess(proc, chosen, wd, owns, binary)
+        proc = _spawn(binary, chosen, wd, password)
+        if _wait_ready(proc, chosen, password):
+            return RedisProcess(proc, chosen, wd, owns, binary, password)
         proc.kill()
         proc.wait()
         last_err = _tail(wd / "redis.stderr") or _tail(wd / "redis.log") or "no output"

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+Beat = tuple[asyncio.Task, asyncio.Event]
 
 
 @dataclass(frozen=True)
@@ -15,6 +18,8 @@ class Registration:
     address: str  # what gateways and verifiers dial
     worker_id: str = ""
     interval_s: float = 1.0
+    # Used when redis_url carries none (tandem.redis_conn); kept out of repr and logs.
+    redis_password: str = field(default="", repr=False)
 
     def __post_init__(self):
         if self.role not in ("draft", "verifier"):
@@ -24,13 +29,12 @@ class Registration:
 
 
 def start_registration(reg: Registration, capacity: int, load: Callable[[], int],
-                       **record_fields) -> tuple[asyncio.Task, asyncio.Event]:
+                       **record_fields) -> Beat:
     """Heartbeat task and the event that stops it (then it deregisters)."""
-    import redis.asyncio as aioredis
-
+    from tandem import redis_conn
     from tandem.registry import WorkerRecord, WorkerRegistry, heartbeat_loop
 
-    registry = WorkerRegistry(aioredis.from_url(reg.redis_url))
+    registry = WorkerRegistry(redis_conn.client(reg.redis_url, reg.redis_password))
     worker_id = reg.worker_id or f"{reg.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
 
     def record() -> WorkerRecord:
@@ -41,13 +45,22 @@ def start_registration(reg: Registration, capacity: int, load: Callable[[], int]
     return asyncio.create_task(heartbeat_loop(registry, record, reg.interval_s, stop)), stop
 
 
-def draft_discovery(redis_url: str):
-    """An async callable listing live draft workers' addresses (for the verifier)."""
-    import redis.asyncio as aioredis
+async def stop_registration(beat: Beat | None, timeout_s: float = 5.0) -> None:
+    """Leave the registry now (deregister) and wait for it; safe to call again."""
+    if beat is None:
+        return
+    task, stop = beat
+    stop.set()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.shield(task), timeout_s)
 
+
+def draft_discovery(redis_url: str, password: str = ""):
+    """An async callable listing live draft workers' addresses (for the verifier)."""
+    from tandem import redis_conn
     from tandem.registry import WorkerRegistry
 
-    registry = WorkerRegistry(aioredis.from_url(redis_url))
+    registry = WorkerRegistry(redis_conn.client(redis_url, password))
 
     async def discover() -> list[str]:
         return [r.address for r in await registry.list("draft")]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention import default_block_size
 from tandem.distill.acceptance import (
     SlotRunner,
     forward_cost_ms,
@@ -85,9 +86,9 @@ class TrialResult:
 
 def target_paths(model: LlamaModel, prompts: list[list[int]], n: int,
                  stop: tuple[int, ...]) -> list[list[int]]:
-    """Prompt + the target's greedy continuation, per prompt."""
-    longest = max(map(len, prompts)) + n + 1
-    runner = ModelRunner(model, len(prompts) * -(-longest // 16) + 1, 16)
+    """Prompt + the target's greedy continuation, per prompt (on the model's device)."""
+    longest, bs = max(map(len, prompts)) + n + 1, default_block_size(model.device)
+    runner = ModelRunner(model, len(prompts) * -(-longest // bs) + 1, bs)
     outs = LocalGenerator(runner).generate(prompts, SamplingParams(temperature=0.0), n, stop)
     return [list(p) + o for p, o in zip(prompts, outs)]
 

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from tandem.device import add_device_flags
 from tandem.envflags import add_flag
 
 _DEFAULT_OUT = "<checkpoint>/layer_skip.json"
@@ -34,6 +35,9 @@ def register(sub) -> None:
     add_flag(p, "--threads", "TANDEM_SEARCH_THREADS", 1, int,
              help="torch threads for the timed forwards (1: a batch-1 forward's share)")
     add_flag(p, "--seed", "TANDEM_SEARCH_SEED", 0, int, help="sampler seed")
+    add_device_flags(p, "TANDEM_SEARCH_SKIP", dtype_help=(
+        "target weight dtype: auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, "
+        "float16, int8 (cpu weight-only); search with the dtype the verifier serves"))
     add_flag(p, "--out", "TANDEM_SEARCH_OUT", _DEFAULT_OUT, help="where the best set is saved")
     add_flag(p, "--report", "TANDEM_SEARCH_REPORT", "",
              help="JSON of every trial (default: next to --out, layer_skip_trials.json)")
@@ -46,12 +50,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from tandem.device import place
     from tandem.distill.acceptance import load_prompts
     from tandem.distill.corpus import Prompt, encode_prompt
     from tandem.engine.llama import LlamaModel
     from tandem.models import resolve_model
     from tandem.skip_search import SearchConfig, search, summary
 
+    at = place(args.device, args.dtype)  # a GPU this host lacks fails here, before the work
     cfg = SearchConfig(trials=args.trials, objective=args.objective, k=args.k,
                        max_new_tokens=args.max_new_tokens,
                        num_prompts=args.num_prompts, seed=args.seed,
@@ -64,16 +70,17 @@ def run(args: argparse.Namespace) -> int:
     texts = load_prompts(Path(args.prompts) if args.prompts else None)
     prompts = [encode_prompt(tok, Prompt("chat", t, "search")) for t in texts]
     torch.set_num_threads(args.threads)
-    model = LlamaModel.load(paths)
+    model = LlamaModel.load(paths, at.dtype, device=at.device)
     stop = tuple(t for t in [tok.eos_token_id] if t is not None)
     print(f"searching {cfg.trials} skip sets of {model.cfg.num_layers} layers on "
-          f"{min(len(prompts), cfg.num_prompts)} prompts", file=sys.stderr)
+          f"{min(len(prompts), cfg.num_prompts)} prompts, target on {at}", file=sys.stderr)
     results = search(model, prompts, stop, cfg)
     best = max(results, key=lambda r: r.speedup)
     info = summary(best, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(best.skip.to_json(model=paths.root.name, **info))
     report.write_text(json.dumps({"model": paths.root.name, "config": dataclasses.asdict(cfg),
+                                  "device": str(at.device), "dtype": at.dtype,
                                   "best": {"skip": list(best.skip.skip), **info},
                                   "trials": [_trial(r) for r in results]}, indent=1) + "\n")
     print(f"best: skip {list(best.skip.skip)} -> estimated speedup {best.speedup:.3f} at "

@@ -192,9 +192,17 @@ def render(registry: CollectorRegistry) -> bytes:
 
 def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> int:
     """Serve GET /metrics over HTTP on a daemon thread (404 elsewhere, unlike prometheus_client's
-    server, which answers every path); returns the bound port (0 = any free)."""
+    server, which answers every path); returns the bound port (0 = any free). An IPv6 host
+    works, "::" on every address."""
     import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    server = _http_server(host, port, _metrics_handler(registry))
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server.server_address[1]
+
+
+def _metrics_handler(registry: CollectorRegistry):
+    from http.server import BaseHTTPRequestHandler
 
     from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -213,7 +221,25 @@ def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.
         def log_message(self, *args):  # scrapes every few seconds: not worth a log line
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-    return server.server_address[1]
+    return Handler
+
+
+def _http_server(host: str, port: int, handler):
+    import contextlib
+    import socket
+    from http.server import ThreadingHTTPServer
+
+    host = host.strip("[]")  # "[::]" as well as "::"
+    v6 = ":" in host
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if v6 else socket.AF_INET
+        daemon_threads = True
+
+        def server_bind(self):
+            if v6:  # "::" serves IPv4 too (dual stack), whatever the host's sysctl default
+                with contextlib.suppress(OSError):
+                    self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            super().server_bind()
+
+    return Server((host, port), handler)

@@ -7,8 +7,9 @@ import dataclasses
 import functools
 import logging
 
-from tandem.engine.quant import WEIGHT_DTYPES
-from tandem.envflags import add_flag, boolean, csv, env
+from tandem.device import add_device_flags
+from tandem.envflags import add_flag, add_log_level_flag, boolean, csv, env
+from tandem.redis_conn import add_password_flag
 from tandem.tls import add_tls_flags, tls_from_args
 from verify_service.config import VerifierConfig
 
@@ -18,9 +19,12 @@ _DEFAULTS = VerifierConfig()
 _INT_FLAGS = {
     "threads": "torch CPU threads, 0 = torch's default",
     "kv_cache_mb": "paged KV cache budget in MiB",
-    "block_size": "tokens per KV cache block",
+    "block_size": "tokens per KV cache block, 0 = the device's (256 with flash-attn on a "
+                  "GPU, else 16)",
     "max_sessions": "open sessions this worker accepts before refusing new ones",
     "max_num_seqs": "sessions verified together in one batched round",
+    "prefill_chunk_tokens": "chunked prefill: prompt tokens computed per step beside decoding "
+                            "sessions, 0 = off",
     "max_spec_tokens": "cap on draft tokens verified per session per round (0..32)",
     "top_n": "size of the sparse draft distribution asked from draft workers",
     "calibrate_reps": "timed forwards per token count at start-up, seeding the cost curve "
@@ -40,9 +44,10 @@ def register(sub, colocate=None) -> None:
              help="gRPC port to bind, 0 = any free port")
     add_flag(p, "--model", "TANDEM_MODEL", _DEFAULTS.model,
              help="target: default name or HF checkpoint dir")
-    add_flag(p, "--dtype", "TANDEM_VERIFIER_DTYPE", _DEFAULTS.dtype,
-             help="target weight dtype: " + ", ".join(WEIGHT_DTYPES) + " (int8: weight-only, "
-                  "per-group scales; activations, norms and KV cache stay fp32)")
+    add_device_flags(p, "TANDEM_VERIFIER", _DEFAULTS.dtype,
+                     "target weight dtype: auto (float32 on cpu, bfloat16 on cuda), float32, "
+                     "bfloat16, float16, int8 (cpu weight-only, per-group scales; "
+                     "activations, norms and KV cache stay fp32)")
     add_flag(p, "--batch-invariant", "TANDEM_VERIFIER_BATCH_INVARIANT", False, boolean,
              nargs="?", const=True, metavar="on|off",
              help="batch-invariant numerics: a session's tokens never depend on what shares "
@@ -60,10 +65,15 @@ def register(sub, colocate=None) -> None:
                         "[env TANDEM_VERIFIER_DRAFTS, comma-separated]")
     add_flag(p, "--redis-url", "REDIS_URL", "",
              help="register here and discover draft workers")
+    add_password_flag(p)
     add_flag(p, "--worker-id", "TANDEM_VERIFIER_WORKER_ID", "",
              help="id in the registry (default: generated)")
     add_flag(p, "--advertise-address", "TANDEM_VERIFIER_ADVERTISE_ADDRESS", "",
-             help="address others dial (default host:port)")
+             help="host:port others dial, IPv6 in brackets (default: --advertise-host and "
+                  "the bound port)")
+    add_flag(p, "--advertise-host", "TANDEM_VERIFIER_ADVERTISE_HOST", "",
+             help="host or IP others dial (e.g. the pod IP, IPv6 too), joined with the bound "
+                  "port (default: --host)")
     add_flag(p, "--drain-grace-s", "TANDEM_VERIFIER_DRAIN_GRACE_S", 5.0, float,
              help="seconds running streams get to finish when stopping")
     add_flag(p, "--metrics-port", "TANDEM_VERIFIER_METRICS_PORT", -1, int,
@@ -76,6 +86,7 @@ def register(sub, colocate=None) -> None:
              help="serve speculation.method=medusa with these heads: auto (heads saved or "
                   "shipped with the model; see `tandem distill --method medusa`), off, or a "
                   "directory with medusa.json")
+    add_log_level_flag(p, "TANDEM_VERIFIER_LOG_LEVEL")
     add_tls_flags(p)
     p.set_defaults(func=functools.partial(_run, colocate=colocate))
 
@@ -85,7 +96,8 @@ def _run(args: argparse.Namespace, colocate=None) -> int:
     values = {k: v for k, v in vars(args).items() if k in fields}
     config = VerifierConfig(**values, draft_addresses=tuple(args.drafts),
                             tls=tls_from_args(args))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.threads:
         import torch
 

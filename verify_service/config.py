@@ -1,10 +1,11 @@
 """Verifier worker configuration (flags and TANDEM_VERIFIER_* environment variables)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tandem.engine.quant import WEIGHT_DTYPES
+from tandem.device import DTYPE_CHOICES, check_device_spec
 from tandem.models import DEFAULT_TARGET
+from tandem.netaddr import check_target, split_host_port
 from tandem.tls import TlsConfig, check_serving
 
 
@@ -14,14 +15,20 @@ class VerifierConfig:
     port: int = 0  # 0 = pick a free port
     model: str = DEFAULT_TARGET
     threads: int = 0  # torch threads, 0 = torch's default
-    dtype: str = "float32"  # target weights: float32, bfloat16, float16 or int8 (weight-only)
+    # Target weights: auto (float32 on the cpu, bfloat16 on a GPU), float32, bfloat16,
+    # float16 or int8 (cpu weight-only); device: auto (CUDA when present), cpu, cuda, cuda:N.
+    dtype: str = "auto"
+    device: str = "auto"
     # Every row's logits independent of the batch it runs in (tandem.engine.llama): greedy
     # text the same alone, batched, speculative or after failover; slower.
     batch_invariant: bool = False
     kv_cache_mb: int = 512
-    block_size: int = 16
+    block_size: int = 0  # tokens per KV block; 0 = the device's (256 for flash-attn, else 16)
     max_sessions: int = 64
     max_num_seqs: int = 32
+    # Chunked prefill: beside decoding sessions, a prompt is computed this many tokens per
+    # step (0 = off: a long prompt stalls them for its whole prefill).
+    prefill_chunk_tokens: int = 256
     # The cost model picks each round's k up to this: a weak draft stays short, while suffix
     # decoding on a repeated answer pays up to ~16 on this CPU.
     max_spec_tokens: int = 16
@@ -29,8 +36,13 @@ class VerifierConfig:
     top_n: int = 8
     draft_addresses: tuple[str, ...] = ()
     redis_url: str = ""
+    # Used when redis_url carries none (REDIS_PASSWORD); kept out of repr and logs.
+    redis_password: str = field(default="", repr=False)
     worker_id: str = ""
-    advertise_address: str = ""  # what others dial; default host:port
+    # What others dial: advertise_address as given, else advertise_host (default: host)
+    # joined with the bound port, IPv6 literals bracketed (tandem.netaddr).
+    advertise_address: str = ""
+    advertise_host: str = ""
     drain_grace_s: float = 5.0
     metrics_port: int = -1  # Prometheus /metrics over HTTP: -1 = off, 0 = any free port
     # Timed forwards per token count at start-up, seeding the cost curve k is chosen from
@@ -49,8 +61,9 @@ class VerifierConfig:
 
     def __post_init__(self):
         check_serving(self.tls)
-        if self.dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        check_device_spec(self.device)
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be -1 (off) or a port, got {self.metrics_port}")
         if not 0 <= self.port < 65536:
@@ -59,7 +72,12 @@ class VerifierConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be 'auto', 'off' or a path, got {value!r}")
-        for name in ("kv_cache_mb", "block_size", "max_sessions", "max_num_seqs", "top_n",
+        if self.block_size < 0:
+            raise ValueError(f"block_size must be >= 0 (0 = the device's), got {self.block_size}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0 (0 = off), got "
+                             f"{self.prefill_chunk_tokens}")
+        for name in ("kv_cache_mb", "max_sessions", "max_num_seqs", "top_n",
                      "layer_skip_kv_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -69,3 +87,7 @@ class VerifierConfig:
             raise ValueError("max_draft_wait_ms, drain_grace_s and threads must be >= 0")
         if not 0 <= self.calibrate_reps <= 100:
             raise ValueError(f"calibrate_reps must be in [0, 100], got {self.calibrate_reps}")
+        if self.advertise_address:  # e.g. an unbracketed IPv6 pod IP fails here, not on dial
+            split_host_port(self.advertise_address)
+        for addr in self.draft_addresses:
+            check_target(addr)

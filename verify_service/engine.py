@@ -22,7 +22,13 @@ from tandem.errors import AlreadyExists, ResourceExhausted
 from tandem.spec.cost import update_acceptance, update_tree_scale
 from tandem.telemetry import VerifierMetrics
 from verify_service.drafts import DraftSide
-from verify_service.executor import Executor, RoundOutcome, StepInput, StepTimings
+from verify_service.executor import (
+    Executor,
+    RoundOutcome,
+    StepInput,
+    StepTimings,
+    TokenLogprob,
+)
 from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import GenerateParams, Sequence
 
@@ -60,6 +66,7 @@ class RoundOutput:
     accepted_total: int
     finish_reason: str | None
     lossy: bool = False  # typical acceptance was used: not the target's distribution
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when asked for
 
 
 class Engine:
@@ -132,7 +139,12 @@ class Engine:
         else:
             self._observe_cost(sched.scheduled, wait_ms, timings)
         for s, outcome in zip(sched.scheduled, outcomes):  # 4. apply: commit, stream, tell
-            if outcome is not None:
+            if outcome is None:
+                continue
+            if s.partial:  # a prefill chunk: its KV is final, nothing to tell anyone yet
+                if s.seq.seq_id in self.sessions and not s.seq.finished:
+                    self.scheduler.update_from_output(s, 0)
+            else:
                 self._apply(s, outcome, wait_ms, timings)
 
     async def _execute(self, inputs: list[StepInput]):
@@ -195,11 +207,12 @@ class Engine:
             seq.seq_id)), list(seq.drafts[: s.num_drafts]), seq.params.sampling,
             carried=self._carried.get(seq.seq_id) if seq.carried else None,
             sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
-            want_features=seq.params.method.needs_features,
+            want_features=seq.params.method.needs_features, partial=s.partial,
             # The heads cost a few ms: only the nodes the next round may verify.
             propose_tree=self.scheduler.desired_k(seq, 1) if seq.params.method.in_verifier
             else 0,
-            typical=None if seq.params.sampling.is_greedy else seq.params.typical)
+            typical=None if seq.params.sampling.is_greedy else seq.params.typical,
+            logprobs=seq.params.logprobs)
 
     def _may_carry(self, seq: Sequence, k: int) -> bool:
         """Skip the bonus token when the draft's next token is already here (unseeded
@@ -207,6 +220,7 @@ class Engine:
         its keyed samples (executor._coupled_verify), which a carried row would not draw)."""
         s = seq.params.sampling
         return (k >= 1 and len(seq.drafts) > k and not s.is_greedy and s.seed is None
+                and seq.params.logprobs is None  # a carried row has no logits to report
                 and self.drafts.linked(seq)
                 and len(seq.output) + k < seq.params.max_new_tokens)
 
@@ -263,7 +277,8 @@ class Engine:
                                        timings.forward_ms, timings.rejection_ms)
         self._queues[seq.seq_id].put_nowait(self._output(
             seq, new, s.num_drafts, kept, wait_ms, timings,
-            bonus=next_token is not None and len(accepted) == s.num_drafts))
+            bonus=next_token is not None and len(accepted) == s.num_drafts,
+            logprobs=outcome.logprobs[:len(new)]))
         if outcome.features is not None:
             seq.keep_features(outcome.features)
         if seq.finished:
@@ -289,13 +304,15 @@ class Engine:
 
     @staticmethod
     def _output(seq: Sequence, new: list[int], drafted: int, accepted: int, wait_ms: float,
-                timings: StepTimings, bonus: bool = False) -> RoundOutput:
+                timings: StepTimings, bonus: bool = False,
+                logprobs: tuple[TokenLogprob, ...] = ()) -> RoundOutput:
         st = seq.stats
         return RoundOutput(
             token_ids=new, num_committed=len(seq.output), drafted=drafted, accepted=accepted,
             bonus=bonus, draft_wait_ms=wait_ms, verify_ms=timings.forward_ms,
             rejection_ms=timings.rejection_ms, rounds=st.rounds, drafted_total=st.drafted,
-            accepted_total=st.accepted, finish_reason=seq.finish_reason, lossy=st.lossy)
+            accepted_total=st.accepted, finish_reason=seq.finish_reason, lossy=st.lossy,
+            logprobs=logprobs)
 
     async def close(self) -> None:
         for seq_id in list(self.sessions):

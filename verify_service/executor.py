@@ -7,7 +7,7 @@ health checks and draft streams during the forward.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,8 +45,12 @@ class StepInput:
     want_features: bool = False  # EAGLE sessions: return the kept positions' hidden states
     propose_tree: int = 0  # Medusa sessions: nodes of the next round's tree drafted now
     typical: tuple[float, float] | None = None  # LOSSY typical acceptance (threshold, alpha)
+    logprobs: int | None = None  # the emitted tokens' target logprobs, with this many top
+    partial: bool = False  # a prefill chunk before the last: computes KV, samples nothing
 
     def __post_init__(self):
+        if self.logprobs is not None and self.carried is not None:
+            raise ValueError("logprobs need the round's own logits: no carried row")
         if self.parents is not None:
             if len(self.parents) != len(self.drafts):
                 raise ValueError(f"{len(self.parents)} parents for {len(self.drafts)} drafts")
@@ -62,8 +66,8 @@ class StepInput:
         parents = None
         if self.is_tree:
             parents = (-1, *(p + 1 for p in self.parents))
-        return SeqChunk(self.token_ids, self.start_pos, self.block_table,
-                        num_logits=len(self.drafts) + (0 if self.carried is not None else 1),
+        logits = 0 if self.partial else len(self.drafts) + (self.carried is None)
+        return SeqChunk(self.token_ids, self.start_pos, self.block_table, num_logits=logits,
                         parents=parents)
 
     @property
@@ -73,12 +77,23 @@ class StepInput:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The target's raw log-probability of one emitted token (log-softmax of its logits,
+    before the sampling parameters) and the `top` most likely tokens there."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RoundOutcome:
     accepted: list[int]  # accepted draft tokens
     next_token: int | None  # recovered (first rejection) or bonus token; None when carried
     carry: torch.Tensor | None = None  # [vocab] the unsampled bonus row, when next_token is None
     features: Features | None = None  # hidden states of the positions whose KV was kept
     tree: tuple[list[DraftToken], tuple[int, ...]] | None = None  # Medusa: next round's drafts
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per emitted token, when asked for
 
 
 @dataclass(frozen=True)
@@ -115,23 +130,41 @@ class Executor:
         return {q: sorted(ts[1:])[len(ts[1:]) // 2] for q, ts in times.items()}
 
     def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
+        """One forward over every input, then verification of the rounds. Prefill chunks
+        that are not a prompt's last ride along at the end of the forward (no logits rows)
+        and come back as empty outcomes."""
+        chunks = [s for s in inputs if s.partial]
+        if not chunks:
+            return self._execute(inputs, [])
+        rounds = [s for s in inputs if not s.partial]
+        if not rounds:
+            _, _, forward_ms = self._forward([s.chunk() for s in chunks], False)
+            return [RoundOutcome([], None)] * len(inputs), StepTimings(forward_ms, 0.0)
+        outcomes, timings = self._execute(rounds, [s.chunk() for s in chunks])
+        found = iter(outcomes)
+        return [RoundOutcome([], None) if s.partial else next(found) for s in inputs], timings
+
+    def _execute(self, inputs: list[StepInput], extra: list[SeqChunk]
+                 ) -> tuple[list[RoundOutcome], StepTimings]:
         t0 = time.perf_counter()
         with_hidden = any(s.want_features or s.propose_tree for s in inputs)
         if all(s.sampling.is_greedy and s.sample_bonus and s.carried is None and s.token_ids
                for s in inputs):
-            logits, hidden, forward_ms = self._forward([s.chunk() for s in inputs], with_hidden)
+            logits, hidden, forward_ms = self._forward([s.chunk() for s in inputs] + extra,
+                                                       with_hidden)
             found = _greedy_verify(inputs, logits)
         else:
-            probs, hidden, forward_ms = self._target_probs(inputs, with_hidden)
+            probs, logits, hidden, forward_ms = self._target_probs(inputs, with_hidden, extra)
             found = self._verify(inputs, probs)
+        logprobs = _emitted_logprobs(inputs, found, logits)
         outcomes, hidden_at = [], 0
-        for s, (accepted, next_token, carry, path) in zip(inputs, found):
+        for s, (accepted, next_token, carry, path), lps in zip(inputs, found, logprobs):
             if path is not None and path != list(range(len(path))):  # a tree's path, in place
                 root = s.first_sampled_pos - 1
                 self.runner.move_kv(s.block_table, [root + 1 + j for j in path],
                                     list(range(root + 1, root + 1 + len(path))))
-            outcomes.append(self._outcome(s, accepted, next_token, carry, path, hidden,
-                                          hidden_at))
+            outcome = self._outcome(s, accepted, next_token, carry, path, hidden, hidden_at)
+            outcomes.append(replace(outcome, logprobs=lps) if lps else outcome)
             hidden_at += len(s.token_ids)
         total_ms = (time.perf_counter() - t0) * 1e3
         return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
@@ -210,15 +243,17 @@ class Executor:
         synchronize(self.runner.device)  # forward_ms feeds the cost model: the real time
         return logits, hidden, (time.perf_counter() - t0) * 1e3
 
-    def _target_probs(self, inputs: list[StepInput], with_hidden: bool):
+    def _target_probs(self, inputs: list[StepInput], with_hidden: bool,
+                      extra: list[SeqChunk] = ()):
         """([sum(k_i + 1), vocab] probs: carried rows (if any) then each forward's rows;
-        [sum(len(token_ids)), hidden] final hidden states if any input wants them, else None;
-        forward ms)."""
+        the forward's logits [sum(rows), vocab] or None; [sum(len(token_ids)), hidden] final
+        hidden states if any input wants them, else None; forward ms)."""
         rows = [len(s.drafts) + (0 if s.carried is not None else 1) for s in inputs]
         chunks = [s.chunk() for s in inputs if s.token_ids]
-        if not chunks:  # carried sessions whose drafts vanished: no forward needed
-            return torch.stack([s.carried for s in inputs]), None, 0.0
-        logits, hidden, forward_ms = self._forward(chunks, with_hidden)  # [sum(rows), vocab]
+        if not chunks and not extra:  # carried sessions whose drafts vanished: no forward
+            return torch.stack([s.carried for s in inputs]), None, None, 0.0
+        # [sum(rows), vocab]; extra (prefill chunks) add KV but no rows
+        logits, hidden, forward_ms = self._forward(chunks + list(extra), with_hidden)
 
         def per_row(values, dtype):
             return torch.tensor([v for v, n in zip(values, rows) for _ in range(n)], dtype=dtype,
@@ -231,14 +266,14 @@ class Executor:
             per_row([s.sampling.top_p for s in inputs], torch.float32),
         )
         if all(s.carried is None for s in inputs):
-            return probs, hidden, forward_ms
+            return probs, logits, hidden, forward_ms
         parts, at = [], 0
         for s, n in zip(inputs, rows):
             if s.carried is not None:
                 parts.append(s.carried[None])
             parts.append(probs[at:at + n])
             at += n
-        return torch.cat(parts), hidden, forward_ms
+        return torch.cat(parts), logits, hidden, forward_ms
 
 
 def _coupled_verify(
@@ -288,3 +323,27 @@ def _match(drafts: list[DraftToken], tokens: list[int]):
     while a < len(drafts) and drafts[a].token_id == tokens[a]:
         a += 1
     return tokens[:a], tokens[a], None, list(range(a))
+
+
+def _emitted_logprobs(inputs: list[StepInput], found, logits: torch.Tensor | None):
+    """Per input, a TokenLogprob for each token the round emits (accepted drafts, then the
+    recovered or bonus token), or () when not asked for. A token at depth d was sampled from
+    the row of its parent: the root's row 0, then row node + 1 along the accepted path."""
+    out: list[tuple[TokenLogprob, ...]] = []
+    at = 0  # the forward's logits rows: each input's num_logits, in order
+    for s, (accepted, next_token, _carry, path) in zip(inputs, found):
+        first, at = at, at + (s.chunk().num_logits if s.token_ids else 0)
+        if s.logprobs is None or logits is None:
+            out.append(())
+            continue
+        tokens = list(accepted) + ([] if next_token is None else [next_token])
+        rows = [first] + [first + p + 1 for p in (path or [])]
+        lp = logits[rows[:len(tokens)]].float().log_softmax(-1)  # [emitted, vocab]
+        chosen = lp[torch.arange(len(tokens), device=lp.device),
+                    torch.tensor(tokens, device=lp.device)].tolist()
+        tops = [()] * len(tokens)
+        if s.logprobs:
+            v, i = lp.topk(s.logprobs, dim=-1)
+            tops = [tuple(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
+        out.append(tuple(TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)))
+    return out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -12,7 +13,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem import __version__, telemetry
+from kernels.attention import default_block_size
+from tandem import __version__, redis_conn, telemetry
+from tandem.device import place
+from tandem.drain import DrainSignal, set_health
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.llama import LlamaModel
 from tandem.engine.medusa import load_for
@@ -20,6 +24,8 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
 from tandem.models import ModelPaths, resolve_model, tokenizer_hash
+from tandem.netaddr import advertised, join_host_port
+from tandem.registration import Registration, start_registration, stop_registration
 from tandem.spec import Method
 from tandem.spec.cost import CostModel
 from tandem.telemetry import VerifierMetrics
@@ -45,6 +51,16 @@ class Verifier:
     tasks: list[asyncio.Task] = field(default_factory=list)
     colocated: Colocated | None = None
 
+    async def begin_drain(self, beat=None) -> None:
+        """SIGUSR1 (`tandem drain`, the preStop hook): take no new sessions from now on, keep
+        serving the open ones. New Generate calls get UNAVAILABLE (the gateway resumes them
+        on another verifier); the service reports NOT_SERVING (readiness) while "" stays
+        SERVING (liveness); the registry entry goes at once."""
+        self.servicer.draining = True
+        await set_health(self.health, (SERVICE_NAME,),
+                         health_pb2.HealthCheckResponse.NOT_SERVING)
+        await stop_registration(beat)
+        log.info("draining: left the registry, refusing new sessions")
 
     async def drain_and_stop(self, grace_s: float) -> None:
         """Refuse new work, report NOT_SERVING, let running streams finish within grace_s."""
@@ -87,12 +103,19 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     one, since services do not import each other)."""
     paths = resolve_model(config.model)
     if model is None:
-        model = LlamaModel.load(paths, config.dtype, batch_invariant=config.batch_invariant)
+        at = place(config.device, config.dtype, config.block_size)
+        log.info("target on %s", at)
+        model = LlamaModel.load(paths, at.dtype, batch_invariant=config.batch_invariant,
+                                device=at.device)
     if model.batch_invariant != config.batch_invariant:
         raise ValueError(f"config.batch_invariant={config.batch_invariant} but the model given "
                          f"was loaded with batch_invariant={model.batch_invariant}")
+    # 0 = the device's block size; the in-process layer-skip worker uses the same
+    config = dataclasses.replace(
+        config, block_size=config.block_size or default_block_size(model.device))
     runner = ModelRunner.with_memory(model, config.kv_cache_mb << 20, config.block_size)
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                prefill_chunk_tokens=config.prefill_chunk_tokens,
                                 max_spec_tokens=config.max_spec_tokens,
                                 max_model_len=model.cfg.max_position_embeddings)
     medusa = load_for(model, paths, config.medusa)
@@ -144,7 +167,7 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    port = add_port(server, f"{config.host}:{config.port}", config.tls)
+    port = add_port(server, join_host_port(config.host, config.port), config.tls)
     await server.start()
     await _set_serving(health_servicer)
     verifier = Verifier(server, port, engine, servicer, health_servicer, colocated=colocated)
@@ -153,40 +176,46 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
 
 
 async def _set_serving(servicer) -> None:
-    for name in ("", SERVICE_NAME):
-        result = servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if asyncio.iscoroutine(result):
-            await result
+    await set_health(servicer, ("", SERVICE_NAME), health_pb2.HealthCheckResponse.SERVING)
 
 
 async def serve(config: VerifierConfig, colocate: Colocate | None = None) -> None:
-    """Run until SIGTERM/SIGINT, registered in Redis when config.redis_url is set."""
-    from tandem.registration import Registration, draft_discovery, start_registration
+    """Run until SIGTERM/SIGINT, registered in Redis when config.redis_url is set; SIGUSR1
+    begins a drain (Verifier.begin_drain)."""
+    from tandem.registration import draft_discovery
 
+    drain = DrainSignal()  # from here on, SIGUSR1 during the model load is not fatal
     telemetry.setup_tracing("tandem-verifier")
-    discover = draft_discovery(config.redis_url) if config.redis_url else None
+    discover = None
+    if config.redis_url:  # a refused password fails here, before the model loads
+        await redis_conn.check_auth(config.redis_url, config.redis_password)
+        discover = draft_discovery(config.redis_url, config.redis_password)
     verifier = await start_verifier(config, discover=discover, colocate=colocate)
-    address = config.advertise_address or f"{config.host}:{verifier.port}"
+    address = advertised(config.advertise_address, config.advertise_host, config.host,
+                         verifier.port)
     print(f"verifier serving on {address}", flush=True)
     if config.metrics_port >= 0:
         registry = verifier.servicer.metrics.registry
         port = telemetry.start_metrics_server(config.metrics_port, registry, config.host)
-        print(f"verifier metrics on http://{config.host}:{port}/metrics", flush=True)
+        print(f"verifier metrics on http://{join_host_port(config.host, port)}/metrics",
+              flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    beat = None
-    if config.redis_url:
-        info = verifier.servicer.info
-        beat = start_registration(
-            Registration(config.redis_url, "verifier", address, config.worker_id),
-            capacity=config.max_sessions, load=lambda: verifier.engine.load,
-            model_id=info.model_id, tokenizer_hash=info.tokenizer_hash,
-            max_speculative_tokens=config.max_spec_tokens)
+    beat = _register(config, verifier, address) if config.redis_url else None
+    drain.on_loop(lambda: verifier.begin_drain(beat))
     await stop.wait()
     log.info("draining verifier")
-    if beat is not None:  # leave the registry first so no new session is routed here
-        beat[1].set()
-        await asyncio.wait_for(beat[0], 5)
+    await stop_registration(beat)  # leave the registry first so no new session is routed here
     await verifier.drain_and_stop(config.drain_grace_s)
+
+
+def _register(config: VerifierConfig, verifier: Verifier, address: str):
+    info = verifier.servicer.info
+    return start_registration(
+        Registration(config.redis_url, "verifier", address, config.worker_id,
+                     redis_password=config.redis_password),
+        capacity=config.max_sessions, load=lambda: verifier.engine.load,
+        model_id=info.model_id, tokenizer_hash=info.tokenizer_hash,
+        max_speculative_tokens=config.max_spec_tokens)

@@ -24,12 +24,20 @@ class SchedulerConfig:
     max_spec_tokens: int = 8  # cap on k per round
     max_verify_tokens: int = 64  # verification tokens per step; caps k under batch load
     max_model_len: int = 8192
+    # Chunked prefill: while other sessions decode, a prompt is computed at most this many
+    # tokens per step, so one long prompt does not stall their next token for its whole
+    # prefill; alone, it goes in one forward. 0 = off (a long prefill waits for a step of
+    # its own and then runs whole).
+    prefill_chunk_tokens: int = 256
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_verify_tokens",
                      "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0, got "
+                             f"{self.prefill_chunk_tokens}")
         if self.max_spec_tokens < 0:
             raise ValueError(f"max_spec_tokens must be >= 0, got {self.max_spec_tokens}")
 
@@ -43,6 +51,7 @@ class ScheduledSeq:
     is_prefill: bool
     wanted: int = 0  # the k the session wanted; more than num_drafts when drafts were late
     parents: tuple[int, ...] | None = None  # the drafts' tree (None = a chain)
+    partial: bool = False  # a prefill chunk before the last: KV only, nothing sampled
 
 
 @dataclass
@@ -120,14 +129,39 @@ class Scheduler:
         preempted: list[Sequence] = []
         scheduled = self._schedule_running(preempted)
         budget = self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in scheduled)
+        chunks = self._schedule_chunks(budget, bool(scheduled))
+        budget -= sum(len(s.token_ids) for s in chunks)
+        scheduled += chunks
         scheduled += self._schedule_prefills(budget, bool(scheduled))
         return SchedulerOutput(scheduled, preempted)
+
+    def _chunk_size(self, remaining: int, budget: int, have_work: bool) -> int:
+        """Prefill tokens to compute now: all of them alone; beside other work, a chunk."""
+        if not have_work:
+            return remaining
+        return max(0, min(remaining, budget, self.config.prefill_chunk_tokens))
+
+    def _schedule_chunks(self, budget: int, have_work: bool) -> list[ScheduledSeq]:
+        """The next chunk of each running session whose prefill is not done (oldest first)."""
+        out = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not SeqStatus.RUNNING or not seq.prefill_left:
+                continue
+            n = self._chunk_size(seq.prefill_left, budget, have_work or bool(out))
+            if n == 0:
+                break
+            start = seq.num_tokens - seq.prefill_left
+            seq.prefill_left -= n
+            out.append(ScheduledSeq(seq, seq.tokens[start:start + n], start, 0, True,
+                                    partial=seq.prefill_left > 0))
+            budget -= n
+        return out
 
     def _schedule_running(self, preempted: list[Sequence]) -> list[ScheduledSeq]:
         out = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted below while serving an earlier one
+            if seq.status is not SeqStatus.RUNNING or seq.prefill_left:
+                continue  # preempted below while serving an earlier one; or prefilling
             wanted = self.desired_k(seq)
             k = min(len(seq.drafts), wanted)
             room = self.config.max_model_len - seq.num_tokens - 1
@@ -163,6 +197,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.drafts, seq.draft_parents = [], None
         seq.carried = False  # the re-prefill recomputes that distribution
+        seq.prefill_left = 0
         seq.epoch += 1
         self.waiting.appendleft(seq)
 
@@ -171,18 +206,25 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.tokens
-            if (have_work or out) and len(tokens) > budget:
-                break  # a long prefill waits for a step of its own
-            # EAGLE sessions need the target's hidden state of every position: no cache hits.
+            # EAGLE sessions need the target's hidden state of every position (no cache hits,
+            # and the features of a whole prefill at once): they are never chunked.
             use_cache = not seq.params.method.needs_features
+            chunked = use_cache and self.config.prefill_chunk_tokens > 0
+            busy = have_work or bool(out)
+            if busy and (budget < 1 if chunked else len(tokens) > budget):
+                break  # no room this step (unchunked: a long prefill waits for its own)
             if not self.blocks.can_allocate(tokens, use_cache):
                 break
             cached = self.blocks.allocate(seq.seq_id, tokens, use_cache)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.append(ScheduledSeq(seq, tokens[cached:], cached, 0, True))
-            budget -= len(tokens) - cached
+            remaining = len(tokens) - cached
+            n = self._chunk_size(remaining, budget, busy) if chunked else remaining
+            seq.prefill_left = remaining - n
+            out.append(ScheduledSeq(seq, tokens[cached:cached + n], cached, 0, True,
+                                    partial=seq.prefill_left > 0))
+            budget -= n
         return out
 
     def update_from_output(self, sched: ScheduledSeq, num_accepted: int,
@@ -190,6 +232,9 @@ class Scheduler:
         """Keep the KV of the round's first input and the accepted drafts; roll back the rest.
         A tree's accepted path (its tokens, `path`) was moved to the slots after the root."""
         seq = sched.seq
+        if sched.partial:  # a prefill chunk: its slots are final, the rest is still to come
+            self.blocks.commit(seq.seq_id, sched.start_pos + len(sched.token_ids))
+            return
         if sched.num_drafts > num_accepted:
             self.blocks.rollback(seq.seq_id, sched.num_drafts - num_accepted)
         if path:

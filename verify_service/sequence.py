@@ -15,6 +15,8 @@ from tandem.errors import InvalidArgument
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Features, Method
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # needs a prefill (new, resumed or preempted)
@@ -39,8 +41,13 @@ class GenerateParams:
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers for the draft's span
     # Medusa's typical acceptance (posterior_threshold, posterior_alpha): LOSSY; None = exact.
     typical: tuple[float, float] | None = None
+    # Return each generated token's target logprob, with this many top alternatives; None = no.
+    logprobs: int | None = None
 
     def __post_init__(self):
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                  f"{self.logprobs}")
         if not self.session_id:
             raise InvalidArgument("session_id is empty")
         if not self.prompt:
@@ -94,6 +101,9 @@ class Sequence:
     arrival: int = 0  # admission order, for FIFO and preemption choice
     draft_attaches_left: int = 3  # a session reopens its draft stream at most this often
     carried: bool = False  # see the module docstring
+    # Chunked prefill: tokens whose KV is still to be computed (their slots are allocated);
+    # 0 = prefilled, decoding. A session is not sampled until its last chunk.
+    prefill_left: int = 0
     # EAGLE sessions: the target's hidden states of positions [0, n) as fp16 bytes, so a
     # draft stream opened mid-session (re-attach) starts from the whole history.
     features: bytearray = field(default_factory=bytearray)

@@ -82,7 +82,8 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
         num_speculative_tokens=spec.num_speculative_tokens, draft_address=spec.draft_address,
         tenant=spec.tenant, typical=(
             (spec.typical_acceptance.posterior_threshold, spec.typical_acceptance.posterior_alpha)
-            if spec.HasField("typical_acceptance") else None))
+            if spec.HasField("typical_acceptance") else None),
+        logprobs=req.top_logprobs if req.logprobs else None)
 
 
 def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
@@ -94,7 +95,10 @@ def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
             rejection_ms=out.rejection_ms),
         totals=verify_pb2.SessionStats(rounds=out.rounds, drafted_tokens=out.drafted_total,
                                        accepted_tokens=out.accepted_total, lossy=out.lossy),
-        finish_reason=_FINISH[out.finish_reason])
+        finish_reason=_FINISH[out.finish_reason],
+        logprobs=[verify_pb2.TokenLogprob(
+            token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top]) for lp in out.logprobs])
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):

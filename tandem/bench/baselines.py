@@ -6,6 +6,9 @@
 
 Timing comes from a streamer (each `put` is one step's new tokens), so TTFT and decode
 tokens/s are defined exactly as for the streamed HTTP responses.
+
+Every loader takes a tandem.device.Placement (None: the cpu in float32, as before --device);
+on a GPU the clock is read only after the queued work is done (tandem.device.synchronize).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from tandem.bench.stats import decode_tps
+from tandem.device import Placement, synchronize
 
 PEER_METHODS = ("plain", "assisted", "prompt_lookup")
 
@@ -26,7 +30,9 @@ PEER_METHODS = ("plain", "assisted", "prompt_lookup")
 class _Clock(BaseStreamer):
     """Records when each step's tokens exist; the first `put` is the prompt itself."""
 
-    def __init__(self):
+    def __init__(self, device="cpu"):
+        self.device = device
+        synchronize(device)  # earlier GPU work is not this generation's
         self.start = time.perf_counter()
         self.times: list[float] = []
         self.counts: list[int] = []
@@ -36,6 +42,7 @@ class _Clock(BaseStreamer):
         if not self._prompt_seen:
             self._prompt_seen = True
             return
+        synchronize(self.device)
         self.times.append(time.perf_counter())
         self.counts.append(int(value.numel()))
 
@@ -73,16 +80,28 @@ class _ScatterHead(torch.nn.Module):
         return out
 
 
-def load_target(path: str | Path):
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+def peer_dtype(at: Placement | None) -> torch.dtype:
+    """The transformers peers' dtype: Tandem's, except int8 (our CPU kernel): float32."""
+    if at is None or at.dtype == "int8":
+        return torch.float32
+    return getattr(torch, at.dtype)
 
 
-def load_assistant(draft_dir: str | Path, target_vocab: int):
+def _device(at: Placement | None) -> torch.device:
+    return torch.device("cpu") if at is None else at.device
+
+
+def load_target(path: str | Path, at: Placement | None = None):
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=peer_dtype(at))
+    return model.to(_device(at)).eval()
+
+
+def load_assistant(draft_dir: str | Path, target_vocab: int, at: Placement | None = None):
     """The draft as transformers loads it. A truncated-vocabulary draft (draft_vocab.json)
     speaks draft row ids, so it is re-wired to speak target ids, as our workers do."""
     from tandem.engine.llama import DraftVocab
 
-    model = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=peer_dtype(at)).eval()
     vocab = DraftVocab.read(Path(draft_dir))
     if vocab is not None:  # even a full-size one may order its rows differently
         inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -91,7 +110,7 @@ def load_assistant(draft_dir: str | Path, target_vocab: int):
         model.lm_head = _ScatterHead(head, torch.tensor(vocab.target_ids), target_vocab)
         model.config.vocab_size = target_vocab
         model.config.tie_word_embeddings = False
-    return model
+    return model.to(_device(at))  # the re-wiring's index buffers too
 
 
 def _generation_config(model, tokens: int, temperature: float, method: str, k: int):
@@ -121,8 +140,9 @@ def run_peer(model, assistant, ids: list[int], method: str, tokens: int, tempera
     torch.manual_seed(seed)
     cfg = _generation_config(model, tokens, temperature, method, k)
     kwargs = {"assistant_model": assistant} if method == "assisted" else {}
-    clock = _Clock()
-    out = model.generate(torch.tensor([ids]), generation_config=cfg, streamer=clock, **kwargs)
+    clock = _Clock(model.device)
+    out = model.generate(torch.tensor([ids], device=model.device), generation_config=cfg,
+                         streamer=clock, **kwargs)
     n = int(out.shape[1]) - len(ids)
     first = clock.times[0] if clock.times else time.perf_counter()
     last = clock.times[-1] if clock.times else first
@@ -135,21 +155,32 @@ def _forward_ms(model, reps: int, prefix: int = 128) -> float:
     """Median batch-1, 1-token forward on a cached prefix through our ModelRunner (ms)."""
     import statistics
 
+    from kernels.attention import default_block_size
     from tandem.engine.model_runner import ModelRunner, SeqChunk
 
-    blocks = -(-(prefix + 2) // 16)
-    runner = ModelRunner(model, num_blocks=blocks, block_size=16)
+    block_size = default_block_size(model.device)
+    blocks = -(-(prefix + 2) // block_size)
+    runner = ModelRunner(model, num_blocks=blocks, block_size=block_size)
     table = list(range(blocks))
     runner.forward([SeqChunk([(7 * j) % 1000 + 100 for j in range(prefix)], 0, table, 1)])
     times = []
     for _ in range(reps):
+        synchronize(model.device)
         start = time.perf_counter()
         runner.forward([SeqChunk([42], prefix, table, 1)])
+        synchronize(model.device)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
 
-def measure_eagle_c(head_dir: str, target: str, reps: int = 40) -> dict:
+def _placement(at: Placement | None) -> Placement:
+    from tandem.device import place
+
+    return place("cpu", "float32") if at is None else at
+
+
+def measure_eagle_c(head_dir: str, target: str, reps: int = 40,
+                    at: Placement | None = None) -> dict:
     """c for the EAGLE head: one drafting step of the real proposer (one new entry, its LM
     head and sampling) against the target's batch-1 1-token forward, interleaved, 1 thread."""
     from draft_service.config import DraftConfig
@@ -159,22 +190,26 @@ def measure_eagle_c(head_dir: str, target: str, reps: int = 40) -> dict:
     from tandem.models import ModelPaths, resolve_model
     from tandem.spec import DraftRequest
 
+    at = _placement(at)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prop = EagleProposer.load(ModelPaths(Path(head_dir)), 64 << 20,
-                                  draft_vocab=DraftConfig.eagle_vocab)  # as a worker serves it
-        tm = LlamaModel.load(resolve_model(target))
+        prop = EagleProposer.load(ModelPaths(Path(head_dir)), 64 << 20, at.block_size,
+                                  draft_vocab=DraftConfig.eagle_vocab,  # as a worker serves it
+                                  device=at.device)
+        tm = LlamaModel.load(resolve_model(target), at.dtype, device=at.device)
         feats = torch.randn(128 + 4 * reps, prop.feature_size)
         tokens = [(7 * j) % 1000 + 100 for j in range(128)]
         prop.propose([DraftRequest("c", tokens, len(tokens), 1, features=feats[:127])])
         d, t = [], []
         for _ in range(3):
+            synchronize(at.device)
             start = time.perf_counter()
             for _ in range(reps):
                 tokens.append(tokens[-1] % 1000 + 100)
                 prop.propose([DraftRequest("c", tokens, len(tokens), 1,
                                            features=feats[:len(tokens) - 1])])
+            synchronize(at.device)
             d.append((time.perf_counter() - start) / reps * 1e3)
             t.append(forward_cost_ms(tm, max(5, reps // 4)))
     finally:
@@ -184,7 +219,7 @@ def measure_eagle_c(head_dir: str, target: str, reps: int = 40) -> dict:
             "threads": 1}
 
 
-def measure_layer_skip_c(target: str, reps: int = 40) -> dict:
+def measure_layer_skip_c(target: str, reps: int = 40, at: Placement | None = None) -> dict:
     """c of the layer-skip draft the verifier serves (the set found with the target), as
     measure_c times a draft model; {} when the target has no skip set."""
     from tandem.distill.acceptance import AcceptanceConfig, measure_cost
@@ -196,20 +231,22 @@ def measure_layer_skip_c(target: str, reps: int = 40) -> dict:
     found = find_skip_set(paths)
     if found is None:
         return {}
-    skip, tm = SkipSet.read(found), LlamaModel.load(paths)
+    at = _placement(at)
+    skip, tm = SkipSet.read(found), LlamaModel.load(paths, at.dtype, device=at.device)
     cost = measure_cost(skip_view(tm, skip), tm, AcceptanceConfig(timing_reps=reps))
     return cost | {"skip": list(skip.skip), "file": str(found)}
 
 
-def measure_c(draft: str, target: str, reps: int = 40) -> dict:
+def measure_c(draft: str, target: str, reps: int = 40, at: Placement | None = None) -> dict:
     """The draft/target cost ratio c for Leviathan's formula: median batch-1 1-token forward
     of each through our runner on one thread. tandem.distill.acceptance's measurement when it
     is there (so this report and `tandem acceptance` agree), else the same thing here."""
     from tandem.engine.llama import LlamaModel
     from tandem.models import resolve_model
 
-    dm = LlamaModel.load(resolve_model(draft))
-    tm = LlamaModel.load(resolve_model(target))
+    at = _placement(at)
+    dm = LlamaModel.load(resolve_model(draft), at.dtype, device=at.device)
+    tm = LlamaModel.load(resolve_model(target), at.dtype, device=at.device)
     try:
         from tandem.distill.acceptance import AcceptanceConfig, measure_cost
 

@@ -4,6 +4,7 @@
   tandem bench                           # everything: 15 prompts, 128 tokens, T=0 and 0.7
   tandem bench --workload repetitive     # questions asked again, code edits: suffix vs ngram
   tandem bench --report results/bench-2026-11-21/results.json   # re-render only
+  tandem bench --device cuda:1           # peers, cost timings and the cluster on one GPU
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from tandem.device import add_device_flags
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -47,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the shipped draft, draft_service/weights/smollm2-135m-draft)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process "
                    "(default %(default)s: verifier and draft each keep one core busy)")
+    add_device_flags(p, "TANDEM_BENCH", dtype_help=(
+        "weight dtype of every model the run loads: the transformers peers, the cost timings "
+        "and the cluster's verifier and draft worker: auto (float32 on cpu, bfloat16 on "
+        "cuda), float32, bfloat16, float16, int8 (cpu; the peers then stay float32)"))
     p.add_argument("--peer-threads", type=int, help="torch threads of the transformers "
                    "peers (default 1, like each worker; 0 = torch's default)")
     p.add_argument("--seed", type=int, help="send this seed with sampled Tandem requests "
@@ -71,6 +78,7 @@ def config_from_args(args):
     overrides = {"k": args.k, "model": args.model, "draft_model": args.draft_model,
                  "eagle": args.eagle,
                  "threads": args.threads, "peers": not args.no_peers,
+                 "device": args.device, "dtype": args.dtype,
                  "prompt_ids": args.prompts or ()}
     for name in ("max_tokens", "temperatures", "round_temperatures", "concurrency",
                  "per_category", "peer_threads", "seed"):
@@ -99,6 +107,10 @@ def cmd_bench(args) -> int:
     if saved is not None:
         write(saved, Path(args.out) if args.out else Path(args.report).parent, docs)
         return 0
+    config = config_from_args(args)
+    from tandem.device import place
+
+    place(config.device, config.dtype)  # a GPU this host lacks: a clear error, before any work
     name = "bench-repetitive" if repetitive else "bench"
     out = Path(args.out or f"results/{name}-{time.strftime('%Y-%m-%d', time.gmtime())}")
     result: dict = {}
@@ -107,11 +119,11 @@ def cmd_bench(args) -> int:
         if repetitive:
             from tandem.bench.repetitive import run_repetitive
 
-            run_repetitive(config_from_args(args), args.repeats, result, out)
+            run_repetitive(config, args.repeats, result, out)
         else:
             from tandem.bench.runner import run_bench
 
-            run_bench(config_from_args(args), result, out)
+            run_bench(config, result, out)
     except KeyboardInterrupt:
         print("interrupted: writing what was measured", file=sys.stderr)
         result.setdefault("meta", {})["incomplete"] = "interrupted"
@@ -153,7 +165,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # as `tandem bench` reports it (tandem.cli.main)
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

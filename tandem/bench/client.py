@@ -130,12 +130,12 @@ def verifier_rounds(address: str, prompt_ids: list[int], tokens: int, temperatur
 
 def worker_addresses(redis_url: str) -> dict[str, list[str]]:
     """Live verifier and draft addresses from the cluster's registry in Redis."""
-    import redis.asyncio as aioredis
-
+    from tandem import redis_conn
+    from tandem.envflags import env
     from tandem.registry import WorkerRegistry
 
     async def go():
-        client = aioredis.from_url(redis_url)
+        client = redis_conn.client(redis_url, env(redis_conn.PASSWORD_ENV, ""))
         try:
             reg = WorkerRegistry(client)
             return {role: [w.address for w in await reg.list(role)]

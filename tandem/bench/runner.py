@@ -21,6 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tandem.bench.stats import percentile
+from tandem.device import Placement, check_device_spec, check_dtype_spec, place
 from tandem.spec.methods import API_NAMES, Method
 
 PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
@@ -58,12 +59,18 @@ class BenchConfig:
     # verify by matching keyed samples instead of rejection sampling: pass one to measure that.
     seed: int | None = None
     quick: bool = False
+    # Where every model of the run goes (tandem.device): the peers and cost timings in this
+    # process, and the cluster's verifier and draft worker (passed on as --device / --dtype).
+    device: str = "auto"
+    dtype: str = "auto"
 
     def __post_init__(self):
         if self.max_tokens < 2 or not 1 <= self.k <= 32 or self.per_category < 0:
             raise ValueError("need max_tokens >= 2, 1 <= k <= 32, per_category >= 0")
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        check_device_spec(self.device)
+        check_dtype_spec(self.dtype)
 
 
 def quick_config(**overrides) -> BenchConfig:
@@ -84,6 +91,7 @@ class _Ctx:
     bar: tqdm
     out_dir: Path
     result: dict = field(default_factory=dict)
+    at: Placement | None = None  # where this process's models go (None: the cpu, float32)
 
 
 def load_prompts(per_category: int = 0, ids: tuple[str, ...] = (),
@@ -137,7 +145,8 @@ def resolve_draft(draft_model: str, out_dir: Path) -> tuple[str, dict]:
     return str(snap), info
 
 
-def machine() -> dict:
+def machine(at: Placement | None = None) -> dict:
+    """The host, and where the run's models went (`at`; the cpu when not given)."""
     import torch
     import transformers
 
@@ -149,9 +158,22 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": "none",
+    on_gpu = at is not None and at.device.type == "cuda"
+    return {"cpu": cpu, "cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(at.device) if on_gpu else "none",
+            "device": str(at.device) if at is not None else "cpu",
+            "dtype": at.dtype if at is not None else "float32",
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "load_avg_at_start": os.getloadavg()}
+
+
+def release_memory(at: Placement | None) -> None:
+    """Give what this process's models held back (the cluster's processes need it)."""
+    gc.collect()
+    if at is not None and at.device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def _row(p: dict, system: str, method: str, temperature: float, out: dict) -> dict:
@@ -166,8 +188,8 @@ def run_peers(ctx: _Ctx) -> None:
 
     cfg = ctx.cfg
     torch.set_num_threads(cfg.peer_threads or torch.get_num_threads())
-    model = load_target(ctx.target)
-    assistant = load_assistant(ctx.draft, model.config.vocab_size)
+    model = load_target(ctx.target, ctx.at)
+    assistant = load_assistant(ctx.draft, model.config.vocab_size, ctx.at)
     warm = ctx.ids[ctx.prompts[0]["id"]]
     for method in PEER_METHODS:  # first calls pay one-off costs (allocator, kernels)
         run_peer(model, assistant, warm, method, 4, 0.0, cfg.k)
@@ -180,7 +202,7 @@ def run_peers(ctx: _Ctx) -> None:
                 ctx.result["runs"].append(_row(p, "transformers", method, temp, out))
                 ctx.bar.update()
     del model, assistant
-    gc.collect()  # the cluster's processes get the memory back
+    release_memory(ctx.at)  # the cluster's processes get the memory back
 
 
 def run_gateway(ctx: _Ctx, url: str) -> None:
@@ -283,6 +305,7 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
 
     hf_logging.set_verbosity_error()  # generate()'s deprecation chatter would bury the bar
     start = time.perf_counter()
+    at = place(cfg.device, cfg.dtype)
     target = str(resolve_model(cfg.model or None).root)
     draft, draft_info = resolve_draft(cfg.draft_model, out_dir)
     tok = AutoTokenizer.from_pretrained(target)
@@ -291,30 +314,33 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
                                                  add_generation_prompt=True, tokenize=True,
                                                  return_dict=False)) for p in prompts}
     result.update({"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                            "machine": machine(), "config": asdict(cfg), "target": target,
+                            "machine": machine(at), "config": asdict(cfg), "target": target,
                             "draft": draft, "draft_info": draft_info,
                             "suffix_cache": "off (own text only; see --workload repetitive)",
                             "prompt_tokens": {p["id"]: len(ids[p["id"]]) for p in prompts}},
                    "runs": [], "rounds": [], "concurrency": []})
     with tqdm(total=_jobs(cfg, len(prompts)), unit="run") as bar:
-        ctx = _Ctx(cfg, prompts, ids, target, draft, bar, out_dir, result)
+        ctx = _Ctx(cfg, prompts, ids, target, draft, bar, out_dir, result, at)
         if cfg.peers:
             _phase(ctx, "peers", run_peers)
         bar.set_description("draft/target forward cost (c)")
-        _phase(ctx, "cost", lambda c: c.result["meta"].update(cost=measure_c(draft, target)))
+        _phase(ctx, "cost", lambda c: c.result["meta"].update(
+            cost=measure_c(draft, target, at=at)))
         eagle = resolve_eagle(cfg.eagle)
         if eagle:
             result["meta"]["eagle"] = eagle
             bar.set_description("eagle head/target cost (c)")
             _phase(ctx, "cost_eagle", lambda c: c.result["meta"].update(
-                cost_eagle=measure_eagle_c(eagle, target)))
+                cost_eagle=measure_eagle_c(eagle, target, at=at)))
         bar.set_description("layer-skip/target cost (c)")
         _phase(ctx, "cost_layer_skip", lambda c: c.result["meta"].update(
-            cost_layer_skip=measure_layer_skip_c(target)))
+            cost_layer_skip=measure_layer_skip_c(target, at=at)))
+        release_memory(at)
         bar.set_description("starting the cluster")
         cluster = Cluster(ClusterConfig(num_drafts=1, num_verifiers=1, gateway_port=free_port(),
                                         model=cfg.model, draft_model=draft, eagle=eagle,
-                                        threads=cfg.threads),
+                                        threads=cfg.threads, device=cfg.device,
+                                        dtype=cfg.dtype),
                           log=lambda m: None, env=dict(SUFFIX_CACHE_OFF))
         try:
             with _children_log_to(ctx.out_dir / "cluster.log"):

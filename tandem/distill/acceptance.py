@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from kernels.attention import default_block_size
 from kernels.rejection import rejection_sample
 from kernels.sampling import logits_to_probs, make_generator, sample
+from tandem.device import Placement, place, synchronize
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelError, resolve_model, tokenizer_hash
@@ -79,9 +81,11 @@ def load_prompts(path: Path | None) -> list[str]:
 
 
 class SlotRunner:
-    """A ModelRunner with a fixed, private slice of blocks per sequence (no sharing needed)."""
+    """A ModelRunner with a fixed, private slice of blocks per sequence (no sharing needed).
+    block_size 0 = the model's device's (kernels.attention.default_block_size: 16 on the cpu)."""
 
-    def __init__(self, model: LlamaModel, num_seqs: int, max_len: int, block_size: int = 16):
+    def __init__(self, model: LlamaModel, num_seqs: int, max_len: int, block_size: int = 0):
+        block_size = block_size or default_block_size(model.device)
         self.per_seq = -(-max_len // block_size)
         self.runner = ModelRunner(model, num_seqs * self.per_seq, block_size)
 
@@ -145,7 +149,7 @@ def simulate(draft_model, target_model, prompts: list[list[int]], temperature: f
         counts.extend(out.num_accepted.tolist())
         # Advance each path by one token the target itself picks (row 0: the true next-token
         # distribution), so the path is the target's own greedy or sampled text.
-        row0 = p[torch.arange(len(order)) * (k + 1)]
+        row0 = p[torch.arange(len(order), device=p.device) * (k + 1)]
         nxt = row0.argmax(-1) if temperature == 0 else sample(row0, [gen] * len(order))
         for i, t in zip(order, nxt.tolist()):
             paths[i].append(t)
@@ -156,13 +160,16 @@ def simulate(draft_model, target_model, prompts: list[list[int]], temperature: f
 
 
 def forward_cost_ms(model: LlamaModel, reps: int, prefix: int = 128) -> float:
-    """Median batch-1, 1-token forward on a cached prefix, through ModelRunner (ms)."""
+    """Median batch-1, 1-token forward on a cached prefix, through ModelRunner (ms); on a GPU
+    each forward is waited for (tandem.device.synchronize) before the clock is read."""
     runner, vocab = SlotRunner(model, 1, prefix + 2), model.cfg.vocab_size
     runner.forward([(0, [((7 * j) % 1000 + 100) % vocab for j in range(prefix)], 0, 1)])
     times = []
     for _ in range(reps):
+        synchronize(model.device)
         start = time.perf_counter()
         runner.forward([(0, [42 % vocab], prefix, 1)])
+        synchronize(model.device)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -196,8 +203,9 @@ def summarize(counts: list[int], k: int, c: float | None = None) -> dict:
 
 
 def measure(draft: str, target: str, prompts_path: Path | None, cfg: AcceptanceConfig,
-            log=print) -> dict:
-    """Acceptance per temperature plus the cost ratio c, as a JSON-able dict."""
+            log=print, at: Placement | None = None) -> dict:
+    """Acceptance per temperature plus the cost ratio c, as a JSON-able dict; both models on
+    `at` (default: the cpu, float32)."""
     from transformers import AutoTokenizer
 
     from tandem.distill.corpus import Prompt, encode_prompt
@@ -210,7 +218,9 @@ def measure(draft: str, target: str, prompts_path: Path | None, cfg: AcceptanceC
     texts = load_prompts(prompts_path)
     prompts = [encode_prompt(tok, Prompt("chat", t, "heldout"), cfg.max_prompt_tokens)
                for t in texts]
-    draft_model, target_model = LlamaModel.load(dpaths), LlamaModel.load(tpaths)
+    at = place("cpu", "float32") if at is None else at
+    draft_model = LlamaModel.load(dpaths, at.dtype, device=at.device)
+    target_model = LlamaModel.load(tpaths, at.dtype, device=at.device)
     if draft_model.cfg.vocab_size != target_model.cfg.vocab_size:
         raise ModelError("draft and target vocabulary sizes differ")
     stop = tuple(t for t in [tok.eos_token_id] if t is not None)
@@ -220,6 +230,7 @@ def measure(draft: str, target: str, prompts_path: Path | None, cfg: AcceptanceC
     result = {"draft": str(dpaths.root), "target": tpaths.root.name,
               "prompts": str(prompts_path or "draft_service/data/heldout_prompts.jsonl"),
               "num_prompts": len(prompts), "config": asdict(cfg), "cost": cost,
+              "device": str(at.device), "dtype": at.dtype,
               "temperature": {}}
     for temp in cfg.temperatures:
         start = time.perf_counter()

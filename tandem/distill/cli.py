@@ -1,6 +1,7 @@
 """`tandem distill` and `tandem acceptance` sub-commands (registered by tandem/cli.py)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -8,7 +9,18 @@ import shlex
 import sys
 from pathlib import Path
 
+from tandem.device import add_device_flags
 from tandem.models import DEFAULT_TARGET
+
+
+def _gen_dtype(value: str) -> str:
+    """--gen-dtype's value (argparse `type`): a dtype the target can generate in."""
+    from tandem.distill.data import GEN_DTYPES
+
+    if value not in GEN_DTYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(GEN_DTYPES)}, got "
+                                         f"{value!r}")
+    return value
 
 
 def _add_data_args(p, d) -> None:
@@ -25,8 +37,9 @@ def _add_data_args(p, d) -> None:
                    help="also generate for N everyday chat requests (0 = none)")
     g.add_argument("--chat-data-dir", type=Path, default=None,
                    help="cache for the chat prompt set [default: OUT.chat-data]")
-    g.add_argument("--gen-dtype", default=d.dtype, choices=("bfloat16", "float32"),
-                   help="target dtype while generating [%(default)s]")
+    # --dtype (tandem.device.add_device_flags) under its older name; sets the same value.
+    g.add_argument("--gen-dtype", dest="dtype", type=_gen_dtype, default=argparse.SUPPRESS,
+                   metavar="DTYPE", help="the same as --dtype")
     g.add_argument("--gen-minutes", type=float, default=0.0,
                    help="stop generating after this long (0 = all prompts)")
 
@@ -52,6 +65,9 @@ def _add_distill(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="output draft directory")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="generation cache (resumable) [default: OUT.data]")
+    add_device_flags(p, "TANDEM_DISTILL", d.dtype, (
+        "target weight dtype while generating the data: bfloat16, float32, float16 or auto "
+        "(float32 on cpu, bfloat16 on cuda); training has --no-bf16"))
     _add_data_args(p, d)
     g = p.add_argument_group("draft architecture")
     g.add_argument("--layers", type=int, default=a.layers)
@@ -101,10 +117,14 @@ def _add_distill(sub) -> None:
 def _cmd_distill(args) -> int:
     import torch
 
+    from tandem.device import place
     from tandem.distill.data import DataConfig
     from tandem.distill.pipeline import DistillJob, run_distill
     from tandem.distill.train import DraftArch, TrainConfig
 
+    # Resolved first: a GPU this host lacks is a clear error, not a traceback minutes later.
+    at = place(args.device, args.dtype)
+    args.device, args.dtype = str(at.device), at.dtype
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.method in ("eagle", "medusa"):
@@ -112,7 +132,7 @@ def _cmd_distill(args) -> int:
     data = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
                       max_new_tokens=args.max_new_tokens, top_k=args.teacher_top_k,
                       sampled_every=args.sampled_every, temperature=args.gen_temperature,
-                      seed=args.seed, dtype=args.gen_dtype)
+                      seed=args.seed, dtype=args.dtype)
     chat = dataclasses.replace(data, num_prompts=args.chat_prompts, mix="chat") \
         if args.chat_prompts else None
     job = DistillJob(
@@ -127,7 +147,7 @@ def _cmd_distill(args) -> int:
                           batch_tokens=args.batch_tokens, lr=args.lr,
                           ce_weight=args.ce_weight, seed=args.seed,
                           checkpoint_min=args.checkpoint_minutes, bf16=not args.no_bf16),
-        gen_minutes=args.gen_minutes, resume=args.resume)
+        gen_minutes=args.gen_minutes, resume=args.resume, device=args.device)
     out = run_distill(job, log=lambda m: print(m, file=sys.stderr))
     print(out)
     return 0
@@ -142,11 +162,12 @@ def _cmd_eagle(args) -> int:
     data = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
                       max_new_tokens=args.max_new_tokens, top_k=args.teacher_top_k,
                       sampled_every=args.sampled_every, temperature=args.gen_temperature,
-                      seed=args.seed, dtype=args.gen_dtype, mix="chat", features=True,
+                      seed=args.seed, dtype=args.dtype, mix="chat", features=True,
                       kv_cache_mb=max(1024, args.gen_batch * 48))
     job_args = dict(target=args.target, out_dir=args.out,
                     data_dir=args.data_dir or args.out.with_name(args.out.name + ".data"),
                     data=data, gen_minutes=args.gen_minutes, resume=args.resume,
+                    device=args.device,
                     command=shlex.join(["tandem", *getattr(args, "argv", sys.argv[1:])]))
     if args.method == "medusa":
         from tandem.distill.medusa import MedusaTrainConfig
@@ -183,6 +204,9 @@ def _add_acceptance(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads for the cost timing (a worker uses one core) [1]")
+    add_device_flags(p, "TANDEM_ACCEPTANCE", dtype_help=(
+        "weight dtype of both models: auto (float32 on cpu, bfloat16 on cuda), float32, "
+        "bfloat16, float16, int8 (cpu weight-only)"))
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--write-card", action="store_true",
                    help="record the results in the draft's tandem_draft.json")
@@ -190,8 +214,10 @@ def _add_acceptance(sub) -> None:
 
 
 def _cmd_acceptance(args) -> int:
+    from tandem.device import place
     from tandem.distill.acceptance import AcceptanceConfig, format_table, measure
 
+    at = place(args.device, args.dtype)
     temps = tuple(float(x) for x in args.temperatures.split(",") if x.strip())
     cfg = AcceptanceConfig(k=args.k, max_new_tokens=args.max_new_tokens, temperatures=temps,
                            seed=args.seed, timing_threads=args.threads)
@@ -200,7 +226,7 @@ def _cmd_acceptance(args) -> int:
 
         args.draft = str(default_draft_dir())
     result = measure(args.draft, args.target, args.prompts, cfg,
-                     log=lambda m: print(m, file=sys.stderr))
+                     log=lambda m: print(m, file=sys.stderr), at=at)
     print(format_table(result))
     text = json.dumps(result, indent=2) + "\n"
     if args.json:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tandem.device import Placement, place
 from tandem.distill.corpus import Prompt, build_prompts, encode_prompt
 from tandem.engine.generate import LocalGenerator
 from tandem.sampling_params import SamplingParams
+
+GEN_DTYPES = ("auto", "bfloat16", "float32", "float16")  # the target's while generating
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,8 @@ class DataConfig:
     seed: int = 0
     kv_cache_mb: int = 1024
     # bf16 generates ~4x faster on CPUs with AVX512-BF16 and its greedy tokens agree with
-    # fp32 on 98.8% of positions (KL 6e-4 nats), so the teacher barely changes.
+    # fp32 on 98.8% of positions (KL 6e-4 nats), so the teacher barely changes. "auto" is the
+    # device's (tandem.device: float32 on the cpu, bfloat16 on a GPU), resolved by `placed`.
     dtype: str = "bfloat16"
     mix: str = "corpus"  # prompt set: "corpus" (Austen / code / questions) or "chat"
     # Also keep the target's final normed hidden state of every position (fp16), for EAGLE
@@ -48,11 +52,14 @@ class DataConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in GEN_DTYPES:
+            raise ValueError(f"the data's dtype must be one of {', '.join(GEN_DTYPES)}, got "
+                             f"{self.dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is resolved on a device first (data.placed)")
         return getattr(torch, self.dtype)
 
     def shard_params(self, shard: int) -> SamplingParams:
@@ -77,12 +84,14 @@ class _RecordingGenerator(LocalGenerator):
         if not self.features:
             return super()._forward(chunks)
         logits, hidden = self.runner.forward(chunks, with_hidden=True)
-        self.hidden.append(hidden.to(torch.float16))
+        # Kept on the CPU (where the shard is written), not piling up in GPU memory.
+        self.hidden.append(hidden.to(device="cpu", dtype=torch.float16))
         return logits
 
     def _sample(self, logits, params, gens):  # overrides the parent's staticmethod
         vals, ids = logits.float().log_softmax(-1).topk(self.top_k, dim=-1)
-        self.steps.append((ids.to(torch.int32), vals.to(torch.float16)))
+        self.steps.append((ids.to(device="cpu", dtype=torch.int32),
+                           vals.to(device="cpu", dtype=torch.float16)))
         return LocalGenerator._sample(logits, params, gens)
 
 
@@ -142,6 +151,22 @@ def generate_shard(gen: _RecordingGenerator, prompts: list[list[int]], params, c
                                                "dtype": cfg.dtype})
     tmp.rename(path)  # a shard either exists whole or not at all: restarts resume cleanly
     return int(g_flat.numel())
+
+
+def placed(cfg: DataConfig, device: str = "auto") -> tuple[Placement, DataConfig]:
+    """Where the target generates (`device`: auto, cpu, cuda, cuda:N) and cfg with its dtype
+    resolved there ("auto" -> the device's), as the shards and the model card record it."""
+    at = place(device, cfg.dtype)
+    return at, (cfg if cfg.dtype == at.dtype else replace(cfg, dtype=at.dtype))
+
+
+def target_runner(paths, cfg: DataConfig, at: Placement):
+    """The target on `at`, in cfg's dtype, with cfg's KV cache: what generate_dataset runs."""
+    from tandem.engine.llama import LlamaModel
+    from tandem.engine.model_runner import ModelRunner
+
+    model = LlamaModel.load(paths, cfg.torch_dtype, device=at.device)
+    return ModelRunner.with_memory(model, cfg.kv_cache_mb << 20, at.block_size)
 
 
 def generate_dataset(target_root: Path, tokenizer, runner, cfg: DataConfig, data_dir: Path,
@@ -229,19 +254,20 @@ def data_stats(examples: list[Example]) -> dict:
 
 def main(argv=None) -> None:
     """Data only: `python -m tandem.distill.data TARGET DATA_DIR [N [MINUTES [I/PARTS]]]` (the
-    same DataConfig defaults as `tandem distill`; run PARTS processes to use more cores)."""
+    same DataConfig defaults as `tandem distill`; run PARTS processes to use more cores; the
+    target on $TANDEM_DISTILL_DEVICE, default auto)."""
     from transformers import AutoTokenizer
 
-    from tandem.engine.llama import LlamaModel
-    from tandem.engine.model_runner import ModelRunner
+    from tandem.envflags import env
     from tandem.models import resolve_model
 
     argv = sys.argv[1:] if argv is None else argv
     paths = resolve_model(argv[0])
-    cfg = DataConfig(num_prompts=int(argv[2]) if len(argv) > 2 else 3000,
-                     mix=argv[5] if len(argv) > 5 else "corpus")
-    runner = ModelRunner.with_memory(LlamaModel.load(paths, cfg.torch_dtype),
-                                     cfg.kv_cache_mb << 20)
+    at, cfg = placed(DataConfig(num_prompts=int(argv[2]) if len(argv) > 2 else 3000,
+                                mix=argv[5] if len(argv) > 5 else "corpus",
+                                dtype=env("TANDEM_DISTILL_DTYPE", DataConfig.dtype)),
+                     env("TANDEM_DISTILL_DEVICE", "auto"))
+    runner = target_runner(paths, cfg, at)
     tok = AutoTokenizer.from_pretrained(str(paths.root))
     deadline = time.time() + 60 * float(argv[3]) if len(argv) > 3 else None
     part = tuple(int(x) for x in argv[4].split("/")) if len(argv) > 4 else (0, 1)

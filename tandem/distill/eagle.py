@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from tandem.distill.eagle_head import EagleTrainHead
+from tandem.distill.train import to_cpu
 from tandem.engine.llama import DraftVocab, LlamaConfig, _load_tensors
 from tandem.models import ModelPaths, read_hf_config, tokenizer_hash
 
@@ -142,9 +143,14 @@ def _losses(head: EagleTrainHead, pred, target, reg_mask, cls_mask, t_rows, t_pr
         (top1 * cls_mask).sum(), cls_mask.sum()
 
 
+def _to(batch: tuple, device) -> tuple:
+    """A collated batch (built on the CPU) on the head's device."""
+    return tuple(t.to(device, non_blocking=True) for t in batch)
+
+
 def step_losses(head: EagleTrainHead, batch, step2_weight: float):
     ids, feats, target, reg_mask, cls_mask, t_rows, t_probs = batch
-    pos = torch.arange(ids.shape[1])  # entry t sits at position t - 1 (its KV slot)
+    pos = torch.arange(ids.shape[1], device=ids.device)  # entry t sits at t - 1 (its KV slot)
     pred, kv = head(ids, feats, pos)
     reg, cls, hit, n = _losses(head, pred, target, reg_mask, cls_mask, t_rows, t_probs)
     out = {"reg": reg, "cls": cls, "hit1": hit, "n1": n}
@@ -172,9 +178,10 @@ def evaluate(head: EagleTrainHead, seqs: list[FeatureSeq], cfg: EagleTrainConfig
     """Teacher-forced agreement with the target's greedy token at draft steps 1 and 2."""
     head.eval()
     tot = {"hit1": 0.0, "n1": 0.0, "hit2": 0.0, "n2": 0.0, "cls": 0.0}
+    device, input_map = head.fc.weight.device, head.input_map.cpu()
     for idx in _batches(seqs, cfg.batch_tokens, random.Random(0)):
-        out = step_losses(head, _collate([seqs[i] for i in idx], head.vocab, head.input_map),
-                          1.0)
+        batch = _collate([seqs[i] for i in idx], head.vocab, input_map)
+        out = step_losses(head, _to(batch, device), 1.0)
         for key in ("hit1", "n1", "hit2", "n2"):
             tot[key] += float(out[key])
         tot["cls"] += float(out["cls"]) * float(out["n1"])
@@ -218,7 +225,10 @@ def lr_at(step: int, total: int, cfg: EagleTrainConfig, time_frac: float = 0.0) 
 
 def train(head: EagleTrainHead, train_seqs, val_seqs, cfg: EagleTrainConfig, ckpt: Path,
           resume: bool, log=print, progress=None) -> dict:
-    """Train within the time budget; checkpoint (model + optimiser + step) to `ckpt`."""
+    """Train within the time budget; checkpoint (model + optimiser + step) to `ckpt`. The head
+    trains where it is (move it first: the optimizer's state follows its parameters); batches
+    are built on the CPU and moved there, checkpoints are written from CPU copies."""
+    device = head.fc.weight.device
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=0.0)
     rng = random.Random(cfg.seed)
@@ -226,13 +236,14 @@ def train(head: EagleTrainHead, train_seqs, val_seqs, cfg: EagleTrainConfig, ckp
     total = max(1, int(per_epoch * cfg.epochs))
     step, wall = 0, 0.0
     if resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
         # The vocabulary the weights were trained with, even if the data grew since.
         head.vocab = DraftVocab(tuple(state["vocab"]), head.vocab.target_vocab_size, 0)
         head.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, wall = state["step"], state["wall"]
         log(f"eagle: resumed at step {step} ({wall / 60:.1f} min trained)")
+    input_map = head.input_map.cpu()  # _collate maps on the CPU (the resumed head's map)
     start, last_ckpt = time.perf_counter() - wall, time.perf_counter()
     epoch_batches: list = []
     while step < total and (not cfg.time_budget_min
@@ -240,7 +251,7 @@ def train(head: EagleTrainHead, train_seqs, val_seqs, cfg: EagleTrainConfig, ckp
         if not epoch_batches:
             epoch_batches = _batches(train_seqs, cfg.batch_tokens, random.Random(cfg.seed + step))
         idx = epoch_batches.pop()
-        batch = _collate([train_seqs[i] for i in idx], head.vocab, head.input_map)
+        batch = _to(_collate([train_seqs[i] for i in idx], head.vocab, input_map), device)
         elapsed = time.perf_counter() - start
         budget = 60 * cfg.time_budget_min
         for g in opt.param_groups:
@@ -266,6 +277,6 @@ def train(head: EagleTrainHead, train_seqs, val_seqs, cfg: EagleTrainConfig, ckp
 
 def _save(path: Path, head, opt, step: int, wall: float) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                "wall": wall, "vocab": list(head.vocab.target_ids)}, tmp)
+    torch.save({"model": to_cpu(head.state_dict()), "opt": to_cpu(opt.state_dict()),
+                "step": step, "wall": wall, "vocab": list(head.vocab.target_ids)}, tmp)
     tmp.rename(path)

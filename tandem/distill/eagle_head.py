@@ -103,7 +103,8 @@ class EagleTrainHead(nn.Module):
         scale = self.cfg.head_dim ** -0.5
         t = ids.shape[1]
         s1 = (q @ k1.transpose(-1, -2)) * scale  # [B, heads, T, T]: keys strictly before t
-        s1 = s1.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(-1), float("-inf"))
+        before = torch.ones(t, t, dtype=torch.bool, device=q.device).tril(-1)
+        s1 = s1.masked_fill(~before, float("-inf"))
         s_self = (q * k).sum(-1, keepdim=True) * scale  # [B, heads, T, 1]
         p = torch.cat([s1, s_self], -1).softmax(-1)
         attn = p[..., :t] @ v1 + p[..., t:] * v
@@ -145,7 +146,8 @@ class EagleTrainHead(nn.Module):
                  p + "mlp.gate_proj.weight": self.gate.weight,
                  p + "mlp.up_proj.weight": self.up.weight,
                  p + "mlp.down_proj.weight": self.down.weight}
-        tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in names.items()}
+        # From CPU copies, wherever the head trained: the checkpoint loads anywhere.
+        tensors = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in names.items()}
         save_file(tensors, str(out / "model.safetensors"))
         cfg = {k: v for k, v in target_hf_cfg.items() if k not in ("quantization_config",)}
         cfg.update(num_hidden_layers=1, vocab_size=len(self.vocab.target_ids),

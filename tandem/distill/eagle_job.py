@@ -9,12 +9,13 @@ import shlex
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from tandem.distill.data import DataConfig, generate_dataset
+from tandem.device import check_device_spec
+from tandem.distill.data import DataConfig, generate_dataset, placed, target_runner
 from tandem.distill.eagle import (
     EagleTrainConfig,
     card,
@@ -37,26 +38,26 @@ class EagleJob:
     gen_minutes: float = 0.0  # 0 = every prompt
     resume: bool = False
     command: str = ""  # the command line, for the model card
+    device: str = "auto"  # where the target generates and the head trains (tandem.device)
 
     def __post_init__(self):
         if not self.data.features:
             raise ValueError("an EAGLE head trains on recorded features (DataConfig.features)")
         if self.gen_minutes < 0:
             raise ValueError("--gen-minutes must be >= 0")
+        check_device_spec(self.device)
 
 
 def run_eagle(job: EagleJob, log=print) -> Path:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from tandem.engine.llama import LlamaModel
-    from tandem.engine.model_runner import ModelRunner
-
+    at, data = placed(job.data, job.device)
+    job = replace(job, data=data)
     paths = resolve_model(job.target)
     tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
     deadline = time.time() + 60 * job.gen_minutes if job.gen_minutes else None
-    runner = ModelRunner.with_memory(LlamaModel.load(paths, job.data.torch_dtype),
-                                     job.data.kv_cache_mb << 20)
+    runner = target_runner(paths, job.data, at)
     generate_dataset(paths.root, tokenizer, runner, job.data, job.data_dir, log, deadline)
     del runner
     seqs = load_feature_seqs(job.data_dir)
@@ -67,7 +68,7 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     val, train_seqs = seqs[:n_val], seqs[n_val:]
     special = tuple(t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id,
                                 tokenizer.pad_token_id) if t is not None)
-    head = make_head(paths, train_seqs, job.train, special)
+    head = make_head(paths, train_seqs, job.train, special).to(at.device)  # seeded on the CPU
     tokens = sum(len(s.features) for s in train_seqs)
     log(f"eagle: {len(train_seqs)} train / {len(val)} held-out sequences, {tokens} positions; "
         f"vocabulary {len(head.vocab.target_ids)}")

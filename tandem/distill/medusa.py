@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tandem.distill.eagle import FeatureSeq, build_vocab, lr_at
+from tandem.distill.train import to_cpu
 from tandem.engine.llama import LlamaConfig, _load_tensors
 from tandem.engine.medusa import MedusaConfig, MedusaHeads, tree_from_accuracy
 from tandem.models import ModelPaths, read_hf_config, tokenizer_hash
@@ -87,10 +88,12 @@ def flatten(seqs: list[FeatureSeq], heads: int, top_k: int, input_map: torch.Ten
 
 
 def batch_loss(heads: MedusaHeads, d: HeadData, idx: torch.Tensor):
-    """(mean soft cross-entropy over heads, logits [heads, B, V_d])."""
-    logp = heads(d.features[idx]).log_softmax(-1)  # [heads, B, V_d]
-    rows = d.rows[idx].transpose(0, 1)  # [heads, B, K]
-    probs = d.probs[idx].transpose(0, 1)
+    """(mean soft cross-entropy over heads, logits [heads, B, V_d]); the batch's rows of `d`
+    (on the CPU) go to the heads' device."""
+    device = heads.weight.device
+    logp = heads(d.features[idx].to(device)).log_softmax(-1)  # [heads, B, V_d]
+    rows = d.rows[idx].to(device).transpose(0, 1)  # [heads, B, K]
+    probs = d.probs[idx].to(device).transpose(0, 1)
     ce = -(logp.gather(-1, rows) * probs).sum(-1)  # [heads, B]
     mass = probs.sum(-1)
     return (ce.sum(-1) / mass.gt(0).sum(-1).clamp(min=1)).mean(), logp
@@ -106,7 +109,7 @@ def evaluate(heads: MedusaHeads, d: HeadData, batch: int = 2048) -> dict:
         idx = torch.arange(at, min(at + batch, len(d.features)))
         ce, logp = batch_loss(heads, d, idx)
         ce_sum, n = ce_sum + float(ce) * len(idx), n + len(idx)
-        top = logp.topk(RANKS, dim=-1).indices  # [heads, B, R]
+        top = logp.topk(RANKS, dim=-1).indices.cpu()  # [heads, B, R]
         best = d.best[idx].T  # [heads, B]
         hits += ((top == best[..., None]) & (best[..., None] >= 0)).float().sum(1)
         count += (best >= 0).float().sum(1)
@@ -134,13 +137,14 @@ def card(target: ModelPaths, cfg: MedusaTrainConfig, command: str, stats: dict) 
 
 def train(heads: MedusaHeads, data: HeadData, val: HeadData, cfg: MedusaTrainConfig,
           ckpt: Path, resume: bool, log=print, progress=None) -> dict:
-    """Train within the time budget; checkpoint (heads + optimiser + step) to `ckpt`."""
+    """Train within the time budget; checkpoint (heads + optimiser + step) to `ckpt`. The
+    heads train where they are (move them first); checkpoints are written from CPU copies."""
     opt = torch.optim.AdamW([heads.weight, heads.bias], lr=cfg.lr, weight_decay=0.0)
     per_epoch = math.ceil(len(data.features) / cfg.batch_positions)
     total = max(1, int(per_epoch * cfg.epochs))
     step, wall = 0, 0.0
     if resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
         heads.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, wall = state["step"], state["wall"]
@@ -184,6 +188,6 @@ def split(seqs: list[FeatureSeq], val_fraction: float, seed: int):
 
 def _save(path: Path, heads: MedusaHeads, opt, step: int, wall: float) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": heads.state_dict(), "opt": opt.state_dict(), "step": step,
-                "wall": wall}, tmp)
+    torch.save({"model": to_cpu(heads.state_dict()), "opt": to_cpu(opt.state_dict()),
+                "step": step, "wall": wall}, tmp)
     tmp.rename(path)

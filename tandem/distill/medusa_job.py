@@ -8,12 +8,13 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from tandem.distill.data import DataConfig, generate_dataset
+from tandem.device import check_device_spec
+from tandem.distill.data import DataConfig, generate_dataset, placed, target_runner
 from tandem.distill.eagle import load_feature_seqs
 from tandem.distill.medusa import MedusaTrainConfig, card, flatten, make_heads, split, train
 from tandem.engine.llama import DraftVocab, LlamaConfig
@@ -31,26 +32,26 @@ class MedusaJob:
     gen_minutes: float = 0.0  # 0 = every prompt
     resume: bool = False
     command: str = ""
+    device: str = "auto"  # where the target generates and the heads train (tandem.device)
 
     def __post_init__(self):
         if not self.data.features:
             raise ValueError("Medusa heads train on recorded features (DataConfig.features)")
         if self.gen_minutes < 0:
             raise ValueError("--gen-minutes must be >= 0")
+        check_device_spec(self.device)
 
 
 def run_medusa(job: MedusaJob, log=print) -> Path:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from tandem.engine.llama import LlamaModel
-    from tandem.engine.model_runner import ModelRunner
-
+    at, data = placed(job.data, job.device)
+    job = replace(job, data=data)
     paths = resolve_model(job.target)
     tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
     deadline = time.time() + 60 * job.gen_minutes if job.gen_minutes else None
-    runner = ModelRunner.with_memory(LlamaModel.load(paths, job.data.torch_dtype),
-                                     job.data.kv_cache_mb << 20)
+    runner = target_runner(paths, job.data, at)
     generate_dataset(paths.root, tokenizer, runner, job.data, job.data_dir, log, deadline)
     del runner
     seqs = load_feature_seqs(job.data_dir)
@@ -60,7 +61,7 @@ def run_medusa(job: MedusaJob, log=print) -> Path:
     train_seqs, val_seqs = split(seqs, max(cfg.val_fraction, 1 / len(seqs)), cfg.seed)
     special = tuple(t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id,
                                 tokenizer.pad_token_id) if t is not None)
-    heads = make_heads(paths, train_seqs, cfg, special)
+    heads = make_heads(paths, train_seqs, cfg, special).to(at.device)  # seeded on the CPU
     vocab = DraftVocab(heads.cfg.vocab_ids, LlamaConfig.from_hf(read_hf_config(paths)).vocab_size)
     kept = torch.zeros(vocab.target_vocab_size, dtype=torch.bool)
     kept[torch.tensor(vocab.target_ids)] = True
@@ -89,7 +90,7 @@ def run_medusa(job: MedusaJob, log=print) -> Path:
     if job.resume and old_card.exists():  # every command that trained these weights
         old = json.loads(old_card.read_text())
         extra["earlier_commands"] = [*old.get("earlier_commands", []), old.get("command", "?")]
-    heads.save(job.out_dir, **card(paths, cfg, command, extra))
+    heads.cpu().save(job.out_dir, **card(paths, cfg, command, extra))  # loads anywhere
     log(f"medusa: heads written to {job.out_dir}; tree of {len(choices)} nodes, "
         f"expected {stats['expected_accepted_greedy']} drafts accepted per greedy round")
     return job.out_dir

@@ -9,12 +9,20 @@ import shlex
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from tandem.distill.data import DataConfig, data_stats, generate_dataset, load_examples
+from tandem.device import Placement, check_device_spec
+from tandem.distill.data import (
+    DataConfig,
+    data_stats,
+    generate_dataset,
+    load_examples,
+    placed,
+    target_runner,
+)
 from tandem.distill.train import (
     DraftArch,
     TrainConfig,
@@ -50,12 +58,15 @@ class DistillJob:
     # Optional second prompt set of everyday chat requests (its own resumable cache).
     chat_data_dir: Path | None = None
     chat_data: DataConfig | None = None
+    # Where the target generates and the draft trains (tandem.device): auto, cpu, cuda:N.
+    device: str = "auto"
 
     def __post_init__(self):
         if self.gen_minutes < 0 or self.val_sequences < 0:
             raise ValueError("--gen-minutes and --val-sequences must be >= 0")
         if (self.chat_data_dir is None) != (self.chat_data is None):
             raise ValueError("chat_data_dir and chat_data go together")
+        check_device_spec(self.device)
 
     def data_sets(self) -> list[tuple[Path, DataConfig]]:
         extra = [(self.chat_data_dir, self.chat_data)] if self.chat_data else []
@@ -90,12 +101,15 @@ def _check_data_dir(data_dir: Path, paths: ModelPaths) -> None:
         meta.write_text(json.dumps({"target": str(paths.root), "tokenizer_sha256": want}))
 
 
-def _generate(job: DistillJob, paths: ModelPaths, tokenizer, log) -> None:
-    from tandem.engine.llama import LlamaModel
-    from tandem.engine.model_runner import ModelRunner
+def _placed(job: DistillJob) -> tuple[Placement, DistillJob]:
+    """The job's device, and the job with its data dtypes resolved there."""
+    at, data = placed(job.data, job.device)
+    chat = placed(job.chat_data, job.device)[1] if job.chat_data else None
+    return at, replace(job, data=data, chat_data=chat)
 
-    runner = ModelRunner.with_memory(LlamaModel.load(paths, job.data.torch_dtype),
-                                     job.data.kv_cache_mb << 20)
+
+def _generate(job: DistillJob, paths: ModelPaths, tokenizer, log, at: Placement) -> None:
+    runner = target_runner(paths, job.data, at)
     deadline = time.time() + 60 * job.gen_minutes if job.gen_minutes else None
     for data_dir, cfg in job.data_sets():
         generate_dataset(paths.root, tokenizer, runner, cfg, data_dir, log, deadline)
@@ -106,11 +120,12 @@ def run_distill(job: DistillJob, log=print) -> Path:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    at, job = _placed(job)
     paths, target_cfg = check_target(job.target)
     for data_dir, _ in job.data_sets():
         _check_data_dir(data_dir, paths)
     tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
-    _generate(job, paths, tokenizer, log)
+    _generate(job, paths, tokenizer, log, at)
     examples = [e for d, cfg in job.data_sets() for e in load_examples(d, cfg)]
     if len(examples) < 2:
         raise ValueError(f"only {len(examples)} sequences in {job.data_dir}: generate more")
@@ -125,7 +140,9 @@ def run_distill(job: DistillJob, log=print) -> Path:
     embed = _target_embedding(paths, load_file)
     if job.arch.init_from_target:
         target_cfg = {**target_cfg, "_weights": _target_weights(paths, load_file)}
-    model = make_draft(job.arch, target_cfg, vocab, embed, job.train.seed)
+    # Built (and seeded) on the CPU, so every device starts from the same weights; then moved
+    # before the optimizer exists, so its state lives on the device too.
+    model = make_draft(job.arch, target_cfg, vocab, embed, job.train.seed).to(at.device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=job.train.lr,
                             weight_decay=job.train.weight_decay, betas=(0.9, 0.98))
     step, elapsed, tokens = 0, 0.0, 0
@@ -257,7 +274,7 @@ def export_draft(model, vocab, paths: ModelPaths, out_dir: Path, card: dict) -> 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staged = out_dir.with_name(out_dir.name + ".staged")
     shutil.rmtree(staged, ignore_errors=True)
-    copy.deepcopy(model).to(torch.float16).save_pretrained(str(staged))
+    copy.deepcopy(model).to("cpu", torch.float16).save_pretrained(str(staged))
     for name in _TOKENIZER_FILES:
         if (paths.root / name).is_file():
             shutil.copy2(paths.root / name, staged / name)

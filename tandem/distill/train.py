@@ -148,6 +148,13 @@ class Batch:
     topk_p: torch.Tensor  # [N, K] teacher probs, 0 where the token is not in the draft vocab
     label: torch.Tensor  # [N] generated token as a draft row, -100 if not in the draft vocab
 
+    def to(self, device) -> Batch:
+        """The batch on `device` (itself when it is there already)."""
+        if self.ids.device == torch.device(device):
+            return self
+        return Batch(*(t.to(device, non_blocking=True) for t in (
+            self.ids, self.mask, self.rows, self.topk_rows, self.topk_p, self.label)))
+
 
 def make_batches(examples: list[Example], vocab: DraftVocab, batch_tokens: int,
                  rng: random.Random) -> list[Batch]:
@@ -188,8 +195,10 @@ def _collate(group: list[Example], inmap: torch.Tensor, kept: torch.Tensor) -> B
 
 def batch_loss(model, batch: Batch, ce_weight: float,
                bf16: bool = False) -> tuple[torch.Tensor, dict]:
-    """KL(teacher top-K || draft) per generated position, plus ce_weight * cross-entropy."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    """KL(teacher top-K || draft) per generated position, plus ce_weight * cross-entropy; the
+    batch goes to the model's device (batches are built on the CPU)."""
+    batch = batch.to(model.device)
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
         hidden = model.model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state
         h = hidden.reshape(-1, hidden.shape[-1])[batch.rows]  # head only where it is needed
         logits = model.lm_head(h)
@@ -222,10 +231,26 @@ def evaluate(model, batches: list[Batch]) -> dict:
     return {k: sum(s[k] for s in stats) / max(1, len(stats)) for k in ("kl", "top1")}
 
 
+def to_cpu(obj):
+    """A state dict (nested dicts, lists, tensors) with every tensor on the CPU, so a
+    checkpoint written on a GPU loads anywhere (on the CPU, the very same objects)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        out = type(obj)((k, to_cpu(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # a module state dict's versions, kept as torch does
+            out._metadata = obj._metadata
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
 def save_state(path: Path, model, opt, vocab: DraftVocab, step: int, elapsed: float,
                tokens: int) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+    torch.save({"model": to_cpu(model.state_dict()), "opt": to_cpu(opt.state_dict()),
+                "step": step,
                 "elapsed": elapsed, "tokens": tokens, "vocab": list(vocab.target_ids),
                 "target_vocab": vocab.target_vocab_size, "unk_index": vocab.unk_index}, tmp)
     tmp.rename(path)

@@ -952,3 +952,39 @@ def test_gateway_keeps_serving_while_redis_is_down(tokenizer, fakes, text_ids):
             assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == TEXT
         assert time.monotonic() - start < 3  # Redis is skipped after the first failure
         assert client.get("/health").json()["redis"] == "unavailable"
+
+
+def test_a_draining_verifier_refuses_new_sessions_and_they_go_to_another(
+        redis_proc, tokenizer, prefix, fakes, loop_thread, text_ids):
+    """The real VerifyServicer after SIGUSR1 (Verifier.begin_drain) answers UNAVAILABLE; a
+    gateway that still routes there (its registry entry not yet gone) resumes elsewhere."""
+    from tandem.grpc_status import StatusInterceptor
+    from tandem.spec import Method
+    from verify_service.server import VerifyServicer
+
+    draining = VerifyServicer(None, common_pb2.WorkerInfo(model_id=MODEL, max_sessions=8),
+                              Method.NONE)
+    draining.draining = True  # what Verifier.begin_drain sets
+
+    async def start():
+        server = grpc.aio.server(interceptors=[StatusInterceptor()])
+        verify_pb2_grpc.add_VerifyServiceServicer_to_server(draining, server)
+        return server, server.add_insecure_port("127.0.0.1:0")
+
+    server, port = loop_thread.run(start())
+    loop_thread.run(server.start())
+    try:
+        ok = fakes(continue_text(text_ids))
+        refusing = f"127.0.0.1:{port}"
+        register(redis_proc, prefix, verifier_rec(refusing, load=0),  # picked first
+                 verifier_rec(ok.address, load=1))
+        with gateway(redis_proc, tokenizer, prefix) as client:
+            resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "Say hi",
+                                                        "max_tokens": 60})
+            assert resp.status_code == 200, resp.text
+            record = asyncio.run(_session(redis_proc, prefix, ok.requests[0].session_id))
+        assert resp.json()["choices"][0]["text"] == TEXT
+        assert record.verifier == ok.address and record.attempts == 2
+        assert list(ok.requests[0].committed_token_ids) == []  # nothing came from the first
+    finally:
+        loop_thread.run(server.stop(None))

@@ -7,23 +7,29 @@ bundle does not know (KEDA's ScaledObject) get a structural schema of our own th
 bundled definitions where it can (the HPA behavior block).
 
 Then the things a schema cannot see: probes and resources on every container, ports that agree
-between the `tandem` flags, containerPorts, probes and Services, headless worker Services,
-autoscalers that target existing Deployments on the metrics the workers export, node classes
-that keep drafts and verifiers on different GPU types, NetworkPolicies that let only the gateway
-reach verifiers and only verifiers reach drafts, termination grace longer than the drain, and
-the OpenTelemetry wiring. Negative tests render deliberately broken overlays and require the
-checks to catch them.
+between the `tandem` flags, containerPorts, probes and Services (the gateway's /metrics port kept
+off its public Service), headless worker Services, autoscalers that target existing Deployments
+on the metrics the workers export (and own their replica count), node classes that keep drafts
+and verifiers on different GPU types (the gateway on the CPU image), NetworkPolicies that let
+only the gateway reach verifiers and only verifiers reach drafts, termination grace longer than
+the drain (the gateway's longer than a request), readiness that follows the drain, secrets only
+from Secrets, a durable authenticated Redis in production, dual-stack addresses, zone spreading,
+one log level, and the OpenTelemetry wiring. Negative tests render deliberately broken overlays
+and require the checks to catch them.
 
 Needs `kubectl` (skipped cleanly without it) and the dev extra (kubernetes-validate, PyYAML).
 Offline; a few seconds.
 """
 from __future__ import annotations
 
+import argparse
+import ipaddress
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import textwrap
 from collections.abc import Callable, Iterable
 from fractions import Fraction
@@ -71,12 +77,25 @@ REQUIRED_METRICS = {
 }
 DEFAULT_DRAIN_GRACE_S = 5.0  # `tandem verifier|draft --drain-grace-s` default
 REGISTRY_LEAVE_S = 5.0  # a worker waits up to this long to leave the Redis registry first
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # GatewayConfig.request_timeout_s (a test pins the two)
 GPU = "nvidia.com/gpu"
 GPU_CLASS_LABEL = "tandem.dev/gpu-class"
+DUAL_STACK_HOST = "::"  # what every tandem process binds (IPv4 and IPv6)
+# The worker's gRPC service names: readiness asks for these (NOT_SERVING while draining).
+HEALTH_SERVICES = {"verifier": "tandem.v1.VerifyService", "draft": "tandem.v1.DraftService"}
+REDIS_SECRET = "tandem-redis"  # key `password` (REDIS_PASSWORD); `url` with external-redis
+API_KEYS_SECRET = "tandem-api-keys"  # key `keys`: the gateway's TANDEM_API_KEYS_FILE
+# Logical image names in the base, which every overlay maps (kustomize images:).
+LOGICAL_IMAGES = {"gateway": "tandem-gateway-image", "verifier": "tandem-worker-image",
+                  "draft": "tandem-worker-image"}
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir()
                   if (p / "kustomization.yaml").is_file())
-TARGETS = ["base", *OVERLAYS]  # every render the tier checks
+# Renders of an overlay plus documented components that no overlay includes.
+VARIANTS = {"prod-gpu+external-redis": ("prod-gpu", ("external-redis",))}
+TARGETS = ["base", *OVERLAYS, *VARIANTS]  # every render the tier checks
+PROD_TARGETS = [t for t in TARGETS if t.startswith("prod-")]
 
 Doc = dict[str, Any]
 
@@ -103,10 +122,34 @@ def target_dir(target: str) -> Path:
     return K8S / "base" if target == "base" else K8S / "overlays" / target
 
 
+def write_overlay(where: Path, base_overlay: str, patches: str | None = None,
+                  components: Iterable[str] = ()) -> Path:
+    """A kustomization in `where` on top of an overlay, with patches and components."""
+    where.mkdir(parents=True, exist_ok=True)
+
+    def rel(path: Path) -> str:  # kustomize wants relative paths
+        return os.path.relpath(path, where)
+    text = f"resources:\n  - {rel(K8S / 'overlays' / base_overlay)}\n"
+    if components:
+        text += "components:\n" + "".join(f"  - {rel(K8S / 'components' / c)}\n"
+                                           for c in components)
+    if patches:
+        text += "patches:\n" + textwrap.indent(textwrap.dedent(patches).strip("\n"), "  ") + "\n"
+    (where / "kustomization.yaml").write_text(text)
+    return where
+
+
 @cache
 def _render_cached(target: str) -> tuple[str, ...]:
     # cached as JSON text so every test gets its own copy to inspect
-    return tuple(json.dumps(d) for d in render_dir(target_dir(target)))
+    if target in VARIANTS:
+        base_overlay, components = VARIANTS[target]
+        with tempfile.TemporaryDirectory() as tmp:
+            docs = render_dir(write_overlay(Path(tmp) / "variant", base_overlay,
+                                            components=components))
+    else:
+        docs = render_dir(target_dir(target))
+    return tuple(json.dumps(d) for d in docs)
 
 
 def render(target: str) -> list[Doc]:
@@ -136,6 +179,11 @@ def of_kind(docs: Iterable[Doc], kind: str) -> list[Doc]:
 def find(docs: Iterable[Doc], kind: str, name: str) -> Doc | None:
     return next((d for d in docs if d.get("kind") == kind and d["metadata"]["name"] == name),
                 None)
+
+
+def workloads(docs: Iterable[Doc]) -> list[Doc]:
+    """Deployments and StatefulSets (the in-cluster Redis is a StatefulSet in production)."""
+    return [d for d in docs if d.get("kind") in WORKLOAD_KINDS]
 
 
 def pod_spec(deploy: Doc) -> Doc:
@@ -172,7 +220,7 @@ def parse_flags(args: list[str]) -> dict[str, str]:
 def tandem_containers(docs: Iterable[Doc]) -> list[tuple[Doc, Doc, str]]:
     """(deployment, container, role) for every container running `tandem <role>`."""
     out = []
-    for dep in of_kind(docs, "Deployment"):
+    for dep in workloads(docs):
         for c in pod_spec(dep).get("containers", []):
             args = c.get("args") or []
             if args and args[0] in ROLES:
@@ -261,13 +309,36 @@ def container_env(container: Doc, docs: Iterable[Doc], namespace: str) -> dict[s
     return env
 
 
+def env_var(container: Doc, name: str) -> Doc | None:
+    """The container's own `env` entry for `name` (None when it has none)."""
+    return next((e for e in container.get("env") or [] if e["name"] == name), None)
+
+
+def secret_ref(container: Doc, name: str) -> Doc | None:
+    """The secretKeyRef an env var comes from (None for a literal, a ConfigMap or nothing)."""
+    return ((env_var(container, name) or {}).get("valueFrom") or {}).get("secretKeyRef")
+
+
+def prestop_command(container: Doc) -> list[str]:
+    pre = ((container.get("lifecycle") or {}).get("preStop")) or {}
+    return list((pre.get("exec") or {}).get("command") or [])
+
+
+def is_drain_prestop(command: list[str]) -> bool:
+    """`tandem drain --sleep N`: the worker (PID 1) leaves the registry, then N s pass."""
+    return command[:2] == ["tandem", "drain"]
+
+
 def prestop_sleep_s(container: Doc) -> float:
     pre = ((container.get("lifecycle") or {}).get("preStop")) or {}
     if "sleep" in pre:
         return float(pre["sleep"]["seconds"])
-    cmd = (pre.get("exec") or {}).get("command") or []
+    cmd = prestop_command(container)
     if len(cmd) == 2 and cmd[0].endswith("sleep"):
         return float(cmd[1])
+    if is_drain_prestop(cmd):
+        value = parse_flags(cmd[2:]).get("sleep", "")
+        return float(value) if re.fullmatch(r"[0-9.]+", value) else 0.0
     return 0.0
 
 
@@ -413,7 +484,7 @@ def check_schemas(docs: list[Doc]) -> list[str]:
 
 def check_probes_and_resources(docs: list[Doc]) -> list[str]:
     problems = []
-    for dep in of_kind(docs, "Deployment"):
+    for dep in workloads(docs):
         inits = pod_spec(dep).get("initContainers", [])
         for c in inits + pod_spec(dep)["containers"]:
             where = f"{name_of(dep)} container {c['name']}"
@@ -456,31 +527,21 @@ def check_ports(docs: list[Doc]) -> list[str]:
         declared = {p["containerPort"] for p in c.get("ports", [])}
         if port not in declared:
             problems.append(f"{where}: --port {port} is not a containerPort {sorted(declared)}")
-        if flags.get("host") not in ("0.0.0.0", "[::]", "::"):
-            problems.append(f"{where}: --host must bind all interfaces in a pod, "
-                            f"not {flags.get('host')!r}")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             if probe in c and probe_port(c[probe], c) != port:
                 problems.append(f"{where}: {probe} port {probe_port(c[probe], c)} != --port "
                                 f"{port}")
+        # every role serves /metrics on a port of its own (the gateway: off its public API)
         metrics_port = port
-        if role in WORKER_ROLES:
-            if "metrics-port" not in flags:
-                problems.append(f"{where}: no --metrics-port")
-            else:
-                metrics_port = int(flags["metrics-port"])
-                if metrics_port not in declared:
-                    problems.append(f"{where}: --metrics-port {metrics_port} is not a "
-                                    "containerPort")
-            advertise = flags.get("advertise-address", "")
-            if advertise != f"$(POD_IP):{port}":
-                problems.append(f"{where}: --advertise-address {advertise!r} should be "
-                                f"$(POD_IP):{port}")
-            pod_ip = next((e for e in c.get("env", []) if e["name"] == "POD_IP"), None)
-            if not pod_ip or pod_ip.get("valueFrom", {}).get("fieldRef", {}).get(
-                    "fieldPath") != "status.podIP":
-                problems.append(f"{where}: POD_IP must come from the downward API "
-                                "(fieldRef status.podIP)")
+        if "metrics-port" not in flags:
+            problems.append(f"{where}: no --metrics-port")
+        else:
+            metrics_port = int(flags["metrics-port"])
+            if container_ports(c).get("metrics") != metrics_port:
+                problems.append(f"{where}: --metrics-port {metrics_port} is not the "
+                                "containerPort named `metrics`")
+            if metrics_port == port:
+                problems.append(f"{where}: --metrics-port must differ from --port {port}")
         annotations = dep["spec"]["template"]["metadata"].get("annotations") or {}
         if annotations.get("prometheus.io/scrape") == "true" and \
                 annotations.get("prometheus.io/port") != str(metrics_port):
@@ -501,9 +562,9 @@ def check_ports(docs: list[Doc]) -> list[str]:
             problems.append(f"{where}: no Service targets --port {port}")
     # every other Service must reach a declared port of some pod it selects
     for svc in of_kind(docs, "Service"):
-        selected = [d for d in of_kind(docs, "Deployment") if svc in services_selecting(docs, d)]
+        selected = [d for d in workloads(docs) if svc in services_selecting(docs, d)]
         if not selected:
-            problems.append(f"{name_of(svc)}: selects no Deployment's pods")
+            problems.append(f"{name_of(svc)}: selects no workload's pods")
             continue
         for sp in svc["spec"]["ports"]:
             ok = any(resolve_port(sp.get("targetPort", sp["port"]), c)
@@ -516,10 +577,18 @@ def check_ports(docs: list[Doc]) -> list[str]:
 
 
 def check_services(docs: list[Doc]) -> list[str]:
-    """Worker pools behind headless Services (HTTP/2 pins connections); the gateway ClusterIP."""
+    """Worker pools behind headless Services (HTTP/2 pins connections); the gateway ClusterIP,
+    exposing its API port only (never /metrics)."""
     problems = []
     for dep, c, role in tandem_containers(docs):
         for svc in services_selecting(docs, dep):
+            if role == "gateway":
+                api = int(parse_flags(c["args"][1:])["port"])
+                exposed = {resolve_port(sp.get("targetPort", sp["port"]), c)
+                           for sp in svc["spec"]["ports"]}
+                if exposed != {api}:
+                    problems.append(f"{name_of(svc)} (gateway) exposes {sorted(map(str, exposed))}"
+                                    f"; only the API port {api} belongs on it")
             spec = svc["spec"]
             if role in WORKER_ROLES:
                 if spec.get("clusterIP") != "None":
@@ -600,10 +669,10 @@ def check_autoscalers(docs: list[Doc]) -> list[str]:
         hi = spec.get("maxReplicas", spec.get("maxReplicaCount"))
         if hi is None or lo > hi:
             problems.append(f"{name_of(doc)}: bounds {lo}..{hi}")
-        elif isinstance(target["spec"].get("replicas"), int) and \
-                not lo <= target["spec"]["replicas"] <= hi:
-            problems.append(f"{name_of(target)}: replicas {target['spec']['replicas']} outside "
-                            f"its autoscaler's {lo}..{hi}")
+        if "replicas" in target["spec"]:
+            # every `kubectl apply` would reset the count the autoscaler chose
+            problems.append(f"{name_of(target)}: sets spec.replicas "
+                            f"({target['spec']['replicas']!r}) although {name_of(doc)} owns it")
         behavior = spec.get("behavior") if doc["kind"] == "HorizontalPodAutoscaler" else \
             ((spec.get("advanced") or {}).get("horizontalPodAutoscalerConfig") or {}).get(
                 "behavior")
@@ -631,7 +700,7 @@ _OUTSIDERS = [
 def _policy_pods(docs: list[Doc]) -> list[tuple[str, str, dict[str, str], list[Doc]]]:
     """(who, namespace, labels, containers) for each Deployment's pods and the outsiders."""
     pods = []
-    for dep in of_kind(docs, "Deployment"):
+    for dep in workloads(docs):
         labels = pod_labels(dep)
         who = labels.get("app.kubernetes.io/component") if labels.get(
             "app.kubernetes.io/name") == "tandem" else dep["metadata"]["name"]
@@ -708,7 +777,7 @@ def check_network_policies(docs: list[Doc]) -> list[str]:
     expectations = [  # (destination, port, exactly these sources may connect)
         ("verifier", ports.get("verifier"), {"gateway"}),
         ("draft", ports.get("draft"), {"verifier"}),
-        *[(role, metrics[role], {"prometheus"}) for role in WORKER_ROLES if metrics.get(role)],
+        *[(role, metrics[role], {"prometheus"}) for role in ROLES if metrics.get(role)],
     ]
     for dst, port, wanted in expectations:
         if dst not in roles or port is None:
@@ -740,25 +809,99 @@ def check_network_policies(docs: list[Doc]) -> list[str]:
     return problems
 
 
+def _env_or_flag(env: dict[str, str], flags: dict[str, str], var: str, flag: str,
+                 default: float | None) -> float | None:
+    """A number the process reads from --flag or its env var (the flag wins), else default."""
+    value = flags.get(flag, env.get(var))
+    if value is None or value == "<valueFrom>":
+        return default
+    return float(value)
+
+
 def check_termination(docs: list[Doc]) -> list[str]:
-    """Grace period > preStop sleep + registry leave + drain grace, for every tandem pod."""
+    """Every tandem pod gets to finish its work before SIGKILL.
+
+    Workers: the preStop is `tandem drain --sleep N` (signals PID 1, the image's `tandem`
+    ENTRYPOINT, to leave the registry and refuse new sessions, then waits for endpoints to drop),
+    and the grace exceeds that sleep + the registry leave + --drain-grace-s. Gateway: a preStop
+    sleep, and a grace covering it plus TANDEM_GATEWAY_SHUTDOWN_GRACE_S, itself at least the
+    request timeout (else a rollout cuts streams)."""
     problems = []
     for dep, c, role in tandem_containers(docs):
-        grace = pod_spec(dep).get("terminationGracePeriodSeconds", 30)
+        where = name_of(dep)
+        spec = pod_spec(dep)
+        grace = spec.get("terminationGracePeriodSeconds", 30)
         sleep = prestop_sleep_s(c)
+        command = prestop_command(c)
+        flags = parse_flags(c["args"][1:])
         if sleep <= 0:
-            problems.append(f"{name_of(dep)}: no preStop sleep (endpoints must drop the pod "
+            problems.append(f"{where}: no preStop sleep (endpoints must drop the pod "
                             "before SIGTERM)")
-        need = sleep
         if role in WORKER_ROLES:
-            flags = parse_flags(c["args"][1:])
+            if not is_drain_prestop(command):
+                problems.append(f"{where}: preStop must be `tandem drain --sleep N` (leave the "
+                                f"registry at once), not {command or 'a bare sleep'}")
+            # `tandem drain` signals PID 1: that must be the worker itself
+            if c.get("command"):
+                problems.append(f"{where}: `command` replaces the `tandem` ENTRYPOINT, so PID 1 "
+                                "is not the worker `tandem drain` signals")
+            if spec.get("shareProcessNamespace"):
+                problems.append(f"{where}: shareProcessNamespace makes PID 1 the pause "
+                                "process; `tandem drain` would signal it")
             env_name = f"TANDEM_{role.upper()}_DRAIN_GRACE_S"
             env = {e["name"]: e.get("value") for e in c.get("env", [])}
             drain = float(flags.get("drain-grace-s", env.get(env_name) or DEFAULT_DRAIN_GRACE_S))
-            need += REGISTRY_LEAVE_S + drain
-        if not grace > need:
-            problems.append(f"{name_of(dep)}: terminationGracePeriodSeconds {grace} must exceed "
-                            f"{need:g} s (preStop sleep + drain)")
+            need = sleep + REGISTRY_LEAVE_S + drain
+            if not grace > need:
+                problems.append(f"{where}: terminationGracePeriodSeconds {grace} must exceed "
+                                f"{need:g} s (preStop sleep + registry leave + drain)")
+            continue
+        env = container_env(c, docs, namespace_of(dep))
+        timeout = _env_or_flag(env, flags, "TANDEM_GATEWAY_REQUEST_TIMEOUT", "request-timeout",
+                               DEFAULT_REQUEST_TIMEOUT_S)
+        shutdown = _env_or_flag(env, flags, "TANDEM_GATEWAY_SHUTDOWN_GRACE_S",
+                                "shutdown-grace-s", None)
+        if shutdown is None:
+            problems.append(f"{where}: no TANDEM_GATEWAY_SHUTDOWN_GRACE_S (how long SIGTERM "
+                            "waits for open requests)")
+            continue
+        if shutdown < timeout:
+            problems.append(f"{where}: TANDEM_GATEWAY_SHUTDOWN_GRACE_S {shutdown:g} < the request "
+                            f"timeout {timeout:g}: a rollout would cut requests short")
+        if grace < sleep + shutdown:
+            problems.append(f"{where}: terminationGracePeriodSeconds {grace} < preStop sleep "
+                            f"{sleep:g} + shutdown grace {shutdown:g}")
+    return problems
+
+
+def check_readiness(docs: list[Doc]) -> list[str]:
+    """Readiness follows the drain, so Services and clients stop routing to a draining pod:
+    workers probe gRPC health on their service name (NOT_SERVING while draining); with TLS
+    (kubelet gRPC probes speak plaintext) a TCP check of the gRPC port, which closes when the
+    drain begins. The gateway: HTTP /health on its API port."""
+    problems = []
+    for dep, c, role in tandem_containers(docs):
+        probe = c.get("readinessProbe") or {}
+        port = int(parse_flags(c["args"][1:])["port"])
+        where = f"{name_of(dep)} readinessProbe"
+        if role == "gateway":
+            if (probe.get("httpGet") or {}).get("path") != "/health":
+                problems.append(f"{where}: want httpGet /health")
+            continue
+        tls = env_var(c, "TANDEM_TLS_CERT") is not None
+        grpc = probe.get("grpc")
+        if grpc is not None:
+            if grpc.get("service") != HEALTH_SERVICES[role]:
+                problems.append(f"{where}: gRPC health must ask for {HEALTH_SERVICES[role]!r} "
+                                f"(NOT_SERVING while draining), not {grpc.get('service')!r}")
+            if tls:
+                problems.append(f"{where}: a gRPC probe cannot speak TLS")
+        elif tls and "tcpSocket" in probe:
+            if probe_port(probe, c) != port:
+                problems.append(f"{where}: TCP check of {probe_port(probe, c)}, not the gRPC port")
+        else:
+            problems.append(f"{where}: want gRPC health on {HEALTH_SERVICES[role]!r} (or, with "
+                            "TLS, a TCP check of the gRPC port)")
     return problems
 
 
@@ -796,6 +939,8 @@ def check_env_wiring(docs: list[Doc]) -> list[str]:
         elif url.port != OTLP_PORTS[protocol]:
             problems.append(f"{name_of(dep)}: OTLP over {protocol} to port {url.port}; the "
                             f"collector takes {protocol} on {OTLP_PORTS[protocol]}")
+        if secret_ref(c, "REDIS_URL") is not None:
+            continue  # an external Redis: the URL is in the Secret (check_redis_durable)
         redis = urlsplit(env.get("REDIS_URL", ""))
         if redis.scheme not in ("redis", "rediss"):
             problems.append(f"{name_of(dep)}: REDIS_URL {env.get('REDIS_URL')!r} is no redis URL")
@@ -813,10 +958,9 @@ def check_env_wiring(docs: list[Doc]) -> list[str]:
 
 
 def check_workload_hygiene(docs: list[Doc]) -> list[str]:
-    """ServiceAccount per role, non-root, one pinned image, a PDB per pool."""
+    """ServiceAccount per role, non-root, a PDB per pool."""
     problems = []
     accounts = set()
-    images = set()
     for dep, c, _role in tandem_containers(docs):
         spec = pod_spec(dep)
         sa = spec.get("serviceAccountName")
@@ -827,7 +971,6 @@ def check_workload_hygiene(docs: list[Doc]) -> list[str]:
             problems.append(f"{name_of(dep)}: pod must set runAsNonRoot")
         if (c.get("securityContext") or {}).get("allowPrivilegeEscalation") is not False:
             problems.append(f"{name_of(dep)}: allowPrivilegeEscalation must be false")
-        images.add(c["image"])
         pdbs = [p for p in of_kind(docs, "PodDisruptionBudget")
                 if selector_matches(p["spec"].get("selector"), pod_labels(dep))]
         if len(pdbs) != 1:
@@ -835,15 +978,289 @@ def check_workload_hygiene(docs: list[Doc]) -> list[str]:
                             "want 1")
     if len(accounts) != len(tandem_containers(docs)):
         problems.append("each role needs its own ServiceAccount")
-    if len(images) != 1:
-        problems.append(f"one image for all roles, got {sorted(images)}")
-    for image in images:
-        repo, _, tag = image.rpartition(":")
-        if "/" in tag or not repo or tag in ("", "latest"):
-            problems.append(f"image {image!r} must carry a pinned tag (kustomize images:)")
     missing = set(ROLES) - set(role_deployments(docs))
     if missing:
         problems.append(f"no Deployment for {sorted(missing)}")
+    return problems
+
+
+def image_tag(image: str) -> str:
+    name = image.split("@", 1)[0]
+    return name.rpartition(":")[2] if ":" in name.rpartition("/")[2] else ""
+
+
+def requests_gpu(spec: Doc) -> bool:
+    return any(GPU in ((c.get("resources") or {}).get(part) or {})
+               for c in spec.get("containers", []) + spec.get("initContainers", [])
+               for part in ("requests", "limits"))
+
+
+def check_images(docs: list[Doc]) -> list[str]:
+    """Pinned images, the logical names all mapped; verifier and draft on one image, the CUDA
+    build where they get GPUs; the gateway on the CPU build (it only tokenizes) and no GPU."""
+    problems = []
+    images = {role: (dep, c["image"]) for dep, c, role in tandem_containers(docs)}
+    for dep, image in images.values():
+        if image in LOGICAL_IMAGES.values():
+            problems.append(f"{name_of(dep)}: image {image!r} is a logical name no `images:` "
+                            "entry mapped")
+        elif image_tag(image) in ("", "latest") and "@" not in image:
+            problems.append(f"{name_of(dep)}: image {image!r} must carry a pinned tag or digest")
+    workers = {images[r][1] for r in WORKER_ROLES if r in images}
+    if len(workers) > 1:
+        problems.append(f"verifier and draft run one image, got {sorted(workers)}")
+    for role in WORKER_ROLES:
+        if role in images and requests_gpu(pod_spec(images[role][0])) and \
+                "cuda" not in image_tag(images[role][1]):
+            problems.append(f"{name_of(images[role][0])}: GPUs but the image "
+                            f"{images[role][1]!r} is not the CUDA build")
+    if "gateway" in images:
+        dep, image = images["gateway"]
+        if "cuda" in image.lower():
+            problems.append(f"{name_of(dep)}: the gateway runs the CPU image, not {image!r}")
+        if requests_gpu(pod_spec(dep)):
+            problems.append(f"{name_of(dep)}: the gateway must not ask for a GPU")
+    return problems
+
+
+# ConfigMap keys and values that are secrets, whatever the ConfigMap (TANDEM_REQUIRE_API_KEYS
+# and TANDEM_API_KEYS_FILE are settings, not secrets)
+_SECRET_KEY = re.compile(r"(^|_)(PASSWORD|PASSWD|SECRET|TOKEN)$|^TANDEM_API_KEYS$|"
+                         r"^OTEL_EXPORTER_OTLP(_TRACES)?_HEADERS$")
+_SECRET_VALUE = re.compile(r"sha256:[0-9a-fA-F]{64}|[a-z][a-z0-9+.-]*://[^/\s@:]*:[^/\s@]+@")
+SECRET_ENV = ("REDIS_PASSWORD", "TANDEM_API_KEYS")  # never a literal, never from a ConfigMap
+
+
+def _redis_secret_ok(docs: list[Doc], ref: Doc | None, key: str) -> bool:
+    """A secretKeyRef to the Redis Secret: tandem-redis (created by hand), or the render's own
+    generated one (tandem-redis-<hash>, dev) holding that key."""
+    if not ref or ref.get("key") != key or ref.get("optional"):
+        return False
+    if ref["name"] == REDIS_SECRET:
+        return True
+    secret = find(docs, "Secret", ref["name"])
+    return bool(secret and ref["name"].startswith(REDIS_SECRET + "-")
+                and key in {**(secret.get("data") or {}), **(secret.get("stringData") or {})})
+
+
+def check_secrets(docs: list[Doc]) -> list[str]:
+    """API keys and the Redis password come from Secrets only: no ConfigMap and no literal env
+    holds one; every tandem process and the in-cluster Redis read REDIS_PASSWORD from the Secret
+    tandem-redis; the gateway's keys file is the Secret tandem-api-keys, mounted read-only."""
+    problems = []
+    for cm in of_kind(docs, "ConfigMap"):
+        for key, value in (cm.get("data") or {}).items():
+            if _SECRET_KEY.search(key):
+                problems.append(f"{name_of(cm)}: {key} is a secret; it belongs in a Secret")
+            if _SECRET_VALUE.search(str(value)):
+                problems.append(f"{name_of(cm)}: {key} holds a credential (a key digest or a "
+                                "URL with a password)")
+    for dep in workloads(docs):
+        for c in pod_spec(dep).get("containers", []) + pod_spec(dep).get("initContainers", []):
+            for var in c.get("env") or []:
+                literal = var.get("value")
+                if var["name"] in SECRET_ENV and "secretKeyRef" not in (var.get("valueFrom") or {}):
+                    problems.append(f"{name_of(dep)}: env {var['name']} must come from a Secret "
+                                    "(secretKeyRef)")
+                elif literal and _SECRET_VALUE.search(literal):
+                    problems.append(f"{name_of(dep)}: env {var['name']} holds a credential")
+    for dep, c, role in tandem_containers(docs):
+        if not _redis_secret_ok(docs, secret_ref(c, "REDIS_PASSWORD"), "password"):
+            problems.append(f"{name_of(dep)}: REDIS_PASSWORD must come from the Secret "
+                            f"{REDIS_SECRET} (key `password`)")
+        if env_var(c, "TANDEM_API_KEYS") is not None:
+            problems.append(f"{name_of(dep)}: TANDEM_API_KEYS puts keys in the pod spec; mount "
+                            f"the Secret {API_KEYS_SECRET} (TANDEM_API_KEYS_FILE)")
+        if role == "gateway":
+            problems += _api_keys_problems(dep, c)
+    for dep, c in redis_containers(docs):
+        flags = parse_flags(c.get("args") or [])
+        if flags.get("requirepass") != "$(REDIS_PASSWORD)" or \
+                not _redis_secret_ok(docs, secret_ref(c, "REDIS_PASSWORD"), "password"):
+            problems.append(f"{name_of(dep)}: Redis must run with --requirepass "
+                            f"$(REDIS_PASSWORD), REDIS_PASSWORD from the Secret {REDIS_SECRET}")
+    return problems
+
+
+def _api_keys_problems(dep: Doc, c: Doc) -> list[str]:
+    """TANDEM_API_KEYS_FILE, when set, is key `keys` of the Secret tandem-api-keys, mounted
+    read-only; TANDEM_REQUIRE_API_KEYS needs it."""
+    where = name_of(dep)
+    path = (env_var(c, "TANDEM_API_KEYS_FILE") or {}).get("value")
+    require = (env_var(c, "TANDEM_REQUIRE_API_KEYS") or {}).get("value", "")
+    if not path:
+        return [f"{where}: TANDEM_REQUIRE_API_KEYS without TANDEM_API_KEYS_FILE"] \
+            if require.lower() in ("1", "true", "yes", "on") else []
+    volumes = {v["name"]: v for v in pod_spec(dep).get("volumes") or []}
+    for mount in c.get("volumeMounts") or []:
+        directory = mount["mountPath"].rstrip("/") + "/"
+        if not path.startswith(directory):
+            continue
+        secret = (volumes.get(mount["name"]) or {}).get("secret") or {}
+        relative = path[len(directory):]
+        items = {i["path"]: i["key"] for i in secret.get("items") or []}
+        key = items.get(relative, None if items else relative)
+        if secret.get("secretName") != API_KEYS_SECRET or key != "keys" or \
+                mount.get("subPath") or secret.get("optional"):
+            return [f"{where}: TANDEM_API_KEYS_FILE {path} is not key `keys` of the Secret "
+                    f"{API_KEYS_SECRET}"]
+        if not mount.get("readOnly"):
+            return [f"{where}: mount {API_KEYS_SECRET} read-only"]
+        return []
+    return [f"{where}: TANDEM_API_KEYS_FILE {path} is in no mounted volume"]
+
+
+def redis_workloads(docs: list[Doc]) -> list[Doc]:
+    return [d for d in workloads(docs)
+            if pod_labels(d).get("app.kubernetes.io/component") == "redis"]
+
+
+def redis_containers(docs: list[Doc]) -> list[tuple[Doc, Doc]]:
+    return [(d, c) for d in redis_workloads(docs) for c in pod_spec(d)["containers"]
+            if c["name"] == "redis" or c["image"].split(":")[0].endswith("redis")]
+
+
+def check_redis_durable(docs: list[Doc]) -> list[str]:
+    """Production Redis survives a restart: a single-master StatefulSet with a PersistentVolume
+    (volumeClaimTemplates), the append-only file on it, a password and a headless governing
+    Service; or no in-cluster Redis and REDIS_URL from a Secret (a managed one). Never the
+    ephemeral Deployment (dev only). Not in ALL_CHECKS: dev keeps the ephemeral one."""
+    problems = []
+    redis = redis_workloads(docs)
+    for dep in redis:
+        if dep["kind"] != "StatefulSet":
+            problems.append(f"{name_of(dep)}: an ephemeral Redis {dep['kind']}; production "
+                            "runs the StatefulSet or an external Redis")
+            continue
+        spec = dep["spec"]
+        if spec.get("replicas", 1) != 1:
+            problems.append(f"{name_of(dep)}: {spec['replicas']} replicas would be unrelated "
+                            "masters; run one")
+        claims = {t["metadata"]["name"]: t for t in spec.get("volumeClaimTemplates") or []}
+        ((_d, c),) = [(d, c) for d, c in redis_containers(docs) if d is dep] or [(None, {})]
+        flags = parse_flags(c.get("args") or [])
+        if flags.get("appendonly") != "yes":
+            problems.append(f"{name_of(dep)}: want --appendonly yes (the AOF on the volume)")
+        data = next((m for m in c.get("volumeMounts") or [] if m["mountPath"] == "/data"), None)
+        claim = claims.get((data or {}).get("name"))
+        if claim is None:
+            problems.append(f"{name_of(dep)}: /data is not a volumeClaimTemplate")
+        elif "storage" not in ((claim["spec"].get("resources") or {}).get("requests") or {}):
+            problems.append(f"{name_of(dep)}: claim {claim['metadata']['name']} requests no "
+                            "storage")
+        if flags.get("requirepass") != "$(REDIS_PASSWORD)":
+            problems.append(f"{name_of(dep)}: no --requirepass $(REDIS_PASSWORD)")
+        svc = find(docs, "Service", spec.get("serviceName", ""))
+        if svc is None or svc["spec"].get("clusterIP") != "None" or \
+                svc not in services_selecting(docs, dep):
+            problems.append(f"{name_of(dep)}: serviceName {spec.get('serviceName')!r} must be a "
+                            "headless Service selecting its pod")
+    if not redis:
+        for dep, c, _role in tandem_containers(docs):
+            if not _redis_secret_ok(docs, secret_ref(c, "REDIS_URL"), "url"):
+                problems.append(f"{name_of(dep)}: no in-cluster Redis, so REDIS_URL must come "
+                                f"from the Secret {REDIS_SECRET} (key `url`)")
+        for cm in of_kind(docs, "ConfigMap"):
+            if "REDIS_URL" in (cm.get("data") or {}):
+                problems.append(f"{name_of(cm)}: REDIS_URL here would name a Redis that is not "
+                                "deployed (and env from the Secret shadows it)")
+    return problems
+
+
+_POD_IP_JOINED = re.compile(r"\[\$\(POD_IP\)|\$\(POD_IP\)\]?:")
+
+
+def check_addresses(docs: list[Doc]) -> list[str]:
+    """Dual-stack: processes bind `::`, workers advertise the bare pod IP (--advertise-host,
+    the code adds the port and brackets IPv6); nothing joins $(POD_IP) and a port by string
+    concatenation (`10.0.0.1:50051` works, `fd00::1:50051` does not); the Redis and OTLP
+    endpoints are Service names, not addresses."""
+    problems = []
+    for dep in workloads(docs):
+        for c in pod_spec(dep).get("containers", []) + pod_spec(dep).get("initContainers", []):
+            values = list(c.get("args") or []) + list(c.get("command") or []) + \
+                [e.get("value") or "" for e in c.get("env") or []]
+            for value in values:
+                if _POD_IP_JOINED.search(value):
+                    problems.append(f"{name_of(dep)}: {value!r} joins $(POD_IP) and a port as a "
+                                    "string (breaks on IPv6): pass --advertise-host=$(POD_IP)")
+    for dep, c, role in tandem_containers(docs):
+        flags = parse_flags(c["args"][1:])
+        if flags.get("host") != DUAL_STACK_HOST:
+            problems.append(f"{name_of(dep)}: --host={flags.get('host')!r}; bind "
+                            f"{DUAL_STACK_HOST!r} (IPv4 and IPv6)")
+        if role in WORKER_ROLES:
+            if flags.get("advertise-host") != "$(POD_IP)":
+                problems.append(f"{name_of(dep)}: want --advertise-host=$(POD_IP), got "
+                                f"{flags.get('advertise-host')!r}")
+            if "advertise-address" in flags:
+                problems.append(f"{name_of(dep)}: --advertise-address (host:port) is replaced "
+                                "by --advertise-host")
+            pod_ip = env_var(c, "POD_IP") or {}
+            if pod_ip.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "status.podIP":
+                problems.append(f"{name_of(dep)}: POD_IP must come from the downward API "
+                                "(fieldRef status.podIP)")
+        env = container_env(c, docs, namespace_of(dep))
+        for var in ("REDIS_URL", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+            host = urlsplit(env.get(var, "")).hostname or ""
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                continue
+            problems.append(f"{name_of(dep)}: {var} names the address {host}; use the Service name")
+    return problems
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def check_log_level(docs: list[Doc]) -> list[str]:
+    """One log level for the three roles: TANDEM_LOG_LEVEL from the shared ConfigMap, not
+    shadowed by a per-role variable, a container's own env or a --log-level flag."""
+    problems = []
+    for dep, c, _role in tandem_containers(docs):
+        env = container_env(c, docs, namespace_of(dep))
+        level = env.get("TANDEM_LOG_LEVEL")
+        if level is None or level.lower() not in LOG_LEVELS:
+            problems.append(f"{name_of(dep)}: TANDEM_LOG_LEVEL {level!r} is not one of "
+                            f"{LOG_LEVELS}")
+        if env_var(c, "TANDEM_LOG_LEVEL") is not None:
+            problems.append(f"{name_of(dep)}: sets its own TANDEM_LOG_LEVEL; the shared "
+                            "ConfigMap's applies to all roles")
+        shadows = [k for k in env if re.fullmatch(r"TANDEM_[A-Z]+_LOG_LEVEL", k)]
+        if shadows:
+            problems.append(f"{name_of(dep)}: {shadows} would shadow TANDEM_LOG_LEVEL")
+        if "log-level" in parse_flags(c["args"][1:]):
+            problems.append(f"{name_of(dep)}: --log-level overrides TANDEM_LOG_LEVEL")
+    return problems
+
+
+SPREAD_KEYS = ("topology.kubernetes.io/zone", "kubernetes.io/hostname")
+
+
+def check_topology(docs: list[Doc]) -> list[str]:
+    """Each role spreads over zones and nodes (soft, so one node or one zone still schedules),
+    counting its own pods only: a selector that misses the pod's labels, or counts another
+    role's pods too, spreads nothing."""
+    problems = []
+    roles = role_deployments(docs)
+    for role, dep in roles.items():
+        labels = pod_labels(dep)
+        others = [pod_labels(d) for r, d in roles.items() if r != role]
+        constraints = pod_spec(dep).get("topologySpreadConstraints") or []
+        for key in SPREAD_KEYS:
+            mine = [t for t in constraints if t["topologyKey"] == key]
+            if not mine:
+                problems.append(f"{name_of(dep)}: no topologySpreadConstraint on {key}")
+        for t in constraints:
+            where = f"{name_of(dep)}: spread on {t['topologyKey']}"
+            if t.get("whenUnsatisfiable") != "ScheduleAnyway":
+                problems.append(f"{where} must be ScheduleAnyway (one zone or node still "
+                                "schedules)")
+            if not t.get("labelSelector") or not selector_matches(t["labelSelector"], labels):
+                problems.append(f"{where}: labelSelector does not match the pod's own labels")
+            elif any(selector_matches(t["labelSelector"], o) for o in others):
+                problems.append(f"{where}: labelSelector also counts another role's pods")
     return problems
 
 
@@ -894,9 +1311,8 @@ def check_gpu_placement(docs: list[Doc]) -> list[str]:
 
 
 def metrics_port(container: Doc, role: str) -> int | None:
-    """The port a role's container serves /metrics on (the gateway: its HTTP port)."""
-    flags = parse_flags(container.get("args") or [])
-    value = flags.get("port" if role == "gateway" else "metrics-port")
+    """The port a role's container serves /metrics on (--metrics-port, every role)."""
+    value = parse_flags(container.get("args") or []).get("metrics-port")
     return int(value) if value and value.lstrip("-").isdigit() else None
 
 
@@ -931,9 +1347,12 @@ def check_pod_monitors(docs: list[Doc]) -> list[str]:
 
 ALL_CHECKS: list[Callable[[list[Doc]], list[str]]] = [
     check_schemas, check_probes_and_resources, check_ports, check_services, check_autoscalers,
-    check_network_policies, check_termination, check_env_wiring, check_workload_hygiene,
-    check_pod_monitors,
+    check_network_policies, check_termination, check_readiness, check_env_wiring,
+    check_workload_hygiene, check_images, check_secrets, check_addresses, check_log_level,
+    check_topology, check_pod_monitors,
 ]
+# What only production must pass (dev runs CPU-only with an ephemeral Redis).
+PROD_CHECKS: list[Callable[[list[Doc]], list[str]]] = [check_gpu_placement, check_redis_durable]
 
 
 def all_problems(docs: list[Doc]) -> list[str]:
@@ -950,9 +1369,69 @@ def all_problems(docs: list[Doc]) -> list[str]:
 # ------------------------------------------------------------------------- tests: every render
 
 @pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
-def test_render_passes(docs, check):
+def test_render_passes(target, docs, check):
+    if target == "base" and check is check_images:
+        pytest.skip("the base leaves the images to the overlays "
+                    "(test_base_leaves_images_to_the_overlays)")
     problems = check(docs)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("target", PROD_TARGETS)
+@pytest.mark.parametrize("check", PROD_CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
+def test_production_render_passes(target, check):
+    problems = check(render(target))
+    assert not problems, "\n".join(problems)
+
+
+def test_base_leaves_images_to_the_overlays():
+    """Two logical names (gateway; verifier and draft): a layer that mapped both to the same
+    repository would leave no overlay able to give them different builds."""
+    got = {role: c["image"] for _d, c, role in tandem_containers(render("base"))}
+    assert got == LOGICAL_IMAGES
+
+
+@pytest.mark.parametrize("target", PROD_TARGETS)
+def test_production_gateway_runs_the_cpu_image(target):
+    docs = render(target)
+    images = {role: c["image"] for _d, c, role in tandem_containers(docs)}
+    assert "cuda" not in image_tag(images["gateway"]), images
+    assert all(image_tag(images[r]).endswith("-cuda") for r in WORKER_ROLES), images
+    assert images["gateway"].rpartition(":")[0] == images["verifier"].rpartition(":")[0], \
+        "one repository, two builds (tags)"
+    assert not requests_gpu(pod_spec(role_deployments(docs)["gateway"]))
+
+
+@pytest.mark.parametrize("target", PROD_TARGETS)
+def test_production_requires_api_keys_and_ships_no_secrets(target):
+    docs = render(target)
+    assert not of_kind(docs, "Secret"), "prod overlays ship no secret values: the Secrets " \
+        "are created in the cluster (deploy/README.md)"
+    gateway = next(c for _d, c, role in tandem_containers(docs) if role == "gateway")
+    assert (env_var(gateway, "TANDEM_REQUIRE_API_KEYS") or {}).get("value") == "1"
+    assert (env_var(gateway, "TANDEM_API_KEYS_FILE") or {}).get("value")
+    assert check_secrets(docs) == []
+
+
+def test_the_external_redis_variant_has_no_in_cluster_redis():
+    docs = render("prod-gpu+external-redis")
+    assert not redis_workloads(docs)
+    assert not [d for d in docs if d["metadata"]["name"] == "tandem-redis"]
+    for _dep, c, _role in tandem_containers(docs):
+        assert secret_ref(c, "REDIS_URL") == {"name": REDIS_SECRET, "key": "url"}
+        assert secret_ref(c, "REDIS_PASSWORD") == {"name": REDIS_SECRET, "key": "password"}
+
+
+def test_dev_redis_is_not_production_grade():
+    """The production check refuses dev's ephemeral Redis (so it can fail)."""
+    problems = check_redis_durable(render("dev"))
+    assert any("ephemeral" in p for p in problems), problems
+
+
+def test_the_gateway_default_request_timeout_is_the_one_checked():
+    from gateway.config import GatewayConfig
+
+    assert GatewayConfig().request_timeout_s == DEFAULT_REQUEST_TIMEOUT_S
 
 
 def test_every_overlay_is_checked():
@@ -960,16 +1439,21 @@ def test_every_overlay_is_checked():
     assert any("keda" in o for o in OVERLAYS), "a KEDA overlay renders the ScaledObjects"
 
 
-def test_render_has_every_piece(docs):
+def test_render_has_every_piece(target, docs):
     kinds = {d["kind"] for d in docs}
     for kind in ("Namespace", "ConfigMap", "ServiceAccount", "Deployment", "Service",
                  "PodDisruptionBudget", "NetworkPolicy"):
         assert kind in kinds, f"no {kind}"
     assert kinds & {"HorizontalPodAutoscaler", "ScaledObject"}, "no autoscaler"
     names = {name_of(d) for d in docs}
-    for name in ("Deployment/tandem-redis", "Service/tandem-redis", "Deployment/otel-collector",
-                 "Service/otel-collector"):
+    for name in ("Deployment/otel-collector", "Service/otel-collector"):
         assert name in names
+    # Redis: the StatefulSet (base, prod), the ephemeral Deployment (dev only), or none (a
+    # variant with components/external-redis)
+    if target not in VARIANTS:
+        want = "Deployment" if target == "dev" else "StatefulSet"
+        assert [name_of(d) for d in redis_workloads(docs)] == [f"{want}/tandem-redis"]
+        assert "Service/tandem-redis" in names
     assert any(d["kind"] == "ConfigMap" and "collector.yaml" in d.get("data", {})
                for d in docs), "the collector config ConfigMap"
     assert len({namespace_of(d) for d in docs if d["kind"] != "Namespace"}) == 1
@@ -994,9 +1478,13 @@ def test_dev_is_cpu_only_and_small():
     docs = render("dev")
     text = json.dumps(docs)
     assert GPU not in text, "dev must not request GPUs"
+    scaled = {h["spec"]["scaleTargetRef"]["name"] for h in of_kind(docs, "HorizontalPodAutoscaler")}
+    assert scaled == {d["metadata"]["name"] for d in role_deployments(docs).values()}
     for dep in of_kind(docs, "Deployment"):
         spec = pod_spec(dep)
-        assert dep["spec"]["replicas"] == 1, name_of(dep)
+        # the HPAs (min 1) own the pools' count; the rest run one replica
+        assert dep["spec"].get("replicas") == (None if dep["metadata"]["name"] in scaled else 1), \
+            name_of(dep)
         assert not spec.get("nodeSelector") and not spec.get("tolerations"), name_of(dep)
         assert not node_requirements(spec), name_of(dep)
     for hpa in of_kind(docs, "HorizontalPodAutoscaler"):
@@ -1018,7 +1506,8 @@ def test_keda_overlay_replaces_hpas_for_both_pools():
 
 # Flags the manifests pass that the CLI may not have yet (being added in the same issue); once
 # the parser defines one, it is parsed and type-checked like every other flag.
-PENDING_FLAGS = {"--metrics-port"}
+PENDING_FLAGS = {"--metrics-port", "--advertise-host"}
+POD_IP_V6 = "fd00:10:244::7"  # a pod IP the args must cope with
 
 
 def test_container_args_parse_with_the_real_cli(monkeypatch, target):
@@ -1034,7 +1523,7 @@ def test_container_args_parse_with_the_real_cli(monkeypatch, target):
                 monkeypatch.delenv(key)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        values = {**env, "POD_IP": "10.1.2.3", "POD_NAME": f"{role}-0",
+        values = {**env, "POD_IP": POD_IP_V6, "POD_NAME": f"{role}-0",
                   "POD_NAMESPACE": "tandem"}
         args = [re.sub(r"\$\((\w+)\)", lambda m, v=values: v.get(m.group(1), m.group(0)), a)
                 for a in c["args"]]
@@ -1047,10 +1536,33 @@ def test_container_args_parse_with_the_real_cli(monkeypatch, target):
         assert unknown_flags <= PENDING_FLAGS and len(unknown) == len(unknown_flags), \
             f"{target} {name_of(dep)}: unknown arguments {unknown}"
         assert parsed.command == role
-        assert parsed.host == "0.0.0.0"
+        assert parsed.host == DUAL_STACK_HOST
+        if hasattr(parsed, "metrics_port"):
+            assert isinstance(parsed.metrics_port, int) and parsed.metrics_port != parsed.port
         if role in WORKER_ROLES:
-            assert parsed.advertise_address == f"10.1.2.3:{parsed.port}"
+            if hasattr(parsed, "advertise_host"):
+                assert parsed.advertise_host == POD_IP_V6
+            assert not getattr(parsed, "advertise_address", None)
             assert parsed.drain_grace_s > 0
+
+
+def test_worker_prestop_parses_with_the_real_cli(target):
+    """The workers' preStop `tandem drain --sleep N` is a command the image's CLI has."""
+    from tandem.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    if "drain" not in commands:
+        pytest.skip("`tandem drain` is not in the CLI yet (pending, like PENDING_FLAGS)")
+    for dep, c, role in tandem_containers(render(target)):
+        if role in WORKER_ROLES:
+            command = prestop_command(c)
+            try:
+                parsed = parser.parse_args(command[1:])
+            except SystemExit:
+                pytest.fail(f"{target} {name_of(dep)}: preStop {command} is rejected")
+            assert parsed.command == "drain" and parsed.sleep > 0
 
 
 def test_prometheus_adapter_rules_cover_hpa_metrics():
@@ -1130,8 +1642,30 @@ def test_dockerfile(flavor):
 # by all_problems), which shows the checks can fail. The control case renders the same way with
 # no patch and must pass, so a failure there is a broken mechanism, not a caught mistake.
 
+def _env_patch(role: str, entry: str) -> str:
+    """A strategic merge patch on one role's env (merged by name)."""
+    return f"""
+        - patch: |-
+            apiVersion: apps/v1
+            kind: Deployment
+            metadata: {{name: tandem-{role}}}
+            spec:
+              template:
+                spec:
+                  containers:
+                    - name: {role}
+                      env:
+                        - {entry}
+        """
+
+
+_SPREAD_ROLE_LABEL = ("/spec/template/spec/topologySpreadConstraints/{}/labelSelector/matchLabels/"
+                      "app.kubernetes.io~1component")
+
 BROKEN = {
     "control": ("dev", None, None),
+    "control-prod": ("prod-gpu", None, None),
+    "control-external-redis": ("prod-gpu+external-redis", None, None),
     "no-readiness-probe": ("dev", check_probes_and_resources, """
         - target: {kind: Deployment, name: tandem-verifier}
           patch: |-
@@ -1154,7 +1688,7 @@ BROKEN = {
     "replicas-not-an-integer": ("dev", check_schemas, """
         - target: {kind: Deployment, name: tandem-verifier}
           patch: |-
-            - op: replace
+            - op: add
               path: /spec/replicas
               value: two
         """),
@@ -1241,18 +1775,185 @@ BROKEN = {
               path: /spec/triggers/0/metadata/threshold
               value: 4
         """),
+    # replicas owned by the autoscaler
+    "hpa-target-sets-replicas": ("prod-gpu", check_autoscalers, """
+        - target: {kind: Deployment, name: tandem-verifier}
+          patch: |-
+            - op: add
+              path: /spec/replicas
+              value: 2
+        """),
+    "keda-target-sets-replicas": ("prod-gpu-keda", check_autoscalers, """
+        - target: {kind: Deployment, name: tandem-gateway}
+          patch: |-
+            - op: add
+              path: /spec/replicas
+              value: 3
+        """),
+    # gateway metrics off the public port
+    "gateway-metrics-on-public-service": ("dev", check_services, """
+        - target: {kind: Service, name: tandem-gateway}
+          patch: |-
+            - op: add
+              path: /spec/ports/-
+              value: {name: metrics, port: 9092, targetPort: metrics}
+        """),
+    "gateway-metrics-open-to-all": ("dev", check_network_policies, """
+        - target: {kind: NetworkPolicy, name: tandem-gateway}
+          patch: |-
+            - op: add
+              path: /spec/ingress/-
+              value: {ports: [{protocol: TCP, port: 9092}]}
+        """),
+    "podmonitor-gateway-on-api-port": ("prod-gpu", check_pod_monitors, """
+        - target: {kind: PodMonitor, name: tandem-gateway}
+          patch: |-
+            - op: replace
+              path: /spec/podMetricsEndpoints/0/port
+              value: http
+        """),
+    # drain
+    "gateway-grace-shorter-than-requests": ("dev", check_termination, """
+        - target: {kind: Deployment, name: tandem-gateway}
+          patch: |-
+            - op: replace
+              path: /spec/template/spec/terminationGracePeriodSeconds
+              value: 30
+        """),
+    "gateway-shutdown-grace-below-timeout": ("dev", check_termination, _env_patch(
+        "gateway", "{name: TANDEM_GATEWAY_SHUTDOWN_GRACE_S, value: '30'}")),
+    "worker-prestop-plain-sleep": ("dev", check_termination, """
+        - target: {kind: Deployment, name: tandem-verifier}
+          patch: |-
+            - op: replace
+              path: /spec/template/spec/containers/0/lifecycle/preStop/exec/command
+              value: [sleep, "5"]
+        """),
+    "worker-entrypoint-replaced": ("dev", check_termination, """
+        - target: {kind: Deployment, name: tandem-draft}
+          patch: |-
+            - op: add
+              path: /spec/template/spec/containers/0/command
+              value: [/bin/sh, -c, exec tandem "$@", --]
+        """),
+    "readiness-without-service-name": ("dev", check_readiness, """
+        - target: {kind: Deployment, name: tandem-verifier}
+          patch: |-
+            - op: remove
+              path: /spec/template/spec/containers/0/readinessProbe/grpc/service
+        """),
+    # addresses
+    "advertise-address-concatenated": ("dev", check_addresses, """
+        - target: {kind: Deployment, name: tandem-draft}
+          patch: |-
+            - op: add
+              path: /spec/template/spec/containers/0/args/-
+              value: --advertise-address=$(POD_IP):50052
+        """),
+    "ipv4-only-bind": ("dev", check_addresses, """
+        - target: {kind: Deployment, name: tandem-gateway}
+          patch: |-
+            - op: replace
+              path: /spec/template/spec/containers/0/args/1
+              value: --host=0.0.0.0
+        """),
+    # secrets
+    "password-in-configmap": ("dev", check_secrets, """
+        - target: {kind: ConfigMap, name: tandem-config}
+          patch: |-
+            - op: add
+              path: /data/REDIS_PASSWORD
+              value: hunter2
+        """),
+    "credentials-in-redis-url": ("dev", check_secrets, """
+        - target: {kind: ConfigMap, name: tandem-config}
+          patch: |-
+            - op: replace
+              path: /data/REDIS_URL
+              value: redis://default:hunter2@tandem-redis:6379/0
+        """),
+    "redis-password-literal": ("dev", check_secrets, _env_patch(
+        "verifier", "{name: REDIS_PASSWORD, value: hunter2, valueFrom: null}")),
+    "api-keys-in-env": ("prod-gpu", check_secrets, _env_patch(
+        "gateway", "{name: TANDEM_API_KEYS, value: sk-plain-key}")),
+    "api-keys-file-from-another-secret": ("prod-gpu", check_secrets, """
+        - patch: |-
+            apiVersion: apps/v1
+            kind: Deployment
+            metadata: {name: tandem-gateway}
+            spec:
+              template:
+                spec:
+                  volumes:
+                    - {name: api-keys, secret: {secretName: tandem-tls}}
+        """),
+    "redis-without-requirepass": ("prod-gpu", check_secrets, """
+        - target: {kind: StatefulSet, name: tandem-redis}
+          patch: |-
+            - op: remove
+              path: /spec/template/spec/containers/0/args/6
+            - op: remove
+              path: /spec/template/spec/containers/0/args/6
+        """),
+    # production Redis
+    "redis-without-aof": ("prod-gpu", check_redis_durable, """
+        - target: {kind: StatefulSet, name: tandem-redis}
+          patch: |-
+            - op: replace
+              path: /spec/template/spec/containers/0/args/1
+              value: "no"
+        """),
+    "redis-without-volume": ("prod-gpu", check_redis_durable, """
+        - target: {kind: StatefulSet, name: tandem-redis}
+          patch: |-
+            - op: remove
+              path: /spec/volumeClaimTemplates
+        """),
+    "external-redis-url-not-from-secret": ("prod-gpu+external-redis", check_redis_durable,
+                                          _env_patch("draft", "{name: REDIS_URL, $patch: delete}")),
+    # log level, spreading, images
+    "log-level-shadowed": ("dev", check_log_level, _env_patch(
+        "draft", "{name: TANDEM_DRAFT_LOG_LEVEL, value: warning}")),
+    "spread-counts-every-role": ("dev", check_topology, f"""
+        - target: {{kind: Deployment, name: tandem-draft}}
+          patch: |-
+            - op: remove
+              path: {_SPREAD_ROLE_LABEL.format(1)}
+        """),
+    "spread-selects-another-role": ("dev", check_topology, f"""
+        - target: {{kind: Deployment, name: tandem-verifier}}
+          patch: |-
+            - op: replace
+              path: {_SPREAD_ROLE_LABEL.format(0)}
+              value: draft
+        """),
+    "no-zone-spread": ("dev", check_topology, """
+        - target: {kind: Deployment, name: tandem-gateway}
+          patch: |-
+            - op: remove
+              path: /spec/template/spec/topologySpreadConstraints/0
+        """),
+    "gateway-on-the-cuda-image": ("prod-gpu", check_images, """
+        - target: {kind: Deployment, name: tandem-gateway}
+          patch: |-
+            - op: replace
+              path: /spec/template/spec/containers/0/image
+              value: ghcr.io/tandem/tandem:0.1.0-cuda
+        """),
+    "gateway-wants-a-gpu": ("prod-gpu", check_images, """
+        - target: {kind: Deployment, name: tandem-gateway}
+          patch: |-
+            - op: add
+              path: /spec/template/spec/containers/0/resources/limits/nvidia.com~1gpu
+              value: 1
+        """),
 }
 
 
 def render_broken(tmp_path: Path, base_overlay: str, patches: str | None) -> list[Doc]:
-    overlay = tmp_path / "broken"
-    overlay.mkdir()
-    rel = os.path.relpath(K8S / "overlays" / base_overlay, overlay)  # kustomize wants relative
-    text = f"resources:\n  - {rel}\n"
-    if patches:
-        text += "patches:\n" + textwrap.indent(textwrap.dedent(patches).strip("\n"), "  ") + "\n"
-    (overlay / "kustomization.yaml").write_text(text)
-    return render_dir(overlay)
+    """An overlay (or a VARIANTS name) with patches on top, rendered."""
+    overlay, components = VARIANTS.get(base_overlay, (base_overlay, ()))
+    return render_dir(write_overlay(tmp_path / "broken", overlay, patches, components))
 
 
 @pytest.mark.parametrize("case", list(BROKEN))
@@ -1262,10 +1963,12 @@ def test_broken_manifest_is_caught(tmp_path, case):
     problems = all_problems(docs)
     if check is None:
         assert not problems, "the unpatched temp overlay must pass:\n" + "\n".join(problems)
+        if base_overlay != "dev":
+            assert not [p for c in PROD_CHECKS for p in c(docs)], case
         return
     caught = check(docs)
     assert caught, f"{check.__name__} missed the broken manifest ({case})"
-    if check is not check_gpu_placement:
+    if check not in PROD_CHECKS:
         assert problems, case
 
 

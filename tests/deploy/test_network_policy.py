@@ -1,25 +1,34 @@
-"""No internal port is reachable from outside the namespace, in every rendered overlay.
+"""No internal port is reachable from outside the namespace, and no pod dials more than it
+needs, in every rendered overlay.
 
-test_manifests.py evaluates the policies against a few stand-in pods; this reads the rendered
-NetworkPolicies themselves, so a rule admitting a namespace or address no stand-in lives in is
-caught too. For every pod of the render (verifier, draft, gateway, Redis, the collector):
+Ingress. test_manifests.py evaluates the policies against a few stand-in pods; this reads the
+rendered NetworkPolicies themselves, so a rule admitting a namespace or address no stand-in lives
+in is caught too. For every pod of the render (verifier, draft, gateway, Redis, the collector):
 
 - some NetworkPolicy in its namespace with policyTypes Ingress selects it (else it is open);
 - every ingress rule of those policies admits only pods of the same namespace: a podSelector
   without a namespaceSelector, or a namespaceSelector that matches only that namespace by name.
-  Two exceptions: the gateway's public port may admit anyone, and a worker's metrics port
-  (--metrics-port) may admit the monitoring namespace, where Prometheus runs.
+  Two exceptions: the gateway's public port may admit anyone, and a metrics port
+  (--metrics-port, every role) may admit the monitoring namespace, where Prometheus runs.
 
-Negative tests mutate the rendered policies and require the check to catch each one.
+Egress. Every pod is isolated for egress (default deny), and the policies are evaluated flow by
+flow (NetworkPolicy semantics: the source's egress AND the destination's ingress must allow):
+the flows Tandem needs are allowed (DNS, gateway -> verifier, verifier -> draft, every role ->
+Redis and the collector); the ones it does not are refused by the source's egress policy on its
+own (draft -> verifier, gateway -> draft, Redis -> anything, anything -> the internet).
+
+Negative tests mutate the rendered policies and require the checks to catch each one.
 """
 from __future__ import annotations
 
 import copy
+import ipaddress
+from dataclasses import dataclass, field
 
 import pytest
 from test_manifests import (
+    ROLES,
     TARGETS,
-    WORKER_ROLES,
     Doc,
     find,
     name_of,
@@ -30,7 +39,10 @@ from test_manifests import (
     pod_spec,
     render,
     resolve_port,
+    role_deployments,
     selector_matches,
+    tandem_containers,
+    workloads,
 )
 
 pytestmark = pytest.mark.deploy
@@ -102,7 +114,7 @@ def _open_ports(labels: dict[str, str], containers: list[Doc]) -> tuple[set[int]
         flags = parse_flags(args[1:])
         if role == "gateway":
             public.add(int(flags["port"]))
-        elif role in WORKER_ROLES and flags.get("metrics-port"):
+        if flags.get("metrics-port"):
             monitored.add(int(flags["metrics-port"]))
     return public, monitored
 
@@ -133,12 +145,163 @@ def pod_exposure(docs: list[Doc], deploy: Doc) -> list[str]:
 
 def check_namespace_isolation(docs: list[Doc]) -> list[str]:
     problems = []
-    deployments = of_kind(docs, "Deployment")
+    deployments = workloads(docs)
     components = {pod_labels(d).get("app.kubernetes.io/component") for d in deployments}
-    problems += [f"no {role} Deployment in the render" for role in (*WORKER_ROLES, "gateway")
+    problems += [f"no {role} Deployment in the render" for role in ROLES
                  if role not in components]
     for dep in deployments:
         problems += pod_exposure(docs, dep)
+    return problems
+
+
+# ------------------------------------------------------------------------------------ egress
+
+EXTERNAL_IP = "203.0.113.7"  # TEST-NET-3: an address outside the cluster (a managed service)
+REDIS_PORT = 6379
+OTLP_PORTS = (4317, 4318)
+DNS_PORT = 53
+
+
+@dataclass(eq=False)
+class Endpoint:
+    """One end of a flow: the pods of a workload, a stand-in pod elsewhere in the cluster, or an
+    address outside it (namespace None)."""
+    who: str
+    namespace: str | None
+    labels: dict[str, str] = field(default_factory=dict)
+    containers: list[Doc] = field(default_factory=list)
+    ip: str | None = None
+
+
+def endpoints(docs: list[Doc]) -> dict[str, Endpoint]:
+    """The render's pods by role (or workload name), plus kube-dns, Prometheus and the internet."""
+    out = {}
+    for w in workloads(docs):
+        labels = pod_labels(w)
+        who = labels.get("app.kubernetes.io/component") \
+            if labels.get("app.kubernetes.io/name") == "tandem" else w["metadata"]["name"]
+        out[who] = Endpoint(who, namespace_of(w), labels, pod_spec(w)["containers"])
+    out["kube-dns"] = Endpoint("kube-dns", "kube-system", {"k8s-app": "kube-dns"})
+    out["prometheus"] = Endpoint("prometheus", "monitoring", dict(PROMETHEUS))
+    out["internet"] = Endpoint("internet", None, ip=EXTERNAL_IP)
+    return out
+
+
+def policy_types(policy: Doc) -> list[str]:
+    """policyTypes, with the API's default: Ingress, plus Egress when it has egress rules."""
+    spec = policy["spec"]
+    return spec.get("policyTypes") or ["Ingress", *(["Egress"] if "egress" in spec else [])]
+
+
+def _peer_admits(peer: Doc, policy_ns: str, other: Endpoint, may: bool) -> bool:
+    """Whether a `from`/`to` peer covers `other`. An ipBlock covering pod IPs depends on the CNI:
+    `may` (what could pass) counts it, must-pass does not."""
+    if "ipBlock" in peer:
+        if other.namespace is not None:
+            return may
+        ip = ipaddress.ip_address(other.ip)
+        block = peer["ipBlock"]
+        net = ipaddress.ip_network(block["cidr"], strict=False)
+        excepted = [ipaddress.ip_network(e, strict=False) for e in block.get("except") or []]
+        return ip.version == net.version and ip in net and \
+            not any(ip.version == e.version and ip in e for e in excepted)
+    if other.namespace is None:
+        return False
+    if "namespaceSelector" in peer:
+        if not selector_matches(peer["namespaceSelector"], {NS_NAME: other.namespace}):
+            return False
+    elif other.namespace != policy_ns:
+        return False
+    return selector_matches(peer.get("podSelector"), other.labels)
+
+
+def _ports_admit(rule_ports: list[Doc] | None, port: int, protocol: str, dst: Endpoint) -> bool:
+    if not rule_ports:
+        return True
+    for rp in rule_ports:
+        if rp.get("protocol", "TCP") != protocol:
+            continue
+        if "port" not in rp:
+            return True
+        value = rp["port"]
+        if isinstance(value, str) and not value.isdigit():  # named: the destination's port
+            start = next((p for c in dst.containers
+                          if (p := resolve_port(value, c)) is not None), None)
+        else:
+            start = int(value)
+        if start is not None and start <= port <= rp.get("endPort", start):
+            return True
+    return False
+
+
+def direction_allows(docs: list[Doc], direction: str, subject: Endpoint, other: Endpoint,
+                     port: int, protocol: str = "TCP", *, may: bool = False) -> bool:
+    """Whether `subject`'s policies of this direction ('Ingress': other -> subject, 'Egress':
+    subject -> other) let the connection through. Not a pod, or not isolated: yes."""
+    if subject.namespace is None:
+        return True
+    rules_key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    dst = subject if direction == "Ingress" else other
+    selecting = [p for p in of_kind(docs, "NetworkPolicy")
+                 if namespace_of(p) == subject.namespace and direction in policy_types(p)
+                 and selector_matches(p["spec"].get("podSelector"), subject.labels)]
+    if not selecting:
+        return True
+    return any((not rule.get(peers_key)
+                or any(_peer_admits(peer, subject.namespace, other, may)
+                       for peer in rule[peers_key]))
+               and _ports_admit(rule.get("ports"), port, protocol, dst)
+               for pol in selecting for rule in pol["spec"].get(rules_key) or [])
+
+
+def flow_allowed(docs: list[Doc], src: Endpoint, dst: Endpoint, port: int,
+                 protocol: str = "TCP") -> bool:
+    """A connection passes when the source's egress AND the destination's ingress allow it."""
+    return direction_allows(docs, "Egress", src, dst, port, protocol) and \
+        direction_allows(docs, "Ingress", dst, src, port, protocol)
+
+
+def check_egress(docs: list[Doc]) -> list[str]:
+    """Every pod isolated for egress; the flows Tandem needs pass both ends' policies; the
+    flows it must not make are refused by the source's egress policies on their own."""
+    problems = []
+    eps = endpoints(docs)
+    pods = [eps[w] for w in eps if eps[w].containers]
+    for ep in pods:
+        if not any(namespace_of(p) == ep.namespace and "Egress" in policy_types(p)
+                   and selector_matches(p["spec"].get("podSelector"), ep.labels)
+                   for p in of_kind(docs, "NetworkPolicy")):
+            problems.append(f"{ep.who} pods are selected by no egress NetworkPolicy (may dial "
+                            "anything)")
+    ports = {role: int(parse_flags(c["args"][1:])["port"])
+             for _d, c, role in tandem_containers(docs)}
+    missing = set(ROLES) - set(role_deployments(docs))
+    if missing:
+        return problems + [f"no {sorted(missing)} in the render"]
+    redis = "redis" if "redis" in eps else "internet"  # no in-cluster Redis: a managed one
+    needed = [(ep.who, "kube-dns", DNS_PORT, proto) for ep in pods if ep.who != "redis"
+              for proto in ("UDP", "TCP")]
+    needed += [("gateway", "verifier", ports["verifier"], "TCP"),
+               ("verifier", "draft", ports["draft"], "TCP")]
+    needed += [(role, redis, REDIS_PORT, "TCP") for role in ROLES]
+    if "otel-collector" in eps:
+        needed += [(role, "otel-collector", p, "TCP") for role in ROLES for p in OTLP_PORTS]
+    for src, dst, port, proto in needed:
+        if not flow_allowed(docs, eps[src], eps[dst], port, proto):
+            problems.append(f"{src} -> {dst}:{port}/{proto} is refused (egress of {src} or "
+                            f"ingress of {dst}); Tandem needs it")
+    refused = [("draft", "verifier", ports["verifier"], "TCP"),
+               ("gateway", "draft", ports["draft"], "TCP"),
+               ("verifier", "gateway", ports["gateway"], "TCP"),
+               ("draft", "gateway", ports["gateway"], "TCP"),
+               *[(role, "internet", 443, "TCP") for role in ROLES]]  # no model store by default
+    if "redis" in eps:
+        refused += [("redis", "kube-dns", DNS_PORT, "UDP"), ("redis", "internet", 443, "TCP"),
+                    ("redis", "verifier", ports["verifier"], "TCP"),
+                    *[(role, "internet", REDIS_PORT, "TCP") for role in ROLES]]
+    for src, dst, port, proto in refused:
+        if direction_allows(docs, "Egress", eps[src], eps[dst], port, proto, may=True):
+            problems.append(f"{src} may dial {dst}:{port}/{proto}; its egress must refuse it")
     return problems
 
 
@@ -246,3 +409,92 @@ def test_namespace_selector_reading():
     assert peer_scope({"podSelector": {}}, "tandem") == "namespace"
     assert peer_scope(MONITORING, "tandem") == "monitoring"
     assert peer_scope(ANY_NAMESPACE, "tandem") == "outside"
+
+
+# ------------------------------------------------------------------------------- egress tests
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_egress_allows_only_the_flows_tandem_needs(target):
+    problems = check_egress(render(target))
+    assert not problems, "\n".join(problems)
+
+
+def _set_egress(name: str, index: int, rule: Doc):
+    def mutate(docs):
+        _policy(docs, name)["spec"]["egress"][index] = rule
+    return mutate
+
+
+def _add_egress(name: str, rule: Doc):
+    return lambda docs: _policy(docs, name)["spec"]["egress"].append(rule)
+
+
+def _ingress_only(docs):
+    for pol in of_kind(docs, "NetworkPolicy"):
+        pol["spec"]["policyTypes"] = ["Ingress"]
+        pol["spec"].pop("egress", None)
+
+
+def _pods(component: str) -> Doc:
+    return {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tandem",
+                                            "app.kubernetes.io/component": component}}}
+
+
+EGRESS_BROKEN = {
+    "draft-may-dial-anything": _add_egress("tandem-draft", {}),
+    "gateway-dials-drafts-not-verifiers": _set_egress(
+        "tandem-gateway", 0, {"to": [_pods("draft")], "ports": [{"port": 50052}]}),
+    "verifier-refuses-the-gateway": _set_peer("tandem-verifier", 0, _pods("draft")),
+    "no-dns": _drop("allow-dns-egress"),
+    "dns-over-tcp-only": lambda docs: _policy(docs, "allow-dns-egress")["spec"][
+        "egress"][0].update(ports=[{"protocol": "TCP", "port": 53}]),
+    "redis-resolves-names": lambda docs: _policy(docs, "allow-dns-egress")["spec"].update(
+        podSelector={}),
+    "gateway-to-the-internet": _add_egress("tandem-gateway", {"to": [
+        {"ipBlock": {"cidr": "0.0.0.0/0"}}]}),
+    "no-egress-isolation": _ingress_only,
+    "draft-loses-the-collector": _set_egress("tandem-draft", 1, {"to": [_pods("redis")], "ports": [
+        {"port": 6379}]}),
+}
+
+
+@pytest.mark.parametrize("case", list(EGRESS_BROKEN))
+def test_an_egress_mistake_is_caught(case):
+    docs = render("dev")
+    assert not check_egress(docs)
+    EGRESS_BROKEN[case](docs)
+    assert check_egress(docs), f"missed: {case}"
+
+
+def test_flow_evaluation():
+    """Both ends must allow; protocols and ports are told apart; an ipBlock counts for pods only
+    as 'may'; an address outside the cluster matches an ipBlock by CIDR (and except)."""
+    docs = render("dev")
+    eps = endpoints(docs)
+    gateway, verifier, draft = eps["gateway"], eps["verifier"], eps["draft"]
+    assert flow_allowed(docs, gateway, verifier, 50051)
+    assert not flow_allowed(docs, gateway, verifier, 50052)
+    assert not flow_allowed(docs, draft, verifier, 50051)
+    assert flow_allowed(docs, draft, eps["kube-dns"], 53, "UDP")
+    assert not flow_allowed(docs, draft, eps["kube-dns"], 54, "UDP")
+    # an open egress alone does not make a flow: the verifier's ingress still refuses drafts
+    _add_egress("tandem-draft", {})(docs)
+    assert direction_allows(docs, "Egress", draft, verifier, 50051)
+    assert not flow_allowed(docs, draft, verifier, 50051)
+    world = {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["203.0.113.0/24"]}}
+    assert not _peer_admits(world, "tandem", eps["internet"], may=False)
+    assert _peer_admits({"ipBlock": {"cidr": "203.0.113.0/24"}}, "tandem", eps["internet"], False)
+    assert not _peer_admits({"ipBlock": {"cidr": "::/0"}}, "tandem", eps["internet"], False)
+    assert _peer_admits(world, "tandem", verifier, may=True)
+    assert not _peer_admits(world, "tandem", verifier, may=False)
+    assert policy_types({"spec": {"egress": []}}) == ["Ingress", "Egress"]
+    assert policy_types({"spec": {}}) == ["Ingress"]
+
+
+def test_the_external_redis_is_reached_on_its_port_only():
+    docs = render("prod-gpu+external-redis")
+    eps = endpoints(docs)
+    assert "redis" not in eps
+    for role in ("gateway", "verifier", "draft"):
+        assert flow_allowed(docs, eps[role], eps["internet"], 6379)
+        assert not direction_allows(docs, "Egress", eps[role], eps["internet"], 443, may=True)

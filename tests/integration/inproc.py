@@ -76,13 +76,16 @@ class OnePool:
 
 
 def run_sessions(target_model, proposers, method, prompts, sampling, max_new, die_after=None,
-                 stop=(), batch=64, medusa=None, max_spec_tokens=4, cost=None):
+                 stop=(), batch=64, medusa=None, max_spec_tokens=4, cost=None, logprobs=None,
+                 rounds=None, prefill_chunk_tokens=0):
     """Generate every prompt through the engine with `method`'s proposer in a DraftWorker
-    (or the engine's own Medusa heads): (token lists, drafted, accepted, link)."""
+    (or the engine's own Medusa heads): (token lists, drafted, accepted, link). `logprobs`
+    asks for them; `rounds`, a list, receives every RoundOutput per prompt."""
     async def main():
         runner = ModelRunner(target_model, 512, 16)
         sched = Scheduler(BlockManager(512, 16), SchedulerConfig(
-            max_spec_tokens=max_spec_tokens, max_num_seqs=batch), cost or CostModel(),
+            max_spec_tokens=max_spec_tokens, max_num_seqs=batch,
+            prefill_chunk_tokens=prefill_chunk_tokens), cost or CostModel(),
             tree_reach=medusa.cfg.reach if medusa is not None else ())
         # A generous wait bound: the head's first draft of a session (the whole prompt to
         # read) is slower than the 25 ms default, and these sessions only have two rounds.
@@ -97,14 +100,18 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
         queues = [engine.submit(GenerateParams(
             session_id=f"s{i}", prompt=tuple(p), committed=(),
             sampling=sampling,
-            max_new_tokens=max_new, stop_token_ids=frozenset(stop), method=method))
+            max_new_tokens=max_new, stop_token_ids=frozenset(stop), method=method,
+            logprobs=logprobs))
             for i, p in enumerate(prompts)]
         results, drafted, accepted = [], 0, 0
         for q in queues:
-            tokens, last = [], None
+            tokens, last, outs = [], None, []
             while last is None or last.finish_reason is None:
                 last = await asyncio.wait_for(q.get(), 120)
                 tokens += last.token_ids
+                outs.append(last)
+            if rounds is not None:
+                rounds.append(outs)
             results.append(tokens)
             drafted, accepted = drafted + last.drafted_total, accepted + last.accepted_total
         loop.cancel()

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 import torch
-from inproc import OnePool
+from inproc import OnePool, run_sessions
 
 from kernels.sampling import logits_to_probs
 from tandem.engine.block_manager import BlockManager
@@ -311,3 +311,18 @@ def test_a_black_holed_draft_costs_little_waiting(target_model, tokenizer, refer
     late = waits[len(waits) // 2:]  # the second half of every session's rounds
     assert sum(w > 1.0 for w in late) <= len(late) // 4, waits
     assert all(engine.drafts.linked(s) or s.finished for s in engine.sessions.values())
+
+
+def test_chunked_prefill_gives_the_same_text(target_model, tokenizer):
+    """A long prompt computed 16 tokens per step beside decoding sessions (and by EAGLE-free
+    speculation) gives the text it gives in one forward."""
+    from draft_service.proposers.ngram import NgramProposer
+
+    long = tokenizer("Summarise: " + "The river flows past the old mill and the bridge. " * 12
+                     ).input_ids
+    prompts = [tokenizer("Count: one two three").input_ids, long, long[:40]]
+    runs = {chunk: run_sessions(target_model, {Method.NGRAM: NgramProposer()}, Method.NGRAM,
+                                prompts, SamplingParams(temperature=0.0), 12,
+                                prefill_chunk_tokens=chunk)[0]
+            for chunk in (0, 16)}
+    assert len(long) > 100 and runs[16] == runs[0]

@@ -53,6 +53,7 @@ BAD = [
     (request(speculation=verify_pb2.SpeculationConfig(num_speculative_tokens=99)),
      "num_speculative_tokens"),
     (request(speculation=verify_pb2.SpeculationConfig(method=42)), "unknown speculation method"),
+    (request(logprobs=True, top_logprobs=21), "top_logprobs must be in [0, 20]"),
 ]
 
 
@@ -123,3 +124,56 @@ def test_the_cost_curve_is_measured_at_start_up(target_model):
     ms = with_verifier(target_model, body, calibrate_reps=1)
     assert set(ms) == {1, 2, 3, 4, 5, 6, 8, 12, 17} and all(t > 0 for t in ms.values())
     assert with_verifier(target_model, body, calibrate_reps=0) == {}
+
+
+def test_begin_drain_refuses_new_sessions_and_finishes_open_ones(target_model):
+    """SIGUSR1's half of a drain (Verifier.begin_drain): readiness NOT_SERVING, liveness
+    SERVING, new Generate calls UNAVAILABLE, the open stream runs to its end."""
+    async def body(v, stub, ch):
+        call = stub.Generate(request(sid="open", max_new=16), timeout=60)
+        got = list((await call.read()).token_ids)
+        await v.begin_drain()
+        hs = health_pb2_grpc.HealthStub(ch)
+        for service, want in (("tandem.v1.VerifyService", "NOT_SERVING"), ("", "SERVING")):
+            resp = await hs.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.ServingStatus.Value(want)
+        assert await status_of(stub, request(sid="new")) == (grpc.StatusCode.UNAVAILABLE,
+                                                             "verifier is draining")
+        last = None
+        while (resp := await call.read()) is not grpc.aio.EOF:
+            got += resp.token_ids
+            last = resp
+        assert last.finish_reason in (verify_pb2.FINISH_REASON_STOP,
+                                      verify_pb2.FINISH_REASON_LENGTH)
+        assert len(got) == 16 or last.finish_reason == verify_pb2.FINISH_REASON_STOP
+
+    with_verifier(target_model, body, calibrate_reps=0)
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return socket.has_ipv6
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) on this host")
+def test_a_verifier_binds_ipv6_loopback(target_model):
+    from tandem.netaddr import join_host_port
+
+    async def main():
+        v = await start_verifier(VerifierConfig(host="::1", kv_cache_mb=16, calibrate_reps=0),
+                                 model=target_model)
+        try:
+            async with grpc.aio.insecure_channel(join_host_port("::1", v.port)) as ch:
+                info = await verify_pb2_grpc.VerifyServiceStub(ch).Info(
+                    common_pb2.InfoRequest(), timeout=10)
+                assert info.vocab_size == target_model.cfg.vocab_size
+        finally:
+            await v.drain_and_stop(0)
+
+    asyncio.run(main())

@@ -97,7 +97,9 @@ BAD_COMPLETIONS = [
     ("empty stop string", _completion(stop=[""]), ["stop"]),
     ("seed negative", _completion(seed=-1), ["seed"]),
     ("stop_token_ids out of vocab", _completion(stop_token_ids=[10**7]), ["stop_token_ids"]),
-    ("logprobs unsupported", _completion(logprobs=2), ["logprobs"]),
+    ("logprobs above 20", _completion(logprobs=21), ["logprobs"]),
+    ("logprobs negative", _completion(logprobs=-1), ["logprobs"]),
+    ("logprobs as a bool", _completion(logprobs=True), ["logprobs"]),
     ("best_of unsupported", _completion(best_of=3), ["best_of"]),
 ]
 
@@ -208,7 +210,7 @@ _JSON = st.recursive(
     max_leaves=12)
 _FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
            "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "speculation",
-           "logprobs", "user", "echo", "extra")
+           "logprobs", "top_logprobs", "user", "echo", "extra")
 
 
 @settings(max_examples=150, deadline=None,
