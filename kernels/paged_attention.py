@@ -36,6 +36,10 @@ class AttentionMetadata:
     q_valid: torch.Tensor  # [batch * max_seqlen_q] bool, which padded rows are real
     mask: torch.Tensor | None  # [batch, 1, max_seqlen_q, max_seqlen_k] bool, None = no mask
     has_tree: bool = False  # some sequence's new tokens are a tree (an explicit mask needed)
+    # A batch mixing 1-token rows (decode) with longer ones (prefill chunks, verification):
+    # the torch path attends each kind apart, so decode rows are not padded to the longest
+    # query. (flat token rows of the group [n] int64, the group's own layout); () = one group.
+    groups: tuple[tuple[torch.Tensor, AttentionMetadata], ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -48,7 +52,8 @@ class AttentionMetadata:
             return self
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=True)
                  for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-        return replace(self, **moved)
+        groups = tuple((rows.to(device), m.to(device)) for rows, m in self.groups)
+        return replace(self, **moved, groups=groups)
 
 
 def _check_int_list(name: str, values, minimum: int) -> None:
@@ -127,6 +132,11 @@ def build_attention_metadata(
             raise ValueError(f"sequence {i}: tree mask {tuple(tree.shape)} for {q} new tokens")
         mask[i, :q, s - q:s] = tree
     needs_mask = bool(trees) or not (batch == 1 and max_q in (1, max_k))
+    groups = ()
+    if batch > 1 and 1 < max_q and min(q_lens) == 1:
+        groups = tuple(_group(sel, q_lens, seq_lens, block_tables, block_size, tree_masks, cu)
+                       for sel in ([i for i, q in enumerate(q_lens) if q == 1],
+                                   [i for i, q in enumerate(q_lens) if q > 1]))
     return AttentionMetadata(
         cu_seqlens_q=cu,
         seq_lens=seq_len_t,
@@ -139,7 +149,17 @@ def build_attention_metadata(
         q_valid=q_valid.reshape(-1),
         mask=mask[:, None] if needs_mask else None,
         has_tree=bool(trees),
+        groups=groups,
     )
+
+
+def _group(sel: list[int], q_lens, seq_lens, block_tables, block_size, tree_masks,
+           cu: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The layout of the sequences `sel` alone, and their rows in the whole flat batch."""
+    rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in sel])
+    trees = [tree_masks[i] for i in sel] if tree_masks else None
+    return rows, build_attention_metadata([q_lens[i] for i in sel], [seq_lens[i] for i in sel],
+                                          [block_tables[i] for i in sel], block_size, trees)
 
 
 def write_kv(
@@ -163,6 +183,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new queries over its cached keys (GQA aware)."""
+    if meta.groups:
+        out = torch.empty_like(query)
+        for rows, group in meta.groups:
+            out[rows] = paged_attention(query[rows], key_cache, value_cache, group, scale)
+        return out
     _, heads, dim = query.shape
     kvh = key_cache.shape[2]
     if heads % kvh:

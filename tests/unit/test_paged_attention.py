@@ -133,3 +133,15 @@ def test_slot_mapping_points_into_block_table():
 def test_bad_metadata_raises(args, match):
     with pytest.raises(ValueError, match=match):
         build_attention_metadata(*args)
+
+
+def test_mixed_batches_attend_decode_rows_apart():
+    """Decode rows beside a prefill chunk form their own group (not padded to its length),
+    trees keep their masks inside theirs; one-kind batches stay one group."""
+    meta = build_attention_metadata([1, 6, 1], [9, 20, 4], [[0, 1, 2], [3, 4, 5, 6, 7], [8]], 4,
+                                    [None, ancestor_mask([-1, 0, 0, 1, 2, 2]), None])
+    (dec_rows, dec), (rest_rows, rest) = meta.groups
+    assert dec_rows.tolist() == [0, 7] and dec.max_seqlen_q == 1 and dec.mask is not None
+    assert rest_rows.tolist() == list(range(1, 7)) and rest.has_tree
+    assert build_attention_metadata([1, 1], [3, 5], [[0], [1, 2]], 4).groups == ()
+    assert build_attention_metadata([3, 2], [3, 5], [[0], [1, 2]], 4).groups == ()
