@@ -68,3 +68,17 @@ def advertised(address: str, advertise_host: str, host: str, port: int) -> str:
         split_host_port(address)
         return address
     return join_host_port(advertise_host or host, port)
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether this host can bind ::1 (containers and CI runners often have IPv4 only)."""
+    import socket
+
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import time
 import uuid
 
@@ -22,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from draft_service.config import DraftConfig
 from draft_service.main import serve
 from draft_service.server import SERVICE_NAME
-from tandem.netaddr import join_host_port, split_host_port
+from tandem.netaddr import has_ipv6_loopback, join_host_port, split_host_port
 from tandem.redis_server import start_redis
 from tandem.registration import Registration
 from tandem.registry import WorkerRegistry
@@ -39,15 +38,6 @@ def redis_proc():
         yield proc
 
 
-def ipv6_loopback() -> bool:
-    if not socket.has_ipv6:
-        return False
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
 
 
 def open_msg(sid: str) -> draft_pb2.DraftControl:
@@ -138,7 +128,7 @@ def test_sigusr1_leaves_the_registry_refuses_new_streams_and_serves_open_ones(
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) on this host")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this host")
 def test_a_worker_on_ipv6_loopback_registers_a_bracketed_address_and_is_reached(
         redis_proc, target_paths):
     async def main():
@@ -154,7 +144,7 @@ def test_a_worker_on_ipv6_loopback_registers_a_bracketed_address_and_is_reached(
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) on this host")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this host")
 def test_a_worker_bound_to_all_addresses_answers_on_ipv4_and_ipv6(target_paths):
     """--host=:: binds dual stack: reachable over 127.0.0.1 and ::1."""
     from draft_service.main import build_app

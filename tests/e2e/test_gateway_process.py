@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from tandem.launcher import free_port, http_healthy
+from tandem.netaddr import has_ipv6_loopback
 from tandem.redis_server import start_redis
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 
@@ -28,13 +28,6 @@ MODEL = "tandem-test"
 TEXT = "One two three four five six seven eight nine ten."
 
 
-def has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return socket.has_ipv6
-    except OSError:
-        return False
 
 
 class SlowVerifier(verify_pb2_grpc.VerifyServiceServicer):

@@ -1,6 +1,8 @@
 """In-process plumbing for engine tests: a verifier Engine whose draft link goes straight
 into a real DraftWorker's stream (no gRPC), so the real proposers draft for the real engine."""
 import asyncio
+import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -136,3 +138,47 @@ def target_joint_top2(target_model, prompt: list[int]) -> dict[tuple[int, int], 
         for b in pa.topk(2).indices.tolist():
             joint[(a, b)] = p1[a].item() * pa[b].item()
     return joint
+
+
+@contextmanager
+def gateway_cluster(draft_config, verifier_config, model, tokenizer, model_name: str):
+    """A real draft worker and verifier (gRPC on loopback, on an event loop in a thread),
+    Redis and the gateway app: yields a TestClient. `verifier_config(draft_port)` gives the
+    verifier's config once the draft worker's port is known."""
+    import redis.asyncio as aioredis
+    from fastapi.testclient import TestClient
+
+    from draft_service.main import build_app
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from tandem.redis_server import start_redis
+    from verify_service.main import start_verifier
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    async def servers():
+        draft = await build_app(draft_config)
+        await draft.server.start()
+        verifier = await start_verifier(verifier_config(draft.port), model=model)
+        return draft, verifier
+
+    draft, verifier = run(servers())
+    try:
+        with start_redis() as redis_proc:
+            config = GatewayConfig(redis_url=redis_proc.url, model_name=model_name,
+                                   static_verifiers=(f"127.0.0.1:{verifier.port}",),
+                                   static_drafts=(f"127.0.0.1:{draft.port}",))
+            app = create_app(config, redis=aioredis.Redis.from_url(redis_proc.url),
+                             tokenizer=tokenizer)
+            with TestClient(app) as client:
+                yield client
+    finally:
+        run(verifier.drain_and_stop(0))
+        run(draft.drain(0))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

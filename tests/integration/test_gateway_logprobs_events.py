@@ -1,21 +1,13 @@
 """logprobs / top_logprobs through the gateway, on both endpoints, streamed and not, and the
 per-round speculation events: a real verifier and n-gram draft worker (gRPC on loopback),
 Redis, the OpenAI shapes."""
-import asyncio
 import json
-import threading
 
 import pytest
-import redis.asyncio as aioredis
-from fastapi.testclient import TestClient
+from inproc import gateway_cluster
 
 from draft_service.config import DraftConfig
-from draft_service.main import build_app
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from tandem.redis_server import start_redis
 from verify_service.config import VerifierConfig
-from verify_service.main import start_verifier
 
 pytestmark = pytest.mark.integration
 MODEL = "SmolLM2-135M-Instruct"
@@ -25,36 +17,12 @@ CHAT = {"model": MODEL, "max_tokens": 16, "temperature": 0,
 
 @pytest.fixture(scope="module")
 def client(target_model, tokenizer):
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    def verifier(draft_port):
+        return VerifierConfig(kv_cache_mb=32, calibrate_reps=0, layer_skip="off", medusa="off",
+                              draft_addresses=(f"127.0.0.1:{draft_port}",))
 
-    def run(coro):
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
-
-    async def servers():
-        draft = await build_app(DraftConfig(port=0, tokenizer=None))
-        await draft.server.start()
-        verifier = await start_verifier(VerifierConfig(
-            kv_cache_mb=32, calibrate_reps=0, draft_addresses=(f"127.0.0.1:{draft.port}",),
-            layer_skip="off", medusa="off"), model=target_model)
-        return draft, verifier
-
-    draft, verifier = run(servers())
-    try:
-        with start_redis() as redis_proc:
-            config = GatewayConfig(redis_url=redis_proc.url, model_name=MODEL,
-                                   static_verifiers=(f"127.0.0.1:{verifier.port}",),
-                                   static_drafts=(f"127.0.0.1:{draft.port}",))
-            app = create_app(config, redis=aioredis.Redis.from_url(redis_proc.url),
-                             tokenizer=tokenizer)
-            with TestClient(app) as c:
-                yield c
-    finally:
-        run(verifier.drain_and_stop(0))
-        run(draft.drain(0))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+    with gateway_cluster(DraftConfig(port=0), verifier, target_model, tokenizer, MODEL) as c:
+        yield c
 
 
 def _chat(client, method, **extra):

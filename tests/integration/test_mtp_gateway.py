@@ -3,27 +3,19 @@ verifier and a real draft worker (gRPC on loopback, Redis for the sessions) on a
 checkpoint that carries an MTP module and the default target's tokenizer. Greedy text equals
 plain decoding's, and the drafts were really verified (the default target has no MTP module,
 so the cluster tests cannot cover this method)."""
-import asyncio
 import json
 import shutil
-import threading
 
 import pytest
-import redis.asyncio as aioredis
 import torch
 import transformers
-from fastapi.testclient import TestClient
+from inproc import gateway_cluster
 from safetensors.torch import save_file
 
 from draft_service.config import DraftConfig
-from draft_service.main import build_app
-from gateway.app import create_app
-from gateway.config import GatewayConfig
 from tandem.engine.llama import LlamaModel
 from tandem.models import resolve_model
-from tandem.redis_server import start_redis
 from verify_service.config import VerifierConfig
-from verify_service.main import start_verifier
 
 pytestmark = pytest.mark.integration
 HIDDEN = 64
@@ -56,43 +48,23 @@ def test_mtp_through_the_gateway_is_greedy_identical_to_plain(tmp_path, target_p
                                                              tokenizer):
     root = mtp_checkpoint(tmp_path, target_paths.root)
     model = LlamaModel.load(resolve_model(root))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
 
-    def run(coro):
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+    def verifier(draft_port):
+        return VerifierConfig(model=str(root), kv_cache_mb=32, calibrate_reps=0,
+                              max_draft_wait_ms=2000, layer_skip="off",
+                              draft_addresses=(f"127.0.0.1:{draft_port}",))
 
-    async def servers():
-        draft = await build_app(DraftConfig(port=0, mtp=str(root)))
-        await draft.server.start()
-        verifier = await start_verifier(VerifierConfig(
-            model=str(root), kv_cache_mb=32, calibrate_reps=0, max_draft_wait_ms=2000,
-            draft_addresses=(f"127.0.0.1:{draft.port}",), layer_skip="off"), model=model)
-        return draft, verifier
-
-    draft, verifier = run(servers())
-    try:
-        with start_redis() as redis_proc:
-            config = GatewayConfig(redis_url=redis_proc.url, model_name="tiny-mtp",
-                                   static_verifiers=(f"127.0.0.1:{verifier.port}",),
-                                   static_drafts=(f"127.0.0.1:{draft.port}",))
-            app = create_app(config, redis=aioredis.Redis.from_url(redis_proc.url),
-                             tokenizer=tokenizer)  # the target's: the checkpoint shares it
-            with TestClient(app) as client:
-                out = {}
-                for method in ("none", "mtp"):
-                    r = client.post("/v1/chat/completions", json={
-                        "model": "tiny-mtp", "max_tokens": 24, "temperature": 0,
-                        "messages": [{"role": "user", "content": "Count: one two three"}],
-                        "speculation": {"method": method, "num_speculative_tokens": 3}})
-                    assert r.status_code == 200, r.text
-                    out[method] = r.json()
-    finally:
-        run(verifier.drain_and_stop(0))
-        run(draft.drain(0))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+    # the target's tokenizer: the checkpoint shares it
+    with gateway_cluster(DraftConfig(port=0, mtp=str(root)), verifier, model, tokenizer,
+                         "tiny-mtp") as client:
+        out = {}
+        for method in ("none", "mtp"):
+            r = client.post("/v1/chat/completions", json={
+                "model": "tiny-mtp", "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": "Count: one two three"}],
+                "speculation": {"method": method, "num_speculative_tokens": 3}})
+            assert r.status_code == 200, r.text
+            out[method] = r.json()
     text = {m: b["choices"][0]["message"]["content"] for m, b in out.items()}
     assert text["mtp"] == text["none"] and out["mtp"]["usage"]["completion_tokens"] == 24
     assert out["mtp"]["speculation"]["drafted_tokens"] > 0  # MTP drafts were verified

@@ -6,6 +6,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.netaddr import has_ipv6_loopback
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.config import VerifierConfig
 from verify_service.main import start_verifier
@@ -150,18 +151,9 @@ def test_begin_drain_refuses_new_sessions_and_finishes_open_ones(target_model):
     with_verifier(target_model, body, calibrate_reps=0)
 
 
-def _ipv6_loopback() -> bool:
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return socket.has_ipv6
-    except OSError:
-        return False
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) on this host")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this host")
 def test_a_verifier_binds_ipv6_loopback(target_model):
     from tandem.netaddr import join_host_port
 
