@@ -2,6 +2,7 @@
 
   tandem bench --quick                   # ~5 min: one prompt per category, 64 tokens
   tandem bench                           # everything: 15 prompts, 128 tokens, T=0 and 0.7
+  tandem bench --concurrency 1,16 --concurrency-methods none,ngram   # a short load run
   tandem bench --workload repetitive     # questions asked again, code edits: suffix vs ngram
   tandem bench --report results/bench-2026-11-21/results.json   # re-render only
   tandem bench --device cuda:1           # peers, cost timings and the cluster on one GPU
@@ -25,10 +26,15 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="subset in under five minutes: one prompt per category, 64 tokens, "
-                        "greedy-only peers and round stats, concurrency 1,4,8")
+                        "greedy-only peers and round stats, concurrency 1,4,8 for "
+                        "none,ngram,draft_model")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 128; "
                    "--quick 64)")
     p.add_argument("--k", type=int, default=16, help="draft tokens per round at most, for "
@@ -38,7 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round-temperatures", type=_floats, help="temperatures of the direct "
                    "verifier runs that give per-round stats (default 0,0.7; --quick 0)")
     p.add_argument("--concurrency", type=_ints, help="concurrent sessions to run "
-                   "(default 1,2,4,8,16; --quick 1,4,8)")
+                   "(default 1,4,16,32; --quick 1,4,8)")
+    p.add_argument("--concurrency-methods", type=_names, help="methods each concurrency "
+                   "level runs, interleaved within the level (default: none and every "
+                   "method the single-session phase runs; --quick none,ngram,draft_model)")
     p.add_argument("--per-category", type=int, help="prompts per category, 0 = all "
                    "(default 0; --quick 1)")
     p.add_argument("--prompts", type=lambda t: tuple(x for x in t.split(",") if x),
@@ -81,7 +90,7 @@ def config_from_args(args):
                  "device": args.device, "dtype": args.dtype,
                  "prompt_ids": args.prompts or ()}
     for name in ("max_tokens", "temperatures", "round_temperatures", "concurrency",
-                 "per_category", "peer_threads", "seed"):
+                 "concurrency_methods", "per_category", "peer_threads", "seed"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     return quick_config(**overrides) if args.quick else BenchConfig(**overrides)

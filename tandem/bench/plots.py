@@ -50,25 +50,31 @@ def speedup(s: dict, path: Path, labels: dict) -> Path:
 
 
 def concurrency(s: dict, path: Path) -> Path:
-    conc = sorted(s["concurrency"], key=lambda c: c["sessions"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = [c["sessions"] for c in conc]
-    ax.plot(xs, [c["total_tps"] for c in conc], "o-", label="total tokens/s")
-    one = next((c["total_tps"] for c in conc if c["sessions"] == 1), None)
+    """Tokens/s (left) and ITL p99 (right) against sessions, one line per method."""
+    conc = s["concurrency"]  # by level, then method (summary.concurrency_table)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, method in enumerate(dict.fromkeys(c["method"] for c in conc)):
+        rows = [c for c in conc if c["method"] == method]
+        xs = [c["sessions"] for c in rows]
+        style = (dict(color="black", lw=2) if method == "none"
+                 else dict(color=colors[i % len(colors)]))
+        ax.plot(xs, [c["total_tps"] for c in rows], "o-", label=method, **style)
+        ax2.plot(xs, [c["itl_p99_ms"] for c in rows], "o-", label=method, **style)
+    one = next((c["total_tps"] for c in conc if (c["sessions"], c["method"]) == (1, "none")),
+               None)
     if one:
-        ax.axhline(one * 4, ls=":", color="grey", label="target at 16 sessions: 4x one")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel("concurrent sessions (draft_model, greedy)")
-    ax.set_ylabel("total tokens/s")
-    ax2 = ax.twinx()
-    ax2.plot(xs, [c["itl_p50_ms"] for c in conc], "s--", color="tab:orange", label="ITL p50")
-    ax2.plot(xs, [c["itl_p99_ms"] for c in conc], "^--", color="tab:red", label="ITL p99")
-    ax2.set_ylabel("inter-token latency (ms)")
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper left")
+        ax.axhline(one * 8, ls=":", color="grey", label="target at 16 sessions: 8x none at 1")
+    levels = sorted({c["sessions"] for c in conc})
+    for a, what in ((ax, "total tokens/s"), (ax2, "inter-token latency p99 (ms)")):
+        a.set_xscale("log", base=2)
+        a.set_xticks(levels, [str(x) for x in levels])
+        a.set_xlabel("concurrent sessions (greedy)")
+        a.set_ylabel(what)
+    ax2.set_ylim(bottom=0)
     ax.set_title("Tokens/s versus concurrency")
+    ax2.set_title("ITL p99 versus concurrency")
+    ax.legend(fontsize=8, loc="upper left")
     return _save(fig, path)
 
 

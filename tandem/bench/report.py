@@ -139,11 +139,14 @@ def breakdown_by_k_md(s: dict) -> str:
 
 
 def concurrency_md(s: dict) -> str:
-    rows = [[str(c["sessions"]), fmt(c["total_tps"]), fmt(c["itl_p50_ms"], ".0f"),
+    """One row per (level, method), as summary.concurrency_table orders them."""
+    rows = [[str(c["sessions"]), c["method"], fmt(c["total_tps"]), fmt(c["vs_one"], ".2f", "x"),
+             fmt(c["vs_none"], ".2f", "x"), fmt(c["itl_p50_ms"], ".0f"),
              fmt(c["itl_p99_ms"], ".0f"), fmt(c["ttft_p50_s"] * 1e3, ".0f"),
              fmt(c["ttft_p99_s"] * 1e3, ".0f")] for c in s["concurrency"]]
-    return table(["sessions", "total tokens/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms",
-                  "TTFT p99 ms"], rows)
+    return table(["sessions", "method", "total tokens/s", "vs 1 session", "vs none",
+                  "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms", "TTFT p99 ms"], rows,
+                 text_cols=(0, 1))
 
 
 def targets_md(s: dict) -> str:
@@ -231,7 +234,7 @@ def render_markdown(result: dict, s: dict, img_prefix: str) -> str:
         f"![round breakdown]({img_prefix}{PLOTS['breakdown']})", "",
         "By k (drafts verified in the round): ms per committed token against a plain step's "
         "(below 1.00 pays).", "", breakdown_by_k_md(s), "",
-        "## Concurrency (draft_model, greedy)", "", concurrency_md(s), "",
+        "## Concurrency (greedy, every method at each level)", "", concurrency_md(s), "",
         f"![concurrency]({img_prefix}{PLOTS['concurrency']})", "",
         "## Definitions", "", DEFINITIONS]
     return "\n".join(parts) + "\n"
@@ -259,6 +262,8 @@ DEFINITIONS = """\
   rejection_ms), streamed straight from its gRPC `Generate`; the rest of the client-observed
   gap between two rounds is network, serialization and scheduling. The first round (prefill)
   is left out.
+- *Concurrency*: n greedy sessions at once, a level's methods back to back (sharing host noise);
+  *vs 1 session*: over the same method's tokens/s at 1; *vs none*: over none's at that level.
 - *ITL*: each SSE chunk's gap spread evenly over its tokens (re-tokenized from its text).
 - *Peers*: transformers `generate` on the same chat-templated prompts with EOS not stopping
   (like the gateway's `ignore_eos`), temperature only (no top-k/top-p, as Tandem's

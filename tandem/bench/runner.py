@@ -31,6 +31,8 @@ TANDEM_METHODS = tuple(m for m in API_NAMES if m != Method.MTP.api_name)
 SPEC_METHODS = tuple(m for m in TANDEM_METHODS if m != Method.NONE.api_name)  # those that draft
 # Direct verifier runs: plain too, so the gateway hop of plain decoding is measured as well.
 ROUND_METHODS = (Method.NONE.api_name, *SPEC_METHODS)
+QUICK_CONCURRENCY_METHODS = (Method.NONE.api_name, Method.NGRAM.api_name,
+                             Method.DRAFT_MODEL.api_name)
 
 
 # Every prompt is asked several times in a run (per temperature, then direct): with its
@@ -46,7 +48,9 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0, 0.7)  # Tandem through the gateway
     peer_temperatures: tuple[float, ...] = (0.0, 0.7)  # the transformers peers
     round_temperatures: tuple[float, ...] = (0.0, 0.7)  # direct gRPC runs for round stats
-    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
+    concurrency: tuple[int, ...] = (1, 4, 16, 32)
+    # Every level runs each of these, interleaved (for each level, for each method).
+    concurrency_methods: tuple[str, ...] = TANDEM_METHODS
     per_category: int = 0  # prompts per category, 0 = all
     prompt_ids: tuple[str, ...] = ()  # only these prompts (smoke runs); () = no filter
     model: str = ""  # target; "" = the default
@@ -69,15 +73,21 @@ class BenchConfig:
             raise ValueError("need max_tokens >= 2, 1 <= k <= 32, per_category >= 0")
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        bad = [m for m in self.concurrency_methods if m not in API_NAMES]
+        if bad or not self.concurrency_methods:
+            raise ValueError(f"concurrency methods must be some of {', '.join(API_NAMES)}; "
+                             f"got {','.join(bad) or 'an empty list'}")
         check_device_spec(self.device)
         check_dtype_spec(self.dtype)
 
 
 def quick_config(**overrides) -> BenchConfig:
     """--quick: one prompt per category, 64 tokens, greedy-only peers and round stats,
-    concurrency 1/4/8: under five minutes on the 2-core machine."""
+    concurrency 1/4/8 for none, ngram and draft_model: under five minutes on the 2-core
+    machine."""
     base = dict(max_tokens=64, peer_temperatures=(0.0,), round_temperatures=(0.0,),
-                concurrency=(1, 4, 8), per_category=1, quick=True)
+                concurrency=(1, 4, 8), per_category=1, quick=True,
+                concurrency_methods=QUICK_CONCURRENCY_METHODS)
     return BenchConfig(**{**base, **overrides})
 
 
@@ -236,19 +246,32 @@ def run_rounds(ctx: _Ctx, verifier: str, draft: str) -> None:
 
 
 def run_concurrency(ctx: _Ctx, url: str, tokenizer) -> None:
+    """Each level runs every method back to back (A/B within the run: a level's methods share
+    the host's noise). A failed (level, method) is recorded and the rest still run."""
+    for n in ctx.cfg.concurrency:
+        for method in ctx.cfg.concurrency_methods:
+            ctx.bar.set_description(f"tandem {method} x{n} concurrent")
+            try:
+                ctx.result["concurrency"].append(_concurrent(ctx, url, tokenizer, n, method))
+            except Exception as exc:  # reported in the results and on screen
+                ctx.result["meta"].setdefault("errors", []).append(
+                    f"concurrency {method} x{n}: {exc!r}")
+                tqdm.write(f"concurrency {method} x{n} failed: {exc!r}")
+            ctx.bar.update()
+
+
+def _concurrent(ctx: _Ctx, url: str, tokenizer, n: int, method: str) -> dict:
+    """`n` greedy sessions of `method` at once, the prompts taken in turn."""
     from tandem.bench.client import chat_body, run_concurrent
 
     cfg = ctx.cfg
-    for n in cfg.concurrency:
-        ctx.bar.set_description(f"tandem {Method.DRAFT_MODEL.api_name} x{n} concurrent")
-        bodies = [chat_body(ctx.prompts[i % len(ctx.prompts)]["prompt"], cfg.max_tokens, 0.0,
-                            Method.DRAFT_MODEL.api_name, cfg.k) for i in range(n)]
-        out = run_concurrent(url, bodies, tokenizer)
-        itl, ttft = out.pop("itl_s"), out.pop("ttft_s")
-        out.update(itl_p50_ms=percentile(itl, 50) * 1e3, itl_p99_ms=percentile(itl, 99) * 1e3,
-                   ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99))
-        ctx.result["concurrency"].append(out)
-        ctx.bar.update()
+    bodies = [chat_body(ctx.prompts[i % len(ctx.prompts)]["prompt"], cfg.max_tokens, 0.0,
+                        method, cfg.k) for i in range(n)]
+    out = run_concurrent(url, bodies, tokenizer)
+    itl, ttft = out.pop("itl_s"), out.pop("ttft_s")
+    return {"method": method, "temperature": 0.0, **out,
+            "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99)}
 
 
 @contextlib.contextmanager
@@ -289,7 +312,7 @@ def _jobs(cfg: BenchConfig, n_prompts: int) -> int:
     peers = n_prompts * len(cfg.peer_temperatures) * 3 if cfg.peers else 0
     return (peers + n_prompts * len(cfg.temperatures) * len(TANDEM_METHODS)
             + n_prompts * len(cfg.round_temperatures) * len(ROUND_METHODS)
-            + len(cfg.concurrency))
+            + len(cfg.concurrency) * len(cfg.concurrency_methods))
 
 
 def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:

@@ -26,6 +26,9 @@ LABELS = {("transformers", "plain"): "transformers generate",
           ("tandem", Method.NONE.api_name): "Tandem plain (none)",
           **{("tandem", m): f"Tandem {m}" for m in SPEC_METHODS}}
 BASELINE = ("tandem", Method.NONE.api_name)
+NONE = Method.NONE.api_name
+OLD_CONCURRENCY_METHOD = Method.DRAFT_MODEL.api_name  # rows from before each had its method
+SCALING_GOAL, SCALING_LEVEL, NO_LOSS_GOAL = 8.0, 16, 0.95
 
 
 def _mean(xs) -> float:
@@ -161,14 +164,57 @@ def targets(table: dict, spec: dict, conc: list[dict]) -> list[dict]:
             f"c = {s['c']:.3f}")
         out.append(_target(f"{method} speedup >= 85% of Leviathan's bound, greedy", 0.85,
                            s["of_bound"] if s else math.nan, note))
-    if len(conc) > 1:
-        one = next((c for c in conc if c["sessions"] == 1), None)
-        top = max(conc, key=lambda c: c["sessions"])
-        out.append(_target(f"{top['sessions']} concurrent sessions >= 4x one session's total "
-                           "tokens/s", 4.0,
-                           ratio(top["total_tps"], one["total_tps"]) if one else math.nan,
-                           "" if top["sessions"] == 16 else "16 not run (--quick): largest level"))
-    return out
+    return out + scaling_target(conc) + no_loss_target(conc)
+
+
+def _method_order(method: str) -> tuple:
+    known = (NONE, *SPEC_METHODS)  # as the other tables list them; others after, by name
+    return (known.index(method), "") if method in known else (len(known), method)
+
+
+def concurrency_table(rows: list[dict]) -> list[dict]:
+    """The concurrency rows by level, then method (rows without one: draft_model), each with
+    `vs_one` (its tokens/s over the same method's at 1 session) and `vs_none` (over none's at
+    the same level)."""
+    rows = [{**r, "method": r.get("method", OLD_CONCURRENCY_METHOD)} for r in rows]
+    tps = {(r["sessions"], r["method"]): r["total_tps"] for r in rows}
+    out = [{**r, "vs_one": ratio(r["total_tps"], tps.get((1, r["method"]), math.nan)),
+            "vs_none": ratio(r["total_tps"], tps.get((r["sessions"], NONE), math.nan))}
+           for r in rows]
+    return sorted(out, key=lambda r: (r["sessions"], _method_order(r["method"])))
+
+
+def scaling_target(conc: list[dict]) -> list[dict]:
+    """16 sessions of none against one (results without none: their one method); the largest
+    level run where 16 was not."""
+    methods = {r["method"] for r in conc}
+    method = NONE if NONE in methods else min(methods, key=_method_order, default=None)
+    by_level = {r["sessions"]: r for r in conc if r["method"] == method}
+    if len(by_level) < 2:
+        return []
+    n = SCALING_LEVEL if SCALING_LEVEL in by_level else max(by_level)
+    notes = [] if n == SCALING_LEVEL else [f"{SCALING_LEVEL} not run (--quick): largest level"]
+    notes += [] if method == NONE else [f"{NONE} not run: {method}"]
+    return [_target(f"{n} concurrent sessions >= {SCALING_GOAL:g}x one session's total "
+                    f"tokens/s, {method}", SCALING_GOAL, by_level[n]["vs_one"],
+                    "; ".join(notes))]
+
+
+def no_loss_target(conc: list[dict]) -> list[dict]:
+    """At the largest level none ran: every other method's tokens/s over none's; the worst."""
+    if not conc:
+        return []
+    name = (f"speculation never lowers throughput at the largest level: every method >= "
+            f"{NO_LOSS_GOAL:g}x none's tokens/s")
+    levels = [r["sessions"] for r in conc if r["method"] == NONE]
+    spec = [r for r in conc if levels and r["sessions"] == max(levels) and r["method"] != NONE]
+    if not spec:
+        return [_target(name, NO_LOSS_GOAL, math.nan, f"{NONE} and a speculation method "
+                        "not both run at one level")]
+    worst = min(spec, key=lambda r: _nan_low(r["vs_none"]))
+    return [_target(name, NO_LOSS_GOAL, worst["vs_none"],
+                    f"worst at {worst['sessions']} sessions: {worst['method']} "
+                    f"({len(spec)} methods)")]
 
 
 def _nan_low(x: float) -> float:
@@ -178,8 +224,8 @@ def _nan_low(x: float) -> float:
 def summarize(result: dict) -> dict:
     table = throughput_table(result["runs"])
     spec = speculation_table(result, table)
+    conc = concurrency_table(result.get("concurrency", []))
     return {"throughput": table, "speedup": speedups(table), "speculation": spec,
             "acceptance_by_category": acceptance_by_category(result["runs"]),
             "plain_rounds": plain_rounds(result),
-            "concurrency": result["concurrency"],
-            "targets": targets(table, spec, result["concurrency"])}
+            "concurrency": conc, "targets": targets(table, spec, conc)}
