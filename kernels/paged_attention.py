@@ -133,7 +133,7 @@ def build_attention_metadata(
         mask[i, :q, s - q:s] = tree
     needs_mask = bool(trees) or not (batch == 1 and max_q in (1, max_k))
     groups = ()
-    if batch > 1 and 1 < max_q and min(q_lens) == 1:
+    if batch > 1 and max_q > 1 and min(q_lens) == 1:
         groups = tuple(_group(sel, q_lens, seq_lens, block_tables, block_size, tree_masks, cu)
                        for sel in ([i for i, q in enumerate(q_lens) if q == 1],
                                    [i for i, q in enumerate(q_lens) if q > 1]))
