@@ -34,7 +34,8 @@ class AttentionMetadata:
     kv_slots: torch.Tensor  # [batch, max_seqlen_k] int64, slot of every key position
     q_rows: torch.Tensor  # [batch, max_seqlen_q] int64, row in the flat batch (padded: 0)
     q_valid: torch.Tensor  # [batch * max_seqlen_q] bool, which padded rows are real
-    mask: torch.Tensor | None  # [batch, 1, max_seqlen_q, max_seqlen_k] bool, None = no mask
+    # [batch, 1, max_seqlen_q, max_seqlen_k] bool; None = no mask, or one per group (below)
+    mask: torch.Tensor | None
     has_tree: bool = False  # some sequence's new tokens are a tree (an explicit mask needed)
     # A batch mixing 1-token rows (decode) with longer ones (prefill chunks, verification):
     # the torch path attends each kind apart, so decode rows are not padded to the longest
@@ -99,6 +100,11 @@ def build_attention_metadata(
             raise ValueError(
                 f"sequence {i}: block table of {len(table)} blocks cannot hold {s} tokens"
             )
+    trees = [(i, t) for i, t in enumerate(tree_masks or ()) if t is not None]
+    for i, tree in trees:
+        if tuple(tree.shape) != (q_lens[i], q_lens[i]):
+            raise ValueError(f"sequence {i}: tree mask {tuple(tree.shape)} for {q_lens[i]} "
+                             "new tokens")
     batch, max_q, max_k = len(q_lens), max(q_lens), max(seq_lens)
     max_blocks = max(len(t) for t in block_tables)
     tables = torch.zeros(batch, max_blocks, dtype=torch.int64)
@@ -119,24 +125,16 @@ def build_attention_metadata(
     pos_q = torch.arange(max_q)
     q_valid = pos_q[None, :] < q_len_t[:, None]  # [batch, max_q]
     q_rows = torch.where(q_valid, cu[:-1, None] + pos_q[None, :], 0)
-    # Query i of sequence b sits at absolute position seq_len - q_len + i and sees keys <= it.
-    q_abs = (seq_len_t - q_len_t)[:, None] + pos_q[None, :]  # [batch, max_q]
-    mask = pos_k[None, None, :] <= q_abs[:, :, None]  # [batch, max_q, max_k]
-    mask &= pos_k[None, None, :] < seq_len_t[:, None, None]
-    # Padded query rows see key 0 only, so softmax stays finite; their output is dropped.
-    mask |= (~q_valid[:, :, None]) & (pos_k[None, None, :] == 0)
-    trees = [(i, t) for i, t in enumerate(tree_masks or ()) if t is not None]
-    for i, tree in trees:
-        q, s = q_lens[i], seq_lens[i]
-        if tuple(tree.shape) != (q, q):
-            raise ValueError(f"sequence {i}: tree mask {tuple(tree.shape)} for {q} new tokens")
-        mask[i, :q, s - q:s] = tree
-    needs_mask = bool(trees) or not (batch == 1 and max_q in (1, max_k))
-    groups = ()
-    if batch > 1 and max_q > 1 and min(q_lens) == 1:
+    groups, mask = (), None
+    if batch > 1 and max_q > 1 and min(q_lens) == 1:  # each group has its own mask
         groups = tuple(_group(sel, q_lens, seq_lens, block_tables, block_size, tree_masks, cu)
                        for sel in ([i for i, q in enumerate(q_lens) if q == 1],
                                    [i for i, q in enumerate(q_lens) if q > 1]))
+    elif trees or not (batch == 1 and max_q in (1, max_k)):
+        mask = _mask(q_len_t, seq_len_t, q_valid, pos_q, pos_k)
+        for i, tree in trees:
+            q, s = q_lens[i], seq_lens[i]
+            mask[i, :q, s - q:s] = tree
     return AttentionMetadata(
         cu_seqlens_q=cu,
         seq_lens=seq_len_t,
@@ -147,10 +145,35 @@ def build_attention_metadata(
         kv_slots=kv_slots,
         q_rows=q_rows,
         q_valid=q_valid.reshape(-1),
-        mask=mask[:, None] if needs_mask else None,
+        mask=None if mask is None else mask[:, None],
         has_tree=bool(trees),
         groups=groups,
     )
+
+
+def _mask(
+    q_len_t: torch.Tensor,  # [batch] int64
+    seq_len_t: torch.Tensor,  # [batch] int64
+    q_valid: torch.Tensor,  # [batch, max_q] bool
+    pos_q: torch.Tensor,  # [max_q] int64
+    pos_k: torch.Tensor,  # [max_k] int64
+) -> torch.Tensor:  # [batch, max_q, max_k] bool
+    """Causal over each sequence's own keys. Query i of sequence b sits at absolute position
+    seq_len - q_len + i and sees keys <= it."""
+    q_abs = (seq_len_t - q_len_t)[:, None] + pos_q[None, :]  # [batch, max_q]
+    mask = pos_k[None, None, :] <= q_abs[:, :, None]
+    mask &= pos_k[None, None, :] < seq_len_t[:, None, None]
+    # Padded query rows see key 0 only, so softmax stays finite; their output is dropped.
+    mask |= (~q_valid[:, :, None]) & (pos_k[None, None, :] == 0)
+    return mask
+
+
+def _per_group(attend, query, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+    """`attend` over each group of a mixed batch apart, scattered back into the flat rows."""
+    out = torch.empty_like(query)
+    for rows, group in meta.groups:
+        out[rows] = attend(query[rows], key_cache, value_cache, group, scale)
+    return out
 
 
 def _group(sel: list[int], q_lens, seq_lens, block_tables, block_size, tree_masks,
@@ -184,10 +207,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new queries over its cached keys (GQA aware)."""
     if meta.groups:
-        out = torch.empty_like(query)
-        for rows, group in meta.groups:
-            out[rows] = paged_attention(query[rows], key_cache, value_cache, group, scale)
-        return out
+        return _per_group(paged_attention, query, key_cache, value_cache, meta, scale)
     _, heads, dim = query.shape
     kvh = key_cache.shape[2]
     if heads % kvh:
@@ -224,6 +244,8 @@ def row_attention(
     reduction order, so the same row gives other low bits in a decode step, a verify chunk,
     a prefill or beside a longer sequence; one row at a time it cannot. Slower (a call per
     row): the price of `--batch-invariant`."""
+    if meta.groups:  # a mixed batch's masks live in its groups
+        return _per_group(row_attention, query, key_cache, value_cache, meta, scale)
     _, heads, dim = query.shape
     kvh = key_cache.shape[2]
     flat_k, flat_v = key_cache.view(-1, kvh, dim), value_cache.view(-1, kvh, dim)

@@ -66,9 +66,16 @@ class StepInput:
         parents = None
         if self.is_tree:
             parents = (-1, *(p + 1 for p in self.parents))
-        logits = 0 if self.partial else len(self.drafts) + (self.carried is None)
-        return SeqChunk(self.token_ids, self.start_pos, self.block_table, num_logits=logits,
-                        parents=parents)
+        return SeqChunk(self.token_ids, self.start_pos, self.block_table,
+                        num_logits=self.num_logits, parents=parents)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of the forward's logits this input gets (its drafts', plus the root's
+        unless carried; none for a prefill chunk or an input that runs no forward)."""
+        if self.partial or not self.token_ids:
+            return 0
+        return len(self.drafts) + (self.carried is None)
 
     @property
     def first_sampled_pos(self) -> int:
@@ -330,10 +337,12 @@ def _emitted_logprobs(inputs: list[StepInput], found, logits: torch.Tensor | Non
     recovered or bonus token), or () when not asked for. A token at depth d was sampled from
     the row of its parent: the root's row 0, then row node + 1 along the accepted path."""
     out: list[tuple[TokenLogprob, ...]] = []
+    if logits is None or all(s.logprobs is None for s in inputs):
+        return [()] * len(inputs)
     at = 0  # the forward's logits rows: each input's num_logits, in order
     for s, (accepted, next_token, _carry, path) in zip(inputs, found):
-        first, at = at, at + (s.chunk().num_logits if s.token_ids else 0)
-        if s.logprobs is None or logits is None:
+        first, at = at, at + s.num_logits
+        if s.logprobs is None:
             out.append(())
             continue
         tokens = list(accepted) + ([] if next_token is None else [next_token])

@@ -52,7 +52,8 @@ def sampling(draw, bad: set[str]) -> common_pb2.SamplingParams:
 
 
 GENERATE_FIELDS = ("session_id", "prompt", "committed", "temperature", "top_k", "top_p", "seed",
-                   "max_new", "stops", "method", "k", "address", "tenant", "typical")
+                   "max_new", "stops", "method", "k", "address", "tenant", "typical",
+                   "top_logprobs")
 
 
 @st.composite
@@ -74,7 +75,8 @@ def generate_requests(draw):
         stopping=verify_pb2.StoppingCriteria(
             max_new_tokens=f("max_new", st.integers(3, 5), UINT32),
             stop_token_ids=f("stops", st.lists(st.integers(0, 400), max_size=3), IDS),
-            ignore_eos=draw(st.booleans())))
+            ignore_eos=draw(st.booleans())),
+        logprobs=draw(st.booleans()), top_logprobs=f("top_logprobs", st.integers(0, 3), UINT32))
 
 
 def mutate(raw: bytes, how: int, at: int, junk: bytes) -> bytes:
