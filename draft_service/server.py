@@ -30,7 +30,7 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
             s.top_p if s.top_p != 0 else 1.0,  # proto3 default 0 means "off", like 1
             s.seed if s.HasField("seed") else None, o.method, o.max_run_ahead, o.top_n,
             o.epoch, o.max_ngram_size, trace_context=tuple(o.trace_context.items()),
-            features=_features(o), tenant=o.tenant)
+            features=_features(o), tenant=o.tenant, tree=o.tree)
     if which == "commit":
         c = msg.commit
         return Commit(c.session_id, c.epoch, c.start_position, list(c.token_ids),
@@ -53,11 +53,13 @@ def proposal_to_proto(item: Reply) -> draft_pb2.DraftProposal:
         return draft_pb2.DraftProposal(
             session_id=item.session_id, epoch=item.epoch,
             error=draft_pb2.DraftError(code=int(item.code), message=item.message))
-    tok = item.token
+    tok, node = item.token, item.tree
     return draft_pb2.DraftProposal(
         session_id=item.session_id, epoch=item.epoch, position=item.position,
         token_id=tok.token_id,
-        q=common_pb2.SparseDistribution(token_ids=tok.q_ids, probs=tok.q_probs))
+        q=common_pb2.SparseDistribution(token_ids=tok.q_ids, probs=tok.q_probs),
+        tree=None if node is None else draft_pb2.TreeNode(
+            parent=node.parent, path_prob=node.path_prob, last=node.last))
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):

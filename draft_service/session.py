@@ -105,6 +105,7 @@ class Session:
     stalled: bool = False  # the proposer had nothing for this exact sequence
     features: FeatureStore | None = None  # EAGLE sessions: the target's features so far
     tenant: str = ""
+    tree: bool = False  # one token tree per epoch instead of a chain
 
     @property
     def length(self) -> int:
@@ -123,4 +124,4 @@ class Session:
             sampling=self.sampling, top_n=self.top_n, max_ngram_size=self.max_ngram_size,
             generator=generator,
             features=None if self.features is None else self.features.view(),
-            tenant=self.tenant)
+            tenant=self.tenant, tree=self.tree)

@@ -39,6 +39,7 @@ from tandem.spec import (
     Proposal,
     Proposer,
     SessionError,
+    TreeNode,
     propose_isolated,
 )
 
@@ -137,6 +138,9 @@ class DraftWorker:
         if method not in self.proposers:  # includes values newer than this enum
             raise SessionFailure(ErrorCode.UNSUPPORTED_METHOD, f"method {cmd.method} is not "
                                  f"served here (have {[m.name for m in self.proposers]})")
+        if cmd.tree and not method.can_tree:
+            raise SessionFailure(ErrorCode.INVALID_ARGUMENT,
+                                 f"method {method.api_name} drafts chains, not trees")
         if len(self._sessions) >= lim.max_sessions:
             raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED,
                                  f"worker is full ({lim.max_sessions} sessions)")
@@ -146,7 +150,7 @@ class DraftWorker:
             max_run_ahead=min(cmd.max_run_ahead or lim.max_run_ahead, lim.max_run_ahead_cap),
             top_n=min(cmd.top_n or lim.top_n, lim.max_top_n),
             max_ngram_size=min(cmd.max_ngram_size or lim.max_ngram_size, _MAX_NGRAM_SIZE),
-            seed=cmd.seed, tenant=cmd.tenant[:_MAX_TENANT_LEN])
+            seed=cmd.seed, tenant=cmd.tenant[:_MAX_TENANT_LEN], tree=cmd.tree)
         if method.needs_features:
             session.features = FeatureStore(self.proposers[method].feature_size,
                                             lim.max_context_length)
@@ -177,6 +181,9 @@ class DraftWorker:
             raise SessionFailure(ErrorCode.OUT_OF_SYNC, "re-sent tokens disagree with the "
                                  f"committed sequence from position {start}")
         new = tokens[len(resent):]
+        if cmd.epoch == session.epoch and session.tree and new:
+            raise SessionFailure(ErrorCode.OUT_OF_SYNC, "a tree session's commit must start a "
+                                 "new epoch")
         if cmd.epoch == session.epoch:
             # Same epoch: the new tokens are accepted drafts; later drafts stay valid.
             if session.drafts[: len(new)] != new:
@@ -279,6 +286,9 @@ class DraftWorker:
             return
         if s.generation != generation or s.length != len(req.token_ids):
             return  # rolled back while the step ran: these drafts continue a stale sequence
+        if s.tree:
+            self._send_tree(s, res)
+            return
         room = min(s.max_run_ahead - len(s.drafts), self.limits.max_context_length - s.length)
         tokens = res.tokens[: max(room, 0)]
         if not res.tokens:
@@ -287,6 +297,29 @@ class DraftWorker:
             s.stream.put(Proposal(s.session_id, s.epoch, s.length, tok))
             s.drafts.append(tok.token_id)
         self._tokens_drafted += len(tokens)
+
+    def _send_tree(self, s: Session, res: DraftResult) -> None:
+        """Stream a tree's nodes (parents first; one tree per epoch: the next commit starts a
+        new epoch and wakes the session again)."""
+        s.stalled = True
+        parents = res.parents if res.parents is not None else tuple(range(-1, len(res.tokens) - 1))
+        room = self.limits.max_context_length - s.length  # deepest level that still fits
+        kept: dict[int, int] = {-1: -1}  # the proposer's node index -> the one sent
+        depth: dict[int, int] = {-1: 0}
+        nodes = []
+        for j, tok in enumerate(res.tokens):
+            p = parents[j]
+            if not -1 <= p < j:  # a proposer bug: never send what the verifier must refuse
+                raise ValueError(f"tree node {j} has parent {p}")
+            if p not in kept or depth[p] + 1 > room or len(nodes) == s.max_run_ahead:
+                continue  # beyond the context or the size cap (its subtree goes with it)
+            kept[j], depth[j] = len(nodes), depth[p] + 1
+            prob = res.scores[j] if j < len(res.scores) else 0.0
+            nodes.append((tok, kept[p], depth[j], prob))
+        for i, (tok, parent, d, prob) in enumerate(nodes):
+            s.stream.put(Proposal(s.session_id, s.epoch, s.length + d - 1, tok,
+                                  TreeNode(parent, prob, last=i == len(nodes) - 1)))
+        self._tokens_drafted += len(nodes)
 
     # --- introspection and shutdown -----------------------------------------------------------
 

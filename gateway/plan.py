@@ -33,6 +33,7 @@ class GenerationPlan:
     typical: tuple[float, float] | None = None  # LOSSY typical acceptance (medusa only)
     logprobs: int | None = None  # each token's logprob with this many top ones; None = off
     round_events: bool = False  # stream a speculation_round chunk per verification round
+    draft_shape: str | None = None  # "tree" or "chain" (medusa, eagle); None = the verifier's
 
 
 async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: GatewayConfig,
@@ -51,10 +52,14 @@ async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: Gatewa
                                          config.default_max_tokens)
     stop_ids = _stop_token_ids(req, tokenizer)
     spec = req.speculation or schemas.SpeculationOptions()
+    method = await _method(spec, router, config.method_preference)
+    if spec.draft_shape == "tree" and not method.can_tree:
+        raise bad_request(f"speculation.draft_shape 'tree' applies to methods medusa and "
+                          f"eagle, not {method.api_name}", param="speculation.draft_shape")
     plan = GenerationPlan(
         session_id=sid, prompt_token_ids=tuple(ids), sampling=_sampling(req),
         max_new_tokens=max_new, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-        method=await _method(spec, router, config.method_preference),
+        method=method, draft_shape=spec.draft_shape,
         num_speculative_tokens=(spec.num_speculative_tokens
                                 if spec.num_speculative_tokens is not None
                                 else config.default_speculative_tokens),

@@ -37,6 +37,8 @@ class SpeculationOptions(BaseModel):
     method: Literal[_METHOD_NAMES] | None = None  # a Method.api_name; the plan parses it
     num_speculative_tokens: Annotated[int, Field(ge=0)] | None = None
     typical_acceptance: TypicalAcceptance | None = None  # medusa only; None = lossless
+    # Medusa and eagle: a token tree per round or a chain; None = the verifier's default.
+    draft_shape: Literal["tree", "chain"] | None = None
     # Streaming only: one extra chunk per verification round (empty choices, a
     # `speculation_round` object) so a client can watch acceptance live.
     events: bool = False

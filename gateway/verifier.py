@@ -104,6 +104,10 @@ def _round(resp: verify_pb2.GenerateResponse) -> Round:
                             resp.round.rejection_ms))
 
 
+_DRAFT_SHAPES = {None: verify_pb2.DRAFT_SHAPE_UNSPECIFIED, "chain": verify_pb2.DRAFT_SHAPE_CHAIN,
+                 "tree": verify_pb2.DRAFT_SHAPE_TREE}
+
+
 def build_request(plan: GenerationPlan, committed: Sequence[int],
                   draft_address: str) -> verify_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(temperature=plan.sampling.temperature,
@@ -122,7 +126,8 @@ def build_request(plan: GenerationPlan, committed: Sequence[int],
                                              ignore_eos=plan.ignore_eos),
         speculation=verify_pb2.SpeculationConfig(
             method=int(plan.method), num_speculative_tokens=plan.num_speculative_tokens,
-            draft_address=draft_address, tenant=plan.tenant, typical_acceptance=typical),
+            draft_address=draft_address, tenant=plan.tenant, typical_acceptance=typical,
+            draft_shape=_DRAFT_SHAPES[plan.draft_shape]),
         logprobs=plan.logprobs is not None, top_logprobs=plan.logprobs or 0)
 
 

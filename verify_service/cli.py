@@ -11,7 +11,7 @@ from tandem.device import add_device_flags
 from tandem.envflags import add_flag, add_log_level_flag, boolean, csv, env
 from tandem.redis_conn import add_password_flag
 from tandem.tls import add_tls_flags, tls_from_args
-from verify_service.config import VerifierConfig
+from verify_service.config import DRAFT_SHAPES, VerifierConfig
 
 _DEFAULTS = VerifierConfig()
 
@@ -86,6 +86,10 @@ def register(sub, colocate=None) -> None:
              help="serve speculation.method=medusa with these heads: auto (heads saved or "
                   "shipped with the model; see `tandem distill --method medusa`), off, or a "
                   "directory with medusa.json")
+    add_flag(p, "--draft-shape", "TANDEM_VERIFIER_DRAFT_SHAPE", _DEFAULTS.draft_shape,
+             choices=DRAFT_SHAPES,
+             help="drafts of medusa and eagle sessions whose request does not choose "
+                  "(speculation.draft_shape): a token tree verified in one forward, or a chain")
     add_log_level_flag(p, "TANDEM_VERIFIER_LOG_LEVEL")
     add_tls_flags(p)
     p.set_defaults(func=functools.partial(_run, colocate=colocate))

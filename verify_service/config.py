@@ -8,6 +8,8 @@ from tandem.models import DEFAULT_TARGET
 from tandem.netaddr import check_target, split_host_port
 from tandem.tls import TlsConfig, check_serving
 
+DRAFT_SHAPES = ("tree", "chain")
+
 
 @dataclass(frozen=True)
 class VerifierConfig:
@@ -56,6 +58,9 @@ class VerifierConfig:
     # Medusa heads run inside the engine step: "auto" (heads saved or shipped with the
     # model), "off", or a directory holding medusa.json + medusa.safetensors.
     medusa: str = "auto"
+    # The drafts of a tree-capable method (medusa, eagle) when the request does not say:
+    # "tree" (several candidates per position, verified in one forward) or "chain".
+    draft_shape: str = "tree"
     # gRPC over TLS: served with it and presented to draft workers; None = plaintext.
     tls: TlsConfig | None = None
 
@@ -72,6 +77,9 @@ class VerifierConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be 'auto', 'off' or a path, got {value!r}")
+        if self.draft_shape not in DRAFT_SHAPES:
+            raise ValueError(f"draft_shape must be one of {', '.join(DRAFT_SHAPES)}, got "
+                             f"{self.draft_shape!r}")
         if self.block_size < 0:
             raise ValueError(f"block_size must be >= 0 (0 = the device's), got {self.block_size}")
         if self.prefill_chunk_tokens < 0:

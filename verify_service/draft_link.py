@@ -26,6 +26,7 @@ from tandem.spec import (
     Proposal,
     Reply,
     SessionError,
+    TreeNode,
 )
 from tandem.tls import TlsConfig, open_channel
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -43,7 +44,7 @@ def control_to_proto(c: Control) -> draft_pb2.DraftControl:
             max_run_ahead=c.max_run_ahead, top_n=c.top_n, max_ngram_size=c.max_ngram_size,
             sampling=common_pb2.SamplingParams(temperature=c.temperature, top_k=c.top_k,
                                                top_p=c.top_p, seed=c.seed),
-            features=_features(c.features), tenant=c.tenant))
+            features=_features(c.features), tenant=c.tenant, tree=c.tree))
     if isinstance(c, Commit):
         return draft_pb2.DraftControl(commit=draft_pb2.CommitTokens(
             session_id=c.session_id, epoch=c.epoch, start_position=c.start_position,
@@ -68,8 +69,12 @@ def reply_from_proto(msg: draft_pb2.DraftProposal) -> Reply:
         except ValueError:  # a code newer than this verifier
             code = ErrorCode.INTERNAL
         return SessionError(msg.session_id, code, msg.error.message, msg.epoch)
+    node = None
+    if msg.HasField("tree"):
+        t = msg.tree
+        node = TreeNode(t.parent, t.path_prob, t.last)
     return Proposal(msg.session_id, msg.epoch, msg.position, DraftToken(
-        msg.token_id, tuple(msg.q.token_ids), tuple(msg.q.probs)))
+        msg.token_id, tuple(msg.q.token_ids), tuple(msg.q.probs)), node)
 
 
 class DraftLink:

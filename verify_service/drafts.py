@@ -87,13 +87,14 @@ class DraftSide:
         if link is None or seq.finished or seq.seq_id not in self.sessions:
             return
         self.links[seq.seq_id] = link
-        seq.drafts, seq.late_rounds = [], 0  # a new stream gets waited for again
+        seq.clear_drafts()
+        seq.late_rounds = 0  # a new stream gets waited for again
         p, s = seq.params, seq.params.sampling
         link.send(Open(session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                        method=p.method, max_run_ahead=self.max_run_ahead, top_n=self.top_n,
                        trace_context=p.trace_context, features=seq.all_features(),
-                       tenant=p.tenant))
+                       tenant=p.tenant, tree=p.tree))
 
     def commit(self, seq: Sequence, start: int, tokens: list[int],
                features: Features | None = None, run_ahead: int | None = None) -> None:
@@ -134,7 +135,10 @@ class DraftSide:
         if token is None:  # malformed or out of order: resynchronise this session only
             self._detach(seq, close=True)
             return
-        seq.drafts.append(token)
+        if reply.tree is None:
+            seq.drafts.append(token)
+        else:
+            seq.add_node(token, reply.tree.parent, reply.tree.path_prob, reply.tree.last)
         now = time.perf_counter()
         asked = self._asked_at.pop(seq.seq_id, None)
         if asked is not None and now - asked < 0.5:  # the first draft since the commit
@@ -146,8 +150,16 @@ class DraftSide:
         self.arrived.set()
 
     def _checked(self, seq: Sequence, p: Proposal) -> DraftToken | None:
+        """The proposal's token if it is well formed and where it belongs, else None."""
+        if seq.params.tree != (p.tree is not None):
+            return None  # a chain token for a tree session, or a tree node for a chain one
+        if p.tree is None:
+            if p.position != seq.next_draft_position():
+                return None
+        elif not self._node_fits(seq, p):
+            return None
         v, tok = self.vocab_size, p.token
-        if p.position != seq.next_draft_position() or not 0 <= tok.token_id < v:
+        if not 0 <= tok.token_id < v:
             return None
         ids, probs = tok.q_ids, tok.q_probs
         if ids or probs:
@@ -163,13 +175,22 @@ class DraftSide:
                 return None
         return tok
 
+    def _node_fits(self, seq: Sequence, p: Proposal) -> bool:
+        """A tree node: the next of an unfinished tree, under an earlier node (or the root),
+        at its depth's position, with a probability for an estimate, within the size cap."""
+        node, n = p.tree, len(seq.drafts)
+        return (not seq.tree_complete and n < self.max_run_ahead and -1 <= node.parent < n
+                and p.position == seq.num_tokens + seq.node_depth(node.parent)
+                and math.isfinite(node.path_prob) and 0 <= node.path_prob <= 1)
+
     def _detach(self, seq: Sequence, close: bool) -> None:
         """Stop taking this session's proposals from its link. The epoch moves on, so what the
         old attach still has in flight fails the epoch check after a re-attach."""
         link = self.links.pop(seq.seq_id)
         if close:
             link.send(Close(seq.seq_id))
-        seq.drafts, seq.epoch = [], seq.epoch + 1
+        seq.clear_drafts()
+        seq.epoch += 1
 
     def on_link_broken(self, link: Link) -> None:
         if self.pool is not None:
@@ -179,7 +200,8 @@ class DraftSide:
                 del self.links[seq_id]
                 seq = self.sessions.get(seq_id)
                 if seq is not None:
-                    seq.drafts, seq.epoch = [], seq.epoch + 1
+                    seq.clear_drafts()
+                    seq.epoch += 1
 
     async def close(self) -> None:
         if self.pool is not None:

@@ -192,7 +192,8 @@ class Engine:
         limit_ms, waiting, running = 0.0, 0, self.scheduler.running
         d = self.drafts
         for seq in running:
-            missing = self.scheduler.desired_k(seq) - len(seq.drafts)
+            missing = (0 if seq.tree_complete else
+                       self.scheduler.desired_k(seq) - len(seq.drafts))
             if not d.linked(seq) or missing <= 0 or seq.late_rounds >= _LATE_ROUNDS_NO_WAIT:
                 continue  # (drafts of a session that stopped being waited for still count)
             waiting += 1  # the first draft after a commit takes longer than the next ones
@@ -210,7 +211,7 @@ class Engine:
             want_features=seq.params.method.needs_features, partial=s.partial,
             # The heads cost a few ms: only the nodes the next round may verify.
             propose_tree=self.scheduler.desired_k(seq, 1) if seq.params.method.in_verifier
-            else 0,
+            else 0, propose_chain=not seq.params.tree,
             typical=None if seq.params.sampling.is_greedy else seq.params.typical,
             logprobs=seq.params.logprobs)
 
@@ -220,6 +221,7 @@ class Engine:
         its keyed samples (executor._coupled_verify), which a carried row would not draw)."""
         s = seq.params.sampling
         return (k >= 1 and len(seq.drafts) > k and not s.is_greedy and s.seed is None
+                and not seq.params.tree  # a tree's nodes beyond k are not the next draft
                 and seq.params.logprobs is None  # a carried row has no logits to report
                 and self.drafts.linked(seq)
                 and len(seq.output) + k < seq.params.max_new_tokens)
@@ -227,8 +229,12 @@ class Engine:
     def _observe_cost(self, scheduled: list[ScheduledSeq], wait_ms: float,
                       timings: StepTimings) -> None:
         """Single-session rounds feed the cost model: the whole round, drafting wait and
-        sampling included, is what k really costs."""
+        sampling included, is what k really costs. Except a draft worker's tree: it is drafted
+        only after the commit, so its wait is the session's own (Sequence.tree_wait_ms, which
+        choose_tree_size adds), not a cost of verifying q tokens that chains would share."""
         s = scheduled[0]
+        if _drafted_tree(s.seq):
+            wait_ms = 0.0
         # Keyed by the tokens the forward really ran: a carried round runs only its drafts
         # (none at all when it samples straight from the carried row). A round whose drafts
         # came late waited for k but ran fewer: no sample of either cost (it counts as a miss).
@@ -245,6 +251,9 @@ class Engine:
         accepted, next_token = outcome.accepted, outcome.next_token
         # Roll back rejected KV (a tree's accepted path is already in place: name its tokens).
         self.scheduler.update_from_output(s, len(accepted), accepted if s.parents else None)
+        reach = self.scheduler.reach(seq) if s.num_drafts else None  # before commit clears it
+        if _drafted_tree(seq) and s.num_drafts and seq.tree_complete:
+            seq.tree_wait_ms = 0.7 * seq.tree_wait_ms + 0.3 * wait_ms
         start = seq.num_tokens
         new = seq.commit(accepted, next_token)  # may bump the epoch (the draft diverged)
         seq.carried = next_token is None and not seq.finished
@@ -262,9 +271,9 @@ class Engine:
             and not seq.params.sampling.is_greedy
         if outcome.tree is not None and not seq.finished:  # Medusa: the next round's tree
             seq.drafts, seq.draft_parents = outcome.tree[0], outcome.tree[1]
-        if s.parents is not None and s.num_drafts:
-            expected = sum(self.scheduler.tree_reach[:s.num_drafts]) * seq.tree_scale
-            seq.tree_scale = update_tree_scale(seq.tree_scale, expected, len(accepted))
+        if reach is not None:  # sized node by node: correct the nodes' estimates
+            seq.tree_scale = update_tree_scale(seq.tree_scale, sum(reach[:s.num_drafts]),
+                                               len(accepted))
         elif s.num_drafts:
             seq.late_rounds = 0
             seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts,
@@ -292,6 +301,8 @@ class Engine:
         match the bonus token; none while its speculation is off (k = 0) until a probe round.
         Drafting more only burns the draft worker's time (on a shared host, the verifier's)."""
         k = self.scheduler.desired_k(seq)
+        if seq.params.tree and k:  # a whole tree: the verifier sizes it once it arrives
+            return self.scheduler.k_max(seq)
         return k + 1 if k else 0
 
     def _release(self, seq: Sequence) -> None:
@@ -319,3 +330,8 @@ class Engine:
             self.abort(seq_id)
         await self.drafts.close()
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _drafted_tree(seq: Sequence) -> bool:
+    """A session whose token trees come from a draft worker, drafted after each commit."""
+    return bool(seq.params.tree) and not seq.params.method.in_verifier

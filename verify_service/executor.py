@@ -44,6 +44,7 @@ class StepInput:
     parents: tuple[int, ...] | None = None  # None = a chain
     want_features: bool = False  # EAGLE sessions: return the kept positions' hidden states
     propose_tree: int = 0  # Medusa sessions: nodes of the next round's tree drafted now
+    propose_chain: bool = False  # ... a chain of the heads' top-1 tokens instead
     typical: tuple[float, float] | None = None  # LOSSY typical acceptance (threshold, alpha)
     logprobs: int | None = None  # the emitted tokens' target logprobs, with this many top
     partial: bool = False  # a prefill chunk before the last: computes KV, samples nothing
@@ -189,7 +190,7 @@ class Executor:
             feats = Features(s.start_pos, h.shape[1],
                              h.to(torch.float16).cpu().numpy().tobytes())
         if s.propose_tree and self.medusa is not None and next_token is not None:
-            tree_out = self.medusa.propose(h[-1], s.propose_tree)
+            tree_out = self.medusa.propose(h[-1], s.propose_tree, chain=s.propose_chain)
         return RoundOutcome(accepted, next_token, carry, feats, tree_out)
 
     @staticmethod

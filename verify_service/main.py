@@ -132,7 +132,8 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
                  {q: round(ms, 1) for q, ms in calibrated.items()})
     scheduler = Scheduler(BlockManager(runner.num_blocks, runner.block_size), sched_cfg,
                           CostModel(dict(calibrated)),
-                          tree_reach=medusa.cfg.reach if medusa is not None else ())
+                          tree_reach=medusa.cfg.reach if medusa is not None else (),
+                          chain_reach=medusa.cfg.chain_reach if medusa is not None else ())
     eng_cfg = EngineConfig(max_sessions=config.max_sessions,
                            max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n)
     metrics = VerifierMetrics()
@@ -157,7 +158,7 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     # Layer skip is served only when asked for: on a small target it rarely pays.
     default_method = Method.DRAFT_MODEL if remote else Method.NONE
     servicer = VerifyServicer(engine, build_info(model, paths, config, model_id),
-                              default_method, metrics)
+                              default_method, metrics, config.draft_shape == "tree")
     limit = max_message_bytes(model.cfg.max_position_embeddings)  # requests carry ids only
     server = grpc.aio.server(interceptors=[StatusInterceptor()],
                              options=[("grpc.so_reuseport", 0), *message_options(limit)])

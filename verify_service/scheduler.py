@@ -66,12 +66,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, config: SchedulerConfig, cost: CostModel,
-                 tree_reach: tuple[float, ...] = ()):
+                 tree_reach: tuple[float, ...] = (), chain_reach: tuple[float, ...] = ()):
         self.blocks = blocks
         self.config = config
         self.cost = cost
-        # Medusa: estimated chance each node of the tree (in order) is reached under greedy.
-        self.tree_reach = tree_reach
+        # Medusa: estimated chance each node of the tree (in order) is reached under greedy;
+        # and each node of its chain (the heads' top-1 tokens).
+        self.tree_reach, self.chain_reach = tree_reach, chain_reach
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
@@ -111,19 +112,37 @@ class Scheduler:
         rounds later if nothing else changes."""
         if not seq.speculating:
             return 0
-        k_max = min(seq.params.num_speculative_tokens or self.config.max_spec_tokens,
-                    self.config.max_spec_tokens)
-        # Under batch load the verification tokens of all sessions share one forward.
-        per_seq = self.config.max_verify_tokens // max(1, len(self.running)) - 1
-        k_max = max(0, min(k_max, per_seq))
-        if seq.params.method.in_verifier:
-            reach = [r * seq.tree_scale for r in self.tree_reach]
-            k = choose_tree_size(reach, k_max, self.cost)
+        k_max = self.k_max(seq)  # under batch load sessions share max_verify_tokens
+        reach = self.reach(seq, k_max)
+        if reach is not None:
+            k = choose_tree_size(reach, k_max, self.cost, seq.tree_wait_ms)
         else:
             k = choose_k(seq.acceptance_ema, k_max, self.cost)
         if k == 0 and k_max and (seq.stats.rounds + ahead) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             k = 1  # speculation is off for this session: probe now and then, estimates move
         return k
+
+    def k_max(self, seq: Sequence) -> int:
+        """The most drafts the session may verify per round (request cap, config cap, and
+        its share of max_verify_tokens under batch load)."""
+        k_max = min(seq.params.num_speculative_tokens or self.config.max_spec_tokens,
+                    self.config.max_spec_tokens)
+        per_seq = self.config.max_verify_tokens // max(1, len(self.running)) - 1
+        return max(0, min(k_max, per_seq))
+
+    def reach(self, seq: Sequence, k_max: int | None = None) -> list[float] | None:
+        """Estimated chance each of the session's draft nodes (in order) is accepted, for
+        sessions sized node by node (trees, and Medusa's chains); None for a draft worker's
+        chain (sized by its acceptance EMA). Scaled by the session's measured correction."""
+        if seq.params.method.in_verifier:
+            base = self.tree_reach if seq.params.tree else self.chain_reach
+        elif seq.params.tree:  # the arrived tree's own estimates, else the last tree's
+            base = seq.draft_reach or seq.last_reach or [
+                seq.acceptance_ema ** (i + 1) for i in range(self.k_max(seq) if k_max is None
+                                                             else k_max)]
+        else:
+            return None
+        return [r * seq.tree_scale for r in base]
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
@@ -195,7 +214,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
-        seq.drafts, seq.draft_parents = [], None
+        seq.clear_drafts()
         seq.carried = False  # the re-prefill recomputes that distribution
         seq.prefill_left = 0
         seq.epoch += 1

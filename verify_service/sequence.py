@@ -43,6 +43,9 @@ class GenerateParams:
     typical: tuple[float, float] | None = None
     # Return each generated token's target logprob, with this many top alternatives; None = no.
     logprobs: int | None = None
+    # Draft token trees (medusa, eagle) instead of chains; None: medusa's trees, else chains
+    # (the servicer always decides, from the request and the server's --draft-shape).
+    tree: bool | None = None
 
     def __post_init__(self):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -64,6 +67,11 @@ class GenerateParams:
         if self.num_speculative_tokens < 0:
             raise InvalidArgument(
                 f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.tree is None:
+            object.__setattr__(self, "tree", self.method is Method.MEDUSA)
+        if self.tree and not self.method.can_tree:
+            raise InvalidArgument(f"draft_shape tree applies to methods medusa and eagle, not "
+                                  f"{self.method.api_name}")
         if self.typical is not None:
             threshold, alpha = self.typical
             if not (0 < threshold <= 1 and 0 <= alpha <= 1):
@@ -93,6 +101,12 @@ class Sequence:
     # draft_parents gives each draft's parent among them (-1 = the last committed token).
     drafts: list[DraftToken] = field(default_factory=list)
     draft_parents: tuple[int, ...] | None = None
+    # A tree from the draft worker (eagle): each node's reach as the draft estimates it, and
+    # whether its last node arrived; the last tree's estimates size the next until it comes.
+    draft_reach: list[float] = field(default_factory=list)
+    tree_complete: bool = False
+    last_reach: tuple[float, ...] = ()
+    tree_wait_ms: float = 0.0  # EMA: from the commit to a complete tree (drafted after it)
     tree_scale: float = 1.0  # accepted / expected per tree round (EMA): corrects the estimate
     stats: SessionStats = field(default_factory=SessionStats)
     finish_reason: str | None = None
@@ -151,8 +165,9 @@ class Sequence:
                 new, self.finish_reason = new[:budget], "length"
         self.output.extend(new)
         k = len(accepted)
-        if self.draft_parents is not None:  # a tree is drafted afresh after every round
-            self.drafts, self.draft_parents = [], None
+        if self.params.tree or self.params.method.in_verifier:
+            self.clear_drafts()  # a tree (any Medusa draft) is drafted afresh for each round,
+            self.epoch += 1  # in a new epoch: late nodes of this one are dropped
         elif next_token is None:
             self.drafts = self.drafts[k:]
         elif len(self.drafts) > k and self.drafts[k].token_id == next_token:
@@ -161,6 +176,27 @@ class Sequence:
             self.epoch += 1
             self.drafts = []
         return new
+
+    def clear_drafts(self) -> None:
+        if self.draft_reach:
+            self.last_reach = tuple(self.draft_reach)
+        self.drafts, self.draft_parents = [], None
+        self.draft_reach, self.tree_complete = [], False
+
+    def add_node(self, token: DraftToken, parent: int, path_prob: float, last: bool) -> None:
+        """Append a checked tree node (drafts.py checks parent and position first)."""
+        self.drafts.append(token)
+        self.draft_parents = (*(self.draft_parents or ()), parent)
+        self.draft_reach.append(path_prob)
+        self.tree_complete = last
+
+    def node_depth(self, node: int) -> int:
+        """Depth of draft node `node` of the current tree (1 = a child of the root); 0 for
+        -1, the root itself."""
+        depth, parents = 0, self.draft_parents or ()
+        while node >= 0:
+            depth, node = depth + 1, parents[node]
+        return depth
 
     def keep_features(self, f: Features) -> None:
         """Record a round's hidden states (a recomputation after preemption overwrites)."""

@@ -63,7 +63,7 @@ def _sampling(s: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo,
-                      default_method: Method) -> GenerateParams:
+                      default_method: Method, default_tree: bool = True) -> GenerateParams:
     """Validates a request against the model's limits; InvalidArgument says what is wrong."""
     _check_sizes(req, info)
     sampling = _sampling(req.sampling)
@@ -83,7 +83,18 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
         tenant=spec.tenant, typical=(
             (spec.typical_acceptance.posterior_threshold, spec.typical_acceptance.posterior_alpha)
             if spec.HasField("typical_acceptance") else None),
-        logprobs=req.top_logprobs if req.logprobs else None)
+        logprobs=req.top_logprobs if req.logprobs else None,
+        tree=_tree(spec.draft_shape, method, default_tree))
+
+
+def _tree(shape: int, method: Method, default: bool) -> bool:
+    """Whether the session drafts token trees: as asked, else the server's default for the
+    methods that can."""
+    if shape == verify_pb2.DRAFT_SHAPE_UNSPECIFIED:
+        return default and method.can_tree
+    if shape not in (verify_pb2.DRAFT_SHAPE_CHAIN, verify_pb2.DRAFT_SHAPE_TREE):
+        raise InvalidArgument(f"unknown draft_shape {shape}")
+    return shape == verify_pb2.DRAFT_SHAPE_TREE
 
 
 def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
@@ -103,8 +114,9 @@ def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, engine: Engine, info: common_pb2.WorkerInfo, default_method: Method,
-                 metrics: VerifierMetrics | None = None):
+                 metrics: VerifierMetrics | None = None, default_tree: bool = True):
         self.engine, self.info, self.default_method = engine, info, default_method
+        self.default_tree = default_tree
         self.metrics = metrics
         self.tracer = telemetry.tracer("verifier")
         self.draining = False
@@ -121,7 +133,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                              telemetry.GEN_AI_REQUEST_TEMPERATURE: request.sampling.temperature,
                              telemetry.GEN_AI_USAGE_INPUT: len(request.prompt_token_ids)})
         try:
-            params = params_from_proto(request, self.info, self.default_method)
+            params = params_from_proto(request, self.info, self.default_method,
+                                       self.default_tree)
             params = dataclasses.replace(params, trace_context=tuple(
                 telemetry.inject_context(span).items()))
             queue = self.engine.submit(params)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_service.proposers import eagle_tree
 from draft_service.proposers.draft_model import _common_prefix, sample_drafts
 from kernels.paged_attention import build_attention_metadata
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
@@ -100,12 +101,20 @@ class EagleProposer:
             for w in work:  # the cache no longer matches what the states describe
                 self.release(w.req.key)
             raise
-        if work:
-            feats = torch.stack([self._next_feature(w) for w in work])  # [B, hidden]
+        chains = [w for w in work if not w.req.tree]
+        if chains:
+            feats = torch.stack([self._next_feature(w) for w in chains])  # [B, hidden]
             logits = self.head.model.logits(feats.to(self.head.model.dtype))  # [B, vocab]
-            for w, tok in zip(work, sample_drafts(logits, [w.req for w in work],
+            for w, tok in zip(chains, sample_drafts(logits, [w.req for w in chains],
                                                    self.vocab_size)):
                 results[w.row] = DraftResult([tok])
+        trees = [w for w in work if w.req.tree]
+        if trees:
+            grown = eagle_tree.grow(self, [eagle_tree.Tree(
+                w.req.key, self.blocks.num_tokens(w.req.key) if self.blocks.has(w.req.key)
+                else 0, w.last, self._next_feature(w), w.req.max_tokens) for w in trees])
+            for w, res in zip(trees, grown):
+                results[w.row] = res
         return results  # type: ignore[return-value]
 
     def _plan(self, row: int, req: DraftRequest, m: int) -> _Work:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -72,6 +72,15 @@ class MedusaConfig:
                 r *= row[rank] if rank < len(row) else 0.0
             out.append(r)
         return tuple(out)
+
+    @property
+    def chain(self) -> tuple[tuple[int, ...], ...]:
+        """The top-1 chain, one node per head: the tree of a chain-shaped session."""
+        return tuple((0,) * d for d in range(1, self.num_heads + 1))
+
+    @property
+    def chain_reach(self) -> tuple[float, ...]:
+        return replace(self, choices=self.chain).reach
 
     @property
     def max_rank(self) -> int:
@@ -149,13 +158,13 @@ class MedusaHeads(torch.nn.Module):
         idx = self.forward(h[None], heads)[:, 0].topk(k, dim=-1).indices  # [heads, k]
         return self.vocab[idx].tolist()
 
-    def propose(self, h: torch.Tensor, nodes: int | None = None
+    def propose(self, h: torch.Tensor, nodes: int | None = None, chain: bool = False
                 ) -> tuple[list[DraftToken], tuple[int, ...]]:
         """The tree (its first `nodes` nodes; default all) for the position after the one `h`
         [hidden] predicts: its tokens (one-hot q: deterministic candidates) and each node's
         parent index (-1 = the tree's root, the token the target itself emits). Only the
-        heads those nodes reach are run."""
-        choices = self.cfg.choices[:nodes]
+        heads those nodes reach are run. chain: the heads' top-1 tokens only (a chain)."""
+        choices = (self.cfg.chain if chain else self.cfg.choices)[:nodes]
         depth = max(len(p) for p in choices)
         top = self.top_tokens(h, 1 + max(r for p in choices for r in p), depth)
         index = {path: i for i, path in enumerate(choices)}

@@ -20,8 +20,9 @@ from tandem.spec.protocol import (
     Proposal,
     Reply,
     SessionError,
+    TreeNode,
 )
 
 __all__ = ["API_NAMES", "Close", "Commit", "Control", "DraftRequest", "DraftResult",
            "DraftToken", "ErrorCode", "Features", "Invalid", "Learner", "Method", "Open",
-           "Proposal", "Proposer", "Reply", "SessionError", "propose_isolated"]
+           "Proposal", "Proposer", "Reply", "SessionError", "TreeNode", "propose_isolated"]

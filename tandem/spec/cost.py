@@ -66,13 +66,15 @@ def choose_k(alpha: float, k_max: int, cost: CostModel) -> int:
 
 
 def choose_tree_size(reach: list[float] | tuple[float, ...], n_max: int,
-                     cost: CostModel) -> int:
+                     cost: CostModel, draft_ms: float = 0.0) -> int:
     """How many nodes of a tree to verify: argmax_n (1 + sum(reach[:n])) / cost(n + 1) over
-    0..n_max, where reach[i] estimates the chance node i (parents first) is accepted."""
+    0..n_max, where reach[i] estimates the chance node i (parents first) is accepted;
+    draft_ms is what a round with any nodes also waits for them (a tree drafted after the
+    last commit), which plain decoding (n = 0) does not."""
     best_n, best, gain = 0, 1.0 / cost.cost(1), 1.0
     for n in range(1, min(n_max, len(reach)) + 1):
         gain += reach[n - 1]
-        rate = gain / cost.cost(n + 1)
+        rate = gain / (cost.cost(n + 1) + draft_ms)
         if rate > best * 1.001:
             best_n, best = n, rate
     return best_n

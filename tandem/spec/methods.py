@@ -33,6 +33,11 @@ class Method(enum.IntEnum):
         return self is Method.MEDUSA
 
     @property
+    def can_tree(self) -> bool:
+        """Whether this method can draft a token tree (several candidates per position)."""
+        return self in (Method.EAGLE, Method.MEDUSA)
+
+    @property
     def api_name(self) -> str:
         return self.name.lower()
 

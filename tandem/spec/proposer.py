@@ -48,6 +48,7 @@ class DraftRequest:
     generator: torch.Generator | None = None  # the session's draft RNG (seeded requests)
     features: torch.Tensor | None = None  # [num_committed, hidden] target states, for heads
     tenant: str = ""  # who asked (the gateway's API-key tenant); "" = anonymous
+    tree: bool = False  # draft a token tree of at most max_tokens nodes (can_tree methods)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class DraftResult:
     error: ErrorCode | None = None
     message: str = ""
     parents: tuple[int, ...] | None = None  # a token tree; None = a chain
+    # A tree's nodes: the draft's estimate that verification reaches each (path probability).
+    scores: tuple[float, ...] = ()
 
 
 @runtime_checkable

@@ -85,6 +85,7 @@ class Open:
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers for the draft's span
     features: Features | None = None  # EAGLE: target features computed so far
     tenant: str = ""  # who asked; methods with shared state may keep it per tenant
+    tree: bool = False  # draft one token tree per epoch instead of a chain
 
 
 @dataclass(frozen=True)
@@ -116,13 +117,24 @@ Control = Open | Commit | Close | Invalid
 
 
 @dataclass(frozen=True)
+class TreeNode:
+    """Where a proposal sits in its session's token tree (tandem.v1.TreeNode)."""
+
+    parent: int  # an earlier node of the tree, or -1: a child of the last committed token
+    path_prob: float = 0.0  # the draft's estimate that verification reaches it; 0 = unknown
+    last: bool = False  # the tree's last node: it is complete
+
+
+@dataclass(frozen=True)
 class Proposal:
-    """Draft token `token` for absolute `position` of `session_id`, drafted under `epoch`."""
+    """Draft token `token` for absolute `position` of `session_id`, drafted under `epoch`;
+    with `tree`, a node of the epoch's token tree (position = its depth position)."""
 
     session_id: str
     epoch: int
     position: int
     token: DraftToken
+    tree: TreeNode | None = None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ class DraftControl(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., commit: _Optional[_Union[CommitTokens, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "method", "max_run_ahead", "top_n", "epoch", "max_ngram_size", "trace_context", "features", "tenant")
+    __slots__ = ("session_id", "token_ids", "sampling", "method", "max_run_ahead", "top_n", "epoch", "max_ngram_size", "trace_context", "features", "tenant", "tree")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class OpenSession(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -66,7 +67,8 @@ class OpenSession(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     features: TargetFeatures
     tenant: str
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_run_ahead: _Optional[int] = ..., top_n: _Optional[int] = ..., epoch: _Optional[int] = ..., max_ngram_size: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[TargetFeatures, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    tree: bool
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_run_ahead: _Optional[int] = ..., top_n: _Optional[int] = ..., epoch: _Optional[int] = ..., max_ngram_size: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[TargetFeatures, _Mapping]] = ..., tenant: _Optional[str] = ..., tree: _Optional[bool] = ...) -> None: ...
 
 class TargetFeatures(_message.Message):
     __slots__ = ("start_position", "hidden_size", "data")
@@ -109,17 +111,29 @@ class DraftError(_message.Message):
     def __init__(self, code: _Optional[_Union[DraftErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("session_id", "epoch", "position", "token_id", "q", "error")
+    __slots__ = ("session_id", "epoch", "position", "token_id", "q", "error", "tree")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     position: int
     token_id: int
     q: _common_pb2.SparseDistribution
     error: DraftError
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.SparseDistribution, _Mapping]] = ..., error: _Optional[_Union[DraftError, _Mapping]] = ...) -> None: ...
+    tree: TreeNode
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.SparseDistribution, _Mapping]] = ..., error: _Optional[_Union[DraftError, _Mapping]] = ..., tree: _Optional[_Union[TreeNode, _Mapping]] = ...) -> None: ...
+
+class TreeNode(_message.Message):
+    __slots__ = ("parent", "path_prob", "last")
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    PATH_PROB_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    parent: int
+    path_prob: float
+    last: bool
+    def __init__(self, parent: _Optional[int] = ..., path_prob: _Optional[float] = ..., last: _Optional[bool] = ...) -> None: ...

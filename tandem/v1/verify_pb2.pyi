@@ -8,12 +8,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DraftShape(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_SHAPE_UNSPECIFIED: _ClassVar[DraftShape]
+    DRAFT_SHAPE_CHAIN: _ClassVar[DraftShape]
+    DRAFT_SHAPE_TREE: _ClassVar[DraftShape]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+DRAFT_SHAPE_UNSPECIFIED: DraftShape
+DRAFT_SHAPE_CHAIN: DraftShape
+DRAFT_SHAPE_TREE: DraftShape
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -30,18 +39,20 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SpeculationConfig(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "draft_address", "tenant", "typical_acceptance")
+    __slots__ = ("method", "num_speculative_tokens", "draft_address", "tenant", "typical_acceptance", "draft_shape")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TYPICAL_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     method: _common_pb2.SpeculationMethod
     num_speculative_tokens: int
     draft_address: str
     tenant: str
     typical_acceptance: TypicalAcceptance
-    def __init__(self, method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_address: _Optional[str] = ..., tenant: _Optional[str] = ..., typical_acceptance: _Optional[_Union[TypicalAcceptance, _Mapping]] = ...) -> None: ...
+    draft_shape: DraftShape
+    def __init__(self, method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_address: _Optional[str] = ..., tenant: _Optional[str] = ..., typical_acceptance: _Optional[_Union[TypicalAcceptance, _Mapping]] = ..., draft_shape: _Optional[_Union[DraftShape, str]] = ...) -> None: ...
 
 class TypicalAcceptance(_message.Message):
     __slots__ = ("posterior_threshold", "posterior_alpha")

@@ -43,6 +43,9 @@ class WorkerLink:
         self.stream = worker.open_stream()
         self.alive, self.proposals, self.die_after = True, 0, die_after
         self.features_rows = 0
+        self.tree_nodes = 0  # proposals that are nodes of a token tree
+        self.siblings = 0  # ... whose parent already had a child (a real tree, not a chain)
+        self._parents: set[tuple[str, int, int]] = set()
         self._pump = asyncio.get_running_loop().create_task(self._run())
 
     def send(self, msg):
@@ -58,6 +61,12 @@ class WorkerLink:
                 return
             self.engine.drafts.on_reply(self, item)
             self.proposals += isinstance(item, Proposal)
+            node = getattr(item, "tree", None)
+            if node is not None:
+                self.tree_nodes += 1
+                key = (item.session_id, item.epoch, node.parent)
+                self.siblings += key in self._parents
+                self._parents.add(key)
             if self.die_after is not None and self.proposals >= self.die_after:
                 self.alive = False  # the worker vanishes mid-stream
                 self.engine.drafts.on_link_broken(self)
@@ -79,10 +88,11 @@ class OnePool:
 
 def run_sessions(target_model, proposers, method, prompts, sampling, max_new, die_after=None,
                  stop=(), batch=64, medusa=None, max_spec_tokens=4, cost=None, logprobs=None,
-                 rounds=None, prefill_chunk_tokens=0):
+                 rounds=None, prefill_chunk_tokens=0, tree=None):
     """Generate every prompt through the engine with `method`'s proposer in a DraftWorker
     (or the engine's own Medusa heads): (token lists, drafted, accepted, link). `logprobs`
-    asks for them; `rounds`, a list, receives every RoundOutput per prompt."""
+    asks for them; `rounds`, a list, receives every RoundOutput per prompt; `tree` is
+    GenerateParams.tree (None: trees for medusa only)."""
     async def main():
         runner = ModelRunner(target_model, 512, 16)
         sched = Scheduler(BlockManager(512, 16), SchedulerConfig(
@@ -103,7 +113,7 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
             session_id=f"s{i}", prompt=tuple(p), committed=(),
             sampling=sampling,
             max_new_tokens=max_new, stop_token_ids=frozenset(stop), method=method,
-            logprobs=logprobs))
+            logprobs=logprobs, tree=tree))
             for i, p in enumerate(prompts)]
         results, drafted, accepted = [], 0, 0
         for q in queues:

@@ -13,6 +13,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
+from tandem.spec.cost import CostModel
 
 pytestmark = pytest.mark.integration
 
@@ -63,3 +64,49 @@ def test_sampled_eagle_follows_the_target_joint_distribution(target_model, token
     # E[TV] for an exact sampler ~ sqrt(4 / (2 pi n)) = 0.033; 2.7x margin.
     assert tv < 0.09, f"TV {tv:.3f}"
     assert drafted > n // 4 and accepted < drafted  # drafts were verified, some rejected
+
+
+# Verification made dear at every size, so the cost model never finds a tree too expensive
+# next to its drafting wait: every round verifies the whole tree that arrived.
+FORCE_TREES = CostModel({q: 1000.0 for q in range(1, 33)})
+
+
+def test_eagle_trees_are_identical_to_plain_greedy_and_seeded(target_model, tokenizer,
+                                                              proposer):
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}],
+                                             add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+               for t in ("Name three rivers.", "Why is the sky blue?")]
+    eos = (tokenizer.eos_token_id,)
+    greedy = SamplingParams(temperature=0.0)
+    plain = LocalGenerator(ModelRunner(target_model, 128, 16)).generate(
+        [list(p) for p in prompts], greedy, 24, eos)
+    got, drafted, accepted, link = run_sessions(
+        target_model, {Method.EAGLE: proposer}, Method.EAGLE, prompts, greedy, 24, stop=eos,
+        batch=1, max_spec_tokens=8, cost=FORCE_TREES, tree=True)
+    assert got == plain
+    assert link.siblings > 0 and drafted > 0 and accepted > 0  # trees really verified
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    want, *_ = run_sessions(target_model, {Method.EAGLE: proposer}, Method.NONE, prompts,
+                            seeded, 24, stop=eos)
+    got, drafted, accepted, link = run_sessions(
+        target_model, {Method.EAGLE: proposer}, Method.EAGLE, prompts, seeded, 24, stop=eos,
+        batch=1, max_spec_tokens=8, cost=FORCE_TREES, tree=True)
+    assert got == want and link.siblings > 0 and accepted > 0
+
+
+def test_sampled_eagle_trees_follow_the_target_joint_distribution(target_model, tokenizer,
+                                                                  proposer):
+    """As the chain test above, through recursive rejection over a tree's siblings."""
+    prompt = tokenizer.encode("My favourite colour is")
+    sampling = SamplingParams(temperature=1.0, top_k=2)
+    joint = target_joint_top2(target_model, prompt)
+    n = 400
+    got, drafted, accepted, link = run_sessions(
+        target_model, {Method.EAGLE: proposer}, Method.EAGLE, [prompt] * n, sampling, 3,
+        batch=8, cost=FORCE_TREES, tree=True)
+    counts = Counter(tuple(t[:2]) for t in got)
+    assert set(counts) <= set(joint), set(counts) - set(joint)
+    tv = 0.5 * sum(abs(counts[o] / n - p) for o, p in joint.items())
+    assert tv < 0.1, f"TV {tv:.3f}"  # E[TV] of an exact sampler ~ 0.04 at n = 400
+    assert link.siblings > n // 4 and drafted > n // 4 and accepted < drafted

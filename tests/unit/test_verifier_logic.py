@@ -327,7 +327,7 @@ def test_medusa_tree_prefix_scheduled_and_probed_when_off():
     sched.update_from_output(s, 2, [12, 13])  # path b -> c moved after the root
     assert sched.blocks.num_tokens(seq.seq_id) == 6
     assert seq.commit([12, 13], 9) == [12, 13, 9] and seq.drafts == []
-    assert seq.draft_parents is None and seq.epoch == 0
+    assert seq.draft_parents is None and seq.epoch == 1  # a tree round ends its epoch
     # A tree the cost curve does not pay for is off, but probed every EXPLORE_EVERY rounds.
     steep = Scheduler(BlockManager(64, 4), SchedulerConfig(), CostModel(
         {1: 10.0, **{q: 40.0 * q for q in range(2, 20)}}), tree_reach=reach)
