@@ -413,3 +413,55 @@ def test_truncated_vocabulary_draft_speaks_target_ids(tmp_path, target_paths):
         call.cancel()
 
     with_server(config(tmp_path), scenario)
+
+
+def test_eagle_tree_sessions_stream_one_numbered_tree_per_epoch(target_paths, eagle_dir):
+    """A tree session over the wire: nodes carry TreeNode (parent among earlier nodes, score,
+    the last one marked) at depth positions; every commit (a new epoch) brings a new tree; a
+    chains-only method refuses trees in-band."""
+    import numpy as np
+
+    prompt = [1, 504, 3060, 314, 260]
+    hidden = 576
+    rng = np.random.default_rng(0)
+
+    def feats(start, rows):
+        data = rng.standard_normal((rows, hidden)).astype("<f2").tobytes()
+        return draft_pb2.TargetFeatures(start_position=start, hidden_size=hidden, data=data)
+
+    def check_tree(msgs, length, epoch, size):
+        assert len(msgs) == size and msgs[-1].tree.last
+        assert not any(m.tree.last for m in msgs[:-1])
+        depth = []
+        for j, m in enumerate(msgs):
+            assert m.HasField("tree") and m.epoch == epoch and -1 <= m.tree.parent < j
+            depth.append(1 if m.tree.parent < 0 else depth[m.tree.parent] + 1)
+            assert m.position == length + depth[-1] - 1
+            assert 0 < m.tree.path_prob <= 1 and len(m.q.token_ids) == 0  # one-hot q
+        scores = [m.tree.path_prob for m in msgs]
+        assert scores == sorted(scores, reverse=True) and max(depth) >= 2
+        assert len({m.tree.parent for m in msgs}) < size  # siblings: a tree, not a chain
+
+    async def scenario(app, channel):
+        call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
+        msg = open_msg("t", prompt, method=common_pb2.SPECULATION_METHOD_EAGLE, run_ahead=6)
+        msg.open.tree = True
+        msg.open.features.CopyFrom(feats(0, len(prompt) - 1))
+        await call.write(msg)
+        got, _ = await read(call, {"t": 6})
+        check_tree(got["t"], len(prompt), 0, 6)
+        first = got["t"][0].token_id
+        commit = commit_msg("t", 1, len(prompt), [first, 77])
+        commit.commit.features.CopyFrom(feats(len(prompt) - 1, 2))
+        await call.write(commit)
+        got, _ = await read(call, {"t": 6})
+        check_tree(got["t"], len(prompt) + 2, 1, 6)
+        bad = open_msg("n", prompt, method=NGRAM)
+        bad.open.tree = True
+        await call.write(bad)
+        _, errs = await read(call, {}, errors=1)
+        assert errs[0].session_id == "n"
+        assert errs[0].error.code == E.DRAFT_ERROR_CODE_INVALID_ARGUMENT
+        await call.done_writing()
+
+    with_server(config(None, eagle=str(eagle_dir), tokenizer=str(target_paths.root)), scenario)

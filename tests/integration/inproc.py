@@ -98,7 +98,8 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
         sched = Scheduler(BlockManager(512, 16), SchedulerConfig(
             max_spec_tokens=max_spec_tokens, max_num_seqs=batch,
             prefill_chunk_tokens=prefill_chunk_tokens), cost or CostModel(),
-            tree_reach=medusa.cfg.reach if medusa is not None else ())
+            tree_reach=medusa.cfg.reach if medusa is not None else (),
+            chain_reach=medusa.cfg.chain_reach if medusa is not None else ())
         # A generous wait bound: the head's first draft of a session (the whole prompt to
         # read) is slower than the 25 ms default, and these sessions only have two rounds.
         engine = Engine(Executor(runner, medusa), sched,

@@ -61,6 +61,20 @@ def test_medusa_greedy_and_seeded_are_identical_to_plain(target_model, heads, ch
     assert got == want and accepted > 0
 
 
+def test_medusa_chains_are_its_top1_heads_and_identical_to_plain(target_model, heads, chats):
+    """draft_shape chain: each round verifies at most one node per head, and the text is the
+    same; the tree verifies more nodes per round on the same prompts."""
+    plain = LocalGenerator(ModelRunner(target_model, 64, 16)).generate(chats, GREEDY, 24)
+    widths = {}
+    for shape in (False, True):
+        rounds = []
+        got, drafted, _, _ = _medusa(target_model, heads, chats, GREEDY, 24, tree=shape,
+                                     rounds=rounds)
+        assert got == plain and drafted > 0
+        widths[shape] = max(r.drafted for outs in rounds for r in outs)
+    assert widths[False] <= heads.cfg.num_heads < widths[True]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     torch.manual_seed(2)

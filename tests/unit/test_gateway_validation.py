@@ -87,6 +87,11 @@ BAD_COMPLETIONS = [
     ("num_speculative_tokens < 0", _completion(speculation={"num_speculative_tokens": -1}),
      ["speculation.num_speculative_tokens"]),
     ("unknown speculation field", _completion(speculation={"k": 3}), ["speculation.k"]),
+    ("tree for a chains-only method", _completion(speculation={
+        "method": "ngram", "draft_shape": "tree"}), ["speculation.draft_shape", "eagle"]),
+    ("unknown draft shape", _completion(speculation={"method": "eagle",
+                                                     "draft_shape": "forest"}),
+     ["speculation.draft_shape"]),
     ("n = 2", _completion(n=2), ["n", "n=1"]),
     ("n = 0", _completion(n=0), ["n"]),
     ("max_tokens as a string", _completion(max_tokens="10"), ["max_tokens"]),

@@ -9,6 +9,7 @@ from test_draft_worker import make_worker, nothing_more, run, take
 
 from draft_service.limits import Limits
 from draft_service.worker import DraftWorker
+from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import (
     Commit,
@@ -22,7 +23,6 @@ from tandem.spec import (
     TreeNode,
 )
 from tandem.spec.cost import CostModel, choose_tree_size
-from tandem.engine.block_manager import BlockManager
 from verify_service.drafts import DraftSide
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.sequence import GenerateParams, Sequence
@@ -196,3 +196,40 @@ def test_tree_size_follows_scores_and_the_drafting_wait():
     with pytest.raises(Exception, match="draft_shape tree applies"):
         GenerateParams("s", (1,), (), SamplingParams(), 4, frozenset(), method=Method.NGRAM,
                        tree=True)
+
+
+def test_draft_shape_on_the_wire_and_its_defaults():
+    from gateway.verifier import build_request
+    from tandem.v1 import common_pb2, verify_pb2
+    from verify_service.server import params_from_proto
+
+    info = common_pb2.WorkerInfo(max_speculative_tokens=16, vocab_size=100,
+                                 max_context_length=64)
+
+    def request(method, shape):
+        return verify_pb2.GenerateRequest(
+            session_id="s", prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(),
+            stopping=verify_pb2.StoppingCriteria(max_new_tokens=4),
+            speculation=verify_pb2.SpeculationConfig(method=method, draft_shape=shape))
+
+    eagle, ngram = int(Method.EAGLE), int(Method.NGRAM)
+    unset, chain, tree = (verify_pb2.DRAFT_SHAPE_UNSPECIFIED, verify_pb2.DRAFT_SHAPE_CHAIN,
+                          verify_pb2.DRAFT_SHAPE_TREE)
+    assert params_from_proto(request(eagle, unset), info, Method.NONE).tree is True
+    assert params_from_proto(request(eagle, unset), info, Method.NONE, False).tree is False
+    assert params_from_proto(request(eagle, chain), info, Method.NONE).tree is False
+    assert params_from_proto(request(eagle, tree), info, Method.NONE, False).tree is True
+    assert params_from_proto(request(ngram, unset), info, Method.NONE).tree is False
+    with pytest.raises(Exception, match="draft_shape tree applies"):
+        params_from_proto(request(ngram, tree), info, Method.NONE)
+    with pytest.raises(Exception, match="unknown draft_shape 7"):
+        params_from_proto(request(eagle, 7), info, Method.NONE)
+
+    class Plan:  # the fields build_request reads
+        session_id, prompt_token_ids, max_new_tokens, stop_token_ids = "s", (1,), 4, ()
+        ignore_eos, method, num_speculative_tokens, tenant = False, Method.EAGLE, 0, ""
+        typical, logprobs, sampling, draft_shape = None, None, SamplingParams(), "chain"
+
+    assert build_request(Plan(), [], "").speculation.draft_shape == chain
+    Plan.draft_shape = None
+    assert build_request(Plan(), [], "").speculation.draft_shape == unset
