@@ -197,8 +197,11 @@ class Engine:
             if not d.linked(seq) or missing <= 0 or seq.late_rounds >= _LATE_ROUNDS_NO_WAIT:
                 continue  # (drafts of a session that stopped being waited for still count)
             waiting += 1  # the first draft after a commit takes longer than the next ones
-            expected = (missing * d.arrival_ms if seq.drafts else
-                        d.first_ms + (missing - 1) * d.arrival_ms)
+            if seq.params.tree:  # a tree comes at once, after its own drafting time
+                expected = max(seq.tree_wait_ms, d.first_ms)
+            else:
+                expected = (missing * d.arrival_ms if seq.drafts else
+                            d.first_ms + (missing - 1) * d.arrival_ms)
             limit_ms = max(limit_ms, min(self.config.max_draft_wait_ms, 1.5 * expected))
         return limit_ms * waiting / len(running) if running else 0.0
 

@@ -9,6 +9,7 @@ import math
 import shutil
 from pathlib import Path
 
+from tandem.bench.mdtable import fmt, table
 from tandem.bench.summary import LABELS, summarize
 
 PLOTS = {"speedup": "bench-speedup.png", "concurrency": "bench-concurrency.png",
@@ -17,21 +18,6 @@ PLOTS = {"speedup": "bench-speedup.png", "concurrency": "bench-concurrency.png",
 BREAKDOWN_PARTS = (("draft_wait_ms", "waiting for drafts"), ("verify_ms", "verify forward"),
                    ("rejection_ms", "rejection sampling"),
                    ("other_ms", "network + serialization + scheduling"))
-
-
-def fmt(x, spec: str = ".1f", suffix: str = "") -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
-    return f"{x:{spec}}{suffix}"
-
-
-def table(header: list[str], rows: list[list[str]], text_cols: tuple[int, ...] = (0,)) -> str:
-    """A GitHub Markdown table: text columns left-aligned, figures right-aligned."""
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(":---" if i in text_cols else "---:" for i in range(len(header)))
-             + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def _categories(s: dict) -> list[str]:

@@ -8,6 +8,7 @@ import math
 from collections import defaultdict
 
 from tandem.bench.runner import SPEC_METHODS
+from tandem.bench.shapes import cost_curve, shapes_table
 from tandem.bench.stats import (
     best_bound,
     breakdown_by_k,
@@ -29,6 +30,7 @@ BASELINE = ("tandem", Method.NONE.api_name)
 NONE = Method.NONE.api_name
 OLD_CONCURRENCY_METHOD = Method.DRAFT_MODEL.api_name  # rows from before each had its method
 SCALING_GOAL, SCALING_LEVEL, NO_LOSS_GOAL = 8.0, 16, 0.95
+TREE_TOKENS_GOAL, BEST_GOAL = 2.5, 2.0  # issue 11, on this CPU
 
 
 def _mean(xs) -> float:
@@ -217,6 +219,28 @@ def no_loss_target(conc: list[dict]) -> list[dict]:
                     f"({len(spec)} methods)")]
 
 
+def shape_targets(shapes: list[dict], table: dict, skipped: dict[str, str]) -> list[dict]:
+    """Issue 11: committed tokens per round of medusa's and eagle's trees (chain-vs-tree
+    phase), and the best speedup over plain of any method, greedy, in either phase."""
+    by = {(r["method"], r["shape"]): r for r in shapes}
+    goal = f">= {TREE_TOKENS_GOAL:g} committed tokens per round"
+    names = {"medusa": f"medusa {goal} (tree)", "eagle": f"eagle tree {goal}"}
+    out = [_target(name, TREE_TOKENS_GOAL,
+                   by.get((m, "tree"), {}).get("tokens_per_round", math.nan),
+                   f"not run: {skipped[m]}" if m in skipped else "")
+           for m, name in names.items()]
+    plain = table.get(("tandem", NONE, 0.0), {}).get("all", math.nan)
+    best = {f"{m} (single-session phase)": ratio(table.get(("tandem", m, 0.0), {})
+                                                 .get("all", math.nan), plain)
+            for m in SPEC_METHODS}
+    best |= {f"{r['method']} {r['shape']} (chain-vs-tree phase)": r["speedup"]
+             for r in shapes if r["method"] != NONE}
+    name = max(best, key=lambda n: _nan_low(best[n]), default="")
+    measured = best.get(name, math.nan)
+    return out + [_target(f"best method >= {BEST_GOAL:g}x plain through the gateway, greedy",
+                          BEST_GOAL, measured, "" if math.isnan(measured) else name)]
+
+
 def _nan_low(x: float) -> float:
     return -math.inf if math.isnan(x) else x
 
@@ -225,7 +249,9 @@ def summarize(result: dict) -> dict:
     table = throughput_table(result["runs"])
     spec = speculation_table(result, table)
     conc = concurrency_table(result.get("concurrency", []))
+    shapes = shapes_table(result.get("shapes", []), cost_curve(result["meta"]))
     return {"throughput": table, "speedup": speedups(table), "speculation": spec,
             "acceptance_by_category": acceptance_by_category(result["runs"]),
-            "plain_rounds": plain_rounds(result),
-            "concurrency": conc, "targets": targets(table, spec, conc)}
+            "plain_rounds": plain_rounds(result), "concurrency": conc, "shapes": shapes,
+            "targets": targets(table, spec, conc) + shape_targets(
+                shapes, table, result["meta"].get("shapes_skipped") or {})}

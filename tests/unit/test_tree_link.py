@@ -233,3 +233,29 @@ def test_draft_shape_on_the_wire_and_its_defaults():
     assert build_request(Plan(), [], "").speculation.draft_shape == chain
     Plan.draft_shape = None
     assert build_request(Plan(), [], "").speculation.draft_shape == unset
+
+
+def test_the_verifier_waits_for_a_tree_as_long_as_trees_take():
+    from verify_service.engine import Engine, EngineConfig
+
+    class Side:  # everyone linked; chain drafts come fast
+        arrival_ms, first_ms = 2.0, 4.0
+
+        def linked(self, seq):
+            return True
+
+    sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_spec_tokens=4),
+                      CostModel({q: 100.0 for q in range(1, 9)}))
+    engine = Engine(None, sched, EngineConfig(max_draft_wait_ms=25.0), 100)
+    engine.drafts = Side()
+    seq = Sequence(GenerateParams("s", (1, 2, 3), (), SamplingParams(temperature=0.0), 32,
+                                  frozenset(), method=Method.EAGLE, tree=True))
+    sched.running = [seq]
+    seq.last_reach = (0.6, 0.3)
+    assert engine._draft_wait_limit_ms() == pytest.approx(1.5 * 4.0)  # nothing measured yet
+    seq.tree_wait_ms = 12.0
+    assert engine._draft_wait_limit_ms() == pytest.approx(18.0)
+    seq.add_node(DraftToken(5), -1, 0.5, last=False)  # part of it: the rest comes at once
+    assert engine._draft_wait_limit_ms() == pytest.approx(18.0)
+    seq.add_node(DraftToken(6), 0, 0.2, last=True)
+    assert engine._draft_wait_limit_ms() == 0.0  # complete: nothing to wait for
