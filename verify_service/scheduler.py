@@ -136,10 +136,11 @@ class Scheduler:
         chain (sized by its acceptance EMA). Scaled by the session's measured correction."""
         if seq.params.method.in_verifier:
             base = self.tree_reach if seq.params.tree else self.chain_reach
-        elif seq.params.tree:  # the arrived tree's own estimates, else the last tree's
-            base = seq.draft_reach or seq.last_reach or [
-                seq.acceptance_ema ** (i + 1) for i in range(self.k_max(seq) if k_max is None
-                                                             else k_max)]
+        elif seq.params.tree:  # the arrived nodes' own estimates, the last tree's for the rest
+            base = seq.last_reach or [seq.acceptance_ema ** (i + 1) for i in range(
+                self.k_max(seq) if k_max is None else k_max)]
+            got = seq.draft_reach
+            base = got if seq.tree_complete else [*got, *base[len(got):]]
         else:
             return None
         return [r * seq.tree_scale for r in base]

@@ -1,4 +1,4 @@
-"""The four PNGs of the report (matplotlib, headless). Each takes the summary only."""
+"""The PNGs of the report (matplotlib, headless). Each takes the summary only."""
 from __future__ import annotations
 
 import math
@@ -116,8 +116,34 @@ def breakdown(s: dict, path: Path, parts) -> Path:
     return _save(fig, path)
 
 
+def shapes(s: dict, path: Path) -> Path:
+    """Tokens per round (left) and speedup over plain (right), chain beside tree per method."""
+    rows = [r for r in s["shapes"] if r["shape"]]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {(r["method"], r["shape"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, what in ((axes[0], "tokens_per_round", "committed tokens per round"),
+                          (axes[1], "speedup", "decode tokens/s vs plain (same phase)")):
+        for i, shape in enumerate(("chain", "tree")):
+            ys = [_nan0(by.get((m, shape), {}).get(key)) for m in methods]
+            ax.bar([j + (i - 0.5) * 0.38 for j in range(len(methods))], ys, 0.38, label=shape)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(range(len(methods)), methods)
+        ax.set_ylabel(what)
+    axes[0].axhline(2.5, color="red", lw=0.8, ls="--", label="target 2.5 (tree)")
+    axes[1].axhline(2.0, color="red", lw=0.8, ls="--", label="target 2.0x (best method)")
+    axes[0].set_title("Tokens per round, chain vs tree (greedy)")
+    axes[1].set_title("Speedup, chain vs tree (greedy)")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def write_all(s: dict, out_dir: Path, names: dict, parts, labels: dict) -> list[Path]:
-    return [speedup(s, out_dir / names["speedup"], labels),
-            concurrency(s, out_dir / names["concurrency"]),
-            acceptance(s, out_dir / names["acceptance"]),
-            breakdown(s, out_dir / names["breakdown"], parts)]
+    out = [speedup(s, out_dir / names["speedup"], labels),
+           concurrency(s, out_dir / names["concurrency"]),
+           acceptance(s, out_dir / names["acceptance"]),
+           breakdown(s, out_dir / names["breakdown"], parts)]
+    if any(r["shape"] for r in s.get("shapes", [])):  # only when the phase ran
+        out.append(shapes(s, out_dir / names["shapes"]))
+    return out

@@ -1,4 +1,4 @@
-"""The run as people read it: results.json, a Markdown report and four PNG plots in
+"""The run as people read it: results.json, a Markdown report and its PNG plots in
 results/bench-<date>/, and the same report as docs/benchmarks.md with the plots in docs/img/.
 """
 from __future__ import annotations
@@ -9,12 +9,13 @@ import math
 import shutil
 from pathlib import Path
 
+from tandem.bench import shapes
 from tandem.bench.mdtable import fmt, table
 from tandem.bench.summary import LABELS, summarize
 
 PLOTS = {"speedup": "bench-speedup.png", "concurrency": "bench-concurrency.png",
          "acceptance": "bench-acceptance-by-position.png",
-         "breakdown": "bench-round-breakdown.png"}
+         "breakdown": "bench-round-breakdown.png", "shapes": shapes.PLOT}
 BREAKDOWN_PARTS = (("draft_wait_ms", "waiting for drafts"), ("verify_ms", "verify forward"),
                    ("rejection_ms", "rejection sampling"),
                    ("other_ms", "network + serialization + scheduling"))
@@ -216,6 +217,7 @@ def render_markdown(result: dict, s: dict, img_prefix: str) -> str:
         f"![speedup]({img_prefix}{PLOTS['speedup']})", "",
         "## Speculation", "", speculation_md(s), "", acceptance_md(s), "",
         f"![acceptance by position]({img_prefix}{PLOTS['acceptance']})", "",
+        *shapes.shapes_section(result, s, img_prefix),
         "## Where a round's time goes", "", breakdown_md(s), "",
         f"![round breakdown]({img_prefix}{PLOTS['breakdown']})", "",
         "By k (drafts verified in the round): ms per committed token against a plain step's "

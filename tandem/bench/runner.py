@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from tandem.bench.shapes import TREE_METHODS
 from tandem.bench.stats import percentile
 from tandem.device import Placement, check_device_spec, check_dtype_spec, place
 from tandem.spec.methods import API_NAMES, Method
@@ -51,6 +52,10 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 4, 16, 32)
     # Every level runs each of these, interleaved (for each level, for each method).
     concurrency_methods: tuple[str, ...] = TANDEM_METHODS
+    # The chain-vs-tree phase (tandem.bench.shapes) runs these methods, greedy, on the first
+    # shape_prompts prompts of the run (0 = all of them); () skips the phase.
+    shape_methods: tuple[str, ...] = TREE_METHODS
+    shape_prompts: int = 0
     per_category: int = 0  # prompts per category, 0 = all
     prompt_ids: tuple[str, ...] = ()  # only these prompts (smoke runs); () = no filter
     model: str = ""  # target; "" = the default
@@ -69,25 +74,31 @@ class BenchConfig:
     dtype: str = "auto"
 
     def __post_init__(self):
-        if self.max_tokens < 2 or not 1 <= self.k <= 32 or self.per_category < 0:
-            raise ValueError("need max_tokens >= 2, 1 <= k <= 32, per_category >= 0")
+        if (self.max_tokens < 2 or not 1 <= self.k <= 32 or self.per_category < 0
+                or self.shape_prompts < 0):
+            raise ValueError("need max_tokens >= 2, 1 <= k <= 32, per_category >= 0, "
+                             "shape_prompts >= 0")
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
         bad = [m for m in self.concurrency_methods if m not in API_NAMES]
         if bad or not self.concurrency_methods:
             raise ValueError(f"concurrency methods must be some of {', '.join(API_NAMES)}; "
                              f"got {','.join(bad) or 'an empty list'}")
+        bad = [m for m in self.shape_methods if m not in TREE_METHODS]
+        if bad:
+            raise ValueError(f"shape methods must be some of {', '.join(TREE_METHODS)}; "
+                             f"got {','.join(bad)}")
         check_device_spec(self.device)
         check_dtype_spec(self.dtype)
 
 
 def quick_config(**overrides) -> BenchConfig:
     """--quick: one prompt per category, 64 tokens, greedy-only peers and round stats,
-    concurrency 1/4/8 for none, ngram and draft_model: under five minutes on the 2-core
-    machine."""
+    concurrency 1/4/8 for none, ngram and draft_model, chain vs tree on 3 prompts: about
+    five minutes on the 2-core machine."""
     base = dict(max_tokens=64, peer_temperatures=(0.0,), round_temperatures=(0.0,),
                 concurrency=(1, 4, 8), per_category=1, quick=True,
-                concurrency_methods=QUICK_CONCURRENCY_METHODS)
+                concurrency_methods=QUICK_CONCURRENCY_METHODS, shape_prompts=3)
     return BenchConfig(**{**base, **overrides})
 
 

@@ -165,7 +165,7 @@ def shapes_section(result: dict, s: dict, img_prefix: str) -> list[str]:
     skipped = result["meta"].get("shapes_skipped") or {}
     lines = ["## Chain vs tree (greedy, through the gateway)", ""]
     lines += [f"> {m} not run: {why}\n" for m, why in skipped.items()]
-    if not s.get("shapes"):
+    if not any(r["shape"] for r in s.get("shapes") or []):
         return lines + ["Not run (`--shape-methods`; results from before this phase have "
                         "none).", ""]
     return lines + [
