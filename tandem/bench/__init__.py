@@ -6,6 +6,8 @@
   runner.py      one run: peers, then a local cluster; a JSON-able dict
   stats.py       percentiles, acceptance, Leviathan's bound, round breakdown (pure Python)
   summary.py     raw results -> tables and targets (pure Python)
-  report.py      results.json, Markdown report, docs/benchmarks.md; plots.py the PNGs
+  shapes.py      the chain-vs-tree phase (eagle, medusa) and its table, bound and section
+  report.py      results.json, Markdown report, docs/benchmarks.md; plots.py the PNGs,
+                 mdtable.py the Markdown cells
   cli.py         `register(subparsers)` and `python -m tandem.bench.cli`
 """

@@ -259,3 +259,27 @@ def measure_c(draft: str, target: str, reps: int = 40, at: Placement | None = No
         finally:
             torch.set_num_threads(threads)
         return {"draft_ms": d, "target_ms": t, "c": d / t, "threads": 1}
+
+
+def measure_verify_curve(target: str, q_max: int, threads: int = 1, reps: int = 5,
+                         at: Placement | None = None, context: int = 128) -> dict:
+    """The target's forward time over q new tokens after `context` cached ones, q = 1..q_max
+    (ms, medians): what a verification round of q - 1 nodes costs against a plain step. Timed
+    as the verifier calibrates its cost model at start-up (Executor.calibrate), on as many
+    threads as each worker of the cluster gets."""
+    from tandem.engine.llama import LlamaModel
+    from tandem.engine.model_runner import ModelRunner
+    from tandem.models import resolve_model
+    from verify_service.executor import Executor
+
+    at = _placement(at)
+    model = LlamaModel.load(resolve_model(target), at.dtype, device=at.device)
+    runner = ModelRunner(model, -(-(context + q_max) // at.block_size), at.block_size)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ms = Executor(runner).calibrate(tuple(range(1, q_max + 1)), reps=reps, context=context)
+    finally:
+        torch.set_num_threads(saved)
+    return {"ms": {q: round(v, 3) for q, v in ms.items()}, "threads": threads,
+            "context": context, "reps": reps}

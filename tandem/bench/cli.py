@@ -1,6 +1,7 @@
 """`tandem bench`: wire with `register(subparsers)`; also runnable as `python -m tandem.bench.cli`.
 
   tandem bench --quick                   # ~5 min: one prompt per category, 64 tokens
+  tandem bench --shape-methods eagle     # chain vs tree for eagle only ('' skips the phase)
   tandem bench                           # everything: 15 prompts, 128 tokens, T=0 and 0.7
   tandem bench --concurrency 1,16 --concurrency-methods none,ngram   # a short load run
   tandem bench --workload repetitive     # questions asked again, code edits: suffix vs ngram
@@ -32,9 +33,9 @@ def _names(text: str) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="subset in under five minutes: one prompt per category, 64 tokens, "
-                        "greedy-only peers and round stats, concurrency 1,4,8 for "
-                        "none,ngram,draft_model")
+                   help="subset in about five minutes: one prompt per category, 64 tokens, "
+                        "greedy-only peers and round stats, chain vs tree on the first 3 "
+                        "prompts, concurrency 1,4,8 for none,ngram,draft_model")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 128; "
                    "--quick 64)")
     p.add_argument("--k", type=int, default=16, help="draft tokens per round at most, for "
@@ -48,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency-methods", type=_names, help="methods each concurrency "
                    "level runs, interleaved within the level (default: none and every "
                    "method the single-session phase runs; --quick none,ngram,draft_model)")
+    p.add_argument("--shape-methods", type=_names, help="methods the chain-vs-tree phase "
+                   "runs with draft_shape chain and tree, greedy, interleaved per prompt with "
+                   "plain decoding; a method whose head the run lacks is skipped (default "
+                   "eagle,medusa; '' skips the phase; --quick: on the first 3 prompts only)")
     p.add_argument("--per-category", type=int, help="prompts per category, 0 = all "
                    "(default 0; --quick 1)")
     p.add_argument("--prompts", type=lambda t: tuple(x for x in t.split(",") if x),
@@ -90,7 +95,8 @@ def config_from_args(args):
                  "device": args.device, "dtype": args.dtype,
                  "prompt_ids": args.prompts or ()}
     for name in ("max_tokens", "temperatures", "round_temperatures", "concurrency",
-                 "concurrency_methods", "per_category", "peer_threads", "seed"):
+                 "concurrency_methods", "shape_methods", "per_category", "peer_threads",
+                 "seed"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     return quick_config(**overrides) if args.quick else BenchConfig(**overrides)
@@ -98,8 +104,11 @@ def config_from_args(args):
 
 def _print_summary(s: dict, out: Path) -> None:
     from tandem.bench.report import concurrency_md, targets_md, throughput_md
+    from tandem.bench.shapes import shapes_md
 
-    print("\n" + throughput_md(s) + "\n\n" + concurrency_md(s) + "\n\n" + targets_md(s))
+    shapes = "\n\n" + shapes_md(s["shapes"]) if s.get("shapes") else ""
+    print("\n" + throughput_md(s) + shapes + "\n\n" + concurrency_md(s) + "\n\n"
+          + targets_md(s))
     print(f"\nwrote {out}/results.json, report.md and plots")
 
 

@@ -125,8 +125,12 @@ def shapes(s: dict, path: Path) -> Path:
     for ax, key, what in ((axes[0], "tokens_per_round", "committed tokens per round"),
                           (axes[1], "speedup", "decode tokens/s vs plain (same phase)")):
         for i, shape in enumerate(("chain", "tree")):
-            ys = [_nan0(by.get((m, shape), {}).get(key)) for m in methods]
-            ax.bar([j + (i - 0.5) * 0.38 for j in range(len(methods))], ys, 0.38, label=shape)
+            xs = [j + (i - 0.5) * 0.38 for j in range(len(methods))]
+            ax.bar(xs, [_nan0(by.get((m, shape), {}).get(key)) for m in methods], 0.38,
+                   label=shape)
+            if key == "speedup":  # the verify-cost bound each bar falls short of
+                ax.plot(xs, [by.get((m, shape), {}).get("bound", math.nan) for m in methods],
+                        "k_", ms=22, mew=2, label="bound" if i == 0 else None)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks(range(len(methods)), methods)
         ax.set_ylabel(what)

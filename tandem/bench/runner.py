@@ -319,11 +319,51 @@ def _phase(ctx: _Ctx, name: str, fn, *args) -> None:
     ctx.result["meta"].setdefault("phase_s", {})[name] = round(time.perf_counter() - start, 1)
 
 
-def _jobs(cfg: BenchConfig, n_prompts: int) -> int:
+def _jobs(cfg: BenchConfig, n_prompts: int, shape_methods: tuple[str, ...]) -> int:
+    from tandem.bench.shapes import jobs as shape_jobs
+
     peers = n_prompts * len(cfg.peer_temperatures) * 3 if cfg.peers else 0
     return (peers + n_prompts * len(cfg.temperatures) * len(TANDEM_METHODS)
+            + shape_jobs(cfg, n_prompts, shape_methods)
             + n_prompts * len(cfg.round_temperatures) * len(ROUND_METHODS)
             + len(cfg.concurrency) * len(cfg.concurrency_methods))
+
+
+def _shape_methods(cfg: BenchConfig, eagle: str,
+                   target) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The chain-vs-tree methods this run can serve, and why the others are skipped (`target`:
+    its tandem.models.ModelPaths)."""
+    from tandem.bench.shapes import available
+    from tandem.engine.medusa import find_medusa
+
+    # The cluster's verifier finds Medusa heads the same way (its --medusa auto).
+    return available(cfg.shape_methods, eagle, find_medusa(target) is not None)
+
+
+def _costs(ctx: _Ctx, eagle: str, shape_methods: tuple[str, ...]) -> None:
+    """The in-process cost timings, each its own phase, before the cluster takes the CPU."""
+    from tandem.bench.baselines import (
+        measure_c,
+        measure_eagle_c,
+        measure_layer_skip_c,
+        measure_verify_curve,
+    )
+
+    cfg, at, meta = ctx.cfg, ctx.at, ctx.result["meta"]
+    ctx.bar.set_description("draft/target forward cost (c)")
+    _phase(ctx, "cost", lambda c: meta.update(cost=measure_c(ctx.draft, ctx.target, at=at)))
+    if eagle:
+        ctx.bar.set_description("eagle head/target cost (c)")
+        _phase(ctx, "cost_eagle", lambda c: meta.update(
+            cost_eagle=measure_eagle_c(eagle, ctx.target, at=at)))
+    ctx.bar.set_description("layer-skip/target cost (c)")
+    _phase(ctx, "cost_layer_skip", lambda c: meta.update(
+        cost_layer_skip=measure_layer_skip_c(ctx.target, at=at)))
+    if shape_methods:  # the chain-vs-tree bound's cost(q)
+        ctx.bar.set_description("verify cost by tokens per forward")
+        _phase(ctx, "cost_verify", lambda c: meta.update(cost_verify=measure_verify_curve(
+            ctx.target, cfg.k + 1, cfg.threads, at=at)))
+    release_memory(at)
 
 
 def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
@@ -332,44 +372,37 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from tandem.bench.baselines import measure_c, measure_eagle_c, measure_layer_skip_c
     from tandem.bench.client import worker_addresses
+    from tandem.bench.shapes import run_shapes
     from tandem.launcher import Cluster, ClusterConfig, free_port
     from tandem.models import resolve_model
 
     hf_logging.set_verbosity_error()  # generate()'s deprecation chatter would bury the bar
     start = time.perf_counter()
     at = place(cfg.device, cfg.dtype)
-    target = str(resolve_model(cfg.model or None).root)
+    target_paths = resolve_model(cfg.model or None)
+    target = str(target_paths.root)
     draft, draft_info = resolve_draft(cfg.draft_model, out_dir)
     tok = AutoTokenizer.from_pretrained(target)
     prompts = load_prompts(cfg.per_category, cfg.prompt_ids)
     ids = {p["id"]: list(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
                                                  add_generation_prompt=True, tokenize=True,
                                                  return_dict=False)) for p in prompts}
+    eagle = resolve_eagle(cfg.eagle)
+    shape_methods, shapes_skipped = _shape_methods(cfg, eagle, target_paths)
     result.update({"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                             "machine": machine(at), "config": asdict(cfg), "target": target,
                             "draft": draft, "draft_info": draft_info,
                             "suffix_cache": "off (own text only; see --workload repetitive)",
-                            "prompt_tokens": {p["id"]: len(ids[p["id"]]) for p in prompts}},
-                   "runs": [], "rounds": [], "concurrency": []})
-    with tqdm(total=_jobs(cfg, len(prompts)), unit="run") as bar:
+                            "prompt_tokens": {p["id"]: len(ids[p["id"]]) for p in prompts},
+                            **({"eagle": eagle} if eagle else {}),
+                            "shapes_skipped": shapes_skipped},
+                   "runs": [], "shapes": [], "rounds": [], "concurrency": []})
+    with tqdm(total=_jobs(cfg, len(prompts), shape_methods), unit="run") as bar:
         ctx = _Ctx(cfg, prompts, ids, target, draft, bar, out_dir, result, at)
         if cfg.peers:
             _phase(ctx, "peers", run_peers)
-        bar.set_description("draft/target forward cost (c)")
-        _phase(ctx, "cost", lambda c: c.result["meta"].update(
-            cost=measure_c(draft, target, at=at)))
-        eagle = resolve_eagle(cfg.eagle)
-        if eagle:
-            result["meta"]["eagle"] = eagle
-            bar.set_description("eagle head/target cost (c)")
-            _phase(ctx, "cost_eagle", lambda c: c.result["meta"].update(
-                cost_eagle=measure_eagle_c(eagle, target, at=at)))
-        bar.set_description("layer-skip/target cost (c)")
-        _phase(ctx, "cost_layer_skip", lambda c: c.result["meta"].update(
-            cost_layer_skip=measure_layer_skip_c(target, at=at)))
-        release_memory(at)
+        _costs(ctx, eagle, shape_methods)
         bar.set_description("starting the cluster")
         cluster = Cluster(ClusterConfig(num_drafts=1, num_verifiers=1, gateway_port=free_port(),
                                         model=cfg.model, draft_model=draft, eagle=eagle,
@@ -381,6 +414,8 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
                 cluster.start()
             workers = worker_addresses(cluster.redis_url)
             _phase(ctx, "gateway", run_gateway, cluster.gateway_url)
+            if shape_methods:
+                _phase(ctx, "shapes", run_shapes, cluster.gateway_url, shape_methods)
             _phase(ctx, "rounds", run_rounds, workers["verifier"][0], workers["draft"][0])
             _phase(ctx, "concurrency", run_concurrency, cluster.gateway_url, tok)
         finally:

@@ -237,7 +237,7 @@ def shape_targets(shapes: list[dict], table: dict, skipped: dict[str, str]) -> l
              for r in shapes if r["method"] != NONE}
     name = max(best, key=lambda n: _nan_low(best[n]), default="")
     measured = best.get(name, math.nan)
-    return out + [_target(f"best method >= {BEST_GOAL:g}x plain through the gateway, greedy",
+    return out + [_target(f"best method >= {BEST_GOAL:.1f}x plain through the gateway, greedy",
                           BEST_GOAL, measured, "" if math.isnan(measured) else name)]
 
 
