@@ -89,7 +89,8 @@ def register(sub, colocate=None) -> None:
     add_flag(p, "--draft-shape", "TANDEM_VERIFIER_DRAFT_SHAPE", _DEFAULTS.draft_shape,
              choices=DRAFT_SHAPES,
              help="drafts of medusa and eagle sessions whose request does not choose "
-                  "(speculation.draft_shape): a token tree verified in one forward, or a chain")
+                  "(speculation.draft_shape): a token tree verified in one forward, a chain, "
+                  "or auto (medusa trees; eagle trees on a GPU, chains on the CPU)")
     add_log_level_flag(p, "TANDEM_VERIFIER_LOG_LEVEL")
     add_tls_flags(p)
     p.set_defaults(func=functools.partial(_run, colocate=colocate))

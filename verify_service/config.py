@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from tandem.device import DTYPE_CHOICES, check_device_spec
 from tandem.models import DEFAULT_TARGET
 from tandem.netaddr import check_target, split_host_port
+from tandem.spec.methods import Method
 from tandem.tls import TlsConfig, check_serving
 
-DRAFT_SHAPES = ("tree", "chain")
+DRAFT_SHAPES = ("auto", "tree", "chain")
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,23 @@ class VerifierConfig:
     # model), "off", or a directory holding medusa.json + medusa.safetensors.
     medusa: str = "auto"
     # The drafts of a tree-capable method (medusa, eagle) when the request does not say:
-    # "tree" (several candidates per position, verified in one forward) or "chain".
-    draft_shape: str = "tree"
+    # "tree" (several candidates per position, verified in one forward), "chain", or "auto":
+    # Medusa's trees, and EAGLE's on a GPU only (see tree_methods).
+    draft_shape: str = "auto"
     # gRPC over TLS: served with it and presented to draft workers; None = plaintext.
     tls: TlsConfig | None = None
+
+    def tree_methods(self, device_type: str) -> frozenset[Method]:
+        """The methods whose sessions draft trees unless the request says otherwise. "auto":
+        Medusa always (its heads run in the verifier's step: no wait for the tree); EAGLE on a
+        GPU, where the head's passes cost little, but not on the CPU, where an EAGLE tree takes
+        15-20 ms to draft after each commit and the cost model then switches it off, while a
+        chain is drafted ahead during verification (docs/medusa.md)."""
+        if self.draft_shape == "chain":
+            return frozenset()
+        if self.draft_shape == "tree" or device_type == "cuda":
+            return frozenset({Method.MEDUSA, Method.EAGLE})
+        return frozenset({Method.MEDUSA})
 
     def __post_init__(self):
         check_serving(self.tls)

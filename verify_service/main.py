@@ -158,7 +158,7 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     # Layer skip is served only when asked for: on a small target it rarely pays.
     default_method = Method.DRAFT_MODEL if remote else Method.NONE
     servicer = VerifyServicer(engine, build_info(model, paths, config, model_id),
-                              default_method, metrics, config.draft_shape == "tree")
+                              default_method, metrics, config.tree_methods(model.device.type))
     limit = max_message_bytes(model.cfg.max_position_embeddings)  # requests carry ids only
     server = grpc.aio.server(interceptors=[StatusInterceptor()],
                              options=[("grpc.so_reuseport", 0), *message_options(limit)])

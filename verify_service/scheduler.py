@@ -119,7 +119,10 @@ class Scheduler:
         else:
             k = choose_k(seq.acceptance_ema, k_max, self.cost)
         if k == 0 and k_max and (seq.stats.rounds + ahead) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-            k = 1  # speculation is off for this session: probe now and then, estimates move
+            # Speculation is off for this session: probe now and then, estimates move. A tree
+            # probe verifies what would pay without its drafting wait, so that its nodes'
+            # estimates get evidence too (one node alone says little about a tree).
+            k = max(1, choose_tree_size(reach, k_max, self.cost) if reach is not None else 1)
         return k
 
     def k_max(self, seq: Sequence) -> int:

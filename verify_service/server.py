@@ -63,7 +63,9 @@ def _sampling(s: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo,
-                      default_method: Method, default_tree: bool = True) -> GenerateParams:
+                      default_method: Method,
+                      tree_methods: frozenset[Method] = frozenset({Method.MEDUSA})
+                      ) -> GenerateParams:
     """Validates a request against the model's limits; InvalidArgument says what is wrong."""
     _check_sizes(req, info)
     sampling = _sampling(req.sampling)
@@ -84,14 +86,14 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
             (spec.typical_acceptance.posterior_threshold, spec.typical_acceptance.posterior_alpha)
             if spec.HasField("typical_acceptance") else None),
         logprobs=req.top_logprobs if req.logprobs else None,
-        tree=_tree(spec.draft_shape, method, default_tree))
+        tree=_tree(spec.draft_shape, method, tree_methods))
 
 
-def _tree(shape: int, method: Method, default: bool) -> bool:
+def _tree(shape: int, method: Method, tree_methods: frozenset[Method]) -> bool:
     """Whether the session drafts token trees: as asked, else the server's default for the
-    methods that can."""
+    method (VerifierConfig.tree_methods)."""
     if shape == verify_pb2.DRAFT_SHAPE_UNSPECIFIED:
-        return default and method.can_tree
+        return method in tree_methods
     if shape not in (verify_pb2.DRAFT_SHAPE_CHAIN, verify_pb2.DRAFT_SHAPE_TREE):
         raise InvalidArgument(f"unknown draft_shape {shape}")
     return shape == verify_pb2.DRAFT_SHAPE_TREE
@@ -114,9 +116,10 @@ def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, engine: Engine, info: common_pb2.WorkerInfo, default_method: Method,
-                 metrics: VerifierMetrics | None = None, default_tree: bool = True):
+                 metrics: VerifierMetrics | None = None,
+                 tree_methods: frozenset[Method] = frozenset({Method.MEDUSA})):
         self.engine, self.info, self.default_method = engine, info, default_method
-        self.default_tree = default_tree
+        self.tree_methods = tree_methods
         self.metrics = metrics
         self.tracer = telemetry.tracer("verifier")
         self.draining = False
@@ -134,7 +137,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                              telemetry.GEN_AI_USAGE_INPUT: len(request.prompt_token_ids)})
         try:
             params = params_from_proto(request, self.info, self.default_method,
-                                       self.default_tree)
+                                       self.tree_methods)
             params = dataclasses.replace(params, trace_context=tuple(
                 telemetry.inject_context(span).items()))
             queue = self.engine.submit(params)

@@ -193,6 +193,8 @@ def test_tree_size_follows_scores_and_the_drafting_wait():
     assert sched.desired_k(seq) == 3
     seq.tree_wait_ms = 30.0
     assert sched.desired_k(seq) == 0
+    # ... but probed every EXPLORE_EVERY rounds, with the tree that pays without the wait.
+    assert [sched.desired_k(seq, ahead) for ahead in range(16)].count(3) == 1
     with pytest.raises(Exception, match="draft_shape tree applies"):
         GenerateParams("s", (1,), (), SamplingParams(), 4, frozenset(), method=Method.NGRAM,
                        tree=True)
@@ -215,11 +217,21 @@ def test_draft_shape_on_the_wire_and_its_defaults():
     eagle, ngram = int(Method.EAGLE), int(Method.NGRAM)
     unset, chain, tree = (verify_pb2.DRAFT_SHAPE_UNSPECIFIED, verify_pb2.DRAFT_SHAPE_CHAIN,
                           verify_pb2.DRAFT_SHAPE_TREE)
-    assert params_from_proto(request(eagle, unset), info, Method.NONE).tree is True
-    assert params_from_proto(request(eagle, unset), info, Method.NONE, False).tree is False
-    assert params_from_proto(request(eagle, chain), info, Method.NONE).tree is False
-    assert params_from_proto(request(eagle, tree), info, Method.NONE, False).tree is True
-    assert params_from_proto(request(ngram, unset), info, Method.NONE).tree is False
+    both = frozenset({Method.EAGLE, Method.MEDUSA})
+    assert params_from_proto(request(eagle, unset), info, Method.NONE, both).tree is True
+    assert params_from_proto(request(eagle, unset), info, Method.NONE).tree is False
+    assert params_from_proto(request(eagle, chain), info, Method.NONE, both).tree is False
+    assert params_from_proto(request(eagle, tree), info, Method.NONE).tree is True
+    assert params_from_proto(request(ngram, unset), info, Method.NONE, both).tree is False
+    medusa = int(Method.MEDUSA)
+    assert params_from_proto(request(medusa, unset), info, Method.NONE).tree is True
+    from verify_service.config import VerifierConfig
+    assert VerifierConfig().tree_methods("cpu") == {Method.MEDUSA}
+    assert VerifierConfig().tree_methods("cuda") == both
+    assert VerifierConfig(draft_shape="tree").tree_methods("cpu") == both
+    assert VerifierConfig(draft_shape="chain").tree_methods("cuda") == frozenset()
+    with pytest.raises(ValueError, match="draft_shape"):
+        VerifierConfig(draft_shape="forest")
     with pytest.raises(Exception, match="draft_shape tree applies"):
         params_from_proto(request(ngram, tree), info, Method.NONE)
     with pytest.raises(Exception, match="unknown draft_shape 7"):
