@@ -274,11 +274,12 @@ class Engine:
             and not seq.params.sampling.is_greedy
         if outcome.tree is not None and not seq.finished:  # Medusa: the next round's tree
             seq.drafts, seq.draft_parents = outcome.tree[0], outcome.tree[1]
+        if s.num_drafts:
+            seq.late_rounds = 0
         if reach is not None:  # sized node by node: correct the nodes' estimates
             seq.tree_scale = update_tree_scale(seq.tree_scale, sum(reach[:s.num_drafts]),
                                                len(accepted))
         elif s.num_drafts:
-            seq.late_rounds = 0
             seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts,
                                                    len(accepted))
         elif s.wanted and self.drafts.linked(seq):  # no draft came in time: a round lost

@@ -271,3 +271,42 @@ def test_the_verifier_waits_for_a_tree_as_long_as_trees_take():
     assert engine._draft_wait_limit_ms() == pytest.approx(18.0)
     seq.add_node(DraftToken(6), 0, 0.2, last=True)
     assert engine._draft_wait_limit_ms() == 0.0  # complete: nothing to wait for
+
+
+def test_a_verified_tree_resets_late_rounds_and_measures_its_wait():
+    """A tree session that was late twice (no longer waited for) is waited for again once a
+    tree is verified; the round's wait feeds the session's tree_wait_ms."""
+    from verify_service.engine import Engine, EngineConfig
+    from verify_service.executor import RoundOutcome, StepTimings
+
+    class Side:
+        arrival_ms, first_ms = 2.0, 4.0
+
+        def linked(self, seq):
+            return True
+
+        def attach(self, seq):
+            pass
+
+        def commit(self, *args, **kw):
+            pass
+
+    async def main():
+        sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_spec_tokens=4),
+                          CostModel({q: 100.0 for q in range(1, 9)}))
+        engine = Engine(None, sched, EngineConfig(), 100)
+        engine.drafts = Side()
+        engine.submit(GenerateParams("s", (1, 2, 3), (), SamplingParams(temperature=0.0), 32,
+                                     frozenset(), method=Method.EAGLE, tree=True))
+        seq = engine.sessions["s"]
+        (prefill,) = sched.schedule().scheduled
+        engine._apply(prefill, RoundOutcome([], 7), 0.0, StepTimings(1.0, 0.0))
+        seq.late_rounds = 2
+        seq.add_node(DraftToken(8), -1, 0.6, last=False)
+        seq.add_node(DraftToken(9), -1, 0.3, last=True)
+        (s,) = sched.schedule().scheduled
+        assert s.num_drafts == 2 and s.parents == (-1, -1)
+        engine._apply(s, RoundOutcome([9], 5), 12.0, StepTimings(1.0, 0.0))
+        assert seq.late_rounds == 0 and seq.tree_wait_ms == pytest.approx(0.3 * 12.0)
+        assert seq.output == [7, 9, 5] and seq.drafts == [] and seq.epoch == 2
+    asyncio.run(main())
