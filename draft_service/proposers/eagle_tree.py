@@ -108,7 +108,7 @@ def _pass(proposer, active: list[tuple[Tree, list[int]]]) -> torch.Tensor:
                 blocks.append(t.key, tokens)
             else:
                 blocks.allocate(t.key, tokens)
-            ids += [n.token for n in nodes]
+            ids += tokens
             feats += [t.root if n.parent < 0 else t.nodes[n.parent].feature for n in nodes]
             pos += [t.position + n.depth - 1 for n in nodes]  # entry t sits at position t - 1
             q_lens.append(len(nodes))
