@@ -53,6 +53,10 @@ def register(sub, colocate=None) -> None:
              help="batch-invariant numerics: a session's tokens never depend on what shares "
                   "its batch (greedy identical alone, batched, speculative, after failover); "
                   "costs speed, see docs/batch_invariance.md")
+    add_flag(p, "--batch-plan", "TANDEM_VERIFIER_BATCH_PLAN", _DEFAULTS.batch_plan, boolean,
+             nargs="?", const=True, metavar="on|off",
+             help="under batch load verify only the drafts that pay for the whole step "
+                  "(its measured cost by tokens); off: each session's single-session k")
     for name, text in _INT_FLAGS.items():
         add_flag(p, "--" + name.replace("_", "-"), f"TANDEM_VERIFIER_{name.upper()}",
                  getattr(_DEFAULTS, name), int, help=text)

@@ -32,6 +32,9 @@ class VerifierConfig:
     # Chunked prefill: beside decoding sessions, a prompt is computed this many tokens per
     # step (0 = off: a long prompt stalls them for its whole prefill).
     prefill_chunk_tokens: int = 256
+    # Under batch load, verify only the drafts that pay for the whole batch's step (its cost
+    # curve by tokens), not just for their own session; off = each session's solo k.
+    batch_plan: bool = True
     # The cost model picks each round's k up to this: a weak draft stays short, while suffix
     # decoding on a repeated answer pays up to ~16 on this CPU.
     max_spec_tokens: int = 16

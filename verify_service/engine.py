@@ -212,6 +212,7 @@ class Engine:
             carried=self._carried.get(seq.seq_id) if seq.carried else None,
             sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
             want_features=seq.params.method.needs_features, partial=s.partial,
+            prefill=s.is_prefill and not s.partial,
             # The heads cost a few ms: only the nodes the next round may verify.
             propose_tree=self.scheduler.desired_k(seq, 1) if seq.params.method.in_verifier
             else 0, propose_chain=not seq.params.tree,
@@ -231,10 +232,14 @@ class Engine:
 
     def _observe_cost(self, scheduled: list[ScheduledSeq], wait_ms: float,
                       timings: StepTimings) -> None:
-        """Single-session rounds feed the cost model: the whole round, drafting wait and
+        """Every decode step feeds the batch plan's step curve (its forward and rejection).
+        Single-session rounds feed the cost model: the whole round, drafting wait and
         sampling included, is what k really costs. Except a draft worker's tree: it is drafted
         only after the commit, so its wait is the session's own (Sequence.tree_wait_ms, which
         choose_tree_size adds), not a cost of verifying q tokens that chains would share."""
+        if not any(x.is_prefill for x in scheduled):  # the batch plan's curve: whole steps
+            self.scheduler.step_cost.observe(sum(len(x.token_ids) for x in scheduled),
+                                             timings.forward_ms + timings.rejection_ms)
         s = scheduled[0]
         if _drafted_tree(s.seq):
             wait_ms = 0.0

@@ -22,6 +22,9 @@ from verify_service.rejection import SpecDecodeMetadata, is_chain, verify
 # Tokens per forward the verifier times at start-up (k + 1 of a round); past 8 the curve is
 # near linear here, so two points cover up to 16 drafts.
 CALIBRATION_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 17)
+# And the tokens of whole batch steps (one token per session plus their drafts), for the
+# batch plan: how a step's time grows with its rows once it is compute-bound.
+STEP_CALIBRATION_COUNTS = (16, 32, 64)
 
 
 def calibration_counts(max_spec_tokens: int) -> tuple[int, ...]:
@@ -48,6 +51,7 @@ class StepInput:
     typical: tuple[float, float] | None = None  # LOSSY typical acceptance (threshold, alpha)
     logprobs: int | None = None  # the emitted tokens' target logprobs, with this many top
     partial: bool = False  # a prefill chunk before the last: computes KV, samples nothing
+    prefill: bool = False  # a prompt's last (or only) chunk: features of all of it, if wanted
 
     def __post_init__(self):
         if self.logprobs is not None and self.carried is not None:
@@ -187,11 +191,19 @@ class Executor:
         h = hidden[hidden_at:hidden_at + len(s.token_ids)][rows]
         feats = tree_out = None
         if s.want_features:
-            feats = Features(s.start_pos, h.shape[1],
-                             h.to(torch.float16).cpu().numpy().tobytes())
+            feats = self._features(s, h)
         if s.propose_tree and self.medusa is not None and next_token is not None:
             tree_out = self.medusa.propose(h[-1], s.propose_tree, chain=s.propose_chain)
         return RoundOutcome(accepted, next_token, carry, feats, tree_out)
+
+    def _features(self, s: StepInput, h: torch.Tensor) -> Features:
+        """The kept positions' hidden states for the draft: a prompt's whole, its cached
+        prefix and earlier chunks read back from the runner's kept features."""
+        start, h = s.start_pos, h.to(torch.float16)
+        if s.prefill and start:
+            h = torch.cat([self.runner.features_at(s.block_table, 0, start), h])
+            start = 0
+        return Features(start, h.shape[1], h.cpu().numpy().tobytes())
 
     @staticmethod
     def _verify(inputs: list[StepInput], probs: torch.Tensor):

@@ -27,14 +27,14 @@ from tandem.models import ModelPaths, resolve_model, tokenizer_hash
 from tandem.netaddr import advertised, join_host_port
 from tandem.registration import Registration, start_registration, stop_registration
 from tandem.spec import Method
-from tandem.spec.cost import CostModel
+from tandem.spec.cost import CostModel, StepCost
 from tandem.telemetry import VerifierMetrics
 from tandem.tls import add_port
 from tandem.v1 import common_pb2, verify_pb2_grpc
 from verify_service.config import VerifierConfig
 from verify_service.draft_link import DraftPool
 from verify_service.engine import Engine, EngineConfig
-from verify_service.executor import Executor, calibration_counts
+from verify_service.executor import STEP_CALIBRATION_COUNTS, Executor, calibration_counts
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.server import SERVICE_NAME, VerifyServicer
 
@@ -113,8 +113,9 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     # 0 = the device's block size; the in-process layer-skip worker uses the same
     config = dataclasses.replace(
         config, block_size=config.block_size or default_block_size(model.device))
-    runner = ModelRunner.with_memory(model, config.kv_cache_mb << 20, config.block_size)
-    sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs,
+    runner = ModelRunner.with_memory(model, config.kv_cache_mb << 20, config.block_size,
+                                     keep_features=True)
+    sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs, features_cached=True,
                                 prefill_chunk_tokens=config.prefill_chunk_tokens,
                                 max_spec_tokens=config.max_spec_tokens,
                                 max_model_len=model.cfg.max_position_embeddings)
@@ -123,17 +124,18 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
         log.info("medusa: %d heads, a tree of %d nodes", medusa.cfg.num_heads,
                  len(medusa.cfg.choices))
     executor = Executor(runner, medusa)
-    calibrated = {}
+    calibrated, solo = {}, calibration_counts(config.max_spec_tokens)
     if config.calibrate_reps:
+        counts = tuple(sorted({*solo, *STEP_CALIBRATION_COUNTS}))
         calibrated = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: executor.calibrate(calibration_counts(config.max_spec_tokens),
-                                     reps=config.calibrate_reps))
+            None, lambda: executor.calibrate(counts, reps=config.calibrate_reps))
         log.info("verify cost by tokens per forward (ms): %s",
                  {q: round(ms, 1) for q, ms in calibrated.items()})
     scheduler = Scheduler(BlockManager(runner.num_blocks, runner.block_size), sched_cfg,
-                          CostModel(dict(calibrated)),
+                          CostModel({q: ms for q, ms in calibrated.items() if q in solo}),
                           tree_reach=medusa.cfg.reach if medusa is not None else (),
-                          chain_reach=medusa.cfg.chain_reach if medusa is not None else ())
+                          chain_reach=medusa.cfg.chain_reach if medusa is not None else (),
+                          step_cost=StepCost(dict(calibrated) if config.batch_plan else {}))
     eng_cfg = EngineConfig(max_sessions=config.max_sessions,
                            max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n)
     metrics = VerifierMetrics()

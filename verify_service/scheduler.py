@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
-from tandem.spec.cost import CostModel, choose_k, choose_tree_size
+from tandem.spec.cost import CostModel, StepCost, choose_k, choose_tree_size, plan_batch
 from verify_service.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
@@ -29,6 +29,9 @@ class SchedulerConfig:
     # prefill; alone, it goes in one forward. 0 = off (a long prefill waits for a step of
     # its own and then runs whole).
     prefill_chunk_tokens: int = 256
+    # The runner keeps every cached token's features (ModelRunner keep_features), so EAGLE
+    # sessions may take prefix-cache hits and chunked prefills like any other.
+    features_cached: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_verify_tokens",
@@ -66,10 +69,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, config: SchedulerConfig, cost: CostModel,
-                 tree_reach: tuple[float, ...] = (), chain_reach: tuple[float, ...] = ()):
+                 tree_reach: tuple[float, ...] = (), chain_reach: tuple[float, ...] = (),
+                 step_cost: StepCost | None = None):
         self.blocks = blocks
         self.config = config
-        self.cost = cost
+        self.cost = cost  # single-session rounds: what k costs one session alone
+        self.step_cost = step_cost or StepCost()  # whole steps: what drafts cost a batch
+        self._caps: dict[str, int] = {}  # this step's batch plan: drafts per session at most
         # Medusa: estimated chance each node of the tree (in order) is reached under greedy;
         # and each node of its chain (the heads' top-1 tokens).
         self.tree_reach, self.chain_reach = tree_reach, chain_reach
@@ -109,7 +115,13 @@ class Scheduler:
 
     def desired_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The session's adaptive cap on draft tokens this round (before arrivals); `ahead`
-        rounds later if nothing else changes."""
+        rounds later if nothing else changes. Under batch load, the step's plan may cut it."""
+        k = self._solo_k(seq, ahead)
+        cap = self._caps.get(seq.seq_id)
+        return k if cap is None else min(k, cap)
+
+    def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
+        """The k that pays for the session alone (the single-session cost curve)."""
         if not seq.speculating:
             return 0
         k_max = self.k_max(seq)  # under batch load sessions share max_verify_tokens
@@ -148,8 +160,28 @@ class Scheduler:
             return None
         return [r * seq.tree_scale for r in base]
 
+    def plan(self) -> dict[str, int]:
+        """Drafts per decoding session this step, when several share it: a draft's row must
+        pay for itself in the batch's tokens per ms, not just in its own session's (a
+        compute-bound batch step grows with every row). {} for one session alone."""
+        decoding = [s for s in self.running
+                    if s.status is SeqStatus.RUNNING and not s.prefill_left]
+        if len(decoding) < 2 or not self.step_cost.known:
+            return {}
+        gains = [self._gains(s, self._solo_k(s)) for s in decoding]
+        counts = plan_batch(gains, self.step_cost.cost)
+        return {s.seq_id: k for s, k in zip(decoding, counts)}
+
+    def _gains(self, seq: Sequence, k: int) -> list[float]:
+        """Expected extra tokens from each of the session's first k drafts."""
+        reach = self.reach(seq) if k else None
+        if reach is not None:
+            return reach[:k]
+        return [seq.acceptance_ema ** (j + 1) for j in range(k)]
+
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
+        self._caps = self.plan()
         scheduled = self._schedule_running(preempted)
         budget = self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in scheduled)
         chunks = self._schedule_chunks(budget, bool(scheduled))
@@ -229,9 +261,9 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.tokens
-            # EAGLE sessions need the target's hidden state of every position (no cache hits,
-            # and the features of a whole prefill at once): they are never chunked.
-            use_cache = not seq.params.method.needs_features
+            # EAGLE sessions need the target's hidden state of every position: cache hits
+            # and chunks only where the runner keeps every cached token's features.
+            use_cache = self.config.features_cached or not seq.params.method.needs_features
             chunked = use_cache and self.config.prefill_chunk_tokens > 0
             busy = have_work or bool(out)
             if busy and (budget < 1 if chunked else len(tokens) > budget):

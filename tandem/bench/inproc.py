@@ -14,6 +14,7 @@ class WorkerLink:
         self.stream = worker.open_stream()
         self.alive, self.proposals, self.die_after = True, 0, die_after
         self.features_rows = 0
+        self.features: dict[str, dict[int, bytes]] = {}  # session -> position -> its row
         self.tree_nodes = 0  # proposals that are nodes of a token tree
         self.siblings = 0  # ... whose parent already had a child (a real tree, not a chain)
         self._parents: set[tuple[str, int, int]] = set()
@@ -22,7 +23,12 @@ class WorkerLink:
     def send(self, msg):
         if self.alive:
             f = getattr(msg, "features", None)
-            self.features_rows += 0 if f is None else f.rows
+            if f is not None:
+                self.features_rows += f.rows
+                rows = self.features.setdefault(msg.session_id, {})
+                width = 2 * f.hidden_size
+                for i in range(f.rows):
+                    rows[f.start_position + i] = f.data[i * width:(i + 1) * width]
             self.worker.handle(self.stream, msg)
 
     async def _run(self):

@@ -63,7 +63,8 @@ def kv_bytes_per_token(model: LlamaModel) -> int:
 class ModelRunner:
     """A target model plus its paged KV cache of `num_blocks` blocks of `block_size` tokens."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
+                 keep_features: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
@@ -76,18 +77,26 @@ class ModelRunner:
         kw = {"dtype": model.dtype, "device": model.device}  # the cache lives beside the weights
         self.kv_cache = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw))
                          for _ in range(cfg.num_layers)]
+        # keep_features: every computed token's final hidden state too, slot for slot beside
+        # its KV, float16 (about 1/40 of the KV's bytes on SmolLM2). EAGLE drafts from them,
+        # so a prompt served from the prefix cache, or computed in chunks, still has every
+        # position's features. [num_blocks * block_size, hidden]
+        self.features = (torch.zeros(num_blocks * block_size, cfg.hidden_size,
+                                     dtype=torch.float16, device=model.device)
+                         if keep_features else None)
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
     @classmethod
-    def with_memory(cls, model: LlamaModel, kv_cache_bytes: int, block_size: int = 16):
-        """Size the cache from a memory budget in bytes."""
+    def with_memory(cls, model: LlamaModel, kv_cache_bytes: int, block_size: int = 16,
+                    keep_features: bool = False):
+        """Size the cache from a memory budget in bytes (the KV's; features come on top)."""
         num_blocks = kv_cache_bytes // (kv_bytes_per_token(model) * block_size)
         if num_blocks < 1:
             raise ValueError(f"kv cache budget {kv_cache_bytes} B is smaller than one block")
-        return cls(model, int(num_blocks), block_size)
+        return cls(model, int(num_blocks), block_size, keep_features)
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], with_hidden: bool = False):
@@ -122,8 +131,30 @@ class ModelRunner:
         def on_device(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-        return self.model.forward(on_device(ids), on_device(positions), meta, self.kv_cache,
-                                  on_device(logit_rows), with_hidden=with_hidden)
+        keep = self.features is not None
+        out = self.model.forward(on_device(ids), on_device(positions), meta, self.kv_cache,
+                                 on_device(logit_rows), with_hidden=with_hidden or keep)
+        if not keep:
+            return out
+        logits, hidden = out  # a tree's rows too: slots stay consecutive, as its KV's
+        slots = [s for c in chunks for s in self._slots(c.block_table, c.start_pos,
+                                                        c.start_pos + len(c.token_ids))]
+        self.features.index_copy_(0, on_device(slots), hidden.to(torch.float16))
+        return (logits, hidden) if with_hidden else logits
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        if not 0 <= start <= end <= len(block_table) * bs:
+            raise ValueError(f"positions [{start}, {end}) outside the block table")
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def features_at(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """The kept features of positions [start, end) of one sequence, [end - start, hidden]
+        float16 (keep_features only)."""
+        if self.features is None:
+            raise RuntimeError("this runner keeps no features (keep_features=False)")
+        idx = torch.tensor(self._slots(block_table, start, end), device=self.device)
+        return self.features[idx]
 
     @torch.inference_mode()
     def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
@@ -134,16 +165,12 @@ class ModelRunner:
         pairs = [(a, b) for a, b in zip(src, dst) if a != b]
         if not pairs:
             return
-        bs = self.block_size
 
         def slot(pos: int) -> int:
-            if not 0 <= pos < len(block_table) * bs:
-                raise ValueError(f"position {pos} outside the block table")
-            return block_table[pos // bs] * bs + pos % bs
+            return self._slots(block_table, pos, pos + 1)[0]
 
         from_slots = torch.tensor([slot(a) for a, _ in pairs], device=self.device)
         to_slots = torch.tensor([slot(b) for _, b in pairs], device=self.device)
-        for k_cache, v_cache in self.kv_cache:
-            for cache in (k_cache, v_cache):
-                flat = cache.view(-1, *cache.shape[2:])
-                flat.index_copy_(0, to_slots, flat[from_slots])  # the gather copies first
+        caches = [c.view(-1, *c.shape[2:]) for kv in self.kv_cache for c in kv]
+        for flat in caches + ([self.features] if self.features is not None else []):
+            flat.index_copy_(0, to_slots, flat[from_slots])  # the gather copies first

@@ -7,6 +7,8 @@ time we measure. The best k maximises E(k) / cost(k + 1). Drafting overlaps veri
 """
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 # Forward time over q new tokens relative to q = 1, measured on the 2-core target machine
@@ -53,6 +55,75 @@ class CostModel:
         known = sorted(DEFAULT_RELATIVE_COST)
         nearest = min(known, key=lambda q: (abs(q - num_tokens), q))
         return base * DEFAULT_RELATIVE_COST[nearest] * max(1.0, num_tokens / max(nearest, 1))
+
+
+@dataclass
+class StepCost:
+    """What a verification step costs by the tokens it runs, every session of the batch
+    together: the batch dimension of the cost model. A prior from start-up calibration (one
+    sequence's forward over q tokens: the same GEMMs; attention differs little) is rescaled
+    by the nearest measured decode step, and the steps that ran are measured as they go.
+    Empty (no calibration): no batch plan, each session keeps its single-session k."""
+
+    calibrated: dict[int, float] = field(default_factory=dict)
+    observed: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def known(self) -> bool:
+        return bool(self.calibrated)
+
+    def observe(self, num_tokens: int, elapsed_ms: float) -> None:
+        old = self.observed.get(num_tokens)
+        self.observed[num_tokens] = (elapsed_ms if old is None
+                                     else (1 - _EMA) * old + _EMA * elapsed_ms)
+
+    def cost(self, num_tokens: int) -> float:
+        if num_tokens in self.observed:
+            return self.observed[num_tokens]
+        prior = _interpolate(self.calibrated, num_tokens)
+        if not self.observed:
+            return prior
+        near = min(self.observed, key=lambda t: (abs(t - num_tokens), t))
+        return prior * self.observed[near] / _interpolate(self.calibrated, near)
+
+
+def _interpolate(curve: dict[int, float], q: int) -> float:
+    """Piecewise linear through the measured points, flat below the first, extended with the
+    last segment's slope beyond the last (a compute-bound forward grows linearly)."""
+    pts = sorted(curve.items()) or [(q, 30.0 * c) for q, c in DEFAULT_RELATIVE_COST.items()]
+    if q <= pts[0][0]:
+        return pts[0][1]
+    if len(pts) == 1:
+        return pts[0][1] * q / pts[0][0]
+    for (q0, c0), (q1, c1) in zip(pts, pts[1:]):
+        if q <= q1:
+            return c0 + (c1 - c0) * (q - q0) / (q1 - q0)
+    (q0, c0), (q1, c1) = pts[-2], pts[-1]
+    return c1 + max(0.0, (c1 - c0) / (q1 - q0)) * (q - q1)
+
+
+def plan_batch(gains: Sequence[Sequence[float]], cost: Callable[[int], float]) -> list[int]:
+    """Drafts per session for one batch step (SmartSpec's goodput rule): gains[i][j] is the
+    expected tokens session i's (j+1)-th draft adds (parents first, its single-session k at
+    most). Drafts are taken best gain first, each session's in order, and the batch keeps
+    the m of them that maximises tokens per ms: (B + sum of their gains) / cost(B + m).
+    When the step is compute-bound a draft must be nearly sure to pay for its row."""
+    b = len(gains)
+    counts, best_counts = [0] * b, [0] * b
+    base_cost = cost(b)
+    best, total, worst_cost = b / base_cost, float(b), base_cost
+    heap = [(-g[0], i) for i, g in enumerate(gains) if g]
+    heapq.heapify(heap)
+    m = 0
+    while heap:
+        neg, i = heapq.heappop(heap)
+        total, counts[i], m = total - neg, counts[i] + 1, m + 1
+        if counts[i] < len(gains[i]):
+            heapq.heappush(heap, (-gains[i][counts[i]], i))
+        worst_cost = max(worst_cost, cost(b + m))  # more tokens never cost less
+        if total / worst_cost > best * 1.001:  # prefer fewer drafts on near-ties
+            best, best_counts = total / worst_cost, list(counts)
+    return best_counts
 
 
 def choose_k(alpha: float, k_max: int, cost: CostModel) -> int:

@@ -37,15 +37,22 @@ def fails_after(proposer_cls, calls: int, message: str):
 
 def run_sessions(target_model, proposers, method, prompts, sampling, max_new, die_after=None,
                  stop=(), batch=64, medusa=None, max_spec_tokens=4, cost=None, logprobs=None,
-                 rounds=None, prefill_chunk_tokens=0, tree=None):
+                 rounds=None, prefill_chunk_tokens=0, tree=None, features_cached=False,
+                 forwarded=None):
     """Generate every prompt through the engine with `method`'s proposer in a DraftWorker
     (or the engine's own Medusa heads): (token lists, drafted, accepted, link). `logprobs`
     asks for them; `rounds`, a list, receives every RoundOutput per prompt; `tree` is
-    GenerateParams.tree (None: trees for medusa only)."""
+    GenerateParams.tree (None: trees for medusa only); features_cached: the runner keeps
+    features (EAGLE then takes cache hits and chunks); `forwarded`, a list, receives the
+    token count of every target forward."""
     async def main():
-        runner = ModelRunner(target_model, 512, 16)
+        runner = ModelRunner(target_model, 512, 16, keep_features=features_cached)
+        if forwarded is not None:
+            forward = runner.forward
+            runner.forward = lambda chunks, **kw: (
+                forwarded.append(sum(len(c.token_ids) for c in chunks)), forward(chunks, **kw))[1]
         sched = Scheduler(BlockManager(512, 16), SchedulerConfig(
-            max_spec_tokens=max_spec_tokens, max_num_seqs=batch,
+            max_spec_tokens=max_spec_tokens, max_num_seqs=batch, features_cached=features_cached,
             prefill_chunk_tokens=prefill_chunk_tokens), cost or CostModel(),
             tree_reach=medusa.cfg.reach if medusa is not None else (),
             chain_reach=medusa.cfg.chain_reach if medusa is not None else ())

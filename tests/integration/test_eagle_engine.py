@@ -4,6 +4,7 @@ Greedy output is identical to plain decoding; sampled output follows the target'
 distribution; a draft that dies mid-stream changes nothing."""
 from collections import Counter
 
+import numpy as np
 import pytest
 from inproc import run_sessions, target_joint_top2
 
@@ -44,6 +45,41 @@ def test_greedy_eagle_is_identical_to_plain_and_fails_open(target_model, tokeniz
     # The draft worker dies after a few proposals: the output does not change.
     got, _, _, link = run(target_model, proposer, prompts, greedy, 24, die_after=5, stop=eos)
     assert got == plain and not link.alive
+
+
+@pytest.mark.parametrize("batch,chunk", [(1, 0), (3, 16)])
+def test_eagle_takes_prefix_cache_hits_and_chunks_with_kept_features(target_model, tokenizer,
+                                                                     proposer, batch, chunk):
+    """A verifier that keeps features: EAGLE prompts sharing a system prompt are served from
+    the prefix cache (batch 1: each after the last) or computed in chunks beside decoding
+    sessions (batch 3), and the draft still gets every position's features: the same text
+    as plain decoding, the same acceptance as with every prompt computed whole."""
+    system = "You are a terse assistant. Answer in one short sentence, no lists, no preamble."
+    prompts = [tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": t}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+        for t in ("Name three rivers.", "Why is the sky blue?", "Count to ten.")]
+    greedy, eos = SamplingParams(temperature=0.0), (tokenizer.eos_token_id,)
+    plain = LocalGenerator(ModelRunner(target_model, 128, 16)).generate(
+        [list(p) for p in prompts], greedy, 16, eos)
+    whole, fwd_whole = [], []
+    want = run_sessions(target_model, {Method.EAGLE: proposer}, Method.EAGLE, prompts, greedy,
+                        16, stop=eos, batch=batch, forwarded=whole)
+    got = run_sessions(target_model, {Method.EAGLE: proposer}, Method.EAGLE, prompts, greedy,
+                       16, stop=eos, batch=batch, prefill_chunk_tokens=chunk,
+                       features_cached=True, forwarded=fwd_whole)
+    assert want[0] == got[0] == plain
+    assert got[2] > 0  # drafts accepted
+    for i, p in enumerate(prompts):  # every prompt position's features, the same values
+        sent = [got[3].features[f"s{i}"].get(j) for j in range(len(p))]
+        assert None not in sent
+        ref = [want[3].features[f"s{i}"][j] for j in range(len(p))]
+        a, b = (np.frombuffer(b"".join(x), np.float16).astype(np.float32) for x in (sent, ref))
+        np.testing.assert_allclose(a, b, atol=0.02, rtol=0.02)
+    if chunk:  # a prompt beside decoding sessions went in pieces of at most `chunk` tokens
+        assert max(fwd_whole) < max(whole)
+    else:  # the shared system prompt was computed once
+        assert sum(fwd_whole) < sum(whole) - 16
 
 
 def test_sampled_eagle_follows_the_target_joint_distribution(target_model, tokenizer,

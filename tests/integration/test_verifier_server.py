@@ -120,11 +120,14 @@ def test_a_session_larger_than_the_cache_is_refused_not_queued(target_model):
 def test_the_cost_curve_is_measured_at_start_up(target_model):
     """k is chosen from this machine's own forward times per token count, not a table."""
     async def body(v, stub, ch):
-        return dict(v.engine.scheduler.cost.ms)
+        sched = v.engine.scheduler
+        return dict(sched.cost.ms), dict(sched.step_cost.calibrated)
 
-    ms = with_verifier(target_model, body, calibrate_reps=1)
+    ms, step = with_verifier(target_model, body, calibrate_reps=1)
     assert set(ms) == {1, 2, 3, 4, 5, 6, 8, 12, 17} and all(t > 0 for t in ms.values())
-    assert with_verifier(target_model, body, calibrate_reps=0) == {}
+    # The batch plan's curve: the same points and whole steps' token counts beyond them.
+    assert set(step) == set(ms) | {16, 32, 64} and step[64] > step[1]
+    assert with_verifier(target_model, body, calibrate_reps=0) == ({}, {})
 
 
 def test_begin_drain_refuses_new_sessions_and_finishes_open_ones(target_model):

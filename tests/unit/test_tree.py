@@ -80,6 +80,29 @@ def test_compacted_path_kv_continues_like_the_chain(tiny):
     torch.testing.assert_close(nxt[0], ref[0], atol=1e-4, rtol=1e-4)
 
 
+def test_kept_features_follow_the_kv_chunks_and_tree_paths(tiny):
+    """keep_features: each token's hidden state kept in its slot, read back for positions a
+    later session finds in the prefix cache, and moved with a tree's accepted path."""
+    prompt, nodes = [5, 9, 2, 30, 7], [11, 12, 13, 14, 15, 16]
+    ref_runner = ModelRunner(tiny, 16, 4)
+    table = [3, 1, 2, 0]  # a scattered block table
+    chain = prompt + [nodes[j] for j in _path(5)]
+    _, ref = ref_runner.forward([SeqChunk(chain, 0, table)], with_hidden=True)
+    runner = ModelRunner(tiny, 16, 4, keep_features=True)
+    runner.forward([SeqChunk(prompt[:3], 0, table)])  # in chunks, no hidden asked
+    runner.forward([SeqChunk(prompt[3:4], 3, table)])
+    runner.forward([SeqChunk([prompt[-1], *nodes], 4, table, 7,
+                             parents=(-1, *(p + 1 for p in PARENTS)))])
+    runner.move_kv(table, [5 + j for j in _path(5)], [5, 6, 7])
+    got = runner.features_at(table, 0, len(chain))
+    assert got.dtype == torch.float16 and got.shape == (len(chain), 32)
+    torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
+    with pytest.raises(RuntimeError, match="keeps no features"):
+        ref_runner.features_at(table, 0, 1)
+    with pytest.raises(ValueError, match="outside the block table"):
+        runner.features_at(table, 0, 17)
+
+
 def test_greedy_walk_takes_the_longest_matching_path():
     drafts = [DraftToken(t) for t in (10, 20, 30, 40, 50, 60)]
     # Target tokens by row: root -> 20 (node b), below b -> 50 (node e), below e -> 7.
