@@ -169,32 +169,39 @@ class Executor:
             probs, logits, hidden, forward_ms = self._target_probs(inputs, with_hidden, extra)
             found = self._verify(inputs, probs)
         logprobs = _emitted_logprobs(inputs, found, logits)
-        outcomes, hidden_at = [], 0
+        outcomes, hidden_at, heads = [], 0, []
         for s, (accepted, next_token, carry, path), lps in zip(inputs, found, logprobs):
             if path is not None and path != list(range(len(path))):  # a tree's path, in place
                 root = s.first_sampled_pos - 1
                 self.runner.move_kv(s.block_table, [root + 1 + j for j in path],
                                     list(range(root + 1, root + 1 + len(path))))
-            outcome = self._outcome(s, accepted, next_token, carry, path, hidden, hidden_at)
+            outcome, h_last = self._outcome(s, accepted, next_token, carry, path, hidden,
+                                            hidden_at)
+            if h_last is not None:
+                heads.append((len(outcomes), h_last))
             outcomes.append(replace(outcome, logprobs=lps) if lps else outcome)
             hidden_at += len(s.token_ids)
+        if heads:  # Medusa: every session's next tree from one pass of the heads
+            trees = self.medusa.propose_batch(
+                torch.stack([h for _, h in heads]),
+                [(inputs[i].propose_tree, inputs[i].propose_chain) for i, _ in heads])
+            for (i, _), tree_out in zip(heads, trees):
+                outcomes[i] = replace(outcomes[i], tree=tree_out)
         total_ms = (time.perf_counter() - t0) * 1e3
         return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
 
     def _outcome(self, s: StepInput, accepted, next_token, carry, path, hidden,
-                 hidden_at: int) -> RoundOutcome:
-        """The round's result for one session, with the hidden states it asked for."""
+                 hidden_at: int) -> tuple[RoundOutcome, torch.Tensor | None]:
+        """The round's result for one session, with the hidden states it asked for; and the
+        last kept position's [hidden] state when Medusa heads are to propose from it."""
         if hidden is None or not s.token_ids:
-            return RoundOutcome(accepted, next_token, carry)
+            return RoundOutcome(accepted, next_token, carry), None
         before = len(s.token_ids) - len(s.drafts)  # rows of the committed part (root incl.)
         rows = list(range(before)) + [before + j for j in (path or [])]
         h = hidden[hidden_at:hidden_at + len(s.token_ids)][rows]
-        feats = tree_out = None
-        if s.want_features:
-            feats = self._features(s, h)
-        if s.propose_tree and self.medusa is not None and next_token is not None:
-            tree_out = self.medusa.propose(h[-1], s.propose_tree, chain=s.propose_chain)
-        return RoundOutcome(accepted, next_token, carry, feats, tree_out)
+        feats = self._features(s, h) if s.want_features else None
+        propose = s.propose_tree and self.medusa is not None and next_token is not None
+        return RoundOutcome(accepted, next_token, carry, feats), h[-1] if propose else None
 
     def _features(self, s: StepInput, h: torch.Tensor) -> Features:
         """The kept positions' hidden states for the draft: a prompt's whole, its cached

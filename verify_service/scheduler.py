@@ -169,7 +169,8 @@ class Scheduler:
         if len(decoding) < 2 or not self.step_cost.known:
             return {}
         gains = [self._gains(s, self._solo_k(s)) for s in decoding]
-        counts = plan_batch(gains, self.step_cost.cost)
+        b = len(decoding)
+        counts = plan_batch(gains, lambda t: self.step_cost.cost(t, anchor=b))
         return {s.seq_id: k for s, k in zip(decoding, counts)}
 
     def _gains(self, seq: Sequence, k: int) -> list[float]:

@@ -164,13 +164,25 @@ class MedusaHeads(torch.nn.Module):
         [hidden] predicts: its tokens (one-hot q: deterministic candidates) and each node's
         parent index (-1 = the tree's root, the token the target itself emits). Only the
         heads those nodes reach are run. chain: the heads' top-1 tokens only (a chain)."""
-        choices = (self.cfg.chain if chain else self.cfg.choices)[:nodes]
-        depth = max(len(p) for p in choices)
-        top = self.top_tokens(h, 1 + max(r for p in choices for r in p), depth)
-        index = {path: i for i, path in enumerate(choices)}
-        tokens = [DraftToken(top[len(p) - 1][p[-1]]) for p in choices]
-        parents = tuple(index[p[:-1]] if len(p) > 1 else -1 for p in choices)
-        return tokens, parents
+        return self.propose_batch(h[None], [(nodes, chain)])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, h: torch.Tensor, asks: list[tuple[int | None, bool]]
+                      ) -> list[tuple[list[DraftToken], tuple[int, ...]]]:
+        """propose() for several sessions at once, one heads pass over all of them (the
+        heads' weights are read once per step, not once per session): h [sessions, hidden],
+        asks[i] = (nodes, chain) of session i."""
+        sets = [(self.cfg.chain if chain else self.cfg.choices)[:nodes] for nodes, chain in asks]
+        depth = max(len(p) for choices in sets for p in choices)
+        k = 1 + max(r for choices in sets for p in choices for r in p)
+        idx = self.forward(h, depth).topk(k, dim=-1).indices  # [heads, sessions, k]
+        top = self.vocab[idx].tolist()
+        out = []
+        for i, choices in enumerate(sets):
+            index = {path: j for j, path in enumerate(choices)}
+            tokens = [DraftToken(top[len(p) - 1][i][p[-1]]) for p in choices]
+            out.append((tokens, tuple(index[p[:-1]] if len(p) > 1 else -1 for p in choices)))
+        return out
 
     def save(self, out_dir: Path, **extra) -> None:
         out_dir = Path(out_dir)

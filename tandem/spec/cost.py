@@ -60,10 +60,10 @@ class CostModel:
 @dataclass
 class StepCost:
     """What a verification step costs by the tokens it runs, every session of the batch
-    together: the batch dimension of the cost model. A prior from start-up calibration (one
-    sequence's forward over q tokens: the same GEMMs; attention differs little) is rescaled
-    by the nearest measured decode step, and the steps that ran are measured as they go.
-    Empty (no calibration): no batch plan, each session keeps its single-session k."""
+    together: the batch dimension of the cost model. The shape comes from start-up
+    calibration (one sequence's forward over q tokens: the same GEMMs), the level from the
+    decode steps measured as they run. Empty (no calibration): no batch plan, each session
+    keeps its single-session k."""
 
     calibrated: dict[int, float] = field(default_factory=dict)
     observed: dict[int, float] = field(default_factory=dict)
@@ -77,13 +77,16 @@ class StepCost:
         self.observed[num_tokens] = (elapsed_ms if old is None
                                      else (1 - _EMA) * old + _EMA * elapsed_ms)
 
-    def cost(self, num_tokens: int) -> float:
-        if num_tokens in self.observed:
-            return self.observed[num_tokens]
+    def cost(self, num_tokens: int, anchor: int | None = None) -> float:
+        """The calibrated curve at num_tokens, scaled by measured over calibrated at the
+        measured step nearest `anchor` (default num_tokens). A plan anchors every size at its
+        own base step: one token more than a measured step is priced by the curve's slope,
+        not by another size's few noisy samples."""
         prior = _interpolate(self.calibrated, num_tokens)
         if not self.observed:
             return prior
-        near = min(self.observed, key=lambda t: (abs(t - num_tokens), t))
+        at = num_tokens if anchor is None else anchor
+        near = min(self.observed, key=lambda t: (abs(t - at), t))
         return prior * self.observed[near] / _interpolate(self.calibrated, near)
 
 
@@ -91,6 +94,8 @@ def _interpolate(curve: dict[int, float], q: int) -> float:
     """Piecewise linear through the measured points, flat below the first, extended with the
     last segment's slope beyond the last (a compute-bound forward grows linearly)."""
     pts = sorted(curve.items()) or [(q, 30.0 * c) for q, c in DEFAULT_RELATIVE_COST.items()]
+    for i in range(1, len(pts)):  # more tokens never cost less (calibration noise aside)
+        pts[i] = (pts[i][0], max(pts[i][1], pts[i - 1][1]))
     if q <= pts[0][0]:
         return pts[0][1]
     if len(pts) == 1:

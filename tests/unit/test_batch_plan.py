@@ -53,6 +53,12 @@ def test_step_cost_rescales_its_prior_by_the_measured_steps():
     assert cost.cost(32) == 300.0 and cost.cost(64) == pytest.approx(580.0)
     cost.observe(32, 200.0)
     assert cost.cost(32) == pytest.approx(0.8 * 300 + 0.2 * 200)
+    # A noisy sample one token up does not make that token free for a plan anchored at 32.
+    cost.observe(33, 150.0)
+    assert cost.cost(33) < cost.cost(32)
+    assert cost.cost(33, anchor=32) == pytest.approx(280 * (150 + 140 / 32) / 150)
+    # Calibration noise: a dip in the curve is flattened, never a cheaper larger step.
+    assert StepCost({1: 30.0, 16: 80.0, 17: 70.0, 32: 150.0}).cost(17) == 80.0
 
 
 def _running(sched, n, method=Method.DRAFT_MODEL, ema=0.6):

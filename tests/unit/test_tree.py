@@ -198,6 +198,11 @@ def test_medusa_heads_propose_the_configured_tree():
     assert [t.token_id for t in tokens] == [top[0][0], top[0][1], top[1][0], top[1][0],
                                             top[1][1]]
     assert heads.propose(h, 2) == (tokens[:2], parents[:2])  # head 1 alone suffices
+    # Several sessions in one heads pass: each gets what it would have got alone.
+    hs = torch.randn(3, 8)
+    asks = [(None, False), (2, False), (None, True)]
+    assert heads.propose_batch(hs, asks) == [heads.propose(x, n, chain=c)
+                                             for x, (n, c) in zip(hs, asks)]
     with pytest.raises(ValueError, match="before its parent"):
         MedusaConfig(2, 1, 8, (1, 2), ((0, 0), (0,)))
 
