@@ -79,15 +79,34 @@ class StepCost:
 
     def cost(self, num_tokens: int, anchor: int | None = None) -> float:
         """The calibrated curve at num_tokens, scaled by measured over calibrated at the
-        measured step nearest `anchor` (default num_tokens). A plan anchors every size at its
-        own base step: one token more than a measured step is priced by the curve's slope,
-        not by another size's few noisy samples."""
+        measured step nearest `anchor` (default num_tokens). Anchored (a plan's sizes above
+        its base step): the base's measured time plus the extra tokens at the steeper of the
+        curve's scaled slope and the slope measured over the steps above the base, so one
+        noisy sample never makes a token free, and what a batch's extra rows really cost
+        (tree masks, heads) shows once such steps have run."""
         prior = _interpolate(self.calibrated, num_tokens)
         if not self.observed:
             return prior
         at = num_tokens if anchor is None else anchor
         near = min(self.observed, key=lambda t: (abs(t - at), t))
-        return prior * self.observed[near] / _interpolate(self.calibrated, near)
+        base, scale = self.observed[near], self.observed[near] / _interpolate(self.calibrated,
+                                                                             near)
+        if anchor is None or num_tokens <= near:
+            return prior * scale
+        slope = max(scale * (prior - _interpolate(self.calibrated, near)) / (num_tokens - near),
+                    self._measured_slope(near))
+        return base + slope * (num_tokens - near)
+
+    def _measured_slope(self, base: int) -> float:
+        """Least-squares ms per token over the measured steps from base to twice its size
+        (0 when fewer than three sizes were seen there)."""
+        pts = [(t, ms) for t, ms in self.observed.items() if base <= t <= 2 * base + 8]
+        if len(pts) < 3:
+            return 0.0
+        mt = sum(t for t, _ in pts) / len(pts)
+        mc = sum(ms for _, ms in pts) / len(pts)
+        var = sum((t - mt) ** 2 for t, _ in pts)
+        return max(0.0, sum((t - mt) * (ms - mc) for t, ms in pts) / var)
 
 
 def _interpolate(curve: dict[int, float], q: int) -> float:

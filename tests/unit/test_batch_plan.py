@@ -57,6 +57,13 @@ def test_step_cost_rescales_its_prior_by_the_measured_steps():
     cost.observe(33, 150.0)
     assert cost.cost(33) < cost.cost(32)
     assert cost.cost(33, anchor=32) == pytest.approx(280 * (150 + 140 / 32) / 150)
+    # Rows dearer than the curve says (tree masks, heads): the steps that ran say so.
+    calibrated_only = cost.cost(40, anchor=32)  # 280 + 8 tokens at the curve's 8.2 ms
+    assert calibrated_only == pytest.approx(280 + 8 * 140 / 32 * 280 / 150)
+    for t in (34, 36, 38, 40):
+        for _ in range(20):
+            cost.observe(t, 280 + 20 * (t - 32))
+    assert cost.cost(40, anchor=32) > calibrated_only + 8 * 5
     # Calibration noise: a dip in the curve is flattened, never a cheaper larger step.
     assert StepCost({1: 30.0, 16: 80.0, 17: 70.0, 32: 150.0}).cost(17) == 80.0
 
