@@ -232,14 +232,16 @@ class Engine:
 
     def _observe_cost(self, scheduled: list[ScheduledSeq], wait_ms: float,
                       timings: StepTimings) -> None:
-        """Every decode step feeds the batch plan's step curve (its forward and rejection).
+        """Every decode step feeds the batch plan's step curve: the whole step, its wait for
+        drafts included (what a batch's drafts really cost it: on a shared host the draft
+        worker's share of the cores shows up there too).
         Single-session rounds feed the cost model: the whole round, drafting wait and
         sampling included, is what k really costs. Except a draft worker's tree: it is drafted
         only after the commit, so its wait is the session's own (Sequence.tree_wait_ms, which
         choose_tree_size adds), not a cost of verifying q tokens that chains would share."""
         if not any(x.is_prefill for x in scheduled):  # the batch plan's curve: whole steps
             self.scheduler.step_cost.observe(sum(len(x.token_ids) for x in scheduled),
-                                             timings.forward_ms + timings.rejection_ms)
+                                             wait_ms + timings.forward_ms + timings.rejection_ms)
         s = scheduled[0]
         if _drafted_tree(s.seq):
             wait_ms = 0.0

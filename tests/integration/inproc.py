@@ -38,13 +38,13 @@ def fails_after(proposer_cls, calls: int, message: str):
 def run_sessions(target_model, proposers, method, prompts, sampling, max_new, die_after=None,
                  stop=(), batch=64, medusa=None, max_spec_tokens=4, cost=None, logprobs=None,
                  rounds=None, prefill_chunk_tokens=0, tree=None, features_cached=False,
-                 forwarded=None):
+                 forwarded=None, step_cost=None):
     """Generate every prompt through the engine with `method`'s proposer in a DraftWorker
     (or the engine's own Medusa heads): (token lists, drafted, accepted, link). `logprobs`
     asks for them; `rounds`, a list, receives every RoundOutput per prompt; `tree` is
     GenerateParams.tree (None: trees for medusa only); features_cached: the runner keeps
     features (EAGLE then takes cache hits and chunks); `forwarded`, a list, receives the
-    token count of every target forward."""
+    token count of every target forward; step_cost: the batch plan's curve (None: no plan)."""
     async def main():
         runner = ModelRunner(target_model, 512, 16, keep_features=features_cached)
         if forwarded is not None:
@@ -55,7 +55,8 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
             max_spec_tokens=max_spec_tokens, max_num_seqs=batch, features_cached=features_cached,
             prefill_chunk_tokens=prefill_chunk_tokens), cost or CostModel(),
             tree_reach=medusa.cfg.reach if medusa is not None else (),
-            chain_reach=medusa.cfg.chain_reach if medusa is not None else ())
+            chain_reach=medusa.cfg.chain_reach if medusa is not None else (),
+            step_cost=step_cost)
         # A generous wait bound: the head's first draft of a session (the whole prompt to
         # read) is slower than the 25 ms default, and these sessions only have two rounds.
         engine = Engine(Executor(runner, medusa), sched,

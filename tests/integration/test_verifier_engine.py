@@ -11,7 +11,7 @@ from tandem.engine.generate import LocalGenerator
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Close, DraftToken, Method, Open, Proposal
-from tandem.spec.cost import CostModel
+from tandem.spec.cost import CostModel, StepCost
 from verify_service.engine import Engine, EngineConfig
 from verify_service.executor import Executor, StepInput
 from verify_service.scheduler import Scheduler, SchedulerConfig
@@ -326,3 +326,28 @@ def test_chunked_prefill_gives_the_same_text(target_model, tokenizer):
                                 prefill_chunk_tokens=chunk)[0]
             for chunk in (0, 16)}
     assert len(long) > 100 and runs[16] == runs[0]
+
+
+@pytest.mark.parametrize("steep", [False, True])
+def test_the_batch_plan_drops_drafts_a_compute_bound_step_cannot_afford(target_model, tokenizer,
+                                                                        steep):
+    """Four sessions in one batch, ngram drafts that pay alone: a step curve where rows are
+    nearly free keeps them; one where every row costs a whole step's share drops them. The
+    text is plain decoding's either way, and the engine measures its steps."""
+    from draft_service.proposers.ngram import NgramProposer
+
+    text = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
+    prompts = [tokenizer(text).input_ids] * 4
+    greedy = SamplingParams(temperature=0.0)
+    plain = LocalGenerator(ModelRunner(target_model, 128, 16)).generate(prompts, greedy, 16)
+    alone = CostModel({q: 30.0 + 0.1 * q for q in range(1, 18)})  # drafting pays alone
+    curve = {q: 30.0 * (q * q if steep else 1 + 0.01 * q) for q in (1, 2, 4, 8, 16, 32, 64)}
+    cost = StepCost(curve)
+    got, drafted, accepted, _ = run_sessions(
+        target_model, {Method.NGRAM: NgramProposer()}, Method.NGRAM, prompts, greedy, 16,
+        batch=4, cost=alone, step_cost=cost)
+    assert got == plain and cost.observed  # decode steps were measured
+    if steep:
+        assert drafted <= 8  # at most the rounds run alone (a session's last, say)
+    else:
+        assert drafted > 16 and accepted > 0
