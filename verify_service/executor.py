@@ -205,10 +205,11 @@ class Executor:
 
     def _features(self, s: StepInput, h: torch.Tensor) -> Features:
         """The kept positions' hidden states for the draft: a prompt's whole, its cached
-        prefix and earlier chunks read back from the runner's kept features."""
+        prefix and earlier chunks too, read back from the runner's kept features (which the
+        forward just wrote this chunk's rows to)."""
         start, h = s.start_pos, h.to(torch.float16)
         if s.prefill and start:
-            h = torch.cat([self.runner.features_at(s.block_table, 0, start), h])
+            h = self.runner.features_at(s.block_table, 0, start + len(s.token_ids))
             start = 0
         return Features(start, h.shape[1], h.cpu().numpy().tobytes())
 

@@ -152,12 +152,6 @@ class MedusaHeads(torch.nn.Module):
         """[N, hidden] -> [heads, N, V_d] logits over the heads' vocabulary."""
         return self.hidden(h, heads) @ self.lm_rows.T
 
-    @torch.inference_mode()
-    def top_tokens(self, h: torch.Tensor, k: int, heads: int | None = None) -> list[list[int]]:
-        """[hidden] -> per head (the first `heads`), its k most likely target ids."""
-        idx = self.forward(h[None], heads)[:, 0].topk(k, dim=-1).indices  # [heads, k]
-        return self.vocab[idx].tolist()
-
     def propose(self, h: torch.Tensor, nodes: int | None = None, chain: bool = False
                 ) -> tuple[list[DraftToken], tuple[int, ...]]:
         """The tree (its first `nodes` nodes; default all) for the position after the one `h`
