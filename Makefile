@@ -27,7 +27,7 @@ audit: venv
 	$(BIN)/python .ci/audit.py
 
 stubs: venv
-	$(BIN)/python -m tandem.protogen
+	$(BIN)/python -m tools.protogen
 
 bench: venv
 	$(BIN)/tandem models fetch

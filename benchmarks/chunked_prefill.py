@@ -4,7 +4,7 @@ prompt arrives, with the verifier's --prefill-chunk-tokens on and off, A/B in on
   python benchmarks/chunked_prefill.py [--trials 2] [--streams 4] [--prompt-tokens 1800]
                                        [--chunk 256]
 
-Each trial starts a local cluster (tandem.launcher: Redis, one verifier, one draft worker,
+Each trial starts a local cluster (tools.launcher: Redis, one verifier, one draft worker,
 the gateway) once per setting, in alternating order. `--streams` greedy sessions decode
 (plain decoding, so only the prefill differs); one second in, a request with a
 `--prompt-tokens` prompt arrives. Reported per setting: the decoding sessions' gaps between
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from tandem.bench.client import stream_chat
-from tandem.launcher import Cluster, ClusterConfig, free_port
+from tools.bench.client import stream_chat
+from tools.launcher import Cluster, ClusterConfig, free_port
 
 FILLER = "The river flows past the old mill, under the stone bridge and into the valley. "
 

@@ -2,7 +2,7 @@
 
     python benchmarks/draft_faults.py [--requests 4] [--max-tokens 48] [--delay-ms 300]
 
-Real processes on loopback: redis, one verifier, the gateway (tandem.launcher) and one draft
+Real processes on loopback: redis, one verifier, the gateway (tools.launcher) and one draft
 worker that registers a TCP proxy's address as its own, so every verifier->draft byte crosses
 the proxy. Phases, each with draft_model (k = 4) and plain requests interleaved:
   healthy      the proxy forwards
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from tandem.launcher import Cluster, ClusterConfig, free_port, grpc_healthy
+from tools.launcher import Cluster, ClusterConfig, free_port, grpc_healthy
 
 PROMPTS = ["Explain how a bicycle works.", "Write a short story about a lighthouse keeper.",
            "List the planets of the solar system with one fact each."]
@@ -116,7 +116,7 @@ def start_draft(cluster: Cluster) -> tuple[subprocess.Popen, Proxy]:
     port = free_port()
     proxy = Proxy(port)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "draft", "--port", str(port), "--threads", "1",
+        [sys.executable, "-m", "tools.cli", "draft", "--port", str(port), "--threads", "1",
          "--redis-url", cluster.redis_url, "--advertise-address", f"127.0.0.1:{proxy.port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 180

@@ -19,8 +19,8 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.proposers.eagle import EagleProposer
-from tandem.distill.acceptance import load_prompts
-from tandem.distill.corpus import Prompt, encode_prompt
+from tools.distill.acceptance import load_prompts
+from tools.distill.corpus import Prompt, encode_prompt
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelPaths, resolve_model

@@ -1,6 +1,6 @@
 """EAGLE chain vs EAGLE tree: what each commits per round when every round verifies all the
 drafts that arrived (the size forced), in the real verifier engine with the real draft worker
-and the shipped head, in one process (tandem.bench.inproc; no gRPC, no gateway).
+and the shipped head, in one process (tools.bench.inproc; no gRPC, no gateway).
 
     python benchmarks/eagle_tree.py [--prompts 6] [--max-tokens 48] [--nodes 4,8,16]
 
@@ -21,7 +21,7 @@ from draft_service.limits import Limits
 from draft_service.proposers.eagle import EagleProposer
 from draft_service.weights import default_eagle_dir
 from draft_service.worker import DraftWorker
-from tandem.bench.inproc import OnePool, WorkerLink
+from tools.bench.inproc import OnePool, WorkerLink
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel

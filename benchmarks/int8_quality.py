@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def chat_prompts(tok, n: int) -> list[list[int]]:
     texts = [json.loads(line)["prompt"] for name in
-             ("draft_service/data/heldout_prompts.jsonl", "tandem/bench/prompts.jsonl")
+             ("draft_service/data/heldout_prompts.jsonl", "tools/bench/prompts.jsonl")
              for line in (ROOT / name).read_text().splitlines() if line.strip()]
     return [list(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
                                          add_generation_prompt=True, return_dict=False))

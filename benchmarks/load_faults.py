@@ -1,4 +1,4 @@
-"""Overload and soak against a real local cluster (tandem.launcher), loopback only.
+"""Overload and soak against a real local cluster (tools.launcher), loopback only.
 
   python benchmarks/load_faults.py overload [--streams 64] [--capacity 4] [--waves 3]
   python benchmarks/load_faults.py soak [--minutes 30] [--workers 4]
@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tandem.bench.client import chat_body, stream_chat
-from tandem.launcher import Cluster, ClusterConfig, free_port
+from tools.bench.client import chat_body, stream_chat
+from tools.launcher import Cluster, ClusterConfig, free_port
 
 PROMPTS = ["Explain how a bicycle works.", "Write a haiku about rain.", "Count to twenty.",
            "What is the capital of Italy? Answer briefly.", "Tell a story about a fox."]

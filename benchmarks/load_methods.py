@@ -26,10 +26,10 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from tandem.bench.client import chat_body, run_concurrent
-from tandem.bench.runner import SUFFIX_CACHE_OFF, load_prompts
-from tandem.bench.stats import percentile
-from tandem.launcher import Cluster, ClusterConfig, free_port
+from tools.bench.client import chat_body, run_concurrent
+from tools.bench.runner import SUFFIX_CACHE_OFF, load_prompts
+from tools.bench.stats import percentile
+from tools.launcher import Cluster, ClusterConfig, free_port
 from tandem.models import resolve_model
 
 COUNTERS = ("tandem_verifier_rounds_total", "tandem_spec_num_drafts_total",

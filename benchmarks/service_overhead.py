@@ -23,7 +23,7 @@ import grpc
 import httpx
 from transformers import AutoTokenizer
 
-from tandem.launcher import Cluster, ClusterConfig, free_port
+from tools.launcher import Cluster, ClusterConfig, free_port
 from tandem.models import resolve_model
 from tandem.spec.methods import Method
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc

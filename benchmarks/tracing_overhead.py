@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from tandem.launcher import Cluster, ClusterConfig, free_port
+from tools.launcher import Cluster, ClusterConfig, free_port
 from tandem.spec.methods import API_NAMES, Method
 
 PROMPT = "Write a short story about a lighthouse keeper."

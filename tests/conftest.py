@@ -55,7 +55,7 @@ def eagle_dir(target_paths, tmp_path_factory):
     shipped = Path(default_eagle_dir())
     if (shipped / "config.json").is_file():
         return shipped
-    from tandem.distill.eagle_head import EagleTrainHead
+    from tools.distill.eagle_head import EagleTrainHead
 
     out = tmp_path_factory.mktemp("eagle-head")
     head = EagleTrainHead.untrained(target_paths.root, 4096)

@@ -34,7 +34,7 @@ _INT_FLAGS = {
 
 
 def register(sub, colocate=None) -> None:
-    """Add `verifier`; `colocate` starts in-process draft workers (tandem.colocate)."""
+    """Add `verifier`; `colocate` starts in-process draft workers (tools.colocate)."""
     p = sub.add_parser("verifier", help="run a verifier worker (target model + paged KV cache)",
                        description="Serve tandem.v1.VerifyService over gRPC. Every flag also "
                        "reads the environment variable named in its help "

@@ -2,7 +2,7 @@
 with some decoder layers left out. No extra weights: `skip_view` shares every tensor with the
 target; only the draft's KV cache (for the kept layers) is its own.
 
-Which layers to skip is found per model by `tandem search-skip` (tandem.skip_search) and saved
+Which layers to skip is found per model by `tandem search-skip` (tools.skip_search) and saved
 next to the checkpoint as `layer_skip.json`; sets for the shipped models travel with the
 package (tandem/engine/skip_sets/<checkpoint name>.json).
 """

@@ -120,7 +120,7 @@ def test_matching_compares_every_key(monkeypatch):
 
 def test_a_hashed_keys_file_works_end_to_end(redis_proc, tokenizer, prefix, verifier, tmp_path,
                                              monkeypatch, capsys):
-    from tandem.cli import main
+    from tools.cli import main
 
     monkeypatch.setattr("sys.stdin", io.StringIO(SECRET + "\n"))
     assert main(["keys", "hash", "--name", "team-a", "--rpm", "7", "--tpm", "900"]) == 0

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 
-from tandem import protogen
+from tools import protogen
 
 pytestmark = pytest.mark.contract
 
@@ -32,7 +32,7 @@ def test_generated_stubs_are_not_stale():
     pytest.importorskip("grpc_tools")
     stale = protogen.stale_files(REPO_ROOT)
     assert not stale, (
-        "generated stubs are stale; run `python -m tandem.protogen` and commit: " + ", ".join(stale)
+        "generated stubs are stale; run `python -m tools.protogen` and commit: " + ", ".join(stale)
     )
 
 

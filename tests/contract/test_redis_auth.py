@@ -63,7 +63,7 @@ def test_without_the_password_the_error_is_clear(locked_redis):
 
 def test_an_unreachable_redis_is_not_an_auth_error():
     """Redis down at start is ridden out (the services retry), not fatal."""
-    from tandem.launcher import free_port
+    from tools.launcher import free_port
 
     asyncio.run(redis_conn.check_auth(f"redis://127.0.0.1:{free_port()}/0", PASSWORD))
 

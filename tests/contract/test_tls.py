@@ -24,10 +24,10 @@ from draft_service.main import assemble_worker, build_app
 from draft_service.proposers.ngram import NgramProposer
 from gateway.config import GatewayConfig
 from gateway.verifier import ChannelPool
-from tandem.launcher import grpc_healthy
 from tandem.spec import Method, Open, Proposal
 from tandem.tls import TlsConfig, add_port, open_channel, tls_args, tls_from_args
 from tandem.v1 import common_pb2, verify_pb2_grpc
+from tools.launcher import grpc_healthy
 from verify_service.config import VerifierConfig
 from verify_service.draft_link import DraftLink, DraftPool
 
@@ -221,7 +221,7 @@ def test_launcher_health_check_over_mtls(pki):
 # ---- configuration: flags, env and validation -------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
-    from tandem.cli import build_parser
+    from tools.cli import build_parser
 
     return build_parser()
 

@@ -1512,7 +1512,7 @@ POD_IP_V6 = "fd00:10:244::7"  # a pod IP the args must cope with
 
 def test_container_args_parse_with_the_real_cli(monkeypatch, target):
     """Every tandem container's args (and TANDEM_* env) are accepted by `tandem`'s parser."""
-    from tandem.cli import build_parser
+    from tools.cli import build_parser
 
     docs = render(target)
     for dep, c, role in tandem_containers(docs):
@@ -1548,7 +1548,7 @@ def test_container_args_parse_with_the_real_cli(monkeypatch, target):
 
 def test_worker_prestop_parses_with_the_real_cli(target):
     """The workers' preStop `tandem drain --sleep N` is a command the image's CLI has."""
-    from tandem.cli import build_parser
+    from tools.cli import build_parser
 
     parser = build_parser()
     commands = next(a for a in parser._actions

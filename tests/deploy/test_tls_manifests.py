@@ -124,8 +124,8 @@ def _pem_files(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("overlay", PROD)
 def test_the_cli_builds_mtls_from_the_pods_env(overlay, tmp_path, monkeypatch):
-    from tandem.cli import build_parser
     from tandem.tls import tls_from_args
+    from tools.cli import build_parser
 
     files = _pem_files(tmp_path)
     docs = render(overlay)

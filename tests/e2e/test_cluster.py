@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tandem.launcher import Cluster, ClusterConfig, free_port
+from tools.launcher import Cluster, ClusterConfig, free_port
 
 pytestmark = pytest.mark.e2e
 PROMPTS = ["What is the capital of France?", "List three colours.",

@@ -16,9 +16,9 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.sessions import RedisSessionStore
-from tandem.launcher import Cluster, ClusterConfig, free_port
 from tandem.registry import WorkerRegistry
 from tandem.v1 import verify_pb2, verify_pb2_grpc
+from tools.launcher import Cluster, ClusterConfig, free_port
 
 pytestmark = pytest.mark.e2e
 SERVICE = "tandem.v1.VerifyService"

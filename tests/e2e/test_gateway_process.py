@@ -18,10 +18,10 @@ import grpc
 import httpx
 import pytest
 
-from tandem.launcher import free_port, http_healthy
 from tandem.netaddr import has_ipv6_loopback
 from tandem.redis_server import start_redis
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from tools.launcher import free_port, http_healthy
 
 pytestmark = pytest.mark.e2e
 MODEL = "tandem-test"
@@ -71,7 +71,7 @@ def verifier(tokenizer):
 
 
 def gateway_cmd(target_paths, redis_url: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "tandem.cli", "gateway", "--model", str(target_paths.root),
+    return [sys.executable, "-m", "tools.cli", "gateway", "--model", str(target_paths.root),
             "--served-model-name", MODEL, "--redis-url", redis_url, "--port", str(port), *extra]
 
 

@@ -9,10 +9,10 @@ import torch
 from draft_service.limits import Limits
 from draft_service.worker import DraftWorker
 from kernels.sampling import logits_to_probs
-from tandem.bench.inproc import OnePool, WorkerLink
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.spec.cost import CostModel
+from tools.bench.inproc import OnePool, WorkerLink
 from verify_service.engine import Engine, EngineConfig
 from verify_service.executor import Executor
 from verify_service.scheduler import Scheduler, SchedulerConfig

@@ -9,13 +9,12 @@ import pytest
 import torch
 import transformers
 
-from tandem.cli import main
-from tandem.distill.data import DataConfig
-from tandem.distill.pipeline import CARD_FILE, DistillJob, check_target, run_distill
-from tandem.distill.train import DraftArch, TrainConfig
 from tandem.engine.llama import DRAFT_VOCAB_FILE, LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelError, resolve_model
+from tools.cli import main
+from tools.distill.config import DataConfig, DraftArch, TrainConfig
+from tools.distill.pipeline import CARD_FILE, DistillJob, check_target, run_distill
 
 pytestmark = pytest.mark.integration
 
@@ -171,7 +170,7 @@ def test_help(capsys):
 
 
 def test_prompt_set_is_mostly_chat_and_mixes_sources():
-    from tandem.distill.corpus import AUSTEN_DB, build_prompts
+    from tools.distill.corpus import AUSTEN_DB, build_prompts
 
     if not AUSTEN_DB.with_suffix(".rdb").is_file():
         pytest.skip("r-cran-janeaustenr is not installed")
@@ -184,7 +183,7 @@ def test_prompt_set_is_mostly_chat_and_mixes_sources():
 
 
 def test_chat_prompt_mix():
-    from tandem.distill.corpus import build_prompts
+    from tools.distill.corpus import build_prompts
 
     prompts = build_prompts(50, seed=3, mix="chat")
     assert prompts == build_prompts(50, seed=3, mix="chat")
@@ -199,10 +198,10 @@ def test_eagle_distill_generates_trains_resumes_and_serves(tmp_path, target_path
     a head trained and exported that the EagleProposer loads and drafts with; a second run
     with --resume reuses the shards and continues the training state."""
     from draft_service.proposers.eagle import EagleProposer
-    from tandem.distill.eagle import load_feature_seqs
     from tandem.engine.eagle import EAGLE_CARD
     from tandem.models import ModelPaths
     from tandem.spec import DraftRequest
+    from tools.distill.eagle import load_feature_seqs
 
     target = _tiny_target(tmp_path / "target", target_paths)
     out, data = tmp_path / "head", tmp_path / "data"

@@ -11,7 +11,6 @@ import transformers
 from inproc import fails_after, run_sessions, target_joint_top2
 
 from draft_service.proposers.layer_skip import LayerSkipProposer
-from tandem.colocate import start_layer_skip
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.layer_skip import SkipSet
 from tandem.engine.llama import LlamaModel
@@ -20,6 +19,7 @@ from tandem.models import ModelPaths, resolve_model
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from tools.colocate import start_layer_skip
 from verify_service.config import VerifierConfig
 from verify_service.main import start_verifier
 

@@ -3,7 +3,9 @@ import pytest
 import torch
 import transformers
 
-from tandem.distill.acceptance import (
+from tandem.engine.llama import LlamaModel
+from tandem.models import resolve_model
+from tools.distill.acceptance import (
     AcceptanceConfig,
     mean_accepted,
     per_position_rates,
@@ -11,8 +13,6 @@ from tandem.distill.acceptance import (
     speedup,
     summarize,
 )
-from tandem.engine.llama import LlamaModel
-from tandem.models import resolve_model
 
 pytestmark = pytest.mark.unit
 

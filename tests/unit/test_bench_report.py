@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-from tandem.bench import stats
-from tandem.bench.report import concurrency_md, render_markdown, table, targets_md, write_outputs
-from tandem.bench.runner import TANDEM_METHODS
-from tandem.bench.summary import summarize
 from tandem.spec.cost import leviathan_speedup
+from tools.bench import stats
+from tools.bench.report import concurrency_md, render_markdown, table, targets_md, write_outputs
+from tools.bench.runner import TANDEM_METHODS
+from tools.bench.summary import summarize
 
 pytestmark = pytest.mark.unit
 
@@ -190,7 +190,7 @@ def test_write_outputs_writes_json_markdown_and_pngs(tmp_path):
 
 def test_report_re_renders_from_saved_json(tmp_path):
     pytest.importorskip("matplotlib")
-    from tandem.bench.cli import register
+    from tools.bench.cli import register
 
     write_outputs(synthetic_result(), tmp_path, None)
     parser = argparse.ArgumentParser()
@@ -202,7 +202,7 @@ def test_report_re_renders_from_saved_json(tmp_path):
 
 
 def test_quick_flags_build_the_quick_config():
-    from tandem.bench.cli import config_from_args, register
+    from tools.bench.cli import config_from_args, register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -221,7 +221,7 @@ def test_quick_flags_build_the_quick_config():
 
 
 def test_breakdown_by_k_groups_rounds_and_counts_tokens():
-    from tandem.bench.stats import breakdown_by_k
+    from tools.bench.stats import breakdown_by_k
 
     rows = [(2, 2, True, 1.0, 40.0, 1.0, 50.0, 3), (2, 0, False, 1.0, 40.0, 1.0, 46.0, 1),
             (0, 0, True, 0.0, 35.0, 0.5, 40.0, 1), (4, 4, True, 2.0, 45.0, 1.0, None, 5)]
@@ -232,7 +232,7 @@ def test_breakdown_by_k_groups_rounds_and_counts_tokens():
 
 
 def test_repetitive_workload_summary_and_report(tmp_path):
-    from tandem.bench import repetitive
+    from tools.bench import repetitive
 
     prompts = [{"id": "chat-1", "category": "chat", "grounded": False, "prompt": "a"},
                {"id": "story-1", "category": "story", "grounded": False, "prompt": "b"},
@@ -342,7 +342,7 @@ def test_old_concurrency_rows_without_a_method_still_render(tmp_path):
 
 
 def test_concurrency_phase_interleaves_methods_within_each_level(monkeypatch):
-    from tandem.bench import client, runner
+    from tools.bench import client, runner
 
     calls = []
 

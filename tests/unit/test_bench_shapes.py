@@ -5,9 +5,9 @@ import math
 import pytest
 from test_bench_report import synthetic_result
 
-from tandem.bench import shapes
-from tandem.bench.report import render_markdown, write_outputs
-from tandem.bench.summary import summarize
+from tools.bench import shapes
+from tools.bench.report import render_markdown, write_outputs
+from tools.bench.summary import summarize
 
 pytestmark = pytest.mark.unit
 
@@ -142,7 +142,7 @@ def test_available_skips_methods_without_heads():
 
 
 def test_phase_interleaves_configs_per_prompt_and_records_failures(monkeypatch):
-    from tandem.bench import client, runner
+    from tools.bench import client, runner
 
     calls = []
 
@@ -177,7 +177,7 @@ def test_phase_interleaves_configs_per_prompt_and_records_failures(monkeypatch):
 
 
 def test_shape_methods_flag():
-    from tandem.bench.cli import config_from_args, register
+    from tools.bench.cli import config_from_args, register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

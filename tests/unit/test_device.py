@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tandem import device as dev
-from tandem.cli import main
 from tandem.engine.llama import LlamaConfig, LlamaModel
 from tandem.models import ModelError
+from tools.cli import main
 
 pytestmark = pytest.mark.unit
 

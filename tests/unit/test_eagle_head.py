@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from kernels.paged_attention import build_attention_metadata
-from tandem.distill.eagle_head import EagleTrainHead
 from tandem.engine.eagle import EagleHead, is_eagle_dir
 from tandem.engine.llama import DraftVocab, LlamaConfig
 from tandem.models import ModelError, ModelPaths
+from tools.distill.eagle_head import EagleTrainHead
 
 pytestmark = pytest.mark.unit
 

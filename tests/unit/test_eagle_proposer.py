@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from draft_service.proposers.eagle import EagleProposer
-from tandem.distill.eagle_head import EagleTrainHead
 from tandem.engine.eagle import EagleHead
 from tandem.engine.llama import DraftVocab, LlamaConfig
 from tandem.models import ModelPaths
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest, Method
+from tools.distill.eagle_head import EagleTrainHead
 
 pytestmark = pytest.mark.unit
 

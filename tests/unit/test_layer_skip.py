@@ -12,7 +12,7 @@ from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelError, ModelPaths, resolve_model
 from tandem.sampling_params import SamplingParams
-from tandem.skip_search import (
+from tools.skip_search import (
     SearchConfig,
     greedy_counts,
     pipelined_speedup,

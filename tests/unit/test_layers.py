@@ -1,5 +1,8 @@
 """Imports run one way (DESIGN.md "Layout"): kernels <- tandem core <- services <- tools.
 
+Each layer is a top-level folder, so the tree shows the layers: no module's layer depends on
+anything but the folder it sits in.
+
 A module may import its own layer and any lower one, except that the three services never
 import each other. Every import counts: top level, inside functions, under `if TYPE_CHECKING:`.
 """
@@ -17,20 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS, CORE, SERVICE, TOOLS = 1, 2, 3, 4
 LAYER_NAMES = {KERNELS: "kernels", CORE: "core", SERVICE: "service", TOOLS: "tools"}
 
-# Module prefix -> layer, lowest first; the longest matching prefix wins.
+# Top-level package -> layer, lowest first.
 LAYERS = {
     "kernels": KERNELS,          # torch numerics: imports no project package
-    "tandem": CORE,              # every tandem.* module not listed below
+    "tandem": CORE,              # what more than one service needs
     "verify_service": SERVICE,   # the services: kernels and core only, never each other
     "draft_service": SERVICE,
     "gateway": SERVICE,
-    "tandem.cli": TOOLS,         # the tools on top: may import anything
-    "tandem.launcher": TOOLS,
-    "tandem.bench": TOOLS,
-    "tandem.distill": TOOLS,
-    "tandem.skip_search": TOOLS,
-    "tandem.skip_search_cli": TOOLS,
-    "tandem.colocate": TOOLS,    # joins the two services in the verifier's process
+    "tools": TOOLS,              # the tools on top (CLI, launcher, bench, distill): anything
     "benchmarks": TOOLS,
 }
 NOT_LAYERED = {"tests"}  # top-level directories that hold Python but sit outside the rule
@@ -63,7 +60,7 @@ def imported_names(tree: ast.AST, rel: Path):
         elif isinstance(node, ast.ImportFrom):
             base = package[:len(package) - node.level + 1] if node.level else []
             base = ".".join(base + ([node.module] if node.module else []))
-            for alias in node.names:  # `from tandem import bench` imports tandem.bench
+            for alias in node.names:  # `from tools import bench` imports tools.bench
                 yield node.lineno, base if alias.name == "*" else f"{base}.{alias.name}"
 
 
@@ -103,13 +100,13 @@ def test_imports_run_one_way():
      "service verify_service)"),
     ("tandem/spec/fake.py", "import gateway",
      "imports gateway (layer core tandem may not import layer service gateway)"),
-    ("tandem/fake.py", "def f():\n    from tandem.bench import x",
-     "imports tandem.bench.x (layer core tandem may not import layer tools tandem.bench)"),
+    ("tandem/fake.py", "def f():\n    from tools.bench import x",
+     "imports tools.bench.x (layer core tandem may not import layer tools tools)"),
     ("tandem/spec/fake.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-     "    from ..distill import train", "imports tandem.distill.train (layer core"),
-    ("tandem/__init__.py", "from . import cli", "imports tandem.cli (layer core"),
+     "    from tools.distill import train", "imports tools.distill.train (layer core"),
+    ("tandem/__init__.py", "from tools import cli", "imports tools.cli (layer core"),
     ("kernels/fake.py", "import tandem.errors", "(layer kernels kernels may not import"),
-    ("gateway/fake.py", "from tandem import launcher", "may not import layer tools"),
+    ("gateway/fake.py", "from tools import launcher", "may not import layer tools"),
 ])
 def test_checker_catches_a_wrong_import(path, source, expected):
     problems = check_source(source, path)
@@ -117,8 +114,9 @@ def test_checker_catches_a_wrong_import(path, source, expected):
 
 
 @pytest.mark.parametrize("path,source", [
-    ("benchmarks/fake.py", "import gateway.app, verify_service, tandem.bench, kernels"),
-    ("tandem/bench/fake.py", "from ..distill import train\nfrom . import runner"),
+    ("benchmarks/fake.py", "import gateway.app, verify_service, tools.bench, kernels"),
+    ("tools/bench/fake.py", "from ..distill import train\nfrom . import runner"),
+    ("tools/cli.py", "from gateway.cli import register\nfrom draft_service import main"),
     ("verify_service/fake.py", "from tandem.spec import methods\nfrom .engine import E\n"
      "import kernels.sampling, torch"),
     ("tandem/engine/fake.py", "from ..spec.methods import Method\nfrom kernels import flash"),

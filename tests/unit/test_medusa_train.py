@@ -3,9 +3,10 @@ a few steps lower the loss on a learnable synthetic task, and the export loads b
 import pytest
 import torch
 
-from tandem.distill.eagle import FeatureSeq
-from tandem.distill.medusa import MedusaTrainConfig, evaluate, flatten, train
 from tandem.engine.medusa import MedusaConfig, MedusaHeads, tree_from_accuracy
+from tools.distill.config import MedusaTrainConfig
+from tools.distill.eagle import FeatureSeq
+from tools.distill.medusa import evaluate, flatten, train
 
 pytestmark = pytest.mark.unit
 V, H = 40, 16

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tandem.cli import build_parser, main
+from tools.cli import build_parser, main
 
 pytestmark = pytest.mark.unit
 
@@ -233,7 +233,7 @@ def test_a_drain_signal_during_start_up_is_kept_and_acted_on_once():
 def test_drain_starts_without_the_other_commands_imports():
     """The preStop hook signals at once: `tandem drain` does not import torch (which every
     other command's parser pulls in, ~1.5 s here)."""
-    code = ("import sys; from tandem.cli import main; "
+    code = ("import sys; from tools.cli import main; "
             "rc = main(['drain', '--pid', '999999999', '--sleep', '0']); "
             "print(rc, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from tandem.cli import main
+from tools.cli import main
 
 pytestmark = pytest.mark.unit
 
@@ -24,14 +24,14 @@ COMMANDS = {"bench": ["--docs", ""], "distill": ["--out", "unused-draft"],
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tandem.cli import build_parser
+    from tools.cli import build_parser
 
     return build_parser()
 
 
 @pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1"])
 def test_device_flags_parse_on_every_tool(device):
-    from tandem.bench.cli import config_from_args
+    from tools.bench.cli import config_from_args
 
     p = _parser()
     cfg = config_from_args(p.parse_args(["bench", "--device", device, "--dtype", "bfloat16"]))
@@ -42,7 +42,7 @@ def test_device_flags_parse_on_every_tool(device):
 
 
 def test_defaults_are_auto_and_the_environment_is_read(monkeypatch):
-    from tandem.bench.cli import config_from_args
+    from tools.bench.cli import config_from_args
 
     args = _parser().parse_args(["bench"])
     cfg = config_from_args(args)
@@ -115,16 +115,17 @@ def test_a_gpu_index_the_host_lacks_is_a_clean_error(cmd, tmp_path, capsys):
 
 
 def test_bench_main_reports_a_missing_gpu_without_a_traceback(tmp_path, capsys):
-    from tandem.bench.cli import main as bench_main
+    from tools.bench.cli import main as bench_main
 
     assert bench_main(["--docs", "", "--out", str(tmp_path / "b"), "--device", "cuda:99"]) == 2
     assert capsys.readouterr().err.startswith("tandem: error: device 'cuda:99'")
 
 
 def test_configs_check_their_device():
-    from tandem.bench.runner import BenchConfig, quick_config
-    from tandem.distill.data import DataConfig, placed
-    from tandem.launcher import ClusterConfig
+    from tools.bench.runner import BenchConfig, quick_config
+    from tools.distill.config import DataConfig
+    from tools.distill.data import placed
+    from tools.launcher import ClusterConfig
 
     assert quick_config(device="cuda:1").device == "cuda:1"
     for bad in (dict(device="tpu"), dict(dtype="fp8")):
@@ -144,7 +145,7 @@ def test_configs_check_their_device():
 
 def _spawned(config, monkeypatch) -> dict[str, list[str]]:
     """The command lines Cluster.start would run, without running them."""
-    from tandem.launcher import Cluster
+    from tools.launcher import Cluster
 
     cluster = Cluster(config, log=lambda m: None)
     spawned: dict[str, list[str]] = {}
@@ -155,7 +156,7 @@ def _spawned(config, monkeypatch) -> dict[str, list[str]]:
 
 
 def test_launcher_passes_device_and_dtype_to_verifiers_and_drafts(monkeypatch):
-    from tandem.launcher import ClusterConfig
+    from tools.launcher import ClusterConfig
 
     cfg = ClusterConfig(num_drafts=2, num_verifiers=1, redis_url="redis://127.0.0.1:1",
                         gateway_port=1, device="cuda:1", dtype="bfloat16")
@@ -170,7 +171,7 @@ def test_launcher_passes_device_and_dtype_to_verifiers_and_drafts(monkeypatch):
 
 def test_launcher_leaves_auto_to_each_process(monkeypatch):
     """auto passes nothing: the workers' own TANDEM_*_DEVICE / _DTYPE, else their auto."""
-    from tandem.launcher import ClusterConfig
+    from tools.launcher import ClusterConfig
 
     spawned = _spawned(ClusterConfig(redis_url="redis://127.0.0.1:1", gateway_port=1,
                                      dtype="int8"), monkeypatch)
@@ -180,7 +181,7 @@ def test_launcher_leaves_auto_to_each_process(monkeypatch):
 
 
 def test_report_machine_line_records_the_device():
-    from tandem.bench.report import machine_md
+    from tools.bench.report import machine_md
 
     old = {"cpu": "x", "cores": 2, "gpu": "none", "torch": "t"}  # results from before --device
     assert machine_md(old) == "x, 2 cores, no GPU"
@@ -191,15 +192,15 @@ def test_report_machine_line_records_the_device():
 
 
 def test_machine_says_where_the_models_ran():
-    from tandem.bench.runner import machine
     from tandem.device import place
+    from tools.bench.runner import machine
 
     m = machine(place("cpu", "float32"))
     assert (m["gpu"], m["device"], m["dtype"]) == ("none", "cpu", "float32")
 
 
 def test_to_cpu_keeps_state_dict_versions_and_cpu_tensors():
-    from tandem.distill.train import to_cpu
+    from tools.distill.train import to_cpu
 
     module = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(module.parameters())
@@ -232,7 +233,7 @@ def _tiny_llama(root, peaky: bool = True):
 
 
 def _examples(n: int = 6, seed: int = 0):
-    from tandem.distill.data import Example
+    from tools.distill.data import Example
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -246,8 +247,9 @@ def _examples(n: int = 6, seed: int = 0):
 
 
 def _draft(device):
-    from tandem.distill.train import DraftArch, make_draft
     from tandem.engine.llama import DraftVocab
+    from tools.distill.config import DraftArch
+    from tools.distill.train import make_draft
 
     arch = DraftArch(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=0)
     vocab = DraftVocab(tuple(range(V)), V, 0)
@@ -259,7 +261,7 @@ def _draft(device):
 def test_draft_training_step_on_device_matches_cpu(device, tmp_path):
     """A distillation step: same start, same loss and update on the device as on the CPU;
     the checkpoint is CPU tensors and resumes onto the device."""
-    from tandem.distill.train import (
+    from tools.distill.train import (
         apply_state,
         batch_loss,
         make_batches,
@@ -302,7 +304,7 @@ def test_draft_training_step_on_device_matches_cpu(device, tmp_path):
 
 
 def _feature_seqs(h: int, n: int = 6):
-    from tandem.distill.eagle import FeatureSeq
+    from tools.distill.eagle import FeatureSeq
 
     g = torch.Generator().manual_seed(1)
     out = []
@@ -320,11 +322,12 @@ def _feature_seqs(h: int, n: int = 6):
 def test_eagle_head_trains_on_device_and_exports_cpu_tensors(device, tmp_path):
     from safetensors.torch import load_file
 
-    from tandem.distill.eagle import EagleTrainConfig, _collate, _to, step_losses, train
-    from tandem.distill.eagle_head import EagleTrainHead
     from tandem.engine.eagle import EagleHead
     from tandem.engine.llama import DraftVocab, LlamaConfig
     from tandem.models import ModelPaths
+    from tools.distill.config import EagleTrainConfig
+    from tools.distill.eagle import _collate, _to, step_losses, train
+    from tools.distill.eagle_head import EagleTrainHead
 
     hf = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 48,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -365,8 +368,9 @@ def test_eagle_head_trains_on_device_and_exports_cpu_tensors(device, tmp_path):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_medusa_heads_train_on_device_like_on_cpu(device, tmp_path):
-    from tandem.distill.medusa import MedusaTrainConfig, evaluate, flatten, train
     from tandem.engine.medusa import MedusaConfig, MedusaHeads
+    from tools.distill.config import MedusaTrainConfig
+    from tools.distill.medusa import evaluate, flatten, train
 
     h = 16
     seqs = _feature_seqs(h)
@@ -394,15 +398,15 @@ def test_data_generation_on_device_matches_cpu(device, tmp_path):
     and it is written from CPU tensors."""
     from safetensors.torch import load_file
 
-    from tandem.distill.data import (
+    from tandem.models import resolve_model
+    from tandem.sampling_params import SamplingParams
+    from tools.distill.data import (
         DataConfig,
         _RecordingGenerator,
         generate_shard,
         placed,
         target_runner,
     )
-    from tandem.models import resolve_model
-    from tandem.sampling_params import SamplingParams
 
     paths = resolve_model(_tiny_llama(tmp_path / "target"))
     shards = {}
@@ -427,8 +431,8 @@ def test_data_generation_on_device_matches_cpu(device, tmp_path):
 def test_bench_baselines_on_device(device, tmp_path):
     """The transformers peers (plain and assisted) and the cost timing run on the device; the
     peers produce the requested tokens as on the CPU."""
-    from tandem.bench.baselines import load_assistant, load_target, measure_c, run_peer
     from tandem.device import place
+    from tools.bench.baselines import load_assistant, load_target, measure_c, run_peer
 
     root = _tiny_llama(tmp_path / "tiny")
     at = place(device, "float32")

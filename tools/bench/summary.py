@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from tandem.bench.runner import SPEC_METHODS
-from tandem.bench.shapes import cost_curve, shapes_table
-from tandem.bench.stats import (
+from tandem.spec.methods import Method
+from tools.bench.runner import SPEC_METHODS
+from tools.bench.shapes import cost_curve, shapes_table
+from tools.bench.stats import (
     best_bound,
     breakdown_by_k,
     leviathan_bound,
@@ -18,7 +19,6 @@ from tandem.bench.stats import (
     spec_summary,
     throughput,
 )
-from tandem.spec.methods import Method
 
 # (system, method) in the order the tables list them, with their display names.
 LABELS = {("transformers", "plain"): "transformers generate",

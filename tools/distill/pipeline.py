@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from tandem.device import Placement, check_device_spec
-from tandem.distill.data import (
+from tandem.models import ModelError, ModelPaths, read_hf_config, resolve_model, tokenizer_hash
+from tools.distill.data import (
     DataConfig,
     data_stats,
     generate_dataset,
@@ -23,7 +24,7 @@ from tandem.distill.data import (
     placed,
     target_runner,
 )
-from tandem.distill.train import (
+from tools.distill.train import (
     DraftArch,
     TrainConfig,
     apply_state,
@@ -37,7 +38,6 @@ from tandem.distill.train import (
     save_state,
     state_vocab,
 )
-from tandem.models import ModelError, ModelPaths, read_hf_config, resolve_model, tokenizer_hash
 
 CARD_FILE = "tandem_draft.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -18,54 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tandem.device import Placement, place
-from tandem.distill.corpus import Prompt, build_prompts, encode_prompt
 from tandem.engine.generate import LocalGenerator
-from tandem.sampling_params import SamplingParams
-
-GEN_DTYPES = ("auto", "bfloat16", "float32", "float16")  # the target's while generating
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    num_prompts: int = 3000
-    batch_size: int = 16
-    max_new_tokens: int = 160
-    max_prompt_tokens: int = 256
-    top_k: int = 32  # teacher log-probs kept per position
-    sampled_every: int = 3  # every n-th shard samples at temperature; the rest are greedy
-    temperature: float = 0.7
-    seed: int = 0
-    kv_cache_mb: int = 1024
-    # bf16 generates ~4x faster on CPUs with AVX512-BF16 and its greedy tokens agree with
-    # fp32 on 98.8% of positions (KL 6e-4 nats), so the teacher barely changes. "auto" is the
-    # device's (tandem.device: float32 on the cpu, bfloat16 on a GPU), resolved by `placed`.
-    dtype: str = "bfloat16"
-    mix: str = "corpus"  # prompt set: "corpus" (Austen / code / questions) or "chat"
-    # Also keep the target's final normed hidden state of every position (fp16), for EAGLE
-    # heads: they come out of the generating forwards for free.
-    features: bool = False
-
-    def __post_init__(self):
-        for name in ("num_prompts", "batch_size", "max_new_tokens", "max_prompt_tokens",
-                     "top_k", "sampled_every", "kv_cache_mb"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.dtype not in GEN_DTYPES:
-            raise ValueError(f"the data's dtype must be one of {', '.join(GEN_DTYPES)}, got "
-                             f"{self.dtype!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            raise ValueError("dtype 'auto' is resolved on a device first (data.placed)")
-        return getattr(torch, self.dtype)
-
-    def shard_params(self, shard: int) -> SamplingParams:
-        if shard % self.sampled_every == self.sampled_every - 1:
-            return SamplingParams(temperature=self.temperature, seed=self.seed * 100003 + shard)
-        return SamplingParams(temperature=0.0)
+from tools.distill.config import DataConfig
+from tools.distill.corpus import Prompt, build_prompts, encode_prompt
 
 
 class _RecordingGenerator(LocalGenerator):
@@ -253,7 +208,7 @@ def data_stats(examples: list[Example]) -> dict:
 
 
 def main(argv=None) -> None:
-    """Data only: `python -m tandem.distill.data TARGET DATA_DIR [N [MINUTES [I/PARTS]]]` (the
+    """Data only: `python -m tools.distill.data TARGET DATA_DIR [N [MINUTES [I/PARTS]]]` (the
     same DataConfig defaults as `tandem distill`; run PARTS processes to use more cores; the
     target on $TANDEM_DISTILL_DEVICE, default auto)."""
     from transformers import AutoTokenizer

@@ -1,7 +1,7 @@
 """Generate the Python gRPC stubs of the wire contract (proto/tandem/v1/*.proto).
 
-    python -m tandem.protogen          # regenerate tandem/v1/*_pb2.py, *_pb2.pyi, *_pb2_grpc.py
-    python -m tandem.protogen --check  # exit 1 listing committed stubs that are stale
+    python -m tools.protogen          # regenerate tandem/v1/*_pb2.py, *_pb2.pyi, *_pb2_grpc.py
+    python -m tools.protogen --check  # exit 1 listing committed stubs that are stale
 
 `protoc -Iproto` on `proto/tandem/v1/x.proto` writes `tandem/v1/x_pb2.py` relative to the output
 directory, so generating into the repository root puts the stubs next to this module and they
@@ -121,7 +121,7 @@ def generate(repo_root: Path | str = REPO_ROOT) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tandem.protogen", description=__doc__.splitlines()[0]
+        prog="python -m tools.protogen", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
         "--check", action="store_true", help="do not write; exit 1 if the committed stubs are stale"
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = stale_files(args.repo_root)
         if stale:
-            print("stale generated stubs (run `python -m tandem.protogen`):", file=sys.stderr)
+            print("stale generated stubs (run `python -m tools.protogen`):", file=sys.stderr)
             for path in stale:
                 print(f"  {path}", file=sys.stderr)
             return 1

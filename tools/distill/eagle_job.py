@@ -15,17 +15,18 @@ from pathlib import Path
 import torch
 
 from tandem.device import check_device_spec
-from tandem.distill.data import DataConfig, generate_dataset, placed, target_runner
-from tandem.distill.eagle import (
+from tandem.engine.eagle import EAGLE_CARD
+from tandem.models import read_hf_config, resolve_model
+from tools.distill.config import DataConfig
+from tools.distill.data import generate_dataset, placed, target_runner
+from tools.distill.eagle import (
     EagleTrainConfig,
     card,
     load_feature_seqs,
     make_head,
     train,
 )
-from tandem.distill.pipeline import _TOKENIZER_FILES
-from tandem.engine.eagle import EAGLE_CARD
-from tandem.models import read_hf_config, resolve_model
+from tools.distill.pipeline import _TOKENIZER_FILES
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from tandem.bench.stats import decode_tps
 from tandem.device import Placement, synchronize
+from tools.bench.stats import decode_tps
 
 PEER_METHODS = ("plain", "assisted", "prompt_lookup")
 
@@ -185,10 +185,10 @@ def measure_eagle_c(head_dir: str, target: str, reps: int = 40,
     head and sampling) against the target's batch-1 1-token forward, interleaved, 1 thread."""
     from draft_service.config import DraftConfig
     from draft_service.proposers.eagle import EagleProposer
-    from tandem.distill.acceptance import forward_cost_ms
     from tandem.engine.llama import LlamaModel
     from tandem.models import ModelPaths, resolve_model
     from tandem.spec import DraftRequest
+    from tools.distill.acceptance import forward_cost_ms
 
     at = _placement(at)
     threads = torch.get_num_threads()
@@ -222,10 +222,10 @@ def measure_eagle_c(head_dir: str, target: str, reps: int = 40,
 def measure_layer_skip_c(target: str, reps: int = 40, at: Placement | None = None) -> dict:
     """c of the layer-skip draft the verifier serves (the set found with the target), as
     measure_c times a draft model; {} when the target has no skip set."""
-    from tandem.distill.acceptance import AcceptanceConfig, measure_cost
     from tandem.engine.layer_skip import SkipSet, find_skip_set, skip_view
     from tandem.engine.llama import LlamaModel
     from tandem.models import resolve_model
+    from tools.distill.acceptance import AcceptanceConfig, measure_cost
 
     paths = resolve_model(target)
     found = find_skip_set(paths)
@@ -239,7 +239,7 @@ def measure_layer_skip_c(target: str, reps: int = 40, at: Placement | None = Non
 
 def measure_c(draft: str, target: str, reps: int = 40, at: Placement | None = None) -> dict:
     """The draft/target cost ratio c for Leviathan's formula: median batch-1 1-token forward
-    of each through our runner on one thread. tandem.distill.acceptance's measurement when it
+    of each through our runner on one thread. tools.distill.acceptance's measurement when it
     is there (so this report and `tandem acceptance` agree), else the same thing here."""
     from tandem.engine.llama import LlamaModel
     from tandem.models import resolve_model
@@ -248,7 +248,7 @@ def measure_c(draft: str, target: str, reps: int = 40, at: Placement | None = No
     dm = LlamaModel.load(resolve_model(draft), at.dtype, device=at.device)
     tm = LlamaModel.load(resolve_model(target), at.dtype, device=at.device)
     try:
-        from tandem.distill.acceptance import AcceptanceConfig, measure_cost
+        from tools.distill.acceptance import AcceptanceConfig, measure_cost
 
         return measure_cost(dm, tm, AcceptanceConfig(timing_reps=reps))
     except (ImportError, TypeError, AttributeError):  # that module is still being finished

@@ -1,4 +1,4 @@
-"""`tandem bench`: wire with `register(subparsers)`; also runnable as `python -m tandem.bench.cli`.
+"""`tandem bench`: wire with `register(subparsers)`; also runnable as `python -m tools.bench.cli`.
 
   tandem bench --quick                   # ~5 min: one prompt per category, 64 tokens
   tandem bench --shape-methods eagle     # chain vs tree for eagle only ('' skips the phase)
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-category", type=int, help="prompts per category, 0 = all "
                    "(default 0; --quick 1)")
     p.add_argument("--prompts", type=lambda t: tuple(x for x in t.split(",") if x),
-                   help="only these prompt ids of tandem/bench/prompts.jsonl (smoke runs)")
+                   help="only these prompt ids of tools/bench/prompts.jsonl (smoke runs)")
     p.add_argument("--model", default="", help="target model (default: the default target)")
     p.add_argument("--eagle", default="", help="EAGLE head directory, 'none' for no eagle "
                    "(default: the shipped head)")
@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args):
-    from tandem.bench.runner import BenchConfig, quick_config
+    from tools.bench.runner import BenchConfig, quick_config
 
     overrides = {"k": args.k, "model": args.model, "draft_model": args.draft_model,
                  "eagle": args.eagle,
@@ -103,8 +103,8 @@ def config_from_args(args):
 
 
 def _print_summary(s: dict, out: Path) -> None:
-    from tandem.bench.report import concurrency_md, targets_md, throughput_md
-    from tandem.bench.shapes import shapes_md
+    from tools.bench.report import concurrency_md, targets_md, throughput_md
+    from tools.bench.shapes import shapes_md
 
     shapes = "\n\n" + shapes_md(s["shapes"]) if s.get("shapes") else ""
     print("\n" + throughput_md(s) + shapes + "\n\n" + concurrency_md(s) + "\n\n"
@@ -135,11 +135,11 @@ def cmd_bench(args) -> int:
     code = 0
     try:
         if repetitive:
-            from tandem.bench.repetitive import run_repetitive
+            from tools.bench.repetitive import run_repetitive
 
             run_repetitive(config, args.repeats, result, out)
         else:
-            from tandem.bench.runner import run_bench
+            from tools.bench.runner import run_bench
 
             run_bench(config, result, out)
     except KeyboardInterrupt:
@@ -153,13 +153,13 @@ def cmd_bench(args) -> int:
 
 
 def _write_standard(result: dict, out: Path, docs: Path | None) -> None:
-    from tandem.bench.report import write_outputs
+    from tools.bench.report import write_outputs
 
     _print_summary(write_outputs(result, out, docs), out)
 
 
 def _write_repetitive(result: dict, out: Path, docs: Path | None) -> None:
-    from tandem.bench.repetitive import write_outputs
+    from tools.bench.repetitive import write_outputs
 
     write_outputs(result, out, docs)
 
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     try:
         return args.func(args)
-    except ValueError as exc:  # as `tandem bench` reports it (tandem.cli.main)
+    except ValueError as exc:  # as `tandem bench` reports it (tools.cli.main)
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tandem.bench.shapes import TREE_METHODS
-from tandem.bench.stats import percentile
 from tandem.device import Placement, check_device_spec, check_dtype_spec, place
 from tandem.spec.methods import API_NAMES, Method
+from tools.bench.shapes import TREE_METHODS
+from tools.bench.stats import percentile
 
 PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
 # Every method the API names but mtp: the default target carries no MTP module, so an mtp row
@@ -52,7 +52,7 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 4, 16, 32)
     # Every level runs each of these, interleaved (for each level, for each method).
     concurrency_methods: tuple[str, ...] = TANDEM_METHODS
-    # The chain-vs-tree phase (tandem.bench.shapes) runs these methods, greedy, on the first
+    # The chain-vs-tree phase (tools.bench.shapes) runs these methods, greedy, on the first
     # shape_prompts prompts of the run (0 = all of them); () skips the phase.
     shape_methods: tuple[str, ...] = TREE_METHODS
     shape_prompts: int = 0
@@ -205,7 +205,7 @@ def _row(p: dict, system: str, method: str, temperature: float, out: dict) -> di
 def run_peers(ctx: _Ctx) -> None:
     import torch
 
-    from tandem.bench.baselines import PEER_METHODS, load_assistant, load_target, run_peer
+    from tools.bench.baselines import PEER_METHODS, load_assistant, load_target, run_peer
 
     cfg = ctx.cfg
     torch.set_num_threads(cfg.peer_threads or torch.get_num_threads())
@@ -227,7 +227,7 @@ def run_peers(ctx: _Ctx) -> None:
 
 
 def run_gateway(ctx: _Ctx, url: str) -> None:
-    from tandem.bench.client import chat_body, run_single
+    from tools.bench.client import chat_body, run_single
 
     cfg = ctx.cfg
     for method in TANDEM_METHODS:  # warm-up: connections, draft worker caches
@@ -243,7 +243,7 @@ def run_gateway(ctx: _Ctx, url: str) -> None:
 
 
 def run_rounds(ctx: _Ctx, verifier: str, draft: str) -> None:
-    from tandem.bench.client import verifier_rounds
+    from tools.bench.client import verifier_rounds
 
     cfg = ctx.cfg
     for p in ctx.prompts:
@@ -273,7 +273,7 @@ def run_concurrency(ctx: _Ctx, url: str, tokenizer) -> None:
 
 def _concurrent(ctx: _Ctx, url: str, tokenizer, n: int, method: str) -> dict:
     """`n` greedy sessions of `method` at once, the prompts taken in turn."""
-    from tandem.bench.client import chat_body, run_concurrent
+    from tools.bench.client import chat_body, run_concurrent
 
     cfg = ctx.cfg
     bodies = [chat_body(ctx.prompts[i % len(ctx.prompts)]["prompt"], cfg.max_tokens, 0.0,
@@ -320,7 +320,7 @@ def _phase(ctx: _Ctx, name: str, fn, *args) -> None:
 
 
 def _jobs(cfg: BenchConfig, n_prompts: int, shape_methods: tuple[str, ...]) -> int:
-    from tandem.bench.shapes import jobs as shape_jobs
+    from tools.bench.shapes import jobs as shape_jobs
 
     peers = n_prompts * len(cfg.peer_temperatures) * 3 if cfg.peers else 0
     return (peers + n_prompts * len(cfg.temperatures) * len(TANDEM_METHODS)
@@ -333,8 +333,8 @@ def _shape_methods(cfg: BenchConfig, eagle: str,
                    target) -> tuple[tuple[str, ...], dict[str, str]]:
     """The chain-vs-tree methods this run can serve, and why the others are skipped (`target`:
     its tandem.models.ModelPaths)."""
-    from tandem.bench.shapes import available
     from tandem.engine.medusa import find_medusa
+    from tools.bench.shapes import available
 
     # The cluster's verifier finds Medusa heads the same way (its --medusa auto).
     return available(cfg.shape_methods, eagle, find_medusa(target) is not None)
@@ -342,7 +342,7 @@ def _shape_methods(cfg: BenchConfig, eagle: str,
 
 def _costs(ctx: _Ctx, eagle: str, shape_methods: tuple[str, ...]) -> None:
     """The in-process cost timings, each its own phase, before the cluster takes the CPU."""
-    from tandem.bench.baselines import (
+    from tools.bench.baselines import (
         measure_c,
         measure_eagle_c,
         measure_layer_skip_c,
@@ -372,10 +372,10 @@ def run_bench(cfg: BenchConfig, result: dict, out_dir: Path) -> dict:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from tandem.bench.client import worker_addresses
-    from tandem.bench.shapes import run_shapes
-    from tandem.launcher import Cluster, ClusterConfig, free_port
     from tandem.models import resolve_model
+    from tools.bench.client import worker_addresses
+    from tools.bench.shapes import run_shapes
+    from tools.launcher import Cluster, ClusterConfig, free_port
 
     hf_logging.set_verbosity_error()  # generate()'s deprecation chatter would bury the bar
     start = time.perf_counter()

@@ -77,7 +77,7 @@ def _cmd_generate(args) -> int:
 def _cmd_up(args) -> int:
     import signal
 
-    from tandem.launcher import Cluster, ClusterConfig, demo_completion
+    from tools.launcher import Cluster, ClusterConfig, demo_completion
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -138,7 +138,7 @@ def _add_keys(sub) -> None:
 
 async def _colocate(model, paths, config):
     """The verifier's in-process layer-skip worker (imports draft_service only when used)."""
-    from tandem.colocate import start_layer_skip
+    from tools.colocate import start_layer_skip
 
     return await start_layer_skip(model, paths, config)
 
@@ -192,17 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     from draft_service.cli import register as register_draft
     from gateway.cli import register as register_gateway
-    from tandem.bench.cli import register as register_bench
+    from tools.bench.cli import register as register_bench
     from verify_service.cli import register as register_verifier
 
     register_verifier(sub, _colocate)
     register_draft(sub)
     register_gateway(sub)
     register_bench(sub)
-    from tandem.distill.cli import register as register_distill
+    from tools.distill.cli import register as register_distill
 
     register_distill(sub)
-    from tandem.skip_search_cli import register as register_search_skip
+    from tools.skip_search_cli import register as register_search_skip
 
     register_search_skip(sub)
     from tandem.drain import register as register_drain

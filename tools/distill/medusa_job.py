@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 
 from tandem.device import check_device_spec
-from tandem.distill.data import DataConfig, generate_dataset, placed, target_runner
-from tandem.distill.eagle import load_feature_seqs
-from tandem.distill.medusa import MedusaTrainConfig, card, flatten, make_heads, split, train
 from tandem.engine.llama import DraftVocab, LlamaConfig
 from tandem.engine.medusa import expected_accepted, tree_from_accuracy
 from tandem.models import read_hf_config, resolve_model
+from tools.distill.config import DataConfig, MedusaTrainConfig
+from tools.distill.data import generate_dataset, placed, target_runner
+from tools.distill.eagle import load_feature_seqs
+from tools.distill.medusa import card, flatten, make_heads, split, train
 
 
 @dataclass(frozen=True)

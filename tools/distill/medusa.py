@@ -1,6 +1,6 @@
 """`tandem distill --method medusa`: train Medusa heads on the target's recorded features.
 
-Data: the same generation cache as EAGLE (tandem.distill.data with features=True): the
+Data: the same generation cache as EAGLE (tools.distill.data with features=True): the
 target's final normed hidden state at every position and its top-K log-probs at every
 generated one. Head i (1-based) at position t learns the target's distribution of token
 t + 1 + i (soft cross-entropy on the teacher's top-K through the frozen LM-head rows of the
@@ -18,38 +18,14 @@ from pathlib import Path
 
 import torch
 
-from tandem.distill.eagle import FeatureSeq, build_vocab, lr_at
-from tandem.distill.train import to_cpu
 from tandem.engine.llama import LlamaConfig, _load_tensors
 from tandem.engine.medusa import MedusaConfig, MedusaHeads, tree_from_accuracy
 from tandem.models import ModelPaths, read_hf_config, tokenizer_hash
+from tools.distill.config import MedusaTrainConfig
+from tools.distill.eagle import FeatureSeq, build_vocab, lr_at
+from tools.distill.train import to_cpu
 
 RANKS = 10  # ranks whose accuracy is measured (the widest tree level considered)
-
-
-@dataclass(frozen=True)
-class MedusaTrainConfig:
-    num_heads: int = 4
-    num_layers: int = 1
-    vocab: int = 8192
-    tree_size: int = 16  # nodes in the exported default tree
-    time_budget_min: float = 20.0
-    epochs: float = 2.0
-    batch_positions: int = 1024
-    lr: float = 1e-3
-    warmup: int = 50
-    teacher_top_k: int = 8
-    val_fraction: float = 0.04
-    checkpoint_min: float = 4.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.num_heads < 1 or self.num_layers < 1 or self.vocab < 16 or self.tree_size < 1:
-            raise ValueError("need num_heads, num_layers, tree_size >= 1 and vocab >= 16")
-        if self.batch_positions < 16 or self.lr <= 0 or self.epochs <= 0:
-            raise ValueError("need batch_positions >= 16, lr > 0, epochs > 0")
-        if not 0 <= self.val_fraction < 1 or self.checkpoint_min <= 0:
-            raise ValueError("need 0 <= val_fraction < 1 and checkpoint_min > 0")
 
 
 @dataclass(frozen=True)

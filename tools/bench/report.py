@@ -9,9 +9,9 @@ import math
 import shutil
 from pathlib import Path
 
-from tandem.bench import shapes
-from tandem.bench.mdtable import fmt, table
-from tandem.bench.summary import LABELS, summarize
+from tools.bench import shapes
+from tools.bench.mdtable import fmt, table
+from tools.bench.summary import LABELS, summarize
 
 PLOTS = {"speedup": "bench-speedup.png", "concurrency": "bench-concurrency.png",
          "acceptance": "bench-acceptance-by-position.png",
@@ -261,7 +261,7 @@ DEFINITIONS = """\
 
 
 def write_plots(s: dict, out_dir: Path) -> list[Path]:
-    from tandem.bench import plots
+    from tools.bench import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
     return plots.write_all(s, out_dir, PLOTS, BREAKDOWN_PARTS, LABELS)

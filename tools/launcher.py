@@ -106,7 +106,7 @@ class Cluster:
         self.gateway_url = f"http://{gateway}"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "tandem.cli", *args]
+        cmd = [sys.executable, "-m", "tools.cli", *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True,
                                 stdout=self.output, stderr=self.output)

@@ -16,54 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem.distill.data import Example
 from tandem.engine.llama import DraftVocab
-
-
-@dataclass(frozen=True)
-class DraftArch:
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 768
-    vocab: int = 8192  # kept target tokens; 0 = the target's full vocabulary
-    # Start from the target's own first `layers` layers, norm and (kept) embedding rows: an
-    # early-exit copy of the target learns far faster than a random draft on little data.
-    init_from_target: bool = False
-    # Keep the embedding (= tied output head) fixed: with little data, training it overfits
-    # the rows of tokens the data happens to contain.
-    freeze_embeddings: bool = False
-
-    def __post_init__(self):
-        for name in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"hidden {self.hidden} must divide by heads {self.heads}, and "
-                             f"heads by kv_heads {self.kv_heads}")
-        if self.vocab < 0:
-            raise ValueError(f"--draft-vocab must be >= 0, got {self.vocab}")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 3000
-    time_budget_min: float = 0.0  # 0 = no limit; else the LR schedule ends at the budget
-    batch_tokens: int = 4096  # padded tokens per batch
-    lr: float = 2e-3
-    warmup: int = 100
-    weight_decay: float = 0.01
-    ce_weight: float = 0.1  # cross-entropy on the generated token, added to the KL
-    seed: int = 0
-    checkpoint_min: float = 5.0  # minutes between checkpoints (and exports)
-    bf16: bool = True  # autocast matmuls to bf16: ~3.7x faster on AVX512-BF16 CPUs
-
-    def __post_init__(self):
-        if self.steps < 0 or self.batch_tokens < 16 or self.lr <= 0 or self.warmup < 0:
-            raise ValueError("need steps >= 0, batch_tokens >= 16, lr > 0, warmup >= 0")
-        if self.time_budget_min < 0 or self.ce_weight < 0 or self.checkpoint_min <= 0:
-            raise ValueError("need time_budget >= 0, ce_weight >= 0, checkpoint_min > 0")
+from tools.distill.config import DraftArch, TrainConfig
+from tools.distill.data import Example
 
 
 def build_draft_vocab(examples: list[Example], size: int, target_vocab: int,

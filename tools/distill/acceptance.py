@@ -208,7 +208,7 @@ def measure(draft: str, target: str, prompts_path: Path | None, cfg: AcceptanceC
     `at` (default: the cpu, float32)."""
     from transformers import AutoTokenizer
 
-    from tandem.distill.corpus import Prompt, encode_prompt
+    from tools.distill.corpus import Prompt, encode_prompt
 
     dpaths, tpaths = resolve_model(draft), resolve_model(target)
     if tokenizer_hash(dpaths) != tokenizer_hash(tpaths):

@@ -1,4 +1,4 @@
-"""`tandem distill` and `tandem acceptance` sub-commands (registered by tandem/cli.py)."""
+"""`tandem distill` and `tandem acceptance` sub-commands (registered by tools/cli.py)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,7 @@ from tandem.models import DEFAULT_TARGET
 
 def _gen_dtype(value: str) -> str:
     """--gen-dtype's value (argparse `type`): a dtype the target can generate in."""
-    from tandem.distill.data import GEN_DTYPES
+    from tools.distill.config import GEN_DTYPES
 
     if value not in GEN_DTYPES:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(GEN_DTYPES)}, got "
@@ -45,10 +45,13 @@ def _add_data_args(p, d) -> None:
 
 
 def _add_distill(sub) -> None:
-    from tandem.distill.data import DataConfig
-    from tandem.distill.eagle import EagleTrainConfig
-    from tandem.distill.medusa import MedusaTrainConfig
-    from tandem.distill.train import DraftArch, TrainConfig
+    from tools.distill.config import (
+        DataConfig,
+        DraftArch,
+        EagleTrainConfig,
+        MedusaTrainConfig,
+        TrainConfig,
+    )
 
     d, a, t = DataConfig(), DraftArch(), TrainConfig()
     p = sub.add_parser("distill", help="train a draft model for a target by distillation on "
@@ -118,9 +121,8 @@ def _cmd_distill(args) -> int:
     import torch
 
     from tandem.device import place
-    from tandem.distill.data import DataConfig
-    from tandem.distill.pipeline import DistillJob, run_distill
-    from tandem.distill.train import DraftArch, TrainConfig
+    from tools.distill.config import DataConfig, DraftArch, TrainConfig
+    from tools.distill.pipeline import DistillJob, run_distill
 
     # Resolved first: a GPU this host lacks is a clear error, not a traceback minutes later.
     at = place(args.device, args.dtype)
@@ -154,9 +156,8 @@ def _cmd_distill(args) -> int:
 
 
 def _cmd_eagle(args) -> int:
-    from tandem.distill.data import DataConfig
-    from tandem.distill.eagle import EagleTrainConfig
-    from tandem.distill.eagle_job import EagleJob, run_eagle
+    from tools.distill.config import DataConfig, EagleTrainConfig
+    from tools.distill.eagle_job import EagleJob, run_eagle
 
     # Features are kept from the generating forwards; fp32 (bf16 is slower without AVX512).
     data = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
@@ -170,8 +171,8 @@ def _cmd_eagle(args) -> int:
                     device=args.device,
                     command=shlex.join(["tandem", *getattr(args, "argv", sys.argv[1:])]))
     if args.method == "medusa":
-        from tandem.distill.medusa import MedusaTrainConfig
-        from tandem.distill.medusa_job import MedusaJob, run_medusa
+        from tools.distill.config import MedusaTrainConfig
+        from tools.distill.medusa_job import MedusaJob, run_medusa
 
         cfg = MedusaTrainConfig(
             num_heads=args.medusa_num_heads, num_layers=args.medusa_num_layers,
@@ -215,7 +216,7 @@ def _add_acceptance(sub) -> None:
 
 def _cmd_acceptance(args) -> int:
     from tandem.device import place
-    from tandem.distill.acceptance import AcceptanceConfig, format_table, measure
+    from tools.distill.acceptance import AcceptanceConfig, format_table, measure
 
     at = place(args.device, args.dtype)
     temps = tuple(float(x) for x in args.temperatures.split(",") if x.strip())
@@ -233,7 +234,7 @@ def _cmd_acceptance(args) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text)
     if args.write_card:
-        from tandem.distill.pipeline import CARD_FILE
+        from tools.distill.pipeline import CARD_FILE
 
         card_path = Path(args.draft) / CARD_FILE
         card = json.loads(card_path.read_text()) if card_path.exists() else {}

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 
-from tandem.bench.mdtable import fmt, table
-from tandem.bench.stats import ratio, throughput
 from tandem.spec.methods import Method
+from tools.bench.mdtable import fmt, table
+from tools.bench.stats import ratio, throughput
 
 NONE = Method.NONE.api_name
 SHAPES = ("chain", "tree")
@@ -40,7 +40,7 @@ def configs(methods: tuple[str, ...]) -> list[tuple[str, str | None]]:
 def run_shapes(ctx, url: str, methods: tuple[str, ...]) -> None:
     """The phase: greedy requests through the gateway, one per (prompt, config). A failed
     request is recorded and the rest still run."""
-    from tandem.bench.client import chat_body, run_single
+    from tools.bench.client import chat_body, run_single
 
     cfg, order = ctx.cfg, configs(methods)
     prompts = ctx.prompts[:cfg.shape_prompts] if cfg.shape_prompts else ctx.prompts

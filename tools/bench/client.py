@@ -11,9 +11,9 @@ import uuid
 import grpc
 import httpx
 
-from tandem.bench.stats import decode_tps, itl_samples
 from tandem.spec.methods import Method
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from tools.bench.stats import decode_tps, itl_samples
 
 MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT_S = 600.0

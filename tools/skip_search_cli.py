@@ -51,11 +51,11 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from tandem.device import place
-    from tandem.distill.acceptance import load_prompts
-    from tandem.distill.corpus import Prompt, encode_prompt
     from tandem.engine.llama import LlamaModel
     from tandem.models import resolve_model
-    from tandem.skip_search import SearchConfig, search, summary
+    from tools.distill.acceptance import load_prompts
+    from tools.distill.corpus import Prompt, encode_prompt
+    from tools.skip_search import SearchConfig, search, summary
 
     at = place(args.device, args.dtype)  # a GPU this host lacks fails here, before the work
     cfg = SearchConfig(trials=args.trials, objective=args.objective, k=args.k,

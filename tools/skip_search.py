@@ -25,18 +25,18 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import default_block_size
-from tandem.distill.acceptance import (
+from tandem.engine.generate import LocalGenerator
+from tandem.engine.layer_skip import SkipSet, skip_view
+from tandem.engine.llama import LlamaModel
+from tandem.engine.model_runner import ModelRunner
+from tandem.sampling_params import SamplingParams
+from tools.distill.acceptance import (
     SlotRunner,
     forward_cost_ms,
     mean_accepted,
     per_position_rates,
     speedup,
 )
-from tandem.engine.generate import LocalGenerator
-from tandem.engine.layer_skip import SkipSet, skip_view
-from tandem.engine.llama import LlamaModel
-from tandem.engine.model_runner import ModelRunner
-from tandem.sampling_params import SamplingParams
 
 
 def pipelined_speedup(rates: list[float], k: int, c: float) -> float:

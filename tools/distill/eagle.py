@@ -1,6 +1,6 @@
 """`tandem distill --method eagle`: train an EAGLE head on the target's recorded features.
 
-Data: the generation cache of tandem.distill.data with features=True: per sequence the prompt,
+Data: the generation cache of tools.distill.data with features=True: per sequence the prompt,
 the target's generated tokens, its top-K log-probs at each generated position and its final
 normed hidden state at every position it ran (kept from the generating forwards, no second
 pass). Loss, per generated position: smooth-L1 regression of the next feature plus the
@@ -20,32 +20,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tandem.distill.eagle_head import EagleTrainHead
-from tandem.distill.train import to_cpu
 from tandem.engine.llama import DraftVocab, LlamaConfig, _load_tensors
 from tandem.models import ModelPaths, read_hf_config, tokenizer_hash
-
-
-@dataclass(frozen=True)
-class EagleTrainConfig:
-    vocab: int = 8192  # truncated draft vocabulary (most frequent target tokens)
-    init_layer: int = -1  # the target layer the head starts from (-1 = last)
-    time_budget_min: float = 20.0
-    epochs: float = 4.0
-    batch_tokens: int = 4096
-    lr: float = 1e-3
-    warmup: int = 50
-    cls_weight: float = 0.5  # weight of the token loss against the feature regression
-    step2_weight: float = 0.5  # weight of the second draft step's losses (0 = off)
-    val_fraction: float = 0.04
-    checkpoint_min: float = 4.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.vocab < 16 or self.batch_tokens < 64 or self.lr <= 0 or self.epochs <= 0:
-            raise ValueError("need vocab >= 16, batch_tokens >= 64, lr > 0, epochs > 0")
-        if not 0 <= self.val_fraction < 1 or self.checkpoint_min <= 0:
-            raise ValueError("need 0 <= val_fraction < 1 and checkpoint_min > 0")
+from tools.distill.config import EagleTrainConfig
+from tools.distill.eagle_head import EagleTrainHead
+from tools.distill.train import to_cpu
 
 
 @dataclass(frozen=True)

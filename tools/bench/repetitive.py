@@ -1,7 +1,7 @@
 """`tandem bench --workload repetitive`: the workload suffix decoding is for, side by side.
 
 Requests: every chat question and every code edit (rewrite code given in the prompt) of
-tandem/bench/prompts.jsonl, asked `repeats` times, round robin (all once, then all again), as
+tools/bench/prompts.jsonl, asked `repeats` times, round robin (all once, then all again), as
 users and agents ask the same things again. Systems, interleaved per request so host drift hits
 every method alike: Tandem plain / ngram / suffix through the gateway of one fresh cluster
 (suffix's cross-request cache starts empty and fills from the workload's own earlier answers),
@@ -17,15 +17,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tandem.bench.report import fmt, machine_md, table
-from tandem.bench.runner import (
+from tandem.device import place
+from tools.bench.report import fmt, machine_md, table
+from tools.bench.runner import (
     BenchConfig,
     _children_log_to,
     load_prompts,
     machine,
     release_memory,
 )
-from tandem.device import place
 
 TANDEM = ("none", "ngram", "suffix")
 PEERS = ("plain", "prompt_lookup")
@@ -45,9 +45,9 @@ def run_repetitive(cfg: BenchConfig, repeats: int, result: dict, out_dir: Path) 
     """Fills `result` as it goes (an interruption keeps what was measured)."""
     from transformers import AutoTokenizer
 
-    from tandem.bench.client import chat_body, run_single
-    from tandem.launcher import Cluster, ClusterConfig, free_port
     from tandem.models import resolve_model
+    from tools.bench.client import chat_body, run_single
+    from tools.launcher import Cluster, ClusterConfig, free_port
 
     at = place(cfg.device, cfg.dtype)
     target = str(resolve_model(cfg.model or None).root)
@@ -90,7 +90,7 @@ def run_repetitive(cfg: BenchConfig, repeats: int, result: dict, out_dir: Path) 
 def _run_peers(cfg, target, reqs, ids, result, bar, at=None) -> None:
     import torch
 
-    from tandem.bench.baselines import load_target, run_peer
+    from tools.bench.baselines import load_target, run_peer
 
     torch.set_num_threads(cfg.peer_threads or torch.get_num_threads())
     model = load_target(target, at)
@@ -165,7 +165,7 @@ def render(result: dict, s: dict, img: str) -> str:
         f"- **Machine:** {machine_md(mc)}; torch {mc['torch']}; "
         f"load average at start {', '.join(f'{x:.2f}' for x in mc['load_avg_at_start'])}",
         f"- **Workload:** {m['requests']} requests: every chat question and code edit of "
-        f"`tandem/bench/prompts.jsonl`, asked {m['repeats']} times round robin; greedy, "
+        f"`tools/bench/prompts.jsonl`, asked {m['repeats']} times round robin; greedy, "
         f"{c['max_tokens']} new tokens each (EOS ignored), k <= {c['k']}. Tandem: 1 verifier "
         "+ 1 draft worker through the gateway (streaming); suffix's cache starts empty.",
         "- **tokens/s** = all tokens / all request time, time to first token included; "
@@ -177,7 +177,7 @@ def render(result: dict, s: dict, img: str) -> str:
 
 
 def plot(s: dict, path: Path) -> Path:
-    from tandem.bench import plots
+    from tools.bench import plots
 
     plt = plots.plt
     fig, ax = plt.subplots(figsize=(8, 3.6))
@@ -201,7 +201,7 @@ def write_outputs(result: dict, out_dir: Path, docs_dir: Path | None) -> dict:
     import json
     import shutil
 
-    from tandem.bench.report import _jsonable
+    from tools.bench.report import _jsonable
 
     out_dir.mkdir(parents=True, exist_ok=True)
     s = summarize(result)

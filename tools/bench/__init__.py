@@ -9,5 +9,5 @@
   shapes.py      the chain-vs-tree phase (eagle, medusa) and its table, bound and section
   report.py      results.json, Markdown report, docs/benchmarks.md; plots.py the PNGs,
                  mdtable.py the Markdown cells
-  cli.py         `register(subparsers)` and `python -m tandem.bench.cli`
+  cli.py         `register(subparsers)` and `python -m tools.bench.cli`
 """
