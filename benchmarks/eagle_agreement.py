@@ -19,13 +19,13 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.proposers.eagle import EagleProposer
-from tools.distill.acceptance import load_prompts
-from tools.distill.corpus import Prompt, encode_prompt
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelPaths, resolve_model
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
+from tools.distill.acceptance import load_prompts
+from tools.distill.corpus import Prompt, encode_prompt
 
 GREEDY = SamplingParams(temperature=0.0)
 

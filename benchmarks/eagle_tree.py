@@ -21,7 +21,6 @@ from draft_service.limits import Limits
 from draft_service.proposers.eagle import EagleProposer
 from draft_service.weights import default_eagle_dir
 from draft_service.worker import DraftWorker
-from tools.bench.inproc import OnePool, WorkerLink
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
@@ -30,6 +29,7 @@ from tandem.models import ModelPaths, resolve_model
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel
+from tools.bench.inproc import OnePool, WorkerLink
 from verify_service.engine import Engine, EngineConfig
 from verify_service.executor import Executor
 from verify_service.scheduler import Scheduler, SchedulerConfig

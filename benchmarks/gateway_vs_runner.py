@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from tools.bench.client import run_concurrent
-from tools.bench.runner import load_prompts
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
-from tools.launcher import Cluster, ClusterConfig, free_port
 from tandem.models import resolve_model
 from tandem.sampling_params import SamplingParams
+from tools.bench.client import run_concurrent
+from tools.bench.runner import load_prompts
+from tools.launcher import Cluster, ClusterConfig, free_port
 
 
 def runner_tps(gen: LocalGenerator, prompts: list[list[int]], n: int) -> float:

@@ -26,11 +26,11 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
+from tandem.models import resolve_model
 from tools.bench.client import chat_body, run_concurrent
 from tools.bench.runner import SUFFIX_CACHE_OFF, load_prompts
 from tools.bench.stats import percentile
 from tools.launcher import Cluster, ClusterConfig, free_port
-from tandem.models import resolve_model
 
 COUNTERS = ("tandem_verifier_rounds_total", "tandem_spec_num_drafts_total",
             "tandem_spec_num_draft_tokens_total")

@@ -23,10 +23,10 @@ import grpc
 import httpx
 from transformers import AutoTokenizer
 
-from tools.launcher import Cluster, ClusterConfig, free_port
 from tandem.models import resolve_model
 from tandem.spec.methods import Method
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from tools.launcher import Cluster, ClusterConfig, free_port
 
 PROMPTS = ["Write a short story about a lighthouse keeper and a storm.",
            "Repeat this list twice: apples, pears, plums, cherries, figs, dates.",

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from tools.launcher import Cluster, ClusterConfig, free_port
 from tandem.spec.methods import API_NAMES, Method
+from tools.launcher import Cluster, ClusterConfig, free_port
 
 PROMPT = "Write a short story about a lighthouse keeper."
 
