@@ -30,7 +30,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.models import resolve_model
 from tandem.sampling_params import SamplingParams
 from tools.bench.client import run_concurrent
-from tools.bench.runner import load_prompts
+from tools.bench.config import load_prompts
 from tools.launcher import Cluster, ClusterConfig, free_port
 
 

@@ -23,14 +23,10 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from tandem.engine.checkpoint import LlamaConfig, load_tensors
+from tandem.engine.draft_vocab import DraftVocab
 from tandem.engine.generate import LocalGenerator
-from tandem.engine.llama import (
-    DraftVocab,
-    LayerWeights,
-    LlamaConfig,
-    LlamaModel,
-    _load_tensors,
-)
+from tandem.engine.llama import LayerWeights, LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelPaths, fetch_default_target, read_hf_config
 from tandem.sampling_params import SamplingParams
@@ -58,7 +54,7 @@ def stdlib_chunks(tok) -> list[list[int]]:
 
 
 def bf16_rounded(paths: ModelPaths) -> LlamaModel:
-    weights = {k: v.to(torch.bfloat16).float() for k, v in _load_tensors(paths).items()}
+    weights = {k: v.to(torch.bfloat16).float() for k, v in load_tensors(paths).items()}
     return LlamaModel(LlamaConfig.from_hf(read_hf_config(paths)), weights, torch.float32,
                       DraftVocab.read(paths.root))
 

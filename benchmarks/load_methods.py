@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from tandem.models import resolve_model
 from tools.bench.client import chat_body, run_concurrent
-from tools.bench.runner import SUFFIX_CACHE_OFF, load_prompts
+from tools.bench.config import SUFFIX_CACHE_OFF, load_prompts
 from tools.bench.stats import percentile
 from tools.launcher import Cluster, ClusterConfig, free_port
 

@@ -27,6 +27,7 @@ from tandem.models import resolve_model
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel
+from verify_service.calibration import calibrate
 from verify_service.engine import Engine, EngineConfig
 from verify_service.executor import Executor
 from verify_service.scheduler import Scheduler, SchedulerConfig
@@ -80,7 +81,7 @@ def main(argv=None) -> None:
                                        return_dict=False) for r in rows]
     tree = load_for(model, paths, str(find_medusa(paths)))
     chain = with_choices(tree, CHAIN)
-    calib = Executor(ModelRunner(model, 64, 16)).calibrate(tuple(range(1, 18)), reps=3)
+    calib = calibrate(ModelRunner(model, 64, 16), tuple(range(1, 18)), reps=3)
     measured = CostModel(dict(calib))
     forced = CostModel({q: 1.0 for q in range(1, 40)})  # every node always pays
     configs = {"plain": (None, Method.NONE, measured),

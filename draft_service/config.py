@@ -4,9 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from draft_service.proposers.suffix import SuffixConfig
 from tandem.device import DTYPE_CHOICES as DTYPES
 from tandem.device import check_device_spec
+from tandem.history.suffix import SuffixConfig
 from tandem.netaddr import join_host_port
 from tandem.tls import TlsConfig, check_serving
 

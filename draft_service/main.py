@@ -29,8 +29,6 @@ from draft_service.proposers.draft_model import DraftModelProposer
 from draft_service.proposers.eagle import EagleProposer
 from draft_service.proposers.layer_skip import LayerSkipProposer
 from draft_service.proposers.mtp import MtpProposer
-from draft_service.proposers.ngram import NgramProposer
-from draft_service.proposers.suffix import SuffixProposer
 from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.worker import DraftWorker
 from tandem import redis_conn, telemetry
@@ -40,6 +38,8 @@ from tandem.engine.layer_skip import resolve_skip_set
 from tandem.engine.llama import LlamaModel
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
+from tandem.history.ngram import NgramProposer
+from tandem.history.suffix import SuffixProposer
 from tandem.models import ModelError, ModelPaths, default_target_dir, resolve_model, tokenizer_hash
 from tandem.netaddr import join_host_port, split_host_port
 from tandem.registration import Beat, Registration, start_registration, stop_registration

@@ -11,6 +11,9 @@ One worker serves every stream of the process, so each step batches ALL sessions
 drafting into one proposer call per method (one forward for the draft model). The step runs on
 a single-thread executor: the event loop stays free for stream traffic and health checks, and
 the proposers (with their KV caches) are only ever touched by that one thread.
+
+What an Open or a Commit does to a session is in control.py; how a proposer's result goes out
+as Proposals (chain or tree) is in proposals.py.
 """
 from __future__ import annotations
 
@@ -21,10 +24,11 @@ import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+from draft_service.control import apply_commit, open_session
 from draft_service.limits import Limits, WorkerStats
-from draft_service.session import FeatureStore, Session, SessionFailure, Stream
+from draft_service.proposals import send_chain, send_tree
+from draft_service.session import Session, SessionFailure, Stream
 from tandem.grpc_limits import MAX_SESSION_ID_CHARS
-from tandem.sampling_params import SamplingParams
 from tandem.spec import (
     Close,
     Commit,
@@ -36,18 +40,12 @@ from tandem.spec import (
     Learner,
     Method,
     Open,
-    Proposal,
     Proposer,
     SessionError,
-    TreeNode,
     propose_isolated,
 )
 
 log = logging.getLogger(__name__)
-
-# Longer suffixes almost never match again and each length tried costs a scan of the context.
-_MAX_NGRAM_SIZE = 64
-_MAX_TENANT_LEN = 128  # a tenant names a cache: bound what a peer can make us hold
 
 # One step's work per method: (session, its generation when asked, the request).
 _Jobs = dict[Method, list[tuple[Session, int, DraftRequest]]]
@@ -121,41 +119,8 @@ class DraftWorker:
     def _open(self, stream: Stream, cmd: Open) -> None:
         if cmd.session_id in stream.sessions:  # reopening replaces the session completely
             self._drop(stream.sessions[cmd.session_id])
-        lim = self.limits
-        if len(cmd.token_ids) > lim.max_context_length:  # before scanning them
-            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, f"sequence of "
-                                 f"{len(cmd.token_ids)} tokens exceeds the context length "
-                                 f"{lim.max_context_length}")
-        tokens = self._check_tokens(cmd.token_ids, allow_empty=False)
-        try:
-            sampling = SamplingParams(cmd.temperature, cmd.top_k, cmd.top_p, cmd.seed)
-        except ValueError as exc:
-            raise SessionFailure(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-        try:
-            method = Method(cmd.method) or self.default_method  # UNSPECIFIED (0) is falsy
-        except ValueError:  # a method newer than this worker
-            method = None
-        if method not in self.proposers:  # includes values newer than this enum
-            raise SessionFailure(ErrorCode.UNSUPPORTED_METHOD, f"method {cmd.method} is not "
-                                 f"served here (have {[m.name for m in self.proposers]})")
-        if cmd.tree and not method.can_tree:
-            raise SessionFailure(ErrorCode.INVALID_ARGUMENT,
-                                 f"method {method.api_name} drafts chains, not trees")
-        if len(self._sessions) >= lim.max_sessions:
-            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED,
-                                 f"worker is full ({lim.max_sessions} sessions)")
-        session = Session(
-            key=next(self._keys), session_id=cmd.session_id, stream=stream, method=method,
-            committed=tokens, epoch=cmd.epoch, sampling=sampling,
-            max_run_ahead=min(cmd.max_run_ahead or lim.max_run_ahead, lim.max_run_ahead_cap),
-            top_n=min(cmd.top_n or lim.top_n, lim.max_top_n),
-            max_ngram_size=min(cmd.max_ngram_size or lim.max_ngram_size, _MAX_NGRAM_SIZE),
-            seed=cmd.seed, tenant=cmd.tenant[:_MAX_TENANT_LEN], tree=cmd.tree)
-        if method.needs_features:
-            session.features = FeatureStore(self.proposers[method].feature_size,
-                                            lim.max_context_length)
-            if cmd.features is not None:
-                session.features.put(cmd.features)
+        session = open_session(stream, cmd, self.limits, self.proposers, self.default_method,
+                               open_sessions=len(self._sessions), keys=self._keys)
         stream.sessions[cmd.session_id] = session
         self._sessions[session.key] = session
         self._wake.set()
@@ -165,59 +130,8 @@ class DraftWorker:
         if session is None:
             raise SessionFailure(ErrorCode.UNKNOWN_SESSION,
                                  f"session {cmd.session_id!r} is not open on this stream")
-        if cmd.start_position + len(cmd.token_ids) > self.limits.max_context_length:
-            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, "commit reaches position "
-                                 f"{cmd.start_position + len(cmd.token_ids)}, beyond the context")
-        tokens = self._check_tokens(cmd.token_ids, allow_empty=True)
-        if cmd.epoch < session.epoch:
-            raise SessionFailure(ErrorCode.INVALID_ARGUMENT,
-                                 f"epoch decreased from {session.epoch} to {cmd.epoch}")
-        committed, start = session.committed, cmd.start_position
-        if start > len(committed):
-            raise SessionFailure(ErrorCode.OUT_OF_SYNC, f"commit starts at {start}, beyond the "
-                                 f"{len(committed)} committed tokens")
-        resent = tokens[: len(committed) - start]
-        if committed[start:start + len(resent)] != resent:
-            raise SessionFailure(ErrorCode.OUT_OF_SYNC, "re-sent tokens disagree with the "
-                                 f"committed sequence from position {start}")
-        new = tokens[len(resent):]
-        if cmd.epoch == session.epoch and session.tree and new:
-            raise SessionFailure(ErrorCode.OUT_OF_SYNC, "a tree session's commit must start a "
-                                 "new epoch")
-        if cmd.epoch == session.epoch:
-            # Same epoch: the new tokens are accepted drafts; later drafts stay valid.
-            if session.drafts[: len(new)] != new:
-                raise SessionFailure(ErrorCode.OUT_OF_SYNC, "commit under the same epoch is "
-                                     "not a prefix of the outstanding drafts")
-            del session.drafts[: len(new)]
-        else:
-            # Diverged: outstanding drafts are void; the proposer rolls its cache back to the
-            # committed sequence when it is next asked to continue it.
-            session.drafts.clear()
-            session.epoch = cmd.epoch
-            session.generation += 1
-            session.stalled = False
-        committed.extend(new)
-        if cmd.features is not None and session.features is not None:
-            session.features.put(cmd.features)
-            session.stalled = False  # a head drafts anew from fresh features
-        if cmd.max_run_ahead is not None:  # 0 pauses drafting until a commit raises it
-            session.max_run_ahead = min(cmd.max_run_ahead, self.limits.max_run_ahead_cap)
-        if len(committed) > self.limits.max_context_length:
-            raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, f"sequence of {len(committed)} "
-                                 f"tokens exceeds the context length")
+        apply_commit(session, cmd, self.limits)
         self._wake.set()
-
-    def _check_tokens(self, token_ids: list[int], allow_empty: bool) -> list[int]:
-        tokens = list(token_ids)
-        if not tokens and not allow_empty:
-            raise SessionFailure(ErrorCode.INVALID_ARGUMENT, "token_ids must not be empty")
-        vocab = self.limits.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise SessionFailure(ErrorCode.INVALID_ARGUMENT,
-                                 f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        return tokens
 
     def _fail(self, stream: Stream, sid: str, code: ErrorCode, message: str,
               epoch: int) -> None:
@@ -286,40 +200,8 @@ class DraftWorker:
             return
         if s.generation != generation or s.length != len(req.token_ids):
             return  # rolled back while the step ran: these drafts continue a stale sequence
-        if s.tree:
-            self._send_tree(s, res)
-            return
-        room = min(s.max_run_ahead - len(s.drafts), self.limits.max_context_length - s.length)
-        tokens = res.tokens[: max(room, 0)]
-        if not res.tokens:
-            s.stalled = True  # same sequence, same answer: wait for a commit to change it
-        for tok in tokens:
-            s.stream.put(Proposal(s.session_id, s.epoch, s.length, tok))
-            s.drafts.append(tok.token_id)
-        self._tokens_drafted += len(tokens)
-
-    def _send_tree(self, s: Session, res: DraftResult) -> None:
-        """Stream a tree's nodes (parents first; one tree per epoch: the next commit starts a
-        new epoch and wakes the session again)."""
-        s.stalled = True
-        parents = res.parents if res.parents is not None else tuple(range(-1, len(res.tokens) - 1))
-        room = self.limits.max_context_length - s.length  # deepest level that still fits
-        kept: dict[int, int] = {-1: -1}  # the proposer's node index -> the one sent
-        depth: dict[int, int] = {-1: 0}
-        nodes = []
-        for j, tok in enumerate(res.tokens):
-            p = parents[j]
-            if not -1 <= p < j:  # a proposer bug: never send what the verifier must refuse
-                raise ValueError(f"tree node {j} has parent {p}")
-            if p not in kept or depth[p] + 1 > room or len(nodes) == s.max_run_ahead:
-                continue  # beyond the context or the size cap (its subtree goes with it)
-            kept[j], depth[j] = len(nodes), depth[p] + 1
-            prob = res.scores[j] if j < len(res.scores) else 0.0
-            nodes.append((tok, kept[p], depth[j], prob))
-        for i, (tok, parent, d, prob) in enumerate(nodes):
-            s.stream.put(Proposal(s.session_id, s.epoch, s.length + d - 1, tok,
-                                  TreeNode(parent, prob, last=i == len(nodes) - 1)))
-        self._tokens_drafted += len(nodes)
+        send = send_tree if s.tree else send_chain
+        self._tokens_drafted += send(s, res, self.limits.max_context_length)
 
     # --- introspection and shutdown -----------------------------------------------------------
 

@@ -6,130 +6,25 @@ x with draft distribution q and target p is accepted with probability min(1, p(x
 the first rejection the recovered token ~ norm(max(0, p - q)) is emitted; if all k_i are
 accepted, the bonus token ~ the bonus row. The emitted tokens are then distributed exactly as
 the target's alone (Leviathan et al. 2023). Greedy sequences reduce to exact argmax matching.
+
+The argument and result types are in rejection_types.py, the argument checks in
+rejection_checks.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from kernels.rejection_checks import validate_inputs
+from kernels.rejection_types import (
+    PLACEHOLDER_TOKEN_ID,
+    DraftProbs,
+    RejectionOutput,
+    SparseDraftProbs,
+)
 from kernels.sampling import sample
-
-PLACEHOLDER_TOKEN_ID = -1
-# Float32 softmax rows sum to 1 within ~1e-6; anything this far off is not a distribution.
-_SUM_TOL = 1e-3
-
-
-@dataclass(frozen=True)
-class SparseDraftProbs:
-    """Top-N truncated draft distribution q per draft token (what the wire carries)."""
-
-    token_ids: torch.Tensor  # [num_draft_tokens, N] int64
-    probs: torch.Tensor  # [num_draft_tokens, N] float32, rows sum to 1
-
-    def __post_init__(self) -> None:
-        ids, probs = self.token_ids, self.probs
-        if ids.ndim != 2 or ids.shape != probs.shape or ids.is_floating_point() or \
-                not probs.is_floating_point():
-            raise ValueError(
-                "SparseDraftProbs needs integer token_ids and float probs, both "
-                f"[num_draft_tokens, N]; got {ids.dtype} {tuple(ids.shape)} and "
-                f"{probs.dtype} {tuple(probs.shape)}"
-            )
-
-
-@dataclass(frozen=True)
-class RejectionOutput:
-    # accepted drafts, then the recovered or bonus token; PLACEHOLDER_TOKEN_ID padded
-    output_token_ids: torch.Tensor  # [batch_size, max_spec_len + 1] int64
-    num_accepted: torch.Tensor  # [batch_size] int64, draft tokens accepted per sequence
-    num_emitted: torch.Tensor  # [batch_size] int64, tokens written per sequence
-
-
-DraftProbs = SparseDraftProbs | torch.Tensor | None
-
-
-def _check_distribution(name: str, probs: torch.Tensor) -> None:
-    sums = probs.float().sum(dim=-1)
-    if not torch.isfinite(probs).all() or (probs < 0).any():
-        raise ValueError(f"{name} must be finite and non-negative")
-    bad = (sums - 1).abs() > _SUM_TOL
-    if bad.any():
-        row = int(bad.nonzero()[0])
-        raise ValueError(f"{name} row {row} sums to {float(sums[row]):.6f}, not 1")
-
-
-def _check_offsets(cu: torch.Tensor, num_draft_tokens: int) -> None:
-    if cu.ndim != 1 or cu.shape[0] < 1 or cu.is_floating_point():
-        raise ValueError(f"cu_num_draft_tokens must be a 1-D integer tensor, got {cu.shape}")
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_num_draft_tokens must start at 0, got {int(cu[0])}")
-    if (cu[1:] < cu[:-1]).any():
-        raise ValueError(f"cu_num_draft_tokens must be non-decreasing, got {cu.tolist()}")
-    if int(cu[-1]) != num_draft_tokens:
-        raise ValueError(
-            f"cu_num_draft_tokens ends at {int(cu[-1])}, "
-            f"but there are {num_draft_tokens} draft tokens"
-        )
-
-
-def _check_draft_probs(draft_probs: DraftProbs, num_draft_tokens: int, vocab: int) -> None:
-    if not (draft_probs is None or isinstance(draft_probs, (SparseDraftProbs, torch.Tensor))):
-        raise ValueError("draft_probs must be None, SparseDraftProbs or a tensor, got "
-                         f"{type(draft_probs).__name__}")
-    if isinstance(draft_probs, SparseDraftProbs):
-        ids = draft_probs.token_ids
-        if ids.shape[0] != num_draft_tokens:
-            raise ValueError(
-                f"sparse draft probs have {ids.shape[0]} rows, expected {num_draft_tokens}"
-            )
-        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
-            raise ValueError(f"sparse draft token ids must be in [0, {vocab})")
-        _check_distribution("sparse draft probs", draft_probs.probs)
-    elif isinstance(draft_probs, torch.Tensor):
-        if tuple(draft_probs.shape) != (num_draft_tokens, vocab):
-            raise ValueError(
-                f"dense draft probs must be [{num_draft_tokens}, {vocab}], "
-                f"got {tuple(draft_probs.shape)}"
-            )
-        _check_distribution("dense draft probs", draft_probs)
-
-
-def _validate(
-    draft_token_ids: torch.Tensor,  # [T]
-    cu: torch.Tensor,  # [B + 1]
-    target_probs: torch.Tensor,  # [T + B, V]
-    draft_probs: DraftProbs,
-    is_greedy: torch.Tensor,  # [B]
-    generators: Sequence[torch.Generator | None] | None,
-    sample_bonus: torch.Tensor | None,  # [B]
-) -> None:
-    if draft_token_ids.ndim != 1 or draft_token_ids.is_floating_point():
-        raise ValueError(f"draft_token_ids must be 1-D integer, got {draft_token_ids.shape}")
-    num_draft_tokens = draft_token_ids.shape[0]
-    _check_offsets(cu, num_draft_tokens)
-    batch_size = cu.shape[0] - 1
-    if target_probs.ndim != 2 or target_probs.shape[0] != num_draft_tokens + batch_size:
-        raise ValueError(
-            f"target_probs must be [num_draft_tokens + batch_size = "
-            f"{num_draft_tokens + batch_size}, vocab], got {tuple(target_probs.shape)}"
-        )
-    vocab = target_probs.shape[1]
-    if num_draft_tokens and (draft_token_ids.min() < 0 or draft_token_ids.max() >= vocab):
-        raise ValueError(f"draft token ids must be in [0, {vocab}), got "
-                         f"[{int(draft_token_ids.min())}, {int(draft_token_ids.max())}]")
-    _check_distribution("target_probs", target_probs)
-    _check_draft_probs(draft_probs, num_draft_tokens, vocab)
-    for name, t in (("is_greedy", is_greedy), ("sample_bonus", sample_bonus)):
-        if name == "sample_bonus" and t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.bool or t.shape != (batch_size,):
-            got = f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
-            raise ValueError(f"{name} must be a bool tensor [{batch_size}], got {got}")
-    if generators is not None and len(generators) != batch_size:
-        raise ValueError(f"generators has {len(generators)} entries, batch has {batch_size}")
 
 
 def _draft_prob_at(
@@ -242,6 +137,12 @@ def _final_tokens(
     return tokens
 
 
+def _draft_probs_to(draft_probs: DraftProbs, device: torch.device) -> DraftProbs:
+    if isinstance(draft_probs, SparseDraftProbs):  # built on the CPU from the wire
+        return SparseDraftProbs(draft_probs.token_ids.to(device), draft_probs.probs.to(device))
+    return None if draft_probs is None else draft_probs.to(device)
+
+
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [num_draft_tokens] int64, all sequences concatenated
     cu_num_draft_tokens: torch.Tensor,  # [batch_size + 1] int64 cumulative offsets, cu[0] = 0
@@ -258,17 +159,13 @@ def rejection_sample(
     accepted, no bonus is emitted: the caller carries that row into the next round to verify
     a draft token that has already arrived.
     """
-    _validate(draft_token_ids, cu_num_draft_tokens, target_probs, draft_probs, is_greedy,
-              generators, sample_bonus)
+    validate_inputs(draft_token_ids, cu_num_draft_tokens, target_probs, draft_probs, is_greedy,
+                    generators, sample_bonus)
     device = target_probs.device
     cu = cu_num_draft_tokens.to(device=device, dtype=torch.int64)
     draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
     is_greedy = is_greedy.to(device)
-    if isinstance(draft_probs, SparseDraftProbs):  # built on the CPU from the wire
-        draft_probs = SparseDraftProbs(draft_probs.token_ids.to(device),
-                                       draft_probs.probs.to(device))
-    elif draft_probs is not None:
-        draft_probs = draft_probs.to(device)
+    draft_probs = _draft_probs_to(draft_probs, device)
     batch_size, num_draft_tokens = cu.shape[0] - 1, draft_token_ids.shape[0]
     arange_b = torch.arange(batch_size, device=device)
     num_draft = cu[1:] - cu[:-1]  # [B]

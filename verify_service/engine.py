@@ -5,8 +5,10 @@
 Each phase has its own file: drafts arrive in verify_service/drafts.py, the batch is chosen
 by verify_service/scheduler.py (pure Python), executed by verify_service/executor.py (torch,
 in one worker thread so the event loop keeps serving health checks and draft streams), and the
-committed tokens go back out here, to the client's queue and to the draft worker. Draft workers
-are optional at every moment: a session without proposals simply decodes plainly.
+committed tokens go back out here, to the client's queue and to the draft worker. The open
+sessions and what each is owed live in verify_service/sessions.py; what a round teaches the
+next ones' planning, in verify_service/feedback.py. Draft workers are optional at every
+moment: a session without proposals simply decodes plainly.
 """
 from __future__ import annotations
 
@@ -16,21 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
-from tandem.errors import AlreadyExists, ResourceExhausted
-from tandem.spec.cost import update_acceptance, update_tree_scale
 from tandem.telemetry import VerifierMetrics
 from verify_service.drafts import DraftSide
-from verify_service.executor import (
-    Executor,
-    RoundOutcome,
-    StepInput,
-    StepTimings,
-    TokenLogprob,
-)
+from verify_service.executor import Executor
+from verify_service.feedback import learn_acceptance, observe_cost, observe_tree_wait
 from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import GenerateParams, Sequence
+from verify_service.sessions import RoundOutput, SessionTable
+from verify_service.step import RoundOutcome, StepInput, StepTimings
 
 log = logging.getLogger(__name__)
 # After this many rounds in a row without the drafts it wanted, a session is no longer waited
@@ -49,55 +44,24 @@ class EngineConfig:
             raise ValueError(f"invalid EngineConfig {self}")
 
 
-@dataclass(frozen=True)
-class RoundOutput:
-    """What one round gave one session (streamed to the gateway)."""
-
-    token_ids: list[int]
-    num_committed: int
-    drafted: int
-    accepted: int
-    bonus: bool
-    draft_wait_ms: float
-    verify_ms: float
-    rejection_ms: float
-    rounds: int
-    drafted_total: int
-    accepted_total: int
-    finish_reason: str | None
-    lossy: bool = False  # typical acceptance was used: not the target's distribution
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when asked for
-
-
 class Engine:
     def __init__(self, executor: Executor | None, scheduler: Scheduler, config: EngineConfig,
                  vocab_size: int, metrics: VerifierMetrics | None = None):
         self.executor, self.scheduler, self.config = executor, scheduler, config
-        self.metrics = metrics
-        self.sessions: dict[str, Sequence] = {}
+        self.table = SessionTable(scheduler, config.max_sessions, metrics)
         self.drafts = DraftSide(self.sessions, vocab_size, config.top_n,
                                 scheduler.config.max_spec_tokens)
-        self._queues: dict[str, asyncio.Queue[RoundOutput]] = {}
-        self._carried: dict[str, torch.Tensor] = {}  # [vocab] probs of carried sessions
         self._wakeup = asyncio.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="verify-forward")
 
+    @property
+    def sessions(self) -> dict[str, Sequence]:
+        """The open sessions by id (the table's; the draft side reads the same dict)."""
+        return self.table.sessions
+
     # ---- requests -------------------------------------------------------------------------
     def submit(self, params: GenerateParams) -> asyncio.Queue[RoundOutput]:
-        if params.session_id in self.sessions:
-            raise AlreadyExists(f"session {params.session_id!r} is already generating here")
-        if len(self.sessions) >= self.config.max_sessions:
-            raise ResourceExhausted(f"verifier is full ({self.config.max_sessions} sessions)")
-        blocks = self.scheduler.blocks
-        need = -(-(len(params.prompt) + params.max_new_tokens) // blocks.block_size)
-        if need > blocks.num_blocks:  # would wait forever: refuse, another verifier may fit it
-            raise ResourceExhausted(
-                f"the session needs {need} KV blocks, this verifier's cache has "
-                f"{blocks.num_blocks} (of {blocks.block_size} tokens)")
-        seq = Sequence(params)
-        self.scheduler.add(seq)  # raises InvalidArgument if it cannot fit the context
-        self.sessions[seq.seq_id] = seq
-        self._queues[seq.seq_id] = queue = asyncio.Queue()
+        seq, queue = self.table.admit(params)
         self._wakeup.set()
         self.drafts.attach(seq)
         return queue
@@ -137,7 +101,7 @@ class Engine:
             log.exception("verification step failed; retrying its sessions one by one")
             outcomes, timings = await self._execute_isolated(sched.scheduled, inputs)
         else:
-            self._observe_cost(sched.scheduled, wait_ms, timings)
+            observe_cost(self.scheduler, sched.scheduled, wait_ms, timings)
         for s, outcome in zip(sched.scheduled, outcomes):  # 4. apply: commit, stream, tell
             if outcome is None:
                 continue
@@ -209,7 +173,7 @@ class Engine:
         seq = s.seq
         return StepInput(s.token_ids, s.start_pos, list(self.scheduler.blocks.block_table(
             seq.seq_id)), list(seq.drafts[: s.num_drafts]), seq.params.sampling,
-            carried=self._carried.get(seq.seq_id) if seq.carried else None,
+            carried=self.table.carried.get(seq.seq_id) if seq.carried else None,
             sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
             want_features=seq.params.method.needs_features, partial=s.partial,
             prefill=s.is_prefill and not s.partial,
@@ -230,31 +194,10 @@ class Engine:
                 and self.drafts.linked(seq)
                 and len(seq.output) + k < seq.params.max_new_tokens)
 
-    def _observe_cost(self, scheduled: list[ScheduledSeq], wait_ms: float,
-                      timings: StepTimings) -> None:
-        """Every decode step feeds the batch plan's step curve: the whole step, its wait for
-        drafts included (what a batch's drafts really cost it: on a shared host the draft
-        worker's share of the cores shows up there too).
-        Single-session rounds feed the cost model: the whole round, drafting wait and
-        sampling included, is what k really costs. Except a draft worker's tree: it is drafted
-        only after the commit, so its wait is the session's own (Sequence.tree_wait_ms, which
-        choose_tree_size adds), not a cost of verifying q tokens that chains would share."""
-        if not any(x.is_prefill for x in scheduled):  # the batch plan's curve: whole steps
-            self.scheduler.step_cost.observe(sum(len(x.token_ids) for x in scheduled),
-                                             wait_ms + timings.forward_ms + timings.rejection_ms)
-        s = scheduled[0]
-        if _drafted_tree(s.seq):
-            wait_ms = 0.0
-        # Keyed by the tokens the forward really ran: a carried round runs only its drafts
-        # (none at all when it samples straight from the carried row). A round whose drafts
-        # came late waited for k but ran fewer: no sample of either cost (it counts as a miss).
-        if (len(scheduled) == 1 and not s.is_prefill and s.token_ids
-                and s.num_drafts >= s.wanted):
-            self.scheduler.cost.observe(len(s.token_ids), wait_ms + timings.forward_ms
-                                        + timings.rejection_ms)
-
     def _apply(self, s: ScheduledSeq, outcome: RoundOutcome, wait_ms: float,
                timings: StepTimings) -> None:
+        """4. apply: keep the round's KV, commit its tokens, learn from it, stream it to the
+        client, then tell the draft worker (or finish the session)."""
         seq = s.seq
         if seq.finished or seq.seq_id not in self.sessions:
             return  # aborted while the step ran; its blocks are already freed
@@ -262,43 +205,17 @@ class Engine:
         # Roll back rejected KV (a tree's accepted path is already in place: name its tokens).
         self.scheduler.update_from_output(s, len(accepted), accepted if s.parents else None)
         reach = self.scheduler.reach(seq) if s.num_drafts else None  # before commit clears it
-        if _drafted_tree(seq) and s.num_drafts and seq.tree_complete:
-            seq.tree_wait_ms = 0.7 * seq.tree_wait_ms + 0.3 * wait_ms
+        observe_tree_wait(seq, s.num_drafts, wait_ms)  # ditto: reads the arrived tree
         start = seq.num_tokens
         new = seq.commit(accepted, next_token)  # may bump the epoch (the draft diverged)
         seq.carried = next_token is None and not seq.finished
-        if seq.carried:
-            self._carried[seq.seq_id] = outcome.carry
-        else:
-            self._carried.pop(seq.seq_id, None)
-        st = seq.stats
-        # Stats count the accepted drafts the session kept: a stop token or the length limit
-        # may cut the round after some of them (the EMA below still sees them all).
-        kept = min(len(accepted), len(new))
-        st.rounds, st.drafted, st.accepted = (st.rounds + 1, st.drafted + s.num_drafts,
-                                              st.accepted + kept)
-        st.lossy |= bool(s.num_drafts) and seq.params.typical is not None \
-            and not seq.params.sampling.is_greedy
+        self.table.keep_carried(seq, outcome.carry)
         if outcome.tree is not None and not seq.finished:  # Medusa: the next round's tree
             seq.drafts, seq.draft_parents = outcome.tree[0], outcome.tree[1]
-        if s.num_drafts:
-            seq.late_rounds = 0
-        if reach is not None:  # sized node by node: correct the nodes' estimates
-            seq.tree_scale = update_tree_scale(seq.tree_scale, sum(reach[:s.num_drafts]),
-                                               len(accepted))
-        elif s.num_drafts:
-            seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts,
-                                                   len(accepted))
-        elif s.wanted and self.drafts.linked(seq):  # no draft came in time: a round lost
-            seq.late_rounds += 1
-            seq.acceptance_ema = update_acceptance(seq.acceptance_ema, 1, 0)
-        if self.metrics is not None:
-            self.metrics.observe_round(s.num_drafts, kept, wait_ms,
-                                       timings.forward_ms, timings.rejection_ms)
-        self._queues[seq.seq_id].put_nowait(self._output(
-            seq, new, s.num_drafts, kept, wait_ms, timings,
-            bonus=next_token is not None and len(accepted) == s.num_drafts,
-            logprobs=outcome.logprobs[:len(new)]))
+        learn_acceptance(seq, s, len(accepted), reach, self.drafts.linked)
+        self.table.record(seq, new, s.num_drafts, len(accepted), wait_ms, timings,
+                          bonus=next_token is not None and len(accepted) == s.num_drafts,
+                          logprobs=outcome.logprobs[:len(new)])
         if outcome.features is not None:
             seq.keep_features(outcome.features)
         if seq.finished:
@@ -318,23 +235,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         self.drafts.release(seq)
-        self.sessions.pop(seq.seq_id, None)
-        self._carried.pop(seq.seq_id, None)
-        queue = self._queues.pop(seq.seq_id, None)
-        if queue is not None and seq.finish_reason == "abort":
-            queue.put_nowait(self._output(seq, [], 0, 0, 0.0, StepTimings(0.0, 0.0)))
-
-    @staticmethod
-    def _output(seq: Sequence, new: list[int], drafted: int, accepted: int, wait_ms: float,
-                timings: StepTimings, bonus: bool = False,
-                logprobs: tuple[TokenLogprob, ...] = ()) -> RoundOutput:
-        st = seq.stats
-        return RoundOutput(
-            token_ids=new, num_committed=len(seq.output), drafted=drafted, accepted=accepted,
-            bonus=bonus, draft_wait_ms=wait_ms, verify_ms=timings.forward_ms,
-            rejection_ms=timings.rejection_ms, rounds=st.rounds, drafted_total=st.drafted,
-            accepted_total=st.accepted, finish_reason=seq.finish_reason, lossy=st.lossy,
-            logprobs=logprobs)
+        self.table.release(seq)
 
     async def close(self) -> None:
         for seq_id in list(self.sessions):
@@ -342,7 +243,3 @@ class Engine:
         await self.drafts.close()
         self._thread.shutdown(wait=False, cancel_futures=True)
 
-
-def _drafted_tree(seq: Sequence) -> bool:
-    """A session whose token trees come from a draft worker, drafted after each commit."""
-    return bool(seq.params.tree) and not seq.params.method.in_verifier

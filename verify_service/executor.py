@@ -1,145 +1,33 @@
-"""Execute one verification step on torch: target forward, sampling distributions, batched
-rejection. The "execute" of the round (verify_service/engine.py is the round itself).
+"""Execute one verification step on torch: the target forward over every session's new
+tokens (one flattened batch), the sampling distributions, and the verdict on the drafts. The
+"execute" of the round (verify_service/engine.py is the round itself).
 
-Runs in a worker thread on immutable snapshots (StepInput), so the event loop keeps serving
-health checks and draft streams during the forward.
+Runs in a worker thread on immutable snapshots (verify_service/step.py), so the event loop
+keeps serving health checks and draft streams during the forward. What a session asks for
+beside its tokens is read off the same forward elsewhere: logprobs.py, features.py.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from kernels.sampling import keyed_seed, logits_to_probs, make_generator, sample
 from tandem.device import synchronize
 from tandem.engine.model_runner import ModelRunner, SeqChunk
-from tandem.sampling_params import SamplingParams
-from tandem.spec import DraftToken, Features
+from tandem.spec import DraftToken
 from verify_service import tree
-from verify_service.rejection import SpecDecodeMetadata, is_chain, verify
-
-# Tokens per forward the verifier times at start-up (k + 1 of a round); past 8 the curve is
-# near linear here, so two points cover up to 16 drafts.
-CALIBRATION_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 17)
-# And the tokens of whole batch steps (one token per session plus their drafts), for the
-# batch plan: how a step's time grows with its rows once it is compute-bound.
-STEP_CALIBRATION_COUNTS = (16, 32, 64)
-
-
-def calibration_counts(max_spec_tokens: int) -> tuple[int, ...]:
-    """The counts a verifier with this k cap ever runs for one session."""
-    return tuple(q for q in CALIBRATION_COUNTS if q <= max_spec_tokens + 1) or (1,)
-
-
-@dataclass(frozen=True)
-class StepInput:
-    """One session's verification input: a chain of drafts, or a tree when `parents` describes
-    one (index of each draft's parent among the drafts, -1 = the round's root)."""
-
-    token_ids: list[int]  # [last committed token, *drafts], a prefill chunk, or carried: drafts
-    start_pos: int
-    block_table: list[int]
-    drafts: list[DraftToken]  # the k draft tokens under verification
-    sampling: SamplingParams
-    carried: torch.Tensor | None = None  # [vocab] target probs of the first draft's position
-    sample_bonus: bool = True  # False: if all drafts pass, carry the bonus row instead
-    parents: tuple[int, ...] | None = None  # None = a chain
-    want_features: bool = False  # EAGLE sessions: return the kept positions' hidden states
-    propose_tree: int = 0  # Medusa sessions: nodes of the next round's tree drafted now
-    propose_chain: bool = False  # ... a chain of the heads' top-1 tokens instead
-    typical: tuple[float, float] | None = None  # LOSSY typical acceptance (threshold, alpha)
-    logprobs: int | None = None  # the emitted tokens' target logprobs, with this many top
-    partial: bool = False  # a prefill chunk before the last: computes KV, samples nothing
-    prefill: bool = False  # a prompt's last (or only) chunk: features of all of it, if wanted
-
-    def __post_init__(self):
-        if self.logprobs is not None and self.carried is not None:
-            raise ValueError("logprobs need the round's own logits: no carried row")
-        if self.parents is not None:
-            if len(self.parents) != len(self.drafts):
-                raise ValueError(f"{len(self.parents)} parents for {len(self.drafts)} drafts")
-            if self.is_tree and (self.carried is not None or not self.sample_bonus):
-                raise ValueError("a token tree is verified from its root: no carried row")
-
-    @property
-    def is_tree(self) -> bool:
-        return not is_chain(self.parents)
-
-    def chunk(self) -> SeqChunk:
-        """The forward's view: the new tokens, with the tree's shape (root first) if any."""
-        parents = None
-        if self.is_tree:
-            parents = (-1, *(p + 1 for p in self.parents))
-        return SeqChunk(self.token_ids, self.start_pos, self.block_table,
-                        num_logits=self.num_logits, parents=parents)
-
-    @property
-    def num_logits(self) -> int:
-        """Rows of the forward's logits this input gets (its drafts', plus the root's
-        unless carried; none for a prefill chunk or an input that runs no forward)."""
-        if self.partial or not self.token_ids:
-            return 0
-        return len(self.drafts) + (self.carried is None)
-
-    @property
-    def first_sampled_pos(self) -> int:
-        """Absolute position of the first token this round may emit."""
-        return self.start_pos + len(self.token_ids) - len(self.drafts)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The target's raw log-probability of one emitted token (log-softmax of its logits,
-    before the sampling parameters) and the `top` most likely tokens there."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    accepted: list[int]  # accepted draft tokens
-    next_token: int | None  # recovered (first rejection) or bonus token; None when carried
-    carry: torch.Tensor | None = None  # [vocab] the unsampled bonus row, when next_token is None
-    features: Features | None = None  # hidden states of the positions whose KV was kept
-    tree: tuple[list[DraftToken], tuple[int, ...]] | None = None  # Medusa: next round's drafts
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per emitted token, when asked for
-
-
-@dataclass(frozen=True)
-class StepTimings:
-    forward_ms: float
-    rejection_ms: float
+from verify_service.features import eagle_features, kept_hidden, propose_trees
+from verify_service.logprobs import emitted_logprobs
+from verify_service.rejection import SpecDecodeMetadata, verify
+from verify_service.step import RoundOutcome, StepInput, StepTimings
 
 
 class Executor:
     def __init__(self, runner: ModelRunner, medusa=None):
         self.runner = runner
         self.medusa = medusa  # tandem.engine.medusa.MedusaHeads, or None
-
-    def calibrate(self, token_counts=CALIBRATION_COUNTS, reps: int = 3,
-                  context: int = 64) -> dict[int, float]:
-        """Median ms of a forward over q new tokens after `context` cached ones, per q: the
-        verify-cost curve of this machine now. Runs before serving, in the cache's first
-        blocks (nothing is allocated yet; later sessions overwrite them); {} if it is smaller
-        than that."""
-        q_max = max(token_counts)
-        bs = self.runner.block_size
-        table = list(range(-(-(context + q_max) // bs)))
-        if len(table) > self.runner.num_blocks:
-            return {}  # a cache this small: keep the built-in table
-        ids = [(37 * i) % 1000 + 100 for i in range(context + q_max)]
-        self.runner.forward([SeqChunk(ids[:context], 0, table)])
-        times: dict[int, list[float]] = {q: [] for q in token_counts}
-        for _ in range(reps + 1):  # the first pass warms up; interleaved, so noise is shared
-            for q in token_counts:
-                t0 = time.perf_counter()
-                self.runner.forward([SeqChunk(ids[context:context + q], context, table, q)])
-                synchronize(self.runner.device)  # a GPU forward returns before it is done
-                times[q].append((time.perf_counter() - t0) * 1e3)
-        return {q: sorted(ts[1:])[len(ts[1:]) // 2] for q, ts in times.items()}
 
     def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
         """One forward over every input, then verification of the rounds. Prefill chunks
@@ -168,50 +56,34 @@ class Executor:
         else:
             probs, logits, hidden, forward_ms = self._target_probs(inputs, with_hidden, extra)
             found = self._verify(inputs, probs)
-        logprobs = _emitted_logprobs(inputs, found, logits)
+        outcomes = self._outcomes(inputs, found, logits, hidden)
+        total_ms = (time.perf_counter() - t0) * 1e3
+        return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
+
+    def _outcomes(self, inputs: list[StepInput], found, logits: torch.Tensor | None,
+                  hidden: torch.Tensor | None) -> list[RoundOutcome]:
+        """Each session's outcome: a tree's accepted path moved into place in the KV, then
+        what it asked for beside its tokens (logprobs, EAGLE features, Medusa's next drafts)."""
+        logprobs = emitted_logprobs(inputs, found, logits)
         outcomes, hidden_at, heads = [], 0, []
         for s, (accepted, next_token, carry, path), lps in zip(inputs, found, logprobs):
             if path is not None and path != list(range(len(path))):  # a tree's path, in place
                 root = s.first_sampled_pos - 1
                 self.runner.move_kv(s.block_table, [root + 1 + j for j in path],
                                     list(range(root + 1, root + 1 + len(path))))
-            outcome, h_last = self._outcome(s, accepted, next_token, carry, path, hidden,
-                                            hidden_at)
-            if h_last is not None:
-                heads.append((len(outcomes), h_last))
+            h = kept_hidden(s, path, hidden, hidden_at)
+            feats = None
+            if h is not None and s.want_features:
+                feats = eagle_features(self.runner, s, h)
+            propose = s.propose_tree and self.medusa is not None and next_token is not None
+            if h is not None and propose:
+                heads.append((len(outcomes), h[-1]))
+            outcome = RoundOutcome(accepted, next_token, carry, feats)
             outcomes.append(replace(outcome, logprobs=lps) if lps else outcome)
             hidden_at += len(s.token_ids)
         if heads:  # Medusa: every session's next tree from one pass of the heads
-            trees = self.medusa.propose_batch(
-                torch.stack([h for _, h in heads]),
-                [(inputs[i].propose_tree, inputs[i].propose_chain) for i, _ in heads])
-            for (i, _), tree_out in zip(heads, trees):
-                outcomes[i] = replace(outcomes[i], tree=tree_out)
-        total_ms = (time.perf_counter() - t0) * 1e3
-        return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
-
-    def _outcome(self, s: StepInput, accepted, next_token, carry, path, hidden,
-                 hidden_at: int) -> tuple[RoundOutcome, torch.Tensor | None]:
-        """The round's result for one session, with the hidden states it asked for; and the
-        last kept position's [hidden] state when Medusa heads are to propose from it."""
-        if hidden is None or not s.token_ids:
-            return RoundOutcome(accepted, next_token, carry), None
-        before = len(s.token_ids) - len(s.drafts)  # rows of the committed part (root incl.)
-        rows = list(range(before)) + [before + j for j in (path or [])]
-        h = hidden[hidden_at:hidden_at + len(s.token_ids)][rows]
-        feats = self._features(s, h) if s.want_features else None
-        propose = s.propose_tree and self.medusa is not None and next_token is not None
-        return RoundOutcome(accepted, next_token, carry, feats), h[-1] if propose else None
-
-    def _features(self, s: StepInput, h: torch.Tensor) -> Features:
-        """The kept positions' hidden states for the draft: a prompt's whole, its cached
-        prefix and earlier chunks too, read back from the runner's kept features (which the
-        forward just wrote this chunk's rows to)."""
-        start, h = s.start_pos, h.to(torch.float16)
-        if s.prefill and start:
-            h = self.runner.features_at(s.block_table, 0, start + len(s.token_ids))
-            start = 0
-        return Features(start, h.shape[1], h.cpu().numpy().tobytes())
+            propose_trees(self.medusa, inputs, outcomes, heads)
+        return outcomes
 
     @staticmethod
     def _verify(inputs: list[StepInput], probs: torch.Tensor):
@@ -351,29 +223,3 @@ def _match(drafts: list[DraftToken], tokens: list[int]):
     while a < len(drafts) and drafts[a].token_id == tokens[a]:
         a += 1
     return tokens[:a], tokens[a], None, list(range(a))
-
-
-def _emitted_logprobs(inputs: list[StepInput], found, logits: torch.Tensor | None):
-    """Per input, a TokenLogprob for each token the round emits (accepted drafts, then the
-    recovered or bonus token), or () when not asked for. A token at depth d was sampled from
-    the row of its parent: the root's row 0, then row node + 1 along the accepted path."""
-    out: list[tuple[TokenLogprob, ...]] = []
-    if logits is None or all(s.logprobs is None for s in inputs):
-        return [()] * len(inputs)
-    at = 0  # the forward's logits rows: each input's num_logits, in order
-    for s, (accepted, next_token, _carry, path) in zip(inputs, found):
-        first, at = at, at + s.num_logits
-        if s.logprobs is None:
-            out.append(())
-            continue
-        tokens = list(accepted) + ([] if next_token is None else [next_token])
-        rows = [first] + [first + p + 1 for p in (path or [])]
-        lp = logits[rows[:len(tokens)]].float().log_softmax(-1)  # [emitted, vocab]
-        chosen = lp[torch.arange(len(tokens), device=lp.device),
-                    torch.tensor(tokens, device=lp.device)].tolist()
-        tops = [()] * len(tokens)
-        if s.logprobs:
-            v, i = lp.topk(s.logprobs, dim=-1)
-            tops = [tuple(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
-        out.append(tuple(TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)))
-    return out

@@ -31,10 +31,11 @@ from tandem.spec.cost import CostModel, StepCost
 from tandem.telemetry import VerifierMetrics
 from tandem.tls import add_port
 from tandem.v1 import common_pb2, verify_pb2_grpc
+from verify_service.calibration import STEP_CALIBRATION_COUNTS, calibrate, calibration_counts
 from verify_service.config import VerifierConfig
 from verify_service.draft_link import DraftPool
 from verify_service.engine import Engine, EngineConfig
-from verify_service.executor import STEP_CALIBRATION_COUNTS, Executor, calibration_counts
+from verify_service.executor import Executor
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.server import SERVICE_NAME, VerifyServicer
 
@@ -102,6 +103,27 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     `colocate` starts draft workers in this process (the tools layer passes the layer-skip
     one, since services do not import each other)."""
     paths = resolve_model(config.model)
+    model = _load_target(config, paths, model)
+    # 0 = the device's block size; the in-process layer-skip worker uses the same
+    config = dataclasses.replace(
+        config, block_size=config.block_size or default_block_size(model.device))
+    engine, metrics = await _build_engine(config, model, paths)
+    colocated = None if colocate is None else await colocate(model, paths, config)
+    remote = _wire_drafts(engine, config, model, discover, colocated)
+    # Layer skip is served only when asked for: on a small target it rarely pays.
+    default_method = Method.DRAFT_MODEL if remote else Method.NONE
+    servicer = VerifyServicer(engine, build_info(model, paths, config, paths.root.name),
+                              default_method, metrics, config.tree_methods(model.device.type))
+    server, health_servicer, port = await _serve_grpc(servicer, config, model)
+    verifier = Verifier(server, port, engine, servicer, health_servicer, colocated=colocated)
+    verifier.tasks.append(asyncio.create_task(engine.run()))
+    return verifier
+
+
+def _load_target(config: VerifierConfig, paths: ModelPaths,
+                 model: LlamaModel | None) -> LlamaModel:
+    """The target, loaded where config.device places it unless one was given; either way
+    batch-invariant exactly when the config asks for it."""
     if model is None:
         at = place(config.device, config.dtype, config.block_size)
         log.info("target on %s", at)
@@ -110,9 +132,13 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     if model.batch_invariant != config.batch_invariant:
         raise ValueError(f"config.batch_invariant={config.batch_invariant} but the model given "
                          f"was loaded with batch_invariant={model.batch_invariant}")
-    # 0 = the device's block size; the in-process layer-skip worker uses the same
-    config = dataclasses.replace(
-        config, block_size=config.block_size or default_block_size(model.device))
+    return model
+
+
+async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelPaths
+                        ) -> tuple[Engine, VerifierMetrics]:
+    """The verify path over the target: its KV cache, Medusa heads if configured, the
+    executor, the cost curves (timed now unless calibrate_reps is 0), scheduler, engine."""
     runner = ModelRunner.with_memory(model, config.kv_cache_mb << 20, config.block_size,
                                      keep_features=True)
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs, features_cached=True,
@@ -124,13 +150,7 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
         log.info("medusa: %d heads, a tree of %d nodes", medusa.cfg.num_heads,
                  len(medusa.cfg.choices))
     executor = Executor(runner, medusa)
-    calibrated, solo = {}, calibration_counts(config.max_spec_tokens)
-    if config.calibrate_reps:
-        counts = tuple(sorted({*solo, *STEP_CALIBRATION_COUNTS}))
-        calibrated = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: executor.calibrate(counts, reps=config.calibrate_reps))
-        log.info("verify cost by tokens per forward (ms): %s",
-                 {q: round(ms, 1) for q, ms in calibrated.items()})
+    calibrated, solo = await _calibrate(runner, config)
     scheduler = Scheduler(BlockManager(runner.num_blocks, runner.block_size), sched_cfg,
                           CostModel({q: ms for q, ms in calibrated.items() if q in solo}),
                           tree_reach=medusa.cfg.reach if medusa is not None else (),
@@ -142,8 +162,27 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     metrics.bind_load(running=lambda: len(scheduler.running),
                       waiting=lambda: len(scheduler.waiting),
                       kv_usage=lambda: scheduler.blocks.usage)
-    engine = Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics)
-    colocated = None if colocate is None else await colocate(model, paths, config)
+    return Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics), metrics
+
+
+async def _calibrate(runner: ModelRunner, config: VerifierConfig
+                     ) -> tuple[dict[int, float], tuple[int, ...]]:
+    """(ms of a forward by its tokens, {} when calibrate_reps is 0; the token counts one
+    session's rounds run): the cost curves' start, timed off the event loop."""
+    calibrated, solo = {}, calibration_counts(config.max_spec_tokens)
+    if config.calibrate_reps:
+        counts = tuple(sorted({*solo, *STEP_CALIBRATION_COUNTS}))
+        calibrated = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: calibrate(runner, counts, reps=config.calibrate_reps))
+        log.info("verify cost by tokens per forward (ms): %s",
+                 {q: round(ms, 1) for q, ms in calibrated.items()})
+    return calibrated, solo
+
+
+def _wire_drafts(engine: Engine, config: VerifierConfig, model: LlamaModel, discover,
+                 colocated: Colocated | None) -> bool:
+    """Give the engine's draft side its pool: the configured or discovered draft workers and
+    the in-process ones (pinned: used when named only). True if there are remote ones."""
     pinned = tuple(colocated.addresses.values()) if colocated is not None else ()
     remote = bool(config.draft_addresses) or discover is not None
     if remote or pinned:
@@ -156,11 +195,13 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
                                            model.cfg.hidden_size))
     if colocated is not None:
         engine.drafts.local = dict(colocated.addresses)
-    model_id = paths.root.name
-    # Layer skip is served only when asked for: on a small target it rarely pays.
-    default_method = Method.DRAFT_MODEL if remote else Method.NONE
-    servicer = VerifyServicer(engine, build_info(model, paths, config, model_id),
-                              default_method, metrics, config.tree_methods(model.device.type))
+    return remote
+
+
+async def _serve_grpc(servicer: VerifyServicer, config: VerifierConfig, model: LlamaModel
+                      ) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
+    """The started gRPC server: the verify service, health (SERVING once started) and
+    reflection, on config's address; with its health servicer and bound port."""
     limit = max_message_bytes(model.cfg.max_position_embeddings)  # requests carry ids only
     server = grpc.aio.server(interceptors=[StatusInterceptor()],
                              options=[("grpc.so_reuseport", 0), *message_options(limit)])
@@ -173,9 +214,7 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     port = add_port(server, join_host_port(config.host, config.port), config.tls)
     await server.start()
     await _set_serving(health_servicer)
-    verifier = Verifier(server, port, engine, servicer, health_servicer, colocated=colocated)
-    verifier.tasks.append(asyncio.create_task(engine.run()))
-    return verifier
+    return server, health_servicer, port
 
 
 async def _set_serving(servicer) -> None:

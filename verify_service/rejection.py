@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.rejection import RejectionOutput, SparseDraftProbs, rejection_sample
+from kernels.rejection import rejection_sample
+from kernels.rejection_types import RejectionOutput, SparseDraftProbs
 from kernels.sampling import keyed_seed, make_generator
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken

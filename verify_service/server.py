@@ -18,8 +18,9 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
-from verify_service.engine import Engine, RoundOutput
+from verify_service.engine import Engine
 from verify_service.sequence import GenerateParams
+from verify_service.sessions import RoundOutput
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name

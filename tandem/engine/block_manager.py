@@ -6,10 +6,10 @@ offset. Each sequence owns a block table and one token id per slot it holds. The
 tentative (draft tokens under verification, or a prompt not yet prefilled) and can be rolled
 back.
 
-Prefix sharing: once a block is full of committed tokens it is registered under a chained hash
-of (previous block's hash, its token ids), and a new sequence whose prompt starts with the same
-blocks reuses them instead of recomputing their KV. Shared blocks are reference counted. A freed
-block keeps its hash and contents ("cached but free") until it is handed out fresh.
+Prefix sharing (tandem.engine.prefix_cache): a new sequence whose prompt starts with the same
+full committed blocks as an earlier one reuses them instead of recomputing their KV. Shared
+blocks are reference counted. A freed block keeps its hash and contents ("cached but free")
+until it is handed out fresh.
 
 Why no copy-on-write is needed: only full blocks of committed tokens are ever shared, a
 sequence only writes at positions past its committed count (appends), and rollback cannot cut
@@ -18,37 +18,18 @@ into committed tokens; so a shared block is never written again.
 
 from __future__ import annotations
 
-import hashlib
 import operator
-import struct
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from tandem.engine.prefix_cache import Block, PrefixCache
 
 _MAX_TOKEN_ID = 2**63 - 1  # token ids are hashed as signed 64-bit integers
 
 
 class NoFreeBlocksError(RuntimeError):
     """The cache is full: the caller preempts a sequence or queues the request."""
-
-
-def block_hash(prev_hash: bytes, token_ids: tuple[int, ...]) -> bytes:
-    """Chained hash of one full block: it stands for the whole prefix up to this block.
-
-    blake2b over a fixed little-endian encoding, so it is the same in every process (Python's
-    hash() is salted per process and could not be shared between workers).
-    """
-    digest = hashlib.blake2b(prev_hash, digest_size=16)
-    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return digest.digest()
-
-
-@dataclass(slots=True)
-class _Block:
-    block_id: int
-    ref_count: int = 0
-    hash: bytes | None = None  # set only while this block is the one registered for it
-    token_ids: tuple[int, ...] = ()  # the committed tokens `hash` stands for
 
 
 @dataclass(slots=True)
@@ -86,11 +67,11 @@ class BlockManager:
                 raise ValueError(f"{name} must be positive, got 0")
         self._num_blocks = num_blocks
         self._block_size = block_size
-        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in hand-out order (front first). An OrderedDict because a prefix hit
         # revives a cached-but-free block from the middle of the queue in O(1).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._hash_to_block: dict[bytes, int] = {}
+        self._cache = PrefixCache(self._blocks, block_size)
         self._seqs: dict[str, _Sequence] = {}
 
     @property
@@ -120,7 +101,7 @@ class BlockManager:
 
     def can_allocate(self, token_ids: Iterable[int], use_cache: bool = True) -> bool:
         tokens = self._check_prompt(token_ids)
-        hits = self._find_cached_prefix(tokens) if use_cache else []
+        hits = self._cached_prefix(tokens, use_cache)
         return self._blocks_to_take(tokens, hits) <= len(self._free)
 
     def allocate(self, seq_id: str, token_ids: Iterable[int], use_cache: bool = True) -> int:
@@ -129,7 +110,7 @@ class BlockManager:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         tokens = self._check_prompt(token_ids)
-        hits = self._find_cached_prefix(tokens) if use_cache else []
+        hits = self._cached_prefix(tokens, use_cache)
         self._ensure_free(self._blocks_to_take(tokens, hits))
         table = [self._take_cached(block_id) for block_id, _ in hits]
         while len(table) < self._blocks_for(len(tokens)):
@@ -193,7 +174,8 @@ class BlockManager:
                 f"{seq.num_committed} (already committed) and {len(seq.token_ids)} (slots held)"
             )
         seq.num_committed = num_tokens
-        self._register_full_blocks(seq)
+        self._cache.register(seq.token_ids, seq.num_committed, seq.block_table,
+                             seq.block_hashes)
 
     def free(self, seq_id: str) -> None:
         seq = self._get(seq_id)
@@ -251,40 +233,10 @@ class BlockManager:
         if needed > len(self._free):
             raise NoFreeBlocksError(f"need {needed} free KV blocks, {len(self._free)} free")
 
-    def _find_cached_prefix(self, tokens: list[int]) -> list[tuple[int, bytes]]:
-        """The leading full blocks of `tokens` found in the cache, as (block_id, hash).
-
-        Only blocks that end before the last token are candidates: the model must run on at
-        least the last token to produce logits, so a fully cached prompt reuses all but its
-        last block and recomputes that one in a fresh block.
-        """
-        bs, prev, hits = self._block_size, b"", []
-        if not self.prefix_caching:
-            return hits
-        for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = block_hash(prev, chunk)
-            block_id = self._hash_to_block.get(h)
-            # Compare the tokens too: a hash collision must cost a miss, never wrong KV.
-            if block_id is None or self._blocks[block_id].token_ids != chunk:
-                break
-            hits.append((block_id, h))
-            prev = h
-        return hits
-
-    def _register_full_blocks(self, seq: _Sequence) -> None:
-        bs = self._block_size
-        for i in range(len(seq.block_hashes), seq.num_committed // bs):
-            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else b"", chunk)
-            seq.block_hashes.append(h)
-            # Another sequence may have computed and registered an identical block meanwhile.
-            # Keep ours private rather than re-point the entry, so a registered hash always
-            # names exactly one block and evicting that block drops exactly its own entry.
-            if h not in self._hash_to_block:
-                block = self._blocks[seq.block_table[i]]
-                self._hash_to_block[h] = block.block_id
-                block.hash, block.token_ids = h, chunk
+    def _cached_prefix(self, tokens: list[int], use_cache: bool) -> list[tuple[int, bytes]]:
+        if not (use_cache and self.prefix_caching):
+            return []
+        return self._cache.find(tokens)
 
     def _take_cached(self, block_id: int) -> int:
         block = self._blocks[block_id]
@@ -295,12 +247,8 @@ class BlockManager:
 
     def _take_fresh(self) -> int:
         block_id, _ = self._free.popitem(last=False)
-        block = self._blocks[block_id]
-        if block.hash is not None:
-            # Its KV is about to be overwritten: it must no longer answer prefix lookups.
-            del self._hash_to_block[block.hash]
-            block.hash, block.token_ids = None, ()
-        block.ref_count = 1
+        self._cache.evict(block_id)
+        self._blocks[block_id].ref_count = 1
         return block_id
 
     def _release(self, block_id: int) -> None:

@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 from kernels.paged_attention import AttentionMetadata
-from tandem.engine.llama import DraftVocab, LlamaConfig, LlamaModel, _load_tensors
+from tandem.engine.checkpoint import LlamaConfig, load_tensors
+from tandem.engine.draft_vocab import DraftVocab
+from tandem.engine.llama import LlamaModel
 from tandem.models import ModelError, ModelPaths, read_hf_config
 
 EAGLE_CARD = "tandem_eagle.json"
@@ -67,7 +69,7 @@ class EagleHead:
         (the commonest tokens: draft_vocab.json is ordered by frequency in the training data).
         The LM head is most of a draft step's time; inputs still embed every token."""
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
-        head = cls(cfg, _load_tensors(paths), DraftVocab.read(paths.root), dtype, device)
+        head = cls(cfg, load_tensors(paths), DraftVocab.read(paths.root), dtype, device)
         try:
             head.card = json.loads((paths.root / EAGLE_CARD).read_text())
         except (OSError, ValueError) as exc:

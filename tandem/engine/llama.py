@@ -1,80 +1,26 @@
 """Our Llama-family forward (Llama, SmolLM, Mistral, Qwen2-style qkv biases) over paged KV.
 
-Weights are loaded straight from HF safetensors. Q/K/V and gate/up projections are fused into
-one matmul each: on a CPU at batch 1 the forward is bound by per-op overhead and memory
-traffic, so fewer, larger matmuls are faster.
+Weights are loaded straight from HF safetensors (tandem.engine.checkpoint). Q/K/V and gate/up
+projections are fused into one matmul each: on a CPU at batch 1 the forward is bound by per-op
+overhead and memory traffic, so fewer, larger matmuls are faster.
 """
 from __future__ import annotations
 
 import copy
-import json
 import math
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from kernels import int8_cpu
 from kernels.attention import attention
 from kernels.paged_attention import AttentionMetadata, row_attention, write_kv
+from tandem.engine.checkpoint import LlamaConfig, load_tensors
+from tandem.engine.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab
 from tandem.engine.linear import LinearRouter, measure_invariant_rows
 from tandem.engine.quant import Int8Weight, compute_dtype
 from tandem.models import ModelError, ModelPaths, read_hf_config
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    rope_scaling: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}"
-            )
-        if self.rope_scaling.get("rope_type", "default") not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope scaling {self.rope_scaling}")
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> LlamaConfig:
-        """Parse a HF config.json dict (transformers 4.x and 5.x rope layouts)."""
-        heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=cfg.get("model_type") == "qwen2" or cfg.get("attention_bias", False),
-            rope_scaling=rope,
-        )
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # [head_dim // 2] float32
@@ -114,65 +60,6 @@ class LayerWeights:
             setattr(self, name, Int8Weight.quantize(getattr(self, name)))
 
 
-DRAFT_VOCAB_FILE = "draft_vocab.json"
-
-
-@dataclass(frozen=True)
-class DraftVocab:
-    """A draft checkpoint's truncated vocabulary: draft row i is target token target_ids[i].
-
-    The draft's embedding and head hold only the kept rows (small and fast); to the rest of the
-    system the model still speaks target ids: inputs outside the kept set embed as row
-    `unk_index`, and logits of tokens outside it are -inf (the draft gives them probability 0,
-    so verification stays lossless). In transformers the checkpoint is a plain Llama whose
-    vocab_size is len(target_ids) and whose ids are draft rows.
-    """
-
-    target_ids: tuple[int, ...]
-    target_vocab_size: int
-    unk_index: int = 0
-
-    def __post_init__(self):
-        ids = self.target_ids
-        if not ids or len(set(ids)) != len(ids):
-            raise ModelError("draft vocabulary must be non-empty and without duplicates")
-        if min(ids) < 0 or max(ids) >= self.target_vocab_size:
-            raise ModelError(f"draft vocabulary ids must be in [0, {self.target_vocab_size})")
-        if not 0 <= self.unk_index < len(ids):
-            raise ModelError(f"unk_index {self.unk_index} outside the draft vocabulary")
-
-    @classmethod
-    def read(cls, root: Path) -> DraftVocab | None:
-        path = Path(root) / DRAFT_VOCAB_FILE
-        if not path.is_file():
-            return None
-        try:
-            d = json.loads(path.read_text())
-            return cls(tuple(d["target_ids"]), int(d["target_vocab_size"]),
-                       int(d.get("unk_index", 0)))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ModelError(f"cannot read {path}: {exc}") from exc
-
-    def write(self, root: Path) -> None:
-        (Path(root) / DRAFT_VOCAB_FILE).write_text(json.dumps(
-            {"target_vocab_size": self.target_vocab_size, "unk_index": self.unk_index,
-             "target_ids": list(self.target_ids)}))
-
-    def input_map(self) -> torch.Tensor:  # [target_vocab_size] int64: target id -> draft row
-        m = torch.full((self.target_vocab_size,), self.unk_index, dtype=torch.int64)
-        m[torch.tensor(self.target_ids)] = torch.arange(len(self.target_ids))
-        return m
-
-
-def _load_tensors(paths: ModelPaths) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in paths.safetensors():
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[name.removeprefix("model.")] = f.get_tensor(name)
-    return tensors
-
-
 class LlamaModel:
     """Weights plus a functional forward; the KV cache is owned by the model runner.
 
@@ -200,18 +87,7 @@ class LlamaModel:
                              f"{device}")
         self.batch_invariant = batch_invariant
         self.linear = LinearRouter()
-        # With a truncated draft vocabulary, vocab_map[i] is the target id of draft row i and
-        # cfg.vocab_size is the target's, so callers see target ids only.
-        self.vocab_map = self._input_map = None
-        if draft_vocab is not None:
-            if len(draft_vocab.target_ids) != cfg.vocab_size:
-                raise ModelError(f"{DRAFT_VOCAB_FILE} has {len(draft_vocab.target_ids)} ids, "
-                                 f"the checkpoint's vocab_size is {cfg.vocab_size}")
-            self.vocab_map = torch.tensor(draft_vocab.target_ids, dtype=torch.int64,
-                                          device=device)
-            self._input_map = draft_vocab.input_map().to(device)
-            cfg = replace(cfg, vocab_size=draft_vocab.target_vocab_size)
-        self.cfg = cfg
+        self.cfg = cfg = self._use_draft_vocab(cfg, draft_vocab)
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -230,6 +106,20 @@ class LlamaModel:
         self.sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(device=device, dtype=dtype)
         if self.weight_dtype == "int8":
             self._quantize_int8()
+
+    def _use_draft_vocab(self, cfg: LlamaConfig, draft_vocab: DraftVocab | None) -> LlamaConfig:
+        """With a truncated draft vocabulary, vocab_map[i] is the target id of draft row i and
+        the returned config's vocab_size is the target's, so callers see target ids only."""
+        self.vocab_map = self._input_map = None
+        if draft_vocab is None:
+            return cfg
+        if len(draft_vocab.target_ids) != cfg.vocab_size:
+            raise ModelError(f"{DRAFT_VOCAB_FILE} has {len(draft_vocab.target_ids)} ids, "
+                             f"the checkpoint's vocab_size is {cfg.vocab_size}")
+        self.vocab_map = torch.tensor(draft_vocab.target_ids, dtype=torch.int64,
+                                      device=self.device)
+        self._input_map = draft_vocab.input_map().to(self.device)
+        return replace(cfg, vocab_size=draft_vocab.target_vocab_size)
 
     def _quantize_int8(self) -> None:
         for layer in self.layers:
@@ -263,7 +153,7 @@ class LlamaModel:
              tune: bool = True, batch_invariant: bool = False,
              device: torch.device | str = "cpu") -> LlamaModel:
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
-        model = cls(cfg, _load_tensors(paths), dtype, DraftVocab.read(paths.root),
+        model = cls(cfg, load_tensors(paths), dtype, DraftVocab.read(paths.root),
                     batch_invariant=batch_invariant, device=device)
         if tune or batch_invariant:
             model.tune_kernels()

@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import torch
 
+from tandem.engine.checkpoint import LlamaConfig, load_tensors
 from tandem.engine.eagle import EagleHead
-from tandem.engine.llama import LlamaConfig, _load_tensors
 from tandem.models import ModelError, ModelPaths, read_hf_config
 
 MTP_LAYERS_KEY = "num_nextn_predict_layers"
@@ -78,7 +78,7 @@ class MtpHead(EagleHead):
             raise ModelError(f"{paths.root} declares {declared} MTP module(s) "
                              f"({MTP_LAYERS_KEY}); module {index} does not exist")
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
-        weights, tied = _module_weights(_load_tensors(paths), cfg, index)
+        weights, tied = _module_weights(load_tensors(paths), cfg, index)
         head = cls(replace(cfg, num_layers=1, tie_word_embeddings=tied), weights, dtype, device)
         head.card = {"method": "mtp", "source": str(paths.root), "module": index}
         head.model.tune_kernels()

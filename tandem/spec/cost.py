@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 # Forward time over q new tokens relative to q = 1, measured on the 2-core target machine
 # (benchmarks/runner_speed.py). Only a fallback: a verifier times its own forwards per q at
-# start-up (Executor.calibrate) and then every single-session round updates the curve.
+# start-up (verify_service.calibration.calibrate) and then every single-session round updates
+# the curve.
 DEFAULT_RELATIVE_COST = {1: 1.0, 2: 1.04, 3: 1.41, 4: 1.38, 5: 1.64, 6: 1.91, 7: 2.0, 8: 2.1,
                          9: 2.6, 12: 2.7, 16: 2.9}
 _EMA = 0.2

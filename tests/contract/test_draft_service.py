@@ -16,11 +16,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from draft_service.config import DraftConfig
 from draft_service.main import build_app, build_server
-from draft_service.proposers.ngram import ngram_lookup
 from draft_service.server import SERVICE_NAME
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
+from tandem.history.ngram import ngram_lookup
 from tandem.models import ModelPaths, tokenizer_hash
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
@@ -388,7 +388,7 @@ def test_draft_model_cache_reuse_matches_a_fresh_computation(tiny_draft):
 def test_truncated_vocabulary_draft_speaks_target_ids(tmp_path, target_paths):
     """A draft whose head keeps only some target tokens (draft_vocab.json, like the shipped
     draft): its q and tokens are target ids from the kept set; Info shows the target vocab."""
-    from tandem.engine.llama import DraftVocab
+    from tandem.engine.draft_vocab import DraftVocab
 
     kept = sorted(torch.randperm(49152, generator=torch.Generator().manual_seed(0))[:500])
     cfg = transformers.LlamaConfig(

@@ -21,9 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.config import DraftConfig
 from draft_service.main import assemble_worker, build_app
-from draft_service.proposers.ngram import NgramProposer
 from gateway.config import GatewayConfig
 from gateway.verifier import ChannelPool
+from tandem.history.ngram import NgramProposer
 from tandem.spec import Method, Open, Proposal
 from tandem.tls import TlsConfig, add_port, open_channel, tls_args, tls_from_args
 from tandem.v1 import common_pb2, verify_pb2_grpc

@@ -62,7 +62,7 @@ def test_speculation_is_lossless_on_the_device(placed, tokenizer, prompt_ids, me
     """Greedy and seeded sampled sessions give the text plain decoding gives, on the device
     (seeded noise is drawn on the CPU and copied, so a seed means the same everywhere)."""
     from draft_service.proposers.draft_model import DraftModelProposer
-    from draft_service.proposers.ngram import NgramProposer
+    from tandem.history.ngram import NgramProposer
 
     if method is Method.NGRAM:
         proposer = NgramProposer()

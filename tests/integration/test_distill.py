@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers
 
-from tandem.engine.llama import DRAFT_VOCAB_FILE, LlamaModel
+from tandem.engine.draft_vocab import DRAFT_VOCAB_FILE
+from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelError, resolve_model
 from tools.cli import main

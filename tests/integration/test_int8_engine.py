@@ -9,10 +9,10 @@ import pytest
 from inproc import run_sessions
 
 from draft_service.proposers.draft_model import DraftModelProposer
-from draft_service.proposers.suffix import SuffixProposer
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
+from tandem.history.suffix import SuffixProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 

@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 from inproc import fails_after, run_sessions, target_joint_top2
 
-from draft_service.proposers.suffix import SuffixConfig, SuffixProposer
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.model_runner import ModelRunner
+from tandem.history.suffix import SuffixConfig, SuffixProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 

@@ -13,9 +13,10 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import Close, DraftToken, Method, Open, Proposal
 from tandem.spec.cost import CostModel, StepCost
 from verify_service.engine import Engine, EngineConfig
-from verify_service.executor import Executor, StepInput
+from verify_service.executor import Executor
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.sequence import GenerateParams
+from verify_service.step import StepInput
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0)
@@ -174,7 +175,7 @@ def test_stochastic_sessions_carry_the_bonus_row(target_model, tokenizer, refere
     carried = [r for r in rounds if r.drafted and not r.bonus
                and r.accepted == r.drafted]
     assert carried, "no round carried its bonus row"
-    assert not engine._carried  # released with their sessions
+    assert not engine.table.carried  # released with their sessions
 
 
 def test_stochastic_verification_matches_target_distribution(target_model, tokenizer):
@@ -316,7 +317,7 @@ def test_a_black_holed_draft_costs_little_waiting(target_model, tokenizer, refer
 def test_chunked_prefill_gives_the_same_text(target_model, tokenizer):
     """A long prompt computed 16 tokens per step beside decoding sessions (and by EAGLE-free
     speculation) gives the text it gives in one forward."""
-    from draft_service.proposers.ngram import NgramProposer
+    from tandem.history.ngram import NgramProposer
 
     long = tokenizer("Summarise: " + "The river flows past the old mill and the bridge. " * 12
                      ).input_ids
@@ -334,7 +335,7 @@ def test_the_batch_plan_drops_drafts_a_compute_bound_step_cannot_afford(target_m
     """Four sessions in one batch, ngram drafts that pay alone: a step curve where rows are
     nearly free keeps them; one where every row costs a whole step's share drops them. The
     text is plain decoding's either way, and the engine measures its steps."""
-    from draft_service.proposers.ngram import NgramProposer
+    from tandem.history.ngram import NgramProposer
 
     text = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
     prompts = [tokenizer(text).input_ids] * 4

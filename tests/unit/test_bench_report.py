@@ -7,8 +7,8 @@ import pytest
 
 from tandem.spec.cost import leviathan_speedup
 from tools.bench import stats
+from tools.bench.config import TANDEM_METHODS
 from tools.bench.report import concurrency_md, render_markdown, table, targets_md, write_outputs
-from tools.bench.runner import TANDEM_METHODS
 from tools.bench.summary import summarize
 
 pytestmark = pytest.mark.unit
@@ -342,7 +342,7 @@ def test_old_concurrency_rows_without_a_method_still_render(tmp_path):
 
 
 def test_concurrency_phase_interleaves_methods_within_each_level(monkeypatch):
-    from tools.bench import client, runner
+    from tools.bench import client, config, phases
 
     calls = []
 
@@ -362,10 +362,10 @@ def test_concurrency_phase_interleaves_methods_within_each_level(monkeypatch):
             pass
 
     monkeypatch.setattr(client, "run_concurrent", fake_run)
-    cfg = runner.quick_config(concurrency=(1, 4))
-    ctx = runner._Ctx(cfg, [{"id": "a", "prompt": "hi"}], {}, "t", "d", Bar(), None,
-                      {"meta": {}, "concurrency": []})
-    runner.run_concurrency(ctx, "http://x", None)
+    cfg = config.quick_config(concurrency=(1, 4))
+    ctx = phases.Ctx(cfg, [{"id": "a", "prompt": "hi"}], {}, "t", "d", Bar(), None,
+                     {"meta": {}, "concurrency": []})
+    phases.run_concurrency(ctx, "http://x", None)
     assert calls == [(n, m) for n in (1, 4) for m in ("none", "ngram", "draft_model")]
     rows = ctx.result["concurrency"]
     assert [(r["sessions"], r["method"]) for r in rows] == [

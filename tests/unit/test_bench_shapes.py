@@ -142,7 +142,7 @@ def test_available_skips_methods_without_heads():
 
 
 def test_phase_interleaves_configs_per_prompt_and_records_failures(monkeypatch):
-    from tools.bench import client, runner
+    from tools.bench import client, config, phases
 
     calls = []
 
@@ -163,9 +163,9 @@ def test_phase_interleaves_configs_per_prompt_and_records_failures(monkeypatch):
             pass
 
     monkeypatch.setattr(client, "run_single", fake_single)
-    cfg = runner.quick_config(shape_prompts=2)
+    cfg = config.quick_config(shape_prompts=2)
     prompts = [{"id": i, "prompt": i, "category": "chat", "grounded": False} for i in "abc"]
-    ctx = runner._Ctx(cfg, prompts, {}, "t", "d", Bar(), None, {"meta": {}, "shapes": []})
+    ctx = phases.Ctx(cfg, prompts, {}, "t", "d", Bar(), None, {"meta": {}, "shapes": []})
     shapes.run_shapes(ctx, "http://x", ("eagle",))
     order = [("none", None), ("eagle", "chain"), ("eagle", "tree")]
     assert calls == [("a", *c) for c in order] * 2 + [("b", *c) for c in order]

@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tandem.engine import block_manager as bm_module
-from tandem.engine.block_manager import BlockManager, NoFreeBlocksError, block_hash
+from tandem.engine import prefix_cache as pc_module
+from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
+from tandem.engine.prefix_cache import block_hash
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +27,7 @@ def snapshot(bm: BlockManager) -> tuple:
         for sid in sorted(bm._seqs)
     }
     blocks = [(b.ref_count, b.hash, b.token_ids) for b in bm._blocks]
-    return seqs, list(bm._free), dict(bm._hash_to_block), blocks
+    return seqs, list(bm._free), dict(bm._cache.hash_to_block), blocks
 
 
 def committed_seq(bm: BlockManager, seq_id: str, tokens: list[int]) -> int:
@@ -226,7 +227,7 @@ def test_cached_free_blocks_are_evicted_when_space_is_needed():
     committed_seq(bm, "a", list(range(9)))
     bm.free("a")
     bm.allocate("filler", range(100, 116))  # needs all 4 blocks: evicts the cached ones
-    assert bm._hash_to_block == {}
+    assert bm._cache.hash_to_block == {}
     bm.free("filler")
     assert bm.allocate("b", list(range(9))) == 0
 
@@ -238,10 +239,10 @@ def test_eviction_order_uncached_first_then_least_recently_freed():
     bm.free("old")
     bm.free("new")
     bm.allocate("f1", range(100, 108))  # 2 blocks: the never-used ones, cache intact
-    assert len(bm._hash_to_block) == 2
+    assert len(bm._cache.hash_to_block) == 2
     bm.free("f1")
     bm.allocate("f2", range(100, 112))  # 3 blocks: f1's uncached blocks, then "old"'s
-    assert set(bm._hash_to_block.values()) == {1}
+    assert set(bm._cache.hash_to_block.values()) == {1}
     bm.free("f2")
     assert bm.allocate("y", [2, 2, 2, 2, 5]) == 4
     assert bm.allocate("x", [1, 1, 1, 1, 5]) == 0
@@ -282,22 +283,22 @@ def test_identical_blocks_committed_concurrently_keep_hash_map_consistent():
     bm.commit("a", 9)
     bm.commit("b", 9)
     a, b = bm.block_table("a"), bm.block_table("b")
-    assert set(bm._hash_to_block.values()) == set(a[:2])
+    assert set(bm._cache.hash_to_block.values()) == set(a[:2])
     assert all(bm._blocks[x].hash is None for x in b)
     bm.free("a")
     bm.allocate("filler", range(100, 120))  # evicts a's cached blocks
-    assert bm._hash_to_block == {}
+    assert bm._cache.hash_to_block == {}
     bm.free("b")
     bm.free("filler")
     assert bm.num_free_blocks == 8
 
 
 def test_hash_collision_is_a_miss_not_wrong_kv(monkeypatch):
-    monkeypatch.setattr(bm_module, "block_hash", lambda prev, tokens: b"same")
+    monkeypatch.setattr(pc_module, "block_hash", lambda prev, tokens: b"same")
     bm = BlockManager(8, BS)
     committed_seq(bm, "a", [1, 2, 3, 4, 5])
     assert committed_seq(bm, "b", [9, 9, 9, 9, 5]) == 0
-    assert bm._hash_to_block == {b"same": bm.block_table("a")[0]}
+    assert bm._cache.hash_to_block == {b"same": bm.block_table("a")[0]}
     assert bm.allocate("c", [1, 2, 3, 4, 5]) == 4
 
 
@@ -307,10 +308,10 @@ def test_block_hash_is_chained_and_deterministic_across_processes():
     assert h != block_hash(b"", (1, 2, 3, 5))
     assert block_hash(h, (1, 2, 3, 4)) != h
     code = (
-        "from tandem.engine.block_manager import block_hash as f; "
+        "from tandem.engine.prefix_cache import block_hash as f; "
         "print(f(b'', (1, 2, 3, 4)).hex())"
     )
-    root = str(Path(bm_module.__file__).resolve().parents[1])
+    root = str(Path(pc_module.__file__).resolve().parents[1])
     env = {"PYTHONHASHSEED": "12345", "PYTHONPATH": root}  # a different hash() salt
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
@@ -452,9 +453,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for sid, table in tables.items():
             assert len(table) == len(set(table))
             assert len(table) == -(-len(self.tokens[sid]) // BS)
-        for h, b in bm._hash_to_block.items():
+        for h, b in bm._cache.hash_to_block.items():
             assert bm._blocks[b].hash == h
-        assert sum(blk.hash is not None for blk in bm._blocks) == len(bm._hash_to_block)
+        assert sum(blk.hash is not None for blk in bm._blocks) == len(bm._cache.hash_to_block)
 
     @invariant()
     def sequences_match_shadow(self):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tandem import device as dev
-from tandem.engine.llama import LlamaConfig, LlamaModel
+from tandem.engine.checkpoint import LlamaConfig
+from tandem.engine.llama import LlamaModel
 from tandem.models import ModelError
 from tools.cli import main
 

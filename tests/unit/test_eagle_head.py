@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from kernels.paged_attention import build_attention_metadata
+from tandem.engine.checkpoint import LlamaConfig
+from tandem.engine.draft_vocab import DraftVocab
 from tandem.engine.eagle import EagleHead, is_eagle_dir
-from tandem.engine.llama import DraftVocab, LlamaConfig
 from tandem.models import ModelError, ModelPaths
 from tools.distill.eagle_head import EagleTrainHead
 

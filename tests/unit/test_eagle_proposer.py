@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from draft_service.proposers.eagle import EagleProposer
+from tandem.engine.checkpoint import LlamaConfig
+from tandem.engine.draft_vocab import DraftVocab
 from tandem.engine.eagle import EagleHead
-from tandem.engine.llama import DraftVocab, LlamaConfig
 from tandem.models import ModelPaths
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest, Method

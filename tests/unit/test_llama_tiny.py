@@ -5,7 +5,8 @@ import pytest
 import torch
 import transformers
 
-from tandem.engine.llama import LlamaConfig, LlamaModel
+from tandem.engine.checkpoint import LlamaConfig
+from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelError, resolve_model
 

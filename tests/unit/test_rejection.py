@@ -8,12 +8,8 @@ import pytest
 import torch
 
 from kernels import rejection
-from kernels.rejection import (
-    PLACEHOLDER_TOKEN_ID,
-    SparseDraftProbs,
-    accepted_per_position,
-    rejection_sample,
-)
+from kernels.rejection import accepted_per_position, rejection_sample
+from kernels.rejection_types import PLACEHOLDER_TOKEN_ID, SparseDraftProbs
 from kernels.sampling import make_generator, sample, top_n_sparse
 
 pytestmark = pytest.mark.unit

@@ -122,7 +122,7 @@ def test_bench_main_reports_a_missing_gpu_without_a_traceback(tmp_path, capsys):
 
 
 def test_configs_check_their_device():
-    from tools.bench.runner import BenchConfig, quick_config
+    from tools.bench.config import BenchConfig, quick_config
     from tools.distill.config import DataConfig
     from tools.distill.data import placed
     from tools.launcher import ClusterConfig
@@ -193,7 +193,7 @@ def test_report_machine_line_records_the_device():
 
 def test_machine_says_where_the_models_ran():
     from tandem.device import place
-    from tools.bench.runner import machine
+    from tools.bench.host import machine
 
     m = machine(place("cpu", "float32"))
     assert (m["gpu"], m["device"], m["dtype"]) == ("none", "cpu", "float32")
@@ -247,7 +247,7 @@ def _examples(n: int = 6, seed: int = 0):
 
 
 def _draft(device):
-    from tandem.engine.llama import DraftVocab
+    from tandem.engine.draft_vocab import DraftVocab
     from tools.distill.config import DraftArch
     from tools.distill.train import make_draft
 
@@ -322,8 +322,9 @@ def _feature_seqs(h: int, n: int = 6):
 def test_eagle_head_trains_on_device_and_exports_cpu_tensors(device, tmp_path):
     from safetensors.torch import load_file
 
+    from tandem.engine.checkpoint import LlamaConfig
+    from tandem.engine.draft_vocab import DraftVocab
     from tandem.engine.eagle import EagleHead
-    from tandem.engine.llama import DraftVocab, LlamaConfig
     from tandem.models import ModelPaths
     from tools.distill.config import EagleTrainConfig
     from tools.distill.eagle import _collate, _to, step_losses, train

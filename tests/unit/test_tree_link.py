@@ -277,7 +277,7 @@ def test_a_verified_tree_resets_late_rounds_and_measures_its_wait():
     """A tree session that was late twice (no longer waited for) is waited for again once a
     tree is verified; the round's wait feeds the session's tree_wait_ms."""
     from verify_service.engine import Engine, EngineConfig
-    from verify_service.executor import RoundOutcome, StepTimings
+    from verify_service.step import RoundOutcome, StepTimings
 
     class Side:
         arrival_ms, first_ms = 2.0, 4.0

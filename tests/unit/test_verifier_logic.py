@@ -234,15 +234,14 @@ def test_measured_round_costs_switch_speculation_off_and_probes_continue():
 def test_round_cost_is_keyed_by_the_tokens_the_forward_ran():
     """A carried round runs only its drafts: its time is the cost of k tokens, not k + 1;
     a round with no forward at all (sampled from the carried row) is not a cost sample."""
-    from verify_service.engine import Engine, EngineConfig
-    from verify_service.executor import StepTimings
+    from verify_service.feedback import observe_cost
     from verify_service.scheduler import ScheduledSeq
+    from verify_service.step import StepTimings
 
     sched = make_sched()
-    engine = Engine(None, sched, EngineConfig(), 100)
     seq = Sequence(params())
-    engine._observe_cost([ScheduledSeq(seq, [5, 6], 4, 2, False)], 1.0, StepTimings(50.0, 2.0))
-    engine._observe_cost([ScheduledSeq(seq, [], 6, 0, False)], 0.0, StepTimings(0.0, 1.0))
+    observe_cost(sched, [ScheduledSeq(seq, [5, 6], 4, 2, False)], 1.0, StepTimings(50.0, 2.0))
+    observe_cost(sched, [ScheduledSeq(seq, [], 6, 0, False)], 0.0, StepTimings(0.0, 1.0))
     assert sched.cost.ms == {2: 53.0}
 
 

@@ -3,7 +3,10 @@
   prompts.jsonl  the fixed prompt set (chat, story, code rewriting, summarisation, lists)
   baselines.py   transformers generate / assisted generation / prompt lookup, in process
   client.py      the gateway (streaming, concurrency) and the verifier's gRPC (round stats)
+  config.py      BenchConfig, the methods each phase runs, the prompts, draft and EAGLE head
   runner.py      one run: peers, then a local cluster; a JSON-able dict
+  phases.py      the run's phases: peers, gateway, verifier rounds, concurrency
+  host.py        the machine's description, memory release, cluster logs off the bar
   stats.py       percentiles, acceptance, Leviathan's bound, round breakdown (pure Python)
   summary.py     raw results -> tables and targets (pure Python)
   shapes.py      the chain-vs-tree phase (eagle, medusa) and its table, bound and section

@@ -99,7 +99,7 @@ def load_target(path: str | Path, at: Placement | None = None):
 def load_assistant(draft_dir: str | Path, target_vocab: int, at: Placement | None = None):
     """The draft as transformers loads it. A truncated-vocabulary draft (draft_vocab.json)
     speaks draft row ids, so it is re-wired to speak target ids, as our workers do."""
-    from tandem.engine.llama import DraftVocab
+    from tandem.engine.draft_vocab import DraftVocab
 
     model = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=peer_dtype(at)).eval()
     vocab = DraftVocab.read(Path(draft_dir))
@@ -265,12 +265,12 @@ def measure_verify_curve(target: str, q_max: int, threads: int = 1, reps: int = 
                          at: Placement | None = None, context: int = 128) -> dict:
     """The target's forward time over q new tokens after `context` cached ones, q = 1..q_max
     (ms, medians): what a verification round of q - 1 nodes costs against a plain step. Timed
-    as the verifier calibrates its cost model at start-up (Executor.calibrate), on as many
+    as the verifier calibrates its cost model at start-up (calibration.calibrate), on as many
     threads as each worker of the cluster gets."""
     from tandem.engine.llama import LlamaModel
     from tandem.engine.model_runner import ModelRunner
     from tandem.models import resolve_model
-    from verify_service.executor import Executor
+    from verify_service.calibration import calibrate
 
     at = _placement(at)
     model = LlamaModel.load(resolve_model(target), at.dtype, device=at.device)
@@ -278,7 +278,7 @@ def measure_verify_curve(target: str, q_max: int, threads: int = 1, reps: int = 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ms = Executor(runner).calibrate(tuple(range(1, q_max + 1)), reps=reps, context=context)
+        ms = calibrate(runner, tuple(range(1, q_max + 1)), reps=reps, context=context)
     finally:
         torch.set_num_threads(saved)
     return {"ms": {q: round(v, 3) for q, v in ms.items()}, "threads": threads,

@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args):
-    from tools.bench.runner import BenchConfig, quick_config
+    from tools.bench.config import BenchConfig, quick_config
 
     overrides = {"k": args.k, "model": args.model, "draft_model": args.draft_model,
                  "eagle": args.eagle,

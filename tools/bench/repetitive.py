@@ -18,14 +18,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tandem.device import place
+from tools.bench.config import BenchConfig, load_prompts
+from tools.bench.host import children_log_to, machine, release_memory
 from tools.bench.report import fmt, machine_md, table
-from tools.bench.runner import (
-    BenchConfig,
-    _children_log_to,
-    load_prompts,
-    machine,
-    release_memory,
-)
 
 TANDEM = ("none", "ngram", "suffix")
 PEERS = ("plain", "prompt_lookup")
@@ -70,7 +65,7 @@ def run_repetitive(cfg: BenchConfig, repeats: int, result: dict, out_dir: Path) 
                                         dtype=cfg.dtype), log=lambda m: None)
         try:
             bar.set_description("starting the cluster")
-            with _children_log_to(out_dir / "cluster.log"):
+            with children_log_to(out_dir / "cluster.log"):
                 cluster.start()
             url = cluster.gateway_url
             for method in TANDEM:

@@ -8,7 +8,7 @@ import math
 from collections import defaultdict
 
 from tandem.spec.methods import Method
-from tools.bench.runner import SPEC_METHODS
+from tools.bench.config import SPEC_METHODS
 from tools.bench.shapes import cost_curve, shapes_table
 from tools.bench.stats import (
     best_bound,

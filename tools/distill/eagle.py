@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tandem.engine.llama import DraftVocab, LlamaConfig, _load_tensors
+from tandem.engine.checkpoint import LlamaConfig, load_tensors
+from tandem.engine.draft_vocab import DraftVocab
 from tandem.models import ModelPaths, read_hf_config, tokenizer_hash
 from tools.distill.config import EagleTrainConfig
 from tools.distill.eagle_head import EagleTrainHead
@@ -174,7 +175,7 @@ def make_head(target: ModelPaths, seqs: list[FeatureSeq], cfg: EagleTrainConfig,
               special: tuple[int, ...]) -> EagleTrainHead:
     hf = read_hf_config(target)
     lcfg = LlamaConfig.from_hf(hf)
-    tensors = _load_tensors(target)
+    tensors = load_tensors(target)
     vocab = build_vocab(seqs, cfg.vocab, lcfg.vocab_size, special)
     embed = tensors["embed_tokens.weight"].float()
     rows = embed[torch.tensor(vocab.target_ids)]

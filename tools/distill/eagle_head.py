@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from tandem.engine.checkpoint import LlamaConfig
+from tandem.engine.draft_vocab import DraftVocab
 from tandem.engine.eagle import EAGLE_CARD
-from tandem.engine.llama import DraftVocab, LlamaConfig, rope_inv_freq
+from tandem.engine.llama import rope_inv_freq
 
 
 class EagleTrainHead(nn.Module):
@@ -117,12 +119,12 @@ class EagleTrainHead(nn.Module):
     def untrained(cls, target_root: Path, vocab_size: int, seed: int = 0) -> EagleTrainHead:
         """A head started from the target's last layer, untrained (tests and smoke runs:
         it drafts poorly but speaks the target's ids and widths)."""
-        from tandem.engine.llama import _load_tensors
+        from tandem.engine.checkpoint import load_tensors
         from tandem.models import ModelPaths, read_hf_config
 
         paths = ModelPaths(Path(target_root))
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
-        tensors = _load_tensors(paths)
+        tensors = load_tensors(paths)
         vocab = DraftVocab(tuple(range(min(vocab_size, cfg.vocab_size))), cfg.vocab_size, 0)
         torch.manual_seed(seed)
         head = cls(cfg, vocab, tensors["embed_tokens.weight"][:len(vocab.target_ids)].float(),

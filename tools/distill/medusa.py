@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.llama import LlamaConfig, _load_tensors
+from tandem.engine.checkpoint import LlamaConfig, load_tensors
 from tandem.engine.medusa import MedusaConfig, MedusaHeads, tree_from_accuracy
 from tandem.models import ModelPaths, read_hf_config, tokenizer_hash
 from tools.distill.config import MedusaTrainConfig
@@ -97,7 +97,7 @@ def evaluate(heads: MedusaHeads, d: HeadData, batch: int = 2048) -> dict:
 def make_heads(target: ModelPaths, seqs: list[FeatureSeq], cfg: MedusaTrainConfig,
                special: tuple[int, ...]) -> MedusaHeads:
     lcfg = LlamaConfig.from_hf(read_hf_config(target))
-    tensors = _load_tensors(target)
+    tensors = load_tensors(target)
     vocab = build_vocab(seqs, cfg.vocab, lcfg.vocab_size, special)
     head = tensors["embed_tokens.weight" if lcfg.tie_word_embeddings else "lm_head.weight"]
     mcfg = MedusaConfig(cfg.num_heads, cfg.num_layers, lcfg.hidden_size, vocab.target_ids,

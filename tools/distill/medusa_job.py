@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from tandem.device import check_device_spec
-from tandem.engine.llama import DraftVocab, LlamaConfig
+from tandem.engine.checkpoint import LlamaConfig
+from tandem.engine.draft_vocab import DraftVocab
 from tandem.engine.medusa import expected_accepted, tree_from_accuracy
 from tandem.models import read_hf_config, resolve_model
 from tools.distill.config import DataConfig, MedusaTrainConfig

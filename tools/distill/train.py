@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.llama import DraftVocab
+from tandem.engine.draft_vocab import DraftVocab
 from tools.distill.config import DraftArch, TrainConfig
 from tools.distill.data import Example
 

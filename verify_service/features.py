@@ -1,0 +1,47 @@
+"""The target's hidden states at the positions a round keeps, for the heads that draft from
+them: EAGLE features, sent to the draft worker with the commit, and the Medusa heads' next
+drafts, proposed here in the verifier from the last kept position."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tandem.engine.model_runner import ModelRunner
+from tandem.spec import Features
+from verify_service.step import RoundOutcome, StepInput
+
+
+def kept_hidden(s: StepInput, path: list[int] | None, hidden: torch.Tensor | None,
+                at: int) -> torch.Tensor | None:
+    """[kept, hidden] final hidden states of the positions whose KV the round keeps: the
+    committed part (the root included), then the accepted path. None when the forward
+    returned no hidden states or this input ran no forward; `at` is its first row there."""
+    if hidden is None or not s.token_ids:
+        return None
+    before = len(s.token_ids) - len(s.drafts)  # rows of the committed part (root incl.)
+    rows = list(range(before)) + [before + j for j in (path or [])]
+    return hidden[at:at + len(s.token_ids)][rows]
+
+
+def eagle_features(runner: ModelRunner, s: StepInput, h: torch.Tensor) -> Features:
+    """The kept positions' hidden states for the draft: a prompt's whole, its cached
+    prefix and earlier chunks too, read back from the runner's kept features (which the
+    forward just wrote this chunk's rows to)."""
+    start, h = s.start_pos, h.to(torch.float16)
+    if s.prefill and start:
+        h = runner.features_at(s.block_table, 0, start + len(s.token_ids))
+        start = 0
+    return Features(start, h.shape[1], h.cpu().numpy().tobytes())
+
+
+def propose_trees(medusa, inputs: list[StepInput], outcomes: list[RoundOutcome],
+                  heads: list[tuple[int, torch.Tensor]]) -> None:
+    """Medusa: the next round's drafts (a tree, or a chain of the heads' top-1 tokens) of
+    every session in `heads` (its index, its last kept [hidden] state), from one pass of
+    the heads, set on its outcome in place."""
+    trees = medusa.propose_batch(
+        torch.stack([h for _, h in heads]),
+        [(inputs[i].propose_tree, inputs[i].propose_chain) for i, _ in heads])
+    for (i, _), tree_out in zip(heads, trees):
+        outcomes[i] = replace(outcomes[i], tree=tree_out)

@@ -1,0 +1,71 @@
+"""What a round teaches the planning of the next ones (verify_service/scheduler.py reads it
+back): the cost samples behind k and the batch plan, and each session's acceptance estimates
+(its acceptance EMA, a tree's scale, its late rounds, how long its drafted trees take).
+
+Pure Python, like the scheduler.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tandem.spec.cost import update_acceptance, update_tree_scale
+from verify_service.scheduler import ScheduledSeq, Scheduler
+from verify_service.sequence import Sequence
+
+if TYPE_CHECKING:  # torch stays out of the policy's imports
+    from verify_service.step import StepTimings
+
+
+def observe_cost(scheduler: Scheduler, scheduled: list[ScheduledSeq], wait_ms: float,
+                 timings: StepTimings) -> None:
+    """Every decode step feeds the batch plan's step curve: the whole step, its wait for
+    drafts included (what a batch's drafts really cost it: on a shared host the draft
+    worker's share of the cores shows up there too).
+    Single-session rounds feed the cost model: the whole round, drafting wait and
+    sampling included, is what k really costs. Except a draft worker's tree: it is drafted
+    only after the commit, so its wait is the session's own (Sequence.tree_wait_ms, which
+    choose_tree_size adds), not a cost of verifying q tokens that chains would share."""
+    if not any(x.is_prefill for x in scheduled):  # the batch plan's curve: whole steps
+        scheduler.step_cost.observe(sum(len(x.token_ids) for x in scheduled),
+                                    wait_ms + timings.forward_ms + timings.rejection_ms)
+    s = scheduled[0]
+    if drafted_tree(s.seq):
+        wait_ms = 0.0
+    # Keyed by the tokens the forward really ran: a carried round runs only its drafts
+    # (none at all when it samples straight from the carried row). A round whose drafts
+    # came late waited for k but ran fewer: no sample of either cost (it counts as a miss).
+    if (len(scheduled) == 1 and not s.is_prefill and s.token_ids
+            and s.num_drafts >= s.wanted):
+        scheduler.cost.observe(len(s.token_ids), wait_ms + timings.forward_ms
+                               + timings.rejection_ms)
+
+
+def observe_tree_wait(seq: Sequence, num_drafts: int, wait_ms: float) -> None:
+    """A drafted tree's wait, from the commit to its last node (Sequence.tree_wait_ms): call
+    it before the commit clears the tree."""
+    if drafted_tree(seq) and num_drafts and seq.tree_complete:
+        seq.tree_wait_ms = 0.7 * seq.tree_wait_ms + 0.3 * wait_ms
+
+
+def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
+                     reach: list[float] | None, linked: Callable[[Sequence], bool]) -> None:
+    """The session's acceptance estimates after its round: `accepted` of s.num_drafts drafts
+    (all of them, also those a stop token cut off); `reach`, for sessions sized node by
+    node, the scheduler's estimate of each node (Scheduler.reach); `linked` says whether the
+    session has a draft stream. A round whose wanted drafts had not come counts as a miss."""
+    if s.num_drafts:
+        seq.late_rounds = 0
+    if reach is not None:  # sized node by node: correct the nodes' estimates
+        seq.tree_scale = update_tree_scale(seq.tree_scale, sum(reach[:s.num_drafts]),
+                                           accepted)
+    elif s.num_drafts:
+        seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts, accepted)
+    elif s.wanted and linked(seq):  # no draft came in time: a round lost
+        seq.late_rounds += 1
+        seq.acceptance_ema = update_acceptance(seq.acceptance_ema, 1, 0)
+
+
+def drafted_tree(seq: Sequence) -> bool:
+    """A session whose token trees come from a draft worker, drafted after each commit."""
+    return bool(seq.params.tree) and not seq.params.method.in_verifier
