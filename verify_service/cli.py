@@ -11,7 +11,7 @@ from tandem.device import add_device_flags
 from tandem.envflags import add_flag, add_log_level_flag, boolean, csv, env
 from tandem.redis_conn import add_password_flag
 from tandem.tls import add_tls_flags, tls_from_args
-from verify_service.config import DRAFT_SHAPES, VerifierConfig
+from verify_service.config import DRAFT_SHAPES, HISTORY_PLACES, VerifierConfig
 
 _DEFAULTS = VerifierConfig()
 
@@ -95,6 +95,10 @@ def register(sub, colocate=None) -> None:
              help="drafts of medusa and eagle sessions whose request does not choose "
                   "(speculation.draft_shape): a token tree verified in one forward, a chain, "
                   "or auto (medusa trees; eagle trees on a GPU, chains on the CPU)")
+    add_flag(p, "--history-drafts", "TANDEM_VERIFIER_HISTORY_DRAFTS", _DEFAULTS.history_drafts,
+             choices=HISTORY_PLACES,
+             help="where ngram and suffix sessions draft: verifier (in its own step: no "
+                  "draft link, no wait) or worker (a draft worker, like model drafts)")
     add_log_level_flag(p, "TANDEM_VERIFIER_LOG_LEVEL")
     add_tls_flags(p)
     p.set_defaults(func=functools.partial(_run, colocate=colocate))

@@ -12,6 +12,9 @@ from tandem.tls import TlsConfig, check_serving
 DRAFT_SHAPES = ("auto", "tree", "chain")
 
 
+HISTORY_PLACES = ("verifier", "worker")  # where ngram / suffix sessions draft
+
+
 @dataclass(frozen=True)
 class VerifierConfig:
     host: str = "127.0.0.1"
@@ -66,6 +69,9 @@ class VerifierConfig:
     # "tree" (several candidates per position, verified in one forward), "chain", or "auto":
     # Medusa's trees, and EAGLE's on a GPU only (see tree_methods).
     draft_shape: str = "auto"
+    # Where ngram and suffix sessions draft: "verifier" (in this process's own step, no
+    # draft link and no wait: verify_service/history.py) or "worker" (a draft worker).
+    history_drafts: str = "verifier"
     # gRPC over TLS: served with it and presented to draft workers; None = plaintext.
     tls: TlsConfig | None = None
 
@@ -97,6 +103,9 @@ class VerifierConfig:
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape must be one of {', '.join(DRAFT_SHAPES)}, got "
                              f"{self.draft_shape!r}")
+        if self.history_drafts not in HISTORY_PLACES:
+            raise ValueError(f"history_drafts must be one of {', '.join(HISTORY_PLACES)}, "
+                             f"got {self.history_drafts!r}")
         if self.block_size < 0:
             raise ValueError(f"block_size must be >= 0 (0 = the device's), got {self.block_size}")
         if self.prefill_chunk_tokens < 0:

@@ -71,7 +71,7 @@ class DraftSide:
     def attach(self, seq: Sequence) -> None:
         """Open a draft stream for seq in the background, if it may still have one."""
         if (self.pool is not None and seq.speculating and not seq.finished
-                and not seq.params.method.in_verifier
+                and not seq.params.method.in_verifier and not seq.local_drafts
                 and seq.draft_attaches_left > 0 and seq.seq_id not in self._attaching):
             seq.draft_attaches_left -= 1
             self._attaching.add(seq.seq_id)

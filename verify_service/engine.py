@@ -22,6 +22,7 @@ from tandem.telemetry import VerifierMetrics
 from verify_service.drafts import DraftSide
 from verify_service.executor import Executor
 from verify_service.feedback import learn_acceptance, observe_cost, observe_tree_wait
+from verify_service.history import HistoryDrafts
 from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import GenerateParams, Sequence
 from verify_service.sessions import RoundOutput, SessionTable
@@ -46,8 +47,10 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, executor: Executor | None, scheduler: Scheduler, config: EngineConfig,
-                 vocab_size: int, metrics: VerifierMetrics | None = None):
+                 vocab_size: int, metrics: VerifierMetrics | None = None,
+                 history: HistoryDrafts | None = None):
         self.executor, self.scheduler, self.config = executor, scheduler, config
+        self.history = history  # ngram / suffix drafted here (None: by draft workers)
         self.table = SessionTable(scheduler, config.max_sessions, metrics)
         self.drafts = DraftSide(self.sessions, vocab_size, config.top_n,
                                 scheduler.config.max_spec_tokens)
@@ -62,6 +65,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def submit(self, params: GenerateParams) -> asyncio.Queue[RoundOutput]:
         seq, queue = self.table.admit(params)
+        seq.local_drafts = self.history is not None and self.history.serves(params.method)
         self._wakeup.set()
         self.drafts.attach(seq)
         return queue
@@ -88,6 +92,7 @@ class Engine:
     async def step(self) -> None:
         """One round for every running session."""
         wait_ms = await self._wait_for_drafts()  # 1. drafts: bounded wait for arrivals
+        self._draft_locally()  # ... and the token-history ones made here, at no wait
         sched = self.scheduler.schedule()  # 2. schedule: batch, k per session, preemption
         for seq in sched.preempted:  # its draft session restarts after re-admission
             self.drafts.commit(seq, seq.num_tokens, [])
@@ -110,6 +115,12 @@ class Engine:
                     self.scheduler.update_from_output(s, 0)
             else:
                 self._apply(s, outcome, wait_ms, timings)
+
+    def _draft_locally(self) -> None:
+        if self.history is not None:
+            self.history.fill([s for s in self.scheduler.running if s.local_drafts
+                               and not s.drafts and not s.prefill_left and not s.finished],
+                              self.scheduler.k_max)
 
     async def _execute(self, inputs: list[StepInput]):
         return await asyncio.get_running_loop().run_in_executor(
@@ -234,6 +245,8 @@ class Engine:
         return k + 1 if k else 0
 
     def _release(self, seq: Sequence) -> None:
+        if seq.local_drafts:
+            self.history.finish(seq)
         self.drafts.release(seq)
         self.table.release(seq)
 

@@ -36,6 +36,7 @@ from verify_service.config import VerifierConfig
 from verify_service.draft_link import DraftPool
 from verify_service.engine import Engine, EngineConfig
 from verify_service.executor import Executor
+from verify_service.history import HistoryDrafts
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.server import SERVICE_NAME, VerifyServicer
 
@@ -162,7 +163,10 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     metrics.bind_load(running=lambda: len(scheduler.running),
                       waiting=lambda: len(scheduler.waiting),
                       kv_usage=lambda: scheduler.blocks.usage)
-    return Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics), metrics
+    history = (HistoryDrafts(config.max_spec_tokens or 1)
+               if config.history_drafts == "verifier" else None)
+    return Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics,
+                  history), metrics
 
 
 async def _calibrate(runner: ModelRunner, config: VerifierConfig

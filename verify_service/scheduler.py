@@ -149,6 +149,8 @@ class Scheduler:
         """Estimated chance each of the session's draft nodes (in order) is accepted, for
         sessions sized node by node (trees, and Medusa's chains); None for a draft worker's
         chain (sized by its acceptance EMA). Scaled by the session's measured correction."""
+        if seq.local_drafts:  # the proposal's own per-token estimates (none: no match)
+            return [min(1.0, r * seq.tree_scale) for r in seq.draft_reach]
         if seq.params.method.in_verifier:
             base = self.tree_reach if seq.params.tree else self.chain_reach
         elif seq.params.tree:  # the arrived nodes' own estimates, the last tree's for the rest

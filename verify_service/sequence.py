@@ -115,6 +115,9 @@ class Sequence:
     arrival: int = 0  # admission order, for FIFO and preemption choice
     draft_attaches_left: int = 3  # a session reopens its draft stream at most this often
     carried: bool = False  # see the module docstring
+    # Drafted in the verifier's own step from the token history (verify_service/history.py):
+    # afresh each round, sized by draft_reach; never over a draft link.
+    local_drafts: bool = False
     # Chunked prefill: tokens whose KV is still to be computed (their slots are allocated);
     # 0 = prefilled, decoding. A session is not sampled until its last chunk.
     prefill_left: int = 0
@@ -165,8 +168,8 @@ class Sequence:
                 new, self.finish_reason = new[:budget], "length"
         self.output.extend(new)
         k = len(accepted)
-        if self.params.tree or self.params.method.in_verifier:
-            self.clear_drafts()  # a tree (any Medusa draft) is drafted afresh for each round,
+        if self.params.tree or self.params.method.in_verifier or self.local_drafts:
+            self.clear_drafts()  # a tree (any in-verifier draft) is drafted afresh each round,
             self.epoch += 1  # in a new epoch: late nodes of this one are dropped
         elif next_token is None:
             self.drafts = self.drafts[k:]

@@ -18,7 +18,27 @@ _ITEM_BYTES = array("i").itemsize
 def ngram_lookup(
     token_ids: Sequence[int], max_ngram_size: int, num_tokens: int, min_ngram_size: int = 1
 ) -> list[int]:
-    """Up to num_tokens proposed continuations of token_ids ([] when nothing matches).
+    """Up to num_tokens proposed continuations of token_ids ([] when nothing matches)."""
+    return ngram_match(token_ids, max_ngram_size, num_tokens, min_ngram_size)[0]
+
+
+def confidences(match_len: int, num_tokens: int) -> tuple[float, ...]:
+    """Each drafted token's estimated chance that verification reaches it: per token
+    match_len / (match_len + 2), so a copy whose match has held for 20 tokens drafts far and a
+    one-token match barely at all (the verifier corrects the scale per session from what its
+    rounds accept, Sequence.tree_scale), multiplied up to the token."""
+    c = match_len / (match_len + 2)
+    return tuple(c ** (j + 1) for j in range(num_tokens))
+
+
+_MAX_MATCH = 32  # longest match measured for the confidence
+
+
+def ngram_match(
+    token_ids: Sequence[int], max_ngram_size: int, num_tokens: int, min_ngram_size: int = 1
+) -> tuple[list[int], int]:
+    """(up to num_tokens proposed continuations, how many tokens the match runs back, at
+    least the n-gram's size, at most 32); ([], 0) when nothing matches.
 
     The copy may run into text it is itself proposing (a match one period back in a repeating
     pattern): that continues the period, which is what the text so far predicts, and it is the
@@ -38,12 +58,16 @@ def ngram_lookup(
         start = _last_match(packed, length, n)
         if start is None:
             continue
+        held = n  # how far back before the n-gram the match also holds
+        while (held < _MAX_MATCH and start - 1 - (held - n) >= 0
+               and tokens[start - 1 - (held - n)] == tokens[length - 1 - held]):
+            held += 1
         src = start + n
         for _ in range(num_tokens):  # may read tokens appended by this very loop
             tokens.append(tokens[src])
             src += 1
-        return tokens[length:]
-    return []
+        return tokens[length:], held
+    return [], 0
 
 
 def _last_match(packed: bytes, length: int, n: int) -> int | None:
@@ -77,8 +101,9 @@ class NgramProposer:
         for req in requests:
             n = req.max_ngram_size or self.max_ngram_size
             k = min(req.max_tokens, self.num_speculative_tokens)
-            ids = ngram_lookup(req.token_ids, n, k) if k > 0 else []
-            results.append(DraftResult([DraftToken(t) for t in ids]))
+            ids, size = ngram_match(req.token_ids, n, k) if k > 0 else ([], 0)
+            results.append(DraftResult([DraftToken(t) for t in ids],
+                                       scores=confidences(size, len(ids))))
         return results
 
     def release(self, key: Hashable) -> None:

@@ -78,6 +78,7 @@ class Speculation:
     tokens: list[int]
     score: float  # expected accepted tokens: the sum of the prefix probabilities
     match_len: int
+    probs: tuple[float, ...] = ()  # each token's prefix probability (its chance to be reached)
 
 
 _NOTHING = Speculation([], 0.0, 0)
@@ -101,6 +102,7 @@ def speculate(log: TokenLog, context: Sequence[int], max_tokens: int, *, max_mat
     rows = np.where(cols < log.length, log.buf[np.minimum(cols, len(log.buf) - 1)], _SEP)
     alive = np.ones(len(pos), dtype=bool)
     tokens: list[int] = []
+    probs: list[float] = []
     prob, score = 1.0, 0.0
     for j in range(limit):
         col = rows[alive, j]
@@ -116,9 +118,10 @@ def speculate(log: TokenLog, context: Sequence[int], max_tokens: int, *, max_mat
         if prob < min_prob:
             break
         tokens.append(token)
+        probs.append(prob)
         score += prob
         alive &= rows[:, j] == token
-    return Speculation(tokens, score, best)
+    return Speculation(tokens, score, best, tuple(probs))
 
 
 def _match_lengths(log: TokenLog, context: Sequence[int], pos: np.ndarray, max_match: int,
@@ -239,7 +242,7 @@ class SuffixProposer:
             other = speculate(cache.log, req.token_ids, k, live_start=cache.live_start, **knobs)
             if other.score > best.score:
                 best = other
-        return DraftResult([DraftToken(t) for t in best.tokens])
+        return DraftResult([DraftToken(t) for t in best.tokens], scores=best.probs)
 
     def release(self, key: Hashable) -> None:
         self._own.pop(key, None)

@@ -59,7 +59,8 @@ class DraftResult:
     error: ErrorCode | None = None
     message: str = ""
     parents: tuple[int, ...] | None = None  # a token tree; None = a chain
-    # A tree's nodes: the draft's estimate that verification reaches each (path probability).
+    # A tree's nodes (or a chain's tokens): the draft's estimate that verification reaches
+    # each (path probability); () = no estimate.
     scores: tuple[float, ...] = ()
 
 

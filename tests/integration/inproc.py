@@ -38,13 +38,14 @@ def fails_after(proposer_cls, calls: int, message: str):
 def run_sessions(target_model, proposers, method, prompts, sampling, max_new, die_after=None,
                  stop=(), batch=64, medusa=None, max_spec_tokens=4, cost=None, logprobs=None,
                  rounds=None, prefill_chunk_tokens=0, tree=None, features_cached=False,
-                 forwarded=None, step_cost=None):
+                 forwarded=None, step_cost=None, history=None):
     """Generate every prompt through the engine with `method`'s proposer in a DraftWorker
     (or the engine's own Medusa heads): (token lists, drafted, accepted, link). `logprobs`
     asks for them; `rounds`, a list, receives every RoundOutput per prompt; `tree` is
     GenerateParams.tree (None: trees for medusa only); features_cached: the runner keeps
     features (EAGLE then takes cache hits and chunks); `forwarded`, a list, receives the
-    token count of every target forward; step_cost: the batch plan's curve (None: no plan)."""
+    token count of every target forward; step_cost: the batch plan's curve (None: no plan);
+    history: the engine's own HistoryDrafts (ngram / suffix drafted in its step)."""
     async def main():
         runner = ModelRunner(target_model, 512, 16, keep_features=features_cached)
         if forwarded is not None:
@@ -61,7 +62,7 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
         # read) is slower than the 25 ms default, and these sessions only have two rounds.
         engine = Engine(Executor(runner, medusa), sched,
                         EngineConfig(max_sessions=4096, max_draft_wait_ms=500),
-                        target_model.cfg.vocab_size)
+                        target_model.cfg.vocab_size, history=history)
         worker = DraftWorker(proposers,
                              Limits(target_model.cfg.vocab_size, 8192, max_sessions=4096))
         link = WorkerLink(engine, worker, die_after)

@@ -47,8 +47,10 @@ def services(target_model, target_paths, tokenizer, exporter):
 
     draft = run(build_app(DraftConfig(port=0, model=None, tokenizer=str(target_paths.root))))
     run(draft.server.start())
+    # ngram over the draft link (not in the verifier's step): the draft side's spans and
+    # metrics are under test here too.
     verifier = run(start_verifier(VerifierConfig(kv_cache_mb=64, draft_addresses=(
-        f"127.0.0.1:{draft.port}",)), model=target_model))
+        f"127.0.0.1:{draft.port}",), history_drafts="worker"), model=target_model))
     redis_proc = start_redis()
     config = GatewayConfig(redis_url=redis_proc.url, model_name="SmolLM2-135M-Instruct",
                            static_verifiers=(f"127.0.0.1:{verifier.port}",),

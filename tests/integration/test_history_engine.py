@@ -1,0 +1,63 @@
+"""ngram and suffix drafted in the verifier's own step (verify_service/history.py): no draft
+worker and no link at all, the same text as plain decoding, greedy and seeded, and rounds sized
+by the proposal's confidence (long on a copy, none without a match)."""
+import pytest
+from inproc import run_sessions
+
+from tandem.history.ngram import NgramProposer
+from tandem.history.suffix import SuffixProposer
+from tandem.sampling_params import SamplingParams
+from tandem.spec import Method
+from verify_service.history import HistoryDrafts
+
+pytestmark = pytest.mark.integration
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def worker():
+    """A draft worker that would serve both methods: sessions must not go to it."""
+    return {Method.NGRAM: NgramProposer(), Method.SUFFIX: SuffixProposer()}
+TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+        "How vexingly quick daft zebras jump.")
+
+
+@pytest.fixture(scope="module")
+def copy_prompts(tokenizer):
+    asks = [f"Repeat this text exactly, word for word:\n\n{TEXT}",
+            "Correct the spelling and repeat the rest unchanged: 'Teh cat sat on teh mat, "
+            "and teh dog sat on teh rug, and teh bird sat on teh branch.'",
+            "Name three rivers."]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": a}],
+                                          add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) for a in asks]
+
+
+@pytest.mark.parametrize("method", [Method.NGRAM, Method.SUFFIX])
+def test_history_drafts_in_the_verifier_are_lossless_and_need_no_worker(
+        target_model, tokenizer, copy_prompts, method):
+    eos = (tokenizer.eos_token_id,)
+    plain, _, _, _ = run_sessions(target_model, worker(), Method.NONE, copy_prompts, GREEDY, 48,
+                                  stop=eos)
+    rounds = []
+    got, drafted, accepted, link = run_sessions(
+        target_model, worker(), method, copy_prompts, GREEDY, 48, stop=eos, rounds=rounds,
+        max_spec_tokens=12, history=HistoryDrafts(12))
+    assert got == plain
+    assert link.proposals == 0  # nothing came over the (idle) draft link
+    assert drafted > 0 and accepted > 0
+    copy = rounds[0]  # the verbatim copy: most rounds verify several drafts, most kept
+    assert max(r.drafted for r in copy) >= 4
+    assert sum(r.accepted for r in copy) >= 0.6 * sum(len(r.token_ids) for r in copy)
+    assert len(copy) < 0.5 * len(got[0])  # far fewer rounds than tokens
+
+
+def test_seeded_sampling_with_history_drafts_is_the_plain_text(target_model, tokenizer,
+                                                                copy_prompts):
+    eos = (tokenizer.eos_token_id,)
+    seeded = SamplingParams(temperature=0.7, seed=11)
+    plain, _, _, _ = run_sessions(target_model, worker(), Method.NONE, copy_prompts[:2], seeded, 40,
+                                  stop=eos)
+    for method in (Method.NGRAM, Method.SUFFIX):
+        got, drafted, _, _ = run_sessions(target_model, worker(), method, copy_prompts[:2], seeded,
+                                          40, stop=eos, history=HistoryDrafts(8))
+        assert got == plain and drafted > 0, method

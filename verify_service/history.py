@@ -1,0 +1,58 @@
+"""Drafts that cost nothing on the critical path: n-gram prompt lookup and suffix decoding
+run here, inside the verifier's own step, where the tokens already are (as vLLM does). A
+session of these methods never opens a draft link and never waits for a network hop; each
+round it gets a fresh proposal over its committed tokens, with every token's estimated chance
+of being reached (`Sequence.draft_reach`), from which the scheduler sizes the round: long
+drafts when the match is long and has held, none when nothing matches.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tandem.history.ngram import NgramProposer
+from tandem.history.suffix import SuffixConfig, SuffixProposer
+from tandem.spec import DraftRequest, Method, Proposer
+from tandem.spec.proposer import Learner, propose_isolated
+from verify_service.sequence import Sequence
+
+HISTORY_METHODS = frozenset({Method.NGRAM, Method.SUFFIX})
+
+
+class HistoryDrafts:
+    """The verifier's own ngram and suffix proposers. Called on the event loop between steps
+    (a lookup is microseconds to a few ms; never a model forward)."""
+
+    def __init__(self, max_tokens: int, suffix: SuffixConfig | None = None):
+        self.proposers: dict[Method, Proposer] = {
+            Method.NGRAM: NgramProposer(num_speculative_tokens=max_tokens),
+            Method.SUFFIX: SuffixProposer(suffix, num_speculative_tokens=max_tokens)}
+
+    @staticmethod
+    def serves(method: Method) -> bool:
+        return method in HISTORY_METHODS
+
+    def fill(self, seqs: list[Sequence], k_max: Callable[[Sequence], int]) -> None:
+        """Give each session (local, speculating, with no drafts yet) this round's proposal:
+        Sequence.drafts and their reach. A proposer that fails leaves its sessions plain."""
+        by_method: dict[Method, list[Sequence]] = {}
+        for seq in seqs:
+            if k_max(seq) > 0:
+                by_method.setdefault(seq.params.method, []).append(seq)
+        for method, group in by_method.items():
+            reqs = [DraftRequest(key=seq.seq_id, token_ids=seq.tokens,
+                                 num_committed=seq.num_tokens, max_tokens=k_max(seq),
+                                 sampling=seq.params.sampling, tenant=seq.params.tenant)
+                    for seq in group]
+            for seq, res in zip(group, propose_isolated(self.proposers[method], reqs)):
+                if res.error is None and res.tokens:
+                    seq.drafts = list(res.tokens)
+                    seq.draft_reach = [float(r) for r in res.scores[:len(res.tokens)]]
+
+    def finish(self, seq: Sequence) -> None:
+        """The session is over: forget its state; suffix decoding learns its text."""
+        proposer = self.proposers.get(seq.params.method)
+        if proposer is None:
+            return
+        proposer.release(seq.seq_id)
+        if isinstance(proposer, Learner) and seq.finish_reason != "abort":
+            proposer.learn(seq.params.tenant, seq.tokens)
