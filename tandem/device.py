@@ -2,9 +2,11 @@
 
 `--device auto` (the default) is the first CUDA GPU when torch sees one, else the CPU;
 `cpu`, `cuda` and `cuda:N` pin it. `--dtype auto` is float32 on the CPU (bf16 matmuls there
-are slower than fp32 and int8 is opt-in) and bfloat16 on a GPU (float16 where the GPU has
-no bf16). Weights, the KV cache, sampling and rejection all live on the chosen device; the
-seeded random streams stay on the CPU so a seed gives the same text on any device.
+are slower than fp32), except that a target whose every weight group is exact in int8 loads
+as int8 (the same weights, a third of the bytes per decode step: tandem.engine.exact_dtype),
+and bfloat16 on a GPU (float16 where the GPU has no bf16). Weights, the KV cache, sampling
+and rejection all live on the chosen device; the seeded random streams stay on the CPU so a
+seed gives the same text on any device.
 
 The spec strings are checked without torch (configs validate in __post_init__); resolving
 them needs torch and says clearly what is missing ("cuda:3" on a 1-GPU host, "cuda" on a
@@ -54,7 +56,8 @@ def add_device_flags(parser: argparse.ArgumentParser, env_prefix: str,
              "where the model runs: auto (CUDA when present, else cpu), cpu, cuda, cuda:N")
     add_flag(parser, "--dtype", f"{env_prefix}_DTYPE", dtype_default,
              _arg_type(check_dtype_spec),
-             dtype_help or "weight dtype: auto (float32 on cpu, bfloat16 on cuda), float32, "
+             dtype_help or "weight dtype: auto (cpu: int8 where the target's weights are exact "
+                           "in it, else float32; bfloat16 on cuda), float32, "
                            "bfloat16, float16, int8 (weight-only, cpu)")
 
 
@@ -100,6 +103,9 @@ class Placement:
     device: Any  # torch.device
     dtype: str  # a tandem.engine.quant.WEIGHT_DTYPES name
     block_size: int  # KV cache block size in tokens
+    # --dtype was auto: a target's loader may still pick a faster exact dtype (int8 on the
+    # CPU where every weight group is exact: tandem.engine.exact_dtype.load_target).
+    auto_dtype: bool = False
 
     def __str__(self) -> str:
         return f"{self.device} {self.dtype}, KV blocks of {self.block_size}"
@@ -113,7 +119,8 @@ def place(device: str = "auto", dtype: str = "auto", block_size: int = 0) -> Pla
     dev = resolve_device(device)
     if block_size < 0:
         raise ValueError(f"block_size must be >= 0 (0 = the device's), got {block_size}")
-    return Placement(dev, resolve_dtype(dtype, dev), block_size or default_block_size(dev))
+    return Placement(dev, resolve_dtype(dtype, dev), block_size or default_block_size(dev),
+                     auto_dtype=check_dtype_spec(dtype) == "auto")
 
 
 def synchronize(device) -> None:

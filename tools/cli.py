@@ -40,8 +40,8 @@ def _cmd_generate(args) -> int:
     from transformers import AutoTokenizer
 
     from tandem.device import place
+    from tandem.engine.exact_dtype import load_target
     from tandem.engine.generate import LocalGenerator
-    from tandem.engine.llama import LlamaModel
     from tandem.engine.model_runner import ModelRunner
     from tandem.models import resolve_model
     from tandem.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ def _cmd_generate(args) -> int:
     at = place(args.device, args.dtype)  # a device this host lacks fails before any loading
     paths = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
-    model = LlamaModel.load(paths, at.dtype, device=at.device)
+    model = load_target(paths, at)
     runner = ModelRunner.with_memory(model, args.kv_cache_mb << 20, at.block_size)
     if args.raw or not tokenizer.chat_template:
         prompt_ids = tokenizer(args.prompt).input_ids

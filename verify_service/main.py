@@ -18,6 +18,7 @@ from tandem import __version__, redis_conn, telemetry
 from tandem.device import place
 from tandem.drain import DrainSignal, set_health
 from tandem.engine.block_manager import BlockManager
+from tandem.engine.exact_dtype import load_target
 from tandem.engine.llama import LlamaModel
 from tandem.engine.medusa import load_for
 from tandem.engine.model_runner import ModelRunner
@@ -128,8 +129,7 @@ def _load_target(config: VerifierConfig, paths: ModelPaths,
     if model is None:
         at = place(config.device, config.dtype, config.block_size)
         log.info("target on %s", at)
-        model = LlamaModel.load(paths, at.dtype, batch_invariant=config.batch_invariant,
-                                device=at.device)
+        model = load_target(paths, at, batch_invariant=config.batch_invariant)
     if model.batch_invariant != config.batch_invariant:
         raise ValueError(f"config.batch_invariant={config.batch_invariant} but the model given "
                          f"was loaded with batch_invariant={model.batch_invariant}")

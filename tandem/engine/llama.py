@@ -107,6 +107,13 @@ class LlamaModel:
         if self.weight_dtype == "int8":
             self._quantize_int8()
 
+    def inexact_int8(self) -> list[str]:
+        """Under int8: the weights whose codes do not reproduce the checkpoint's exactly."""
+        named = [("lm_head", self.lm_head)] + [
+            (f"layers.{i}.{name}", getattr(layer, name))
+            for i, layer in enumerate(self.layers) for name in LayerWeights.PROJECTIONS]
+        return [name for name, w in named if not getattr(w, "exact", False)]
+
     def _use_draft_vocab(self, cfg: LlamaConfig, draft_vocab: DraftVocab | None) -> LlamaConfig:
         """With a truncated draft vocabulary, vocab_map[i] is the target id of draft row i and
         the returned config's vocab_size is the target's, so callers see target ids only."""

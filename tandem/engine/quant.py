@@ -77,6 +77,9 @@ class Int8Weight:
     scale: torch.Tensor  # [blocks, in // group, BLOCK] float32, >= 0 (group_scales)
     zero: torch.Tensor  # [blocks, in // group, BLOCK] float32 (the group's minimum)
     out_features: int
+    # Whether the codes reproduce the float weight it was quantized from, up to fp32 rounding
+    # (every group already on a grid of <= 256 levels, as a 4- or 8-bit checkpoint's are).
+    exact: bool = False
 
     def __post_init__(self):
         if self.q.dtype != torch.uint8 or self.q.dim() != 4 or self.q.shape[2] != BLOCK:
@@ -103,12 +106,16 @@ class Int8Weight:
         scale = group_scales(w, lo, hi)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant groups: q = 0
         q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, 255).to(torch.uint8)
+        # The same arithmetic as dequantize(), element by element; min/max codes of an
+        # off-grid group miss by up to span / 510, orders of magnitude more.
+        miss = (q.float() * scale[..., None] + lo[..., None] - w).abs().max()
+        exact = bool(miss <= 1e-5 * w.abs().max())
 
         def pack(t):  # [padded, groups, ...] -> [blocks, groups, BLOCK, ...]
             t = t.reshape(padded // BLOCK, BLOCK, *t.shape[1:])
             return t.transpose(1, 2).contiguous()
 
-        return cls(pack(q), pack(scale), pack(lo), n)
+        return cls(pack(q), pack(scale), pack(lo), n, exact)
 
     @property
     def group(self) -> int:

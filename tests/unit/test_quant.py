@@ -53,9 +53,10 @@ def test_weights_already_on_a_grid_keep_it_exactly(kind):
         codes = torch.randint(0, 16 if kind == "q4_1" else 3, (40, 4, 32)).float()
     codes[:5] = codes[:5].clamp(2, 9)  # groups without the extremes
     w = (m + d * codes).reshape(40, 128).float()
-    deq = Int8Weight.quantize(w).dequantize()
+    q = Int8Weight.quantize(w)
     # fp32 rounding of q * step + min, against min/max codes' error of up to span / 510.
-    assert (deq - w).abs().max() <= 1e-5 * w.abs().max()
+    assert (q.dequantize() - w).abs().max() <= 1e-5 * w.abs().max()
+    assert q.exact  # what --dtype auto needs to load int8 (tandem.engine.exact_dtype)
 
 
 def test_off_grid_groups_use_their_range():
@@ -64,6 +65,37 @@ def test_off_grid_groups_use_their_range():
     assert torch.equal(q.dequantize()[0], w[0])  # 4 levels, step 1: exact
     assert q.scale[0, 0, 1] == pytest.approx(2.71828 / 255)  # no grid: min/max codes
     assert (q.dequantize()[1] - w[1]).abs().max() <= 2.71828 / 510 + 1e-6
+    assert not q.exact and Int8Weight.quantize(w[:1]).exact
+
+
+def _snap_to_grid(path):
+    """Round every matrix of a checkpoint to 16 levels per 32-group, as a Q4_1 one is."""
+    from safetensors.torch import load_file, save_file
+
+    file = next(path.glob("*.safetensors"))
+    tensors = load_file(file)
+    for name, t in tensors.items():
+        if t.dim() == 2 and t.shape[1] % 32 == 0:
+            g = t.reshape(t.shape[0], -1, 32)
+            lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+            step = ((hi - lo) / 15).clamp_min(1e-8)
+            tensors[name] = (lo + ((g - lo) / step).round() * step).reshape(t.shape)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_dtype_auto_loads_int8_only_where_every_weight_is_exact(tmp_path):
+    from tandem.device import place
+    from tandem.engine.exact_dtype import load_target
+
+    make_checkpoint(tmp_path, "llama")  # random weights: not on any grid
+    at = place("cpu", "auto")
+    assert at.auto_dtype and not place("cpu", "float32").auto_dtype
+    assert load_target(resolve_model(tmp_path), at).weight_dtype == "float32"
+    _snap_to_grid(tmp_path)
+    model = load_target(resolve_model(tmp_path), at)
+    assert model.weight_dtype == "int8" and model.inexact_int8() == []
+    fp32 = load_target(resolve_model(tmp_path), place("cpu", "float32"))
+    assert fp32.weight_dtype == "float32"  # an explicit dtype is kept
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1])

@@ -1,0 +1,146 @@
+"""Copy-heavy prompts through the gateway: plain decoding against ngram and suffix, side by side.
+
+  python benchmarks/copy_heavy.py [--tokens 160] [--reps 2] [--history verifier,worker]
+                                  [--out results/copy_heavy.json]
+
+One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
+drafted in the verifier's own step, or by the draft worker over the draft link). In each, every
+prompt is asked once per arm per rep (none, ngram, suffix), the arms' order rotating prompt by
+prompt so drift hits all alike; greedy, non-streaming, first asks only for suffix's own cache
+(each prompt is asked once per suffix arm and rep; the plain and ngram sessions teach it
+nothing). Speed is completion tokens over the request's wall time; speedup is each arm's
+total tokens/s over plain's in the same cluster. Copy share: the fraction of the plain
+answer's 12-character spans that occur in the prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from tools.launcher import Cluster, ClusterConfig, free_port
+
+DOC = ("Tandem is a disaggregated speculative-decoding server. Draft workers stream token "
+       "proposals with their probabilities to verifier workers, which hold the target model "
+       "and a paged KV cache and accept or reject the proposals losslessly. A gateway speaks "
+       "the OpenAI API, routes sessions and keeps state in Redis.")
+PROMPTS = [
+    f"Repeat this text exactly, word for word:\n\n{DOC}",
+    "Correct the spelling and repeat the rest unchanged: 'Teh quick brown fox jumpd over teh "
+    "lazy dog, and then teh fox ran into teh forest where teh trees were tall and teh river "
+    "was cold and clear.'",
+    f"Quote the sentence of this document that says what the gateway does, then quote the "
+    f"sentence about draft workers.\n\n{DOC}",
+    "Rewrite this list as a numbered list, keeping every item exactly:\n- apples from the "
+    "north orchard\n- pears from the south orchard\n- plums from the east orchard\n- cherries "
+    "from the west orchard\n- grapes from the hill vineyard\n- figs from the old garden",
+    "Add a docstring to this function and return the whole function unchanged otherwise:\n\n"
+    "def moving_average(values, window):\n    if window <= 0:\n        raise ValueError("
+    "'window must be positive')\n    out = []\n    total = 0.0\n    for i, v in "
+    "enumerate(values):\n        total += v\n        if i >= window:\n            total -= "
+    "values[i - window]\n        out.append(total / min(i + 1, window))\n    return out",
+    "Convert this JSON to a markdown table with columns name, city, age:\n"
+    '[{"name": "Alice Smith", "city": "Boston", "age": 34}, {"name": "Bob Jones", "city": '
+    '"Denver", "age": 41}, {"name": "Carol White", "city": "Austin", "age": 29}, {"name": '
+    '"David Brown", "city": "Seattle", "age": 52}]',
+]
+ARMS = ("none", "ngram", "suffix")
+
+
+def copy_share(answer: str, prompt: str, span: int = 12) -> float:
+    spans = [answer[i:i + span] for i in range(0, max(0, len(answer) - span + 1))]
+    return sum(s in prompt for s in spans) / len(spans) if spans else 0.0
+
+
+def ask(url: str, prompt: str, method: str, tokens: int) -> dict:
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}],
+            "speculation": {"method": method}}
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    wall = time.perf_counter() - t0
+    r.raise_for_status()
+    out = r.json()
+    return {"text": out["choices"][0]["message"]["content"], "wall_s": wall,
+            "tokens": out["usage"]["completion_tokens"], "spec": out.get("speculation") or {}}
+
+
+def run_place(place: str, args) -> dict:
+    cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=print,
+                      env={"TANDEM_VERIFIER_HISTORY_DRAFTS": place}, output=subprocess.DEVNULL)
+    cluster.start()
+    rows = []
+    try:
+        ask(cluster.gateway_url, "Say hi.", "none", 8)  # warm up
+        for rep in range(args.reps):
+            for i, prompt in enumerate(PROMPTS):
+                k = (i + rep) % len(ARMS)
+                for arm in ARMS[k:] + ARMS[:k]:
+                    res = ask(cluster.gateway_url, prompt, arm, args.tokens)
+                    rows.append({"rep": rep, "prompt": i, "arm": arm, **res})
+                    print(f"[{place}] rep {rep} prompt {i} {arm}: {res['tokens']} tokens "
+                          f"{res['tokens'] / res['wall_s']:.1f} tok/s "
+                          f"accepted {res['spec'].get('acceptance_rate')}", flush=True)
+    finally:
+        cluster.stop()
+    return summarise(rows)
+
+
+def summarise(rows: list[dict]) -> dict:
+    def tps(sel):
+        return sum(r["tokens"] for r in sel) / sum(r["wall_s"] for r in sel)
+
+    out = {"per_prompt": {}, "overall": {}}
+    plain_all = [r for r in rows if r["arm"] == "none"]
+    for arm in ARMS:
+        sel = [r for r in rows if r["arm"] == arm]
+        drafted = sum(r["spec"].get("drafted_tokens", 0) for r in sel)
+        accepted = sum(r["spec"].get("accepted_tokens", 0) for r in sel)
+        same = all(r["text"] == next(p["text"] for p in plain_all if p["prompt"] == r["prompt"])
+                   for r in sel)
+        out["overall"][arm] = {"tps": tps(sel), "speedup": tps(sel) / tps(plain_all),
+                               "acceptance": accepted / drafted if drafted else None,
+                               "identical_to_plain": same}
+    for i, prompt in enumerate(PROMPTS):
+        plain = [r for r in rows if r["prompt"] == i and r["arm"] == "none"]
+        row = {"copy_share": copy_share(plain[0]["text"], prompt)}
+        for arm in ARMS[1:]:
+            sel = [r for r in rows if r["prompt"] == i and r["arm"] == arm]
+            row[arm] = tps(sel) / tps(plain)
+        out["per_prompt"][str(i)] = row
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=160, help="max new tokens per request")
+    ap.add_argument("--reps", type=int, default=2, help="asks per prompt and arm")
+    ap.add_argument("--history", default="verifier,worker",
+                    help="where ngram/suffix draft, one cluster each (verifier, worker)")
+    ap.add_argument("--out", default="results/copy_heavy.json")
+    args = ap.parse_args()
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "tokens": args.tokens,
+              "reps": args.reps, "places": {}}
+    for place in args.history.split(","):
+        result["places"][place] = run_place(place, args)
+    print("| drafts made in | prompt | copy share | ngram | suffix |")
+    print("|---|---:|---:|---:|---:|")
+    for place, s in result["places"].items():
+        for i, row in s["per_prompt"].items():
+            print(f"| {place} | {i} | {row['copy_share']:.2f} | {row['ngram']:.2f}x | "
+                  f"{row['suffix']:.2f}x |")
+        o = s["overall"]
+        print(f"| {place} | all | | {o['ngram']['speedup']:.2f}x | {o['suffix']['speedup']:.2f}x |")
+    print(json.dumps({p: s["overall"] for p, s in result["places"].items()}, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
