@@ -332,3 +332,29 @@ def test_medusa_tree_prefix_scheduled_and_probed_when_off():
         {1: 10.0, **{q: 40.0 * q for q in range(2, 20)}}), tree_reach=reach)
     ks = [steep.desired_k(seq, ahead) for ahead in range(16)]
     assert ks.count(0) == 15 and ks.count(1) == 1
+
+
+def test_history_drafts_are_sized_by_their_own_confidence():
+    """A session drafted in the verifier's step (ngram / suffix): the round verifies as many
+    of its drafts as their per-token estimates pay for: all of a confident copy, a short
+    prefix of a shaky one, none when nothing matched; and the drafts are made afresh after
+    every commit (never carried over to another round)."""
+    from tandem.history.ngram import confidences
+
+    sched = make_sched(max_spec_tokens=12)
+    seq = Sequence(params(prompt=range(1, 10), max_new=40, method=Method.NGRAM))
+    seq.local_drafts = True
+    sched.add(seq)
+    sched.update_from_output(sched.schedule().scheduled[0], 0)
+    seq.commit([], 42)
+    verified = {}
+    for held, n in ((32, 12), (2, 12), (0, 0)):
+        drafts(seq, range(100, 100 + n))
+        seq.draft_reach = list(confidences(held, n))
+        (s,) = sched.schedule().scheduled
+        verified[held] = s.num_drafts
+        sched.update_from_output(s, 0)
+        seq.commit([], 7)
+        assert seq.drafts == [] and seq.draft_reach == []
+    assert verified[32] > verified[2] >= 0 and verified[0] == 0
+    assert verified[32] >= 6
