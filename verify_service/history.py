@@ -23,6 +23,9 @@ class HistoryDrafts:
     (a lookup is microseconds to a few ms; never a model forward)."""
 
     def __init__(self, max_tokens: int, suffix: SuffixConfig | None = None):
+        # One suffix cache per tenant, as the draft worker's default: one API key's text never
+        # drafts (or speeds up) another's.
+        suffix = suffix or SuffixConfig(per_tenant=True)
         self.proposers: dict[Method, Proposer] = {
             Method.NGRAM: NgramProposer(num_speculative_tokens=max_tokens),
             Method.SUFFIX: SuffixProposer(suffix, num_speculative_tokens=max_tokens)}
