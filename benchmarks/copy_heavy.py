@@ -8,11 +8,11 @@ One local cluster per `--history` place (the verifier's --history-drafts: ngram 
 drafted in the verifier's own step, or by the draft worker over the draft link). In each, every
 prompt is asked once per arm per rep (none, ngram, suffix), the arms' order rotating prompt by
 prompt so drift hits all alike; greedy (or seeded sampling: the same text whatever the
-method), non-streaming, first asks only for suffix's own cache
-(each prompt is asked once per suffix arm and rep; the plain and ngram sessions teach it
-nothing). Speed is completion tokens over the request's wall time; speedup is each arm's
-total tokens/s over plain's in the same cluster. Copy share: the fraction of the plain
-answer's 12-character spans that occur in the prompt.
+method), non-streaming. Rep 0 is every prompt's first ask (suffix's cache holds only other
+prompts' answers; plain and ngram sessions teach it nothing); later reps are repeats, where
+suffix also drafts from its own earlier answer. Speed is completion tokens over the request's
+wall time; speedup is each arm's total tokens/s over plain's in the same cluster. Copy
+share: the fraction of the plain answer's 12-character spans that occur in the prompt.
 """
 from __future__ import annotations
 
@@ -45,6 +45,12 @@ PROMPTS = [
     "'window must be positive')\n    out = []\n    total = 0.0\n    for i, v in "
     "enumerate(values):\n        total += v\n        if i >= window:\n            total -= "
     "values[i - window]\n        out.append(total / min(i + 1, window))\n    return out",
+    "Rename the variable `total` to `running_sum` and return the whole function:\n\n"
+    "def moving_average(values, window):\n    out = []\n    total = 0.0\n    for i, v in "
+    "enumerate(values):\n        total += v\n        if i >= window:\n            total -= "
+    "values[i - window]\n        out.append(total / min(i + 1, window))\n    return out",
+    f"Summarise this document in two sentences, and after each sentence quote the words of the "
+    f"document it relies on.\n\n{DOC}",
     "Convert this JSON to a markdown table with columns name, city, age:\n"
     '[{"name": "Alice Smith", "city": "Boston", "age": 34}, {"name": "Bob Jones", "city": '
     '"Denver", "age": 41}, {"name": "Carol White", "city": "Austin", "age": 29}, {"name": '
@@ -89,13 +95,16 @@ def run_place(place: str, args) -> dict:
                           f"accepted {res['spec'].get('acceptance_rate')}", flush=True)
     finally:
         cluster.stop()
-    return summarise(rows)
+    return {"rows": rows, "first": summarise([r for r in rows if r["rep"] == 0]),
+            "repeat": summarise([r for r in rows if r["rep"] > 0]), **summarise(rows)}
 
 
 def summarise(rows: list[dict]) -> dict:
     def tps(sel):
         return sum(r["tokens"] for r in sel) / sum(r["wall_s"] for r in sel)
 
+    if not rows:
+        return {}
     out = {"per_prompt": {}, "overall": {}}
     plain_all = [r for r in rows if r["arm"] == "none"]
     for arm in ARMS:
@@ -142,17 +151,23 @@ def main() -> None:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| drafts made in | prompt | copy share | ngram | suffix |",
-             "|---|---|---:|---:|---:|"]
+    lines = ["| drafts made in | prompt | copy share | ngram | suffix, first ask | "
+             "suffix, repeats |", "|---|---|---:|---:|---:|---:|"]
     for place, s in result["places"].items():
+        first, repeat = s["first"]["per_prompt"], s["repeat"].get("per_prompt", {})
         for i, row in s["per_prompt"].items():
+            again = repeat.get(i, {}).get("suffix")
             lines.append(f"| {place} | {i}: {PROMPTS[int(i)][:40]!r}... | "
-                         f"{row['copy_share']:.2f} | {row['ngram']:.2f}x | {row['suffix']:.2f}x |")
-        o = s["overall"]
+                         f"{row['copy_share']:.2f} | {row['ngram']:.2f}x | "
+                         f"{first[i]['suffix']:.2f}x | "
+                         f"{'–' if again is None else f'{again:.2f}x'} |")
+        o, f = s["overall"], s["first"]["overall"]
+        r = s["repeat"].get("overall", {}).get("suffix", {}).get("speedup")
         lines.append(f"| {place} | **all** | | **{o['ngram']['speedup']:.2f}x** "
                      f"(acceptance {o['ngram']['acceptance'] or 0:.2f}) | "
-                     f"**{o['suffix']['speedup']:.2f}x** "
-                     f"(acceptance {o['suffix']['acceptance'] or 0:.2f}) |")
+                     f"**{f['suffix']['speedup']:.2f}x** "
+                     f"(acceptance {f['suffix']['acceptance'] or 0:.2f}) | "
+                     f"{'–' if r is None else f'{r:.2f}x'} |")
     same = all(a["identical_to_plain"] for s in result["places"].values()
                for a in s["overall"].values())
     lines += ["", f"Text identical to plain for every arm and prompt: {same}. Plain tokens/s: " +
@@ -171,7 +186,7 @@ def write_docs(result: dict, table: str, docs: Path) -> None:
     places = list(result["places"])
     width = 0.8 / (2 * len(places))
     for j, place in enumerate(places):
-        rows = result["places"][place]["per_prompt"]
+        rows = result["places"][place]["first"]["per_prompt"]
         for a, arm in enumerate(("ngram", "suffix")):
             off = (2 * j + a) * width - 0.4 + width / 2
             ax.bar([int(i) + off for i in rows], [r[arm] for r in rows.values()], width,
@@ -180,7 +195,7 @@ def write_docs(result: dict, table: str, docs: Path) -> None:
     ax.axhline(2.5, color="red", lw=0.8, ls="--", label="target 2.5x")
     ax.set_xticks(range(len(PROMPTS)), [f"prompt {i}" for i in range(len(PROMPTS))])
     ax.set_ylabel("tokens/s vs plain (same cluster)")
-    ax.set_title("Copy-heavy prompts through the gateway")
+    ax.set_title("Copy-heavy prompts through the gateway, first asks")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     (docs / "img").mkdir(parents=True, exist_ok=True)
     fig.savefig(docs / "img" / "benchmarks-copy.png", dpi=110, bbox_inches="tight")
