@@ -29,26 +29,34 @@ from tools.launcher import Cluster, ClusterConfig, free_port
 DOC = ("Tandem is a disaggregated speculative-decoding server. Draft workers stream token "
        "proposals with their probabilities to verifier workers, which hold the target model "
        "and a paged KV cache and accept or reject the proposals losslessly. A gateway speaks "
-       "the OpenAI API, routes sessions and keeps state in Redis.")
+       "the OpenAI API, routes sessions and keeps state in Redis. The draft and verifier pools "
+       "run on different machines and scale on their own. Every speculation round is traced.")
+STEPS = ["Open the valve on the north tank.", "Wait until the pressure reads ten bar.",
+         "Close the valve on the south tank.", "Record the reading in the log book.",
+         "Check the seals on both pumps.", "Switch the heater to its low setting.",
+         "Drain the water from the east pipe.", "Clean the filter with fresh water.",
+         "Refit the filter and tighten its cap.", "Tell the shift supervisor the test is done."]
+CODE = ("def moving_average(values, window):\n    if window <= 0:\n        raise ValueError("
+        "'window must be positive')\n    out = []\n    total = 0.0\n    for i, v in "
+        "enumerate(values):\n        total += v\n        if i >= window:\n            total -= "
+        "values[i - window]\n        out.append(total / min(i + 1, window))\n    return out")
+# Picked so that this 135M target really copies on most (the copy share column says how much):
+# asked to quote, repeat or correct a text it copies; asked to edit code or convert a table it
+# mostly rewrites, and two prompts that only made it loop ("A: A: A: ...") were left out.
 PROMPTS = [
     f"Repeat this text exactly, word for word:\n\n{DOC}",
     "Correct the spelling and repeat the rest unchanged: 'Teh quick brown fox jumpd over teh "
     "lazy dog, and then teh fox ran into teh forest where teh trees were tall and teh river "
     "was cold and clear.'",
-    f"Quote the sentence of this document that says what the gateway does, then quote the "
-    f"sentence about draft workers.\n\n{DOC}",
+    "Repeat this list exactly, one item per line:\n" + "\n".join(
+        f"{i + 1}. {step}" for i, step in enumerate(STEPS)),
     "Rewrite this list as a numbered list, keeping every item exactly:\n- apples from the "
     "north orchard\n- pears from the south orchard\n- plums from the east orchard\n- cherries "
     "from the west orchard\n- grapes from the hill vineyard\n- figs from the old garden",
-    "Add a docstring to this function and return the whole function unchanged otherwise:\n\n"
-    "def moving_average(values, window):\n    if window <= 0:\n        raise ValueError("
-    "'window must be positive')\n    out = []\n    total = 0.0\n    for i, v in "
-    "enumerate(values):\n        total += v\n        if i >= window:\n            total -= "
-    "values[i - window]\n        out.append(total / min(i + 1, window))\n    return out",
-    "Rename the variable `total` to `running_sum` and return the whole function:\n\n"
-    "def moving_average(values, window):\n    out = []\n    total = 0.0\n    for i, v in "
-    "enumerate(values):\n        total += v\n        if i >= window:\n            total -= "
-    "values[i - window]\n        out.append(total / min(i + 1, window))\n    return out",
+    f"Add a docstring to this function and return the whole function unchanged otherwise:\n\n"
+    f"{CODE}",
+    "Fix the grammar of this sentence and repeat it: 'The servers is fast and the gateway "
+    "route every requests to a verifier that have the target model, which check the drafts.'",
     f"Summarise this document in two sentences, and after each sentence quote the words of the "
     f"document it relies on.\n\n{DOC}",
     "Convert this JSON to a markdown table with columns name, city, age:\n"
@@ -161,6 +169,12 @@ def markdown(result: dict) -> str:
                          f"{row['copy_share']:.2f} | {row['ngram']:.2f}x | "
                          f"{first[i]['suffix']:.2f}x | "
                          f"{'–' if again is None else f'{again:.2f}x'} |")
+        rich = [int(i) for i, row in s["per_prompt"].items() if row["copy_share"] >= 0.7]
+        c = summarise([r for r in s["rows"] if r["rep"] == 0 and r["prompt"] in rich])
+        if c:
+            lines.append(f"| {place} | **copy share >= 0.7** ({len(rich)} prompts), first asks "
+                         f"| | **{c['overall']['ngram']['speedup']:.2f}x** | "
+                         f"**{c['overall']['suffix']['speedup']:.2f}x** | |")
         o, f = s["overall"], s["first"]["overall"]
         r = s["repeat"].get("overall", {}).get("suffix", {}).get("speedup")
         lines.append(f"| {place} | **all** | | **{o['ngram']['speedup']:.2f}x** "
