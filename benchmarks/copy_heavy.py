@@ -1,4 +1,4 @@
-"""Copy-heavy prompts through the gateway: plain decoding against ngram and suffix, side by side.
+"""Copy-heavy prompts through the gateway: plain decoding against ngram, suffix and auto.
 
   python benchmarks/copy_heavy.py [--tokens 160] [--reps 2] [--history verifier,worker]
                                   [--temperature 0] [--out results/copy_heavy.json]
@@ -6,7 +6,8 @@
 
 One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
 drafted in the verifier's own step, or by the draft worker over the draft link). In each, every
-prompt is asked once per arm per rep (none, ngram, suffix), the arms' order rotating prompt by
+prompt is asked once per arm per rep (none, ngram, suffix; and auto where the verifier drafts),
+and two chat prompts beside them, the arms' order rotating prompt by
 prompt so drift hits all alike; greedy (or seeded sampling: the same text whatever the
 method), non-streaming. Rep 0 is every prompt's first ask (suffix's cache holds only other
 prompts' answers; plain and ngram sessions teach it nothing); later reps are repeats, where
@@ -40,6 +41,9 @@ CODE = ("def moving_average(values, window):\n    if window <= 0:\n        raise
         "'window must be positive')\n    out = []\n    total = 0.0\n    for i, v in "
         "enumerate(values):\n        total += v\n        if i >= window:\n            total -= "
         "values[i - window]\n        out.append(total / min(i + 1, window))\n    return out")
+# Plain chat, where little is copied: auto must not lose here either.
+CHAT = ["Write a short paragraph about why the sky is blue.",
+        "Give three tips for staying focused while studying, with one sentence each."]
 # Picked so that this 135M target really copies on most (the copy share column says how much):
 # asked to quote, repeat or correct a text it copies; asked to edit code or convert a table it
 # mostly rewrites, and two prompts that only made it loop ("A: A: A: ...") were left out.
@@ -63,8 +67,9 @@ PROMPTS = [
     '[{"name": "Alice Smith", "city": "Boston", "age": 34}, {"name": "Bob Jones", "city": '
     '"Denver", "age": 41}, {"name": "Carol White", "city": "Austin", "age": 29}, {"name": '
     '"David Brown", "city": "Seattle", "age": 52}]',
+    *CHAT,
 ]
-ARMS = ("none", "ngram", "suffix")
+ARMS = ("none", "ngram", "suffix", "auto")
 
 
 def copy_share(answer: str, prompt: str, span: int = 12) -> float:
@@ -86,6 +91,8 @@ def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.
 
 
 def run_place(place: str, args) -> dict:
+    # auto drafts in the verifier only: on a worker-drafting cluster it would measure nothing
+    arms = ARMS if place == "verifier" else ARMS[:3]
     cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=print,
                       env={"TANDEM_VERIFIER_HISTORY_DRAFTS": place}, output=subprocess.DEVNULL)
     cluster.start()
@@ -94,8 +101,8 @@ def run_place(place: str, args) -> dict:
         ask(cluster.gateway_url, "Say hi.", "none", 8)  # warm up
         for rep in range(args.reps):
             for i, prompt in enumerate(PROMPTS):
-                k = (i + rep) % len(ARMS)
-                for arm in ARMS[k:] + ARMS[:k]:
+                k = (i + rep) % len(arms)
+                for arm in arms[k:] + arms[:k]:
                     res = ask(cluster.gateway_url, prompt, arm, args.tokens, args.temperature)
                     rows.append({"rep": rep, "prompt": i, "arm": arm, **res})
                     print(f"[{place}] rep {rep} prompt {i} {arm}: {res['tokens']} tokens "
@@ -107,29 +114,32 @@ def run_place(place: str, args) -> dict:
             "repeat": summarise([r for r in rows if r["rep"] > 0]), **summarise(rows)}
 
 
-def summarise(rows: list[dict]) -> dict:
-    def tps(sel):
-        return sum(r["tokens"] for r in sel) / sum(r["wall_s"] for r in sel)
+def _tps(rows: list[dict]) -> float:
+    return sum(r["tokens"] for r in rows) / sum(r["wall_s"] for r in rows)
 
+
+def summarise(rows: list[dict]) -> dict:
+    """Per arm overall and per prompt: tokens/s over plain's on the same requests."""
     if not rows:
         return {}
     out = {"per_prompt": {}, "overall": {}}
     plain_all = [r for r in rows if r["arm"] == "none"]
-    for arm in ARMS:
+    plain_text = {r["prompt"]: r["text"] for r in plain_all}
+    for arm in dict.fromkeys(r["arm"] for r in rows):
         sel = [r for r in rows if r["arm"] == arm]
         drafted = sum(r["spec"].get("drafted_tokens", 0) for r in sel)
         accepted = sum(r["spec"].get("accepted_tokens", 0) for r in sel)
-        same = all(r["text"] == next(p["text"] for p in plain_all if p["prompt"] == r["prompt"])
-                   for r in sel)
-        out["overall"][arm] = {"tps": tps(sel), "speedup": tps(sel) / tps(plain_all),
-                               "acceptance": accepted / drafted if drafted else None,
-                               "identical_to_plain": same}
-    for i, prompt in enumerate(PROMPTS):
-        plain = [r for r in rows if r["prompt"] == i and r["arm"] == "none"]
-        row = {"copy_share": copy_share(plain[0]["text"], prompt)}
-        for arm in ARMS[1:]:
-            sel = [r for r in rows if r["prompt"] == i and r["arm"] == arm]
-            row[arm] = tps(sel) / tps(plain)
+        out["overall"][arm] = {
+            "tps": _tps(sel), "speedup": _tps(sel) / _tps(plain_all),
+            "acceptance": accepted / drafted if drafted else None,
+            "identical_to_plain": all(r["text"] == plain_text[r["prompt"]] for r in sel)}
+    for i in sorted({r["prompt"] for r in rows}):
+        plain = [r for r in plain_all if r["prompt"] == i]
+        row = {"copy_share": copy_share(plain[0]["text"], PROMPTS[i])}
+        for arm in out["overall"]:
+            if arm != "none":
+                row[arm] = _tps([r for r in rows if r["prompt"] == i and r["arm"] == arm]) / \
+                    _tps(plain)
         out["per_prompt"][str(i)] = row
     return out
 
@@ -158,35 +168,40 @@ def main() -> None:
         write_docs(result, table, Path(args.docs))
 
 
+def _x(v) -> str:
+    return "–" if v is None else f"{v:.2f}x"
+
+
 def markdown(result: dict) -> str:
-    lines = ["| drafts made in | prompt | copy share | ngram | suffix, first ask | "
-             "suffix, repeats |", "|---|---|---:|---:|---:|---:|"]
+    """First asks per prompt for every arm, suffix's repeats apart, then the aggregates."""
+    arms = [a for a in ARMS[1:] if any(a in s["overall"] for s in result["places"].values())]
+    lines = ["| drafts made in | prompt | copy share | " + " | ".join(arms) +
+             " | suffix, repeats |", "|---|---|---:|" + "---:|" * (len(arms) + 1)]
     for place, s in result["places"].items():
         first, repeat = s["first"]["per_prompt"], s["repeat"].get("per_prompt", {})
-        for i, row in s["per_prompt"].items():
-            again = repeat.get(i, {}).get("suffix")
-            lines.append(f"| {place} | {i}: {PROMPTS[int(i)][:40]!r}... | "
-                         f"{row['copy_share']:.2f} | {row['ngram']:.2f}x | "
-                         f"{first[i]['suffix']:.2f}x | "
-                         f"{'–' if again is None else f'{again:.2f}x'} |")
-        rich = [int(i) for i, row in s["per_prompt"].items() if row["copy_share"] >= 0.7]
-        c = summarise([r for r in s["rows"] if r["rep"] == 0 and r["prompt"] in rich])
-        if c:
-            lines.append(f"| {place} | **copy share >= 0.7** ({len(rich)} prompts), first asks "
-                         f"| | **{c['overall']['ngram']['speedup']:.2f}x** | "
-                         f"**{c['overall']['suffix']['speedup']:.2f}x** | |")
-        o, f = s["overall"], s["first"]["overall"]
-        r = s["repeat"].get("overall", {}).get("suffix", {}).get("speedup")
-        lines.append(f"| {place} | **all** | | **{o['ngram']['speedup']:.2f}x** "
-                     f"(acceptance {o['ngram']['acceptance'] or 0:.2f}) | "
-                     f"**{f['suffix']['speedup']:.2f}x** "
-                     f"(acceptance {f['suffix']['acceptance'] or 0:.2f}) | "
-                     f"{'–' if r is None else f'{r:.2f}x'} |")
+        for i, row in first.items():
+            kind = "chat" if PROMPTS[int(i)] in CHAT else "copy task"
+            lines.append(f"| {place} | {i} ({kind}): {PROMPTS[int(i)][:36]!r}... | "
+                         f"{row['copy_share']:.2f} | " +
+                         " | ".join(_x(row.get(a)) for a in arms) +
+                         f" | {_x(repeat.get(i, {}).get('suffix'))} |")
+        rich = [int(i) for i, row in first.items() if row["copy_share"] >= 0.7]
+        groups = [("copy share >= 0.7", rich), ("all copy tasks", [
+            int(i) for i in first if PROMPTS[int(i)] not in CHAT]), ("chat", [
+            int(i) for i in first if PROMPTS[int(i)] in CHAT])]
+        for label, picks in groups:
+            agg = summarise([r for r in s["rows"] if r["rep"] == 0 and r["prompt"] in picks])
+            if agg:
+                lines.append(f"| {place} | **{label}** ({len(picks)} prompts) | | " + " | ".join(
+                    f"**{_x(agg['overall'].get(a, {}).get('speedup'))}**" for a in arms) + " | |")
     same = all(a["identical_to_plain"] for s in result["places"].values()
                for a in s["overall"].values())
+    acc = {p: {a: v["acceptance"] for a, v in s["overall"].items() if a != "none"}
+           for p, s in result["places"].items()}
     lines += ["", f"Text identical to plain for every arm and prompt: {same}. Plain tokens/s: " +
               ", ".join(f"{p} {s['overall']['none']['tps']:.1f}"
-                        for p, s in result["places"].items())]
+                        for p, s in result["places"].items()) +
+              f". Acceptance (all asks): {json.dumps(acc, default=lambda v: round(v, 2))}"]
     return "\n".join(lines)
 
 

@@ -55,8 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
              d.max_speculative_tokens, int, "limit when verifiers do not report one")
     add_flag(p, "--method-preference", "TANDEM_GATEWAY_METHOD_PREFERENCE",
              ",".join(d.method_preference),
-             help="default speculation method: the first of these (comma list) a live draft "
-                  "worker serves [%(default)s]")
+             help="default speculation method: the first of these (comma list) that is served "
+                  "(auto by every verifier, the others by a live draft worker) [%(default)s]")
     add_flag(p, "--request-timeout", "TANDEM_GATEWAY_REQUEST_TIMEOUT", d.request_timeout_s,
              float, "seconds per request")
     add_flag(p, "--shutdown-grace-s", "TANDEM_GATEWAY_SHUTDOWN_GRACE_S", None, float,

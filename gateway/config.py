@@ -44,10 +44,11 @@ class GatewayConfig:
     default_max_tokens: int = 16
     default_speculative_tokens: int = 0  # 0 = the verifier's default
     max_speculative_tokens: int = 16
-    # Default speculation method: the first of these that a live draft worker serves. The
-    # order is the measured one (docs/benchmarks.md, 2026-11-23: greedy ngram 1.04x, draft_model
-    # 0.85x, eagle 0.83x of plain): best speedup first.
-    method_preference: tuple[str, ...] = ("ngram", "draft_model", "eagle")
+    # Default speculation method: the first of these that is served (auto: by every verifier;
+    # the others: by a live draft worker). auto takes each round's best token-history proposal
+    # and drafts nothing where none matches (docs/benchmarks-copy.md); the model drafts after
+    # it are in the measured order (docs/benchmarks.md: draft_model 0.85x, eagle 0.83x).
+    method_preference: tuple[str, ...] = ("auto", "draft_model", "eagle")
     request_timeout_s: float = 600.0
     # After SIGTERM: how long open streams may run on before uvicorn cancels them.
     shutdown_grace_s: float = 600.0

@@ -109,7 +109,8 @@ class _Failover:
         deadline = loop.time() + cfg.request_timeout_s
         excluded: list[str] = []
         last: VerifierLost | None = None
-        need_draft = self.plan.method is not Method.NONE
+        # auto drafts in the verifier's own step: no draft worker to assign
+        need_draft = self.plan.method not in (Method.NONE, Method.AUTO)
         for attempt in range(cfg.max_attempts):
             if loop.time() >= deadline:
                 raise APIError(504, "request timed out", code="timeout")

@@ -100,11 +100,12 @@ def _sampling(req: schemas.GenerationRequest) -> SamplingParams:
 
 async def _method(spec: schemas.SpeculationOptions, router: Router,
                   preference: tuple[str, ...]) -> Method:
-    """The method asked for; by default the first preferred one a live draft worker serves,
-    else none."""
+    """The method asked for; by default the first preferred one that is served: auto by every
+    verifier (it drafts in the verifier's own step), the others by a live draft worker; else
+    none."""
     if spec.method:
         return Method.parse(spec.method)  # cannot fail: the schema allows only API names
-    served = set()
+    served = {Method.AUTO.api_name}
     for d in await router.drafts():
         served.update(d.methods or _LEGACY_METHODS)
     for name in preference:

@@ -11,11 +11,13 @@ from collections.abc import Callable
 
 from tandem.history.ngram import NgramProposer
 from tandem.history.suffix import SuffixConfig, SuffixProposer
-from tandem.spec import DraftRequest, Method, Proposer
+from tandem.spec import DraftRequest, DraftResult, Method, Proposer
 from tandem.spec.proposer import Learner, propose_isolated
 from verify_service.sequence import Sequence
 
-HISTORY_METHODS = frozenset({Method.NGRAM, Method.SUFFIX})
+HISTORY_METHODS = frozenset({Method.NGRAM, Method.SUFFIX, Method.AUTO})
+# `auto` asks both each round and keeps the proposal with the most expected accepted tokens.
+_AUTO_FROM = (Method.SUFFIX, Method.NGRAM)
 
 
 class HistoryDrafts:
@@ -40,22 +42,32 @@ class HistoryDrafts:
         by_method: dict[Method, list[Sequence]] = {}
         for seq in seqs:
             if k_max(seq) > 0:
-                by_method.setdefault(seq.params.method, []).append(seq)
+                for method in _AUTO_FROM if seq.params.method is Method.AUTO else (
+                        seq.params.method,):
+                    by_method.setdefault(method, []).append(seq)
+        best: dict[str, tuple[float, DraftResult]] = {}
         for method, group in by_method.items():
             reqs = [DraftRequest(key=seq.seq_id, token_ids=seq.tokens,
                                  num_committed=seq.num_tokens, max_tokens=k_max(seq),
                                  sampling=seq.params.sampling, tenant=seq.params.tenant)
                     for seq in group]
             for seq, res in zip(group, propose_isolated(self.proposers[method], reqs)):
-                if res.error is None and res.tokens:
-                    seq.drafts = list(res.tokens)
-                    seq.draft_reach = [float(r) for r in res.scores[:len(res.tokens)]]
+                gain = sum(res.scores[:len(res.tokens)])
+                if res.error is None and res.tokens and gain > best.get(seq.seq_id, (0.0,))[0]:
+                    best[seq.seq_id] = (gain, res)
+        for seq in seqs:
+            if seq.seq_id in best:
+                res = best[seq.seq_id][1]
+                seq.drafts = list(res.tokens)
+                seq.draft_reach = [float(r) for r in res.scores[:len(res.tokens)]]
 
     def finish(self, seq: Sequence) -> None:
         """The session is over: forget its state; suffix decoding learns its text."""
-        proposer = self.proposers.get(seq.params.method)
-        if proposer is None:
-            return
-        proposer.release(seq.seq_id)
-        if isinstance(proposer, Learner) and seq.finish_reason != "abort":
-            proposer.learn(seq.params.tenant, seq.tokens)
+        method = seq.params.method
+        for m in _AUTO_FROM if method is Method.AUTO else (method,):
+            proposer = self.proposers.get(m)
+            if proposer is None:
+                continue
+            proposer.release(seq.seq_id)
+            if isinstance(proposer, Learner) and seq.finish_reason != "abort":
+                proposer.learn(seq.params.tenant, seq.tokens)

@@ -21,6 +21,7 @@ class Method(enum.IntEnum):
     MTP = 6  # the target checkpoint's own multi-token-prediction module (draft worker)
     LAYER_SKIP = 7  # the target minus a searched set of layers (in the verifier's process)
     MEDUSA = 8  # heads on the target's last hidden state proposing a tree (in the verifier)
+    AUTO = 9  # each round the best token-history proposal, suffix or ngram (in the verifier)
 
     @property
     def needs_features(self) -> bool:

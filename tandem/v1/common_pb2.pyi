@@ -18,6 +18,7 @@ class SpeculationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_METHOD_MTP: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_LAYER_SKIP: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_MEDUSA: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_AUTO: _ClassVar[SpeculationMethod]
 
 class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -33,6 +34,7 @@ SPECULATION_METHOD_SUFFIX: SpeculationMethod
 SPECULATION_METHOD_MTP: SpeculationMethod
 SPECULATION_METHOD_LAYER_SKIP: SpeculationMethod
 SPECULATION_METHOD_MEDUSA: SpeculationMethod
+SPECULATION_METHOD_AUTO: SpeculationMethod
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_DRAFT: WorkerRole
 WORKER_ROLE_VERIFIER: WorkerRole

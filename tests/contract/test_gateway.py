@@ -252,7 +252,7 @@ def sse_events(body: str) -> list:
 
 
 def expected_stats(rounds: int, drafted: int, accepted: int, committed: int,
-                   method: str = "none") -> dict:
+                   method: str = "auto") -> dict:
     return {"method": method, "rounds": rounds, "drafted_tokens": drafted,
             "accepted_tokens": accepted, "lossy": False,
             "acceptance_rate": pytest.approx(accepted / drafted if drafted else 0.0),
@@ -309,7 +309,8 @@ def test_completion_returns_text_usage_and_speculation_stats(redis_proc, tokeniz
     assert req.sampling.temperature == 0 and req.sampling.top_k == 5 and req.sampling.seed == 7
     assert req.sampling.top_p == pytest.approx(0.9)
     assert req.stopping.max_new_tokens == 100 and list(req.stopping.stop_token_ids) == [EOS]
-    assert req.speculation.method == common_pb2.SPECULATION_METHOD_NONE  # no draft worker
+    # The default: auto, drafted in the verifier's own step (no draft worker needed or given)
+    assert req.speculation.method == common_pb2.SPECULATION_METHOD_AUTO
     assert req.speculation.draft_address == ""
 
 
@@ -318,7 +319,8 @@ def test_chat_uses_the_template_and_passes_the_draft_worker(redis_proc, tokenize
     fake = fakes(continue_text(text_ids))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     with gateway(redis_proc, tokenizer, prefix, static_verifiers=(fake.address,),
-                 static_drafts=("127.0.0.1:9",)) as client:
+                 static_drafts=("127.0.0.1:9",),
+                 method_preference=("ngram", "draft_model", "eagle")) as client:
         resp = client.post("/v1/chat/completions", json={
             "model": MODEL, "messages": messages, "max_completion_tokens": 64,
             "stop_token_ids": [7], "speculation": {"num_speculative_tokens": 5}})
@@ -331,7 +333,7 @@ def test_chat_uses_the_template_and_passes_the_draft_worker(redis_proc, tokenize
     (req,) = fake.requests
     assert list(req.prompt_token_ids) == list(expected_prompt)
     assert body["usage"]["prompt_tokens"] == len(expected_prompt)
-    # The default: the first of the measured preference (ngram first) that the draft serves.
+    # The default: the first of the preference (ngram first here) that the draft serves.
     assert req.speculation.method == common_pb2.SPECULATION_METHOD_NGRAM
     assert req.speculation.draft_address == "127.0.0.1:9"
     assert req.speculation.num_speculative_tokens == 5
@@ -673,7 +675,8 @@ def test_routing_by_registry_load_with_conversation_affinity(redis_proc, tokeniz
         resp = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
         assert resp.status_code == 200, resp.text
 
-    with gateway(redis_proc, tokenizer, prefix) as client:
+    # a draft worker's method by default (auto, the shipped default, needs no draft worker)
+    with gateway(redis_proc, tokenizer, prefix, method_preference=("draft_model",)) as client:
         chat(conv)  # least loaded: B
         assert (len(a.requests), len(b.requests)) == (0, 1)
         assert b.requests[0].speculation.draft_address == "10.0.0.2:7000"  # least loaded draft

@@ -1,5 +1,5 @@
-"""ngram and suffix drafted in the verifier's own step (verify_service/history.py): no draft
-worker and no link at all, the same text as plain decoding, greedy and seeded, and rounds sized
+"""ngram, suffix and auto (each round the better of the two) drafted in the verifier's own
+step (verify_service/history.py): no draft worker and no link at all, the same text as plain decoding, greedy and seeded, and rounds sized
 by the proposal's confidence (long on a copy, none without a match)."""
 import pytest
 from inproc import run_sessions
@@ -32,7 +32,7 @@ def copy_prompts(tokenizer):
                                           return_dict=False) for a in asks]
 
 
-@pytest.mark.parametrize("method", [Method.NGRAM, Method.SUFFIX])
+@pytest.mark.parametrize("method", [Method.NGRAM, Method.SUFFIX, Method.AUTO])
 def test_history_drafts_in_the_verifier_are_lossless_and_need_no_worker(
         target_model, tokenizer, copy_prompts, method):
     eos = (tokenizer.eos_token_id,)
@@ -57,7 +57,7 @@ def test_seeded_sampling_with_history_drafts_is_the_plain_text(target_model, tok
     seeded = SamplingParams(temperature=0.7, seed=11)
     plain, _, _, _ = run_sessions(target_model, worker(), Method.NONE, copy_prompts[:2], seeded, 40,
                                   stop=eos)
-    for method in (Method.NGRAM, Method.SUFFIX):
+    for method in (Method.NGRAM, Method.SUFFIX, Method.AUTO):
         got, drafted, _, _ = run_sessions(target_model, worker(), method, copy_prompts[:2], seeded,
                                           40, stop=eos, history=HistoryDrafts(8))
         assert got == plain and drafted > 0, method

@@ -358,3 +358,23 @@ def test_history_drafts_are_sized_by_their_own_confidence():
         assert seq.drafts == [] and seq.draft_reach == []
     assert verified[32] > verified[2] >= 0 and verified[0] == 0
     assert verified[32] >= 6
+
+
+def test_auto_takes_the_history_proposal_with_the_most_expected_tokens():
+    """auto asks suffix and ngram each round and keeps the proposal whose per-token reach sums
+    highest; with no match anywhere it drafts nothing."""
+    from verify_service.history import HistoryDrafts
+
+    history = HistoryDrafts(8)
+    text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 3 + [5, 6, 7]  # a copy that has held long
+    picks = {}
+    for method in (Method.NGRAM, Method.SUFFIX, Method.AUTO):
+        seq = Sequence(params(sid=method.api_name, prompt=text, max_new=20, method=method))
+        history.fill([seq], lambda s: 8)
+        picks[method] = (seq.drafts, sum(seq.draft_reach))
+    assert [d.token_id for d in picks[Method.AUTO][0]] == [8, 9, 10, 11, 12, 13, 14, 5]
+    assert picks[Method.AUTO][1] == max(picks[Method.NGRAM][1], picks[Method.SUFFIX][1]) > 0
+    fresh = Sequence(params(sid="fresh", prompt=[1, 2, 3, 4], method=Method.AUTO))
+    history.fill([fresh], lambda s: 8)
+    assert fresh.drafts == [] and fresh.draft_reach == []
+    history.finish(fresh)  # forgets it in both proposers, learns it for suffix
