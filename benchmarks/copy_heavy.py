@@ -9,9 +9,10 @@ drafted in the verifier's own step, or by the draft worker over the draft link).
 prompt is asked once per arm per rep (none, ngram, suffix; and auto where the verifier drafts),
 and two chat prompts beside them, the arms' order rotating prompt by
 prompt so drift hits all alike; greedy (or seeded sampling: the same text whatever the
-method), non-streaming. Rep 0 is every prompt's first ask (suffix's cache holds only other
-prompts' answers; plain and ngram sessions teach it nothing); later reps are repeats, where
-suffix also drafts from its own earlier answer. Speed is completion tokens over the request's
+method), non-streaming. Each arm is its own tenant (an API key each), so suffix caches are
+the arm's own. Rep 0 is every prompt's first ask (the arm's cache holds only other prompts'
+answers); later reps are repeats, where suffix and auto also draft from their own earlier
+answer. Speed is completion tokens over the request's
 wall time; speedup is each arm's total tokens/s over plain's in the same cluster. Copy
 share: the fraction of the plain answer's 12-character spans that occur in the prompt.
 """
@@ -77,12 +78,19 @@ def copy_share(answer: str, prompt: str, span: int = 12) -> float:
     return sum(s in prompt for s in spans) / len(spans) if spans else 0.0
 
 
+def key_of(arm: str) -> str:
+    """Each arm asks with its own API key, so it is its own tenant: the verifier's suffix
+    caches are per tenant, and no arm drafts from another arm's answer to the same prompt."""
+    return f"bench-{arm}"
+
+
 def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.0) -> dict:
     body = {"model": "SmolLM2-135M-Instruct", "max_tokens": tokens, "temperature": temperature,
             "seed": 7, "messages": [{"role": "user", "content": prompt}],
             "speculation": {"method": method}}
     t0 = time.perf_counter()
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600,
+                   headers={"Authorization": f"Bearer {key_of(method)}"})
     wall = time.perf_counter() - t0
     r.raise_for_status()
     out = r.json()
@@ -94,7 +102,9 @@ def run_place(place: str, args) -> dict:
     # auto drafts in the verifier only: on a worker-drafting cluster it would measure nothing
     arms = ARMS if place == "verifier" else ARMS[:3]
     cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=print,
-                      env={"TANDEM_VERIFIER_HISTORY_DRAFTS": place}, output=subprocess.DEVNULL)
+                      env={"TANDEM_VERIFIER_HISTORY_DRAFTS": place,
+                           "TANDEM_API_KEYS": ",".join(key_of(a) for a in ARMS)},
+                      output=subprocess.DEVNULL)
     cluster.start()
     rows = []
     try:
