@@ -66,6 +66,8 @@ class Engine:
     def submit(self, params: GenerateParams) -> asyncio.Queue[RoundOutput]:
         seq, queue = self.table.admit(params)
         seq.local_drafts = self.history is not None and self.history.serves(params.method)
+        if seq.local_drafts:
+            seq.tree_scale = self.history.prior_scale(params.method)
         self._wakeup.set()
         self.drafts.attach(seq)
         return queue

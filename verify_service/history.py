@@ -31,6 +31,10 @@ class HistoryDrafts:
         self.proposers: dict[Method, Proposer] = {
             Method.NGRAM: NgramProposer(num_speculative_tokens=max_tokens),
             Method.SUFFIX: SuffixProposer(suffix, num_speculative_tokens=max_tokens)}
+        # What finished sessions of each method measured (accepted / expected: their
+        # Sequence.tree_scale), smoothed: a new session starts from it rather than from the
+        # proposers' raw estimates, which a short request has no rounds to correct.
+        self.scale: dict[Method, float] = dict.fromkeys(HISTORY_METHODS, 1.0)
 
     @staticmethod
     def serves(method: Method) -> bool:
@@ -61,9 +65,16 @@ class HistoryDrafts:
                 seq.drafts = list(res.tokens)
                 seq.draft_reach = [float(r) for r in res.scores[:len(res.tokens)]]
 
+    def prior_scale(self, method: Method) -> float:
+        """The correction a new session of `method` starts from (Sequence.tree_scale)."""
+        return self.scale.get(method, 1.0)
+
     def finish(self, seq: Sequence) -> None:
-        """The session is over: forget its state; suffix decoding learns its text."""
+        """The session is over: forget its state; suffix decoding learns its text; its
+        measured correction moves the next sessions' start."""
         method = seq.params.method
+        if seq.stats.drafted:
+            self.scale[method] = 0.7 * self.scale[method] + 0.3 * seq.tree_scale
         for m in _AUTO_FROM if method is Method.AUTO else (method,):
             proposer = self.proposers.get(m)
             if proposer is None:

@@ -378,3 +378,18 @@ def test_auto_takes_the_history_proposal_with_the_most_expected_tokens():
     history.fill([fresh], lambda s: 8)
     assert fresh.drafts == [] and fresh.draft_reach == []
     history.finish(fresh)  # forgets it in both proposers, learns it for suffix
+
+
+def test_history_sessions_start_from_what_finished_ones_measured():
+    from verify_service.history import HistoryDrafts
+
+    history = HistoryDrafts(8)
+    assert history.prior_scale(Method.SUFFIX) == 1.0
+    seq = Sequence(params(method=Method.SUFFIX))
+    seq.tree_scale, seq.stats.drafted = 0.2, 6  # its drafts were accepted far less than hoped
+    history.finish(seq)
+    assert history.prior_scale(Method.SUFFIX) < 1.0 == history.prior_scale(Method.NGRAM)
+    idle = Sequence(params(sid="idle", method=Method.NGRAM))
+    idle.tree_scale = 0.1  # never drafted: says nothing
+    history.finish(idle)
+    assert history.prior_scale(Method.NGRAM) == 1.0
