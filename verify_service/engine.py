@@ -67,7 +67,8 @@ class Engine:
         seq, queue = self.table.admit(params)
         seq.local_drafts = self.history is not None and self.history.serves(params.method)
         if seq.local_drafts:
-            seq.tree_scale = self.history.prior_scale(params.method)
+            seq.tree_scale = self.history.prior_scale(params.method,
+                                                      params.sampling.is_greedy)
         self._wakeup.set()
         self.drafts.attach(seq)
         return queue

@@ -33,8 +33,10 @@ class HistoryDrafts:
             Method.SUFFIX: SuffixProposer(suffix, num_speculative_tokens=max_tokens)}
         # What finished sessions of each method measured (accepted / expected: their
         # Sequence.tree_scale), smoothed: a new session starts from it rather than from the
-        # proposers' raw estimates, which a short request has no rounds to correct.
-        self.scale: dict[Method, float] = dict.fromkeys(HISTORY_METHODS, 1.0)
+        # proposers' raw estimates, which a short request has no rounds to correct. Kept apart
+        # for greedy and sampled sessions: a sampled one keeps a draft only with the target's
+        # probability of it, so the same proposal reaches less far.
+        self.scale: dict[tuple[Method, bool], float] = {}
 
     @staticmethod
     def serves(method: Method) -> bool:
@@ -65,16 +67,17 @@ class HistoryDrafts:
                 seq.drafts = list(res.tokens)
                 seq.draft_reach = [float(r) for r in res.scores[:len(res.tokens)]]
 
-    def prior_scale(self, method: Method) -> float:
+    def prior_scale(self, method: Method, greedy: bool = True) -> float:
         """The correction a new session of `method` starts from (Sequence.tree_scale)."""
-        return self.scale.get(method, 1.0)
+        return self.scale.get((method, greedy), 1.0)
 
     def finish(self, seq: Sequence) -> None:
         """The session is over: forget its state; suffix decoding learns its text; its
         measured correction moves the next sessions' start."""
         method = seq.params.method
         if seq.stats.drafted:
-            self.scale[method] = 0.7 * self.scale[method] + 0.3 * seq.tree_scale
+            key = (method, seq.params.sampling.is_greedy)
+            self.scale[key] = 0.7 * self.scale.get(key, 1.0) + 0.3 * seq.tree_scale
         for m in _AUTO_FROM if method is Method.AUTO else (method,):
             proposer = self.proposers.get(m)
             if proposer is None:

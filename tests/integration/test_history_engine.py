@@ -1,6 +1,7 @@
 """ngram, suffix and auto (each round the better of the two) drafted in the verifier's own
-step (verify_service/history.py): no draft worker and no link at all, the same text as plain decoding, greedy and seeded, and rounds sized
-by the proposal's confidence (long on a copy, none without a match)."""
+step (verify_service/history.py): no draft worker and no link at all, the same text as plain
+decoding, greedy and seeded, and rounds sized by the proposal's confidence (long on a copy,
+none without a match)."""
 import pytest
 from inproc import run_sessions
 

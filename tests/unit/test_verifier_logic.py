@@ -389,6 +389,7 @@ def test_history_sessions_start_from_what_finished_ones_measured():
     seq.tree_scale, seq.stats.drafted = 0.2, 6  # its drafts were accepted far less than hoped
     history.finish(seq)
     assert history.prior_scale(Method.SUFFIX) < 1.0 == history.prior_scale(Method.NGRAM)
+    assert history.prior_scale(Method.SUFFIX, greedy=False) == 1.0  # sampled ones: apart
     idle = Sequence(params(sid="idle", method=Method.NGRAM))
     idle.tree_scale = 0.1  # never drafted: says nothing
     history.finish(idle)
