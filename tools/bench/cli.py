@@ -5,6 +5,7 @@
   tandem bench                           # everything: 15 prompts, 128 tokens, T=0 and 0.7
   tandem bench --concurrency 1,16 --concurrency-methods none,ngram   # a short load run
   tandem bench --workload repetitive     # questions asked again, code edits: suffix vs ngram
+  tandem bench --workload copy           # copy-heavy tasks: ngram / suffix / auto vs plain
   tandem bench --report results/bench-2026-11-21/results.json   # re-render only
   tandem bench --device cuda:1           # peers, cost timings and the cluster on one GPU
 """
@@ -76,12 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="", help="results folder (default results/bench-<date>)")
     p.add_argument("--docs", default="docs", help="write <docs>/benchmarks.md and <docs>/img "
                    "(default %(default)s); '' to skip")
-    p.add_argument("--workload", choices=("standard", "repetitive"), default="standard",
+    p.add_argument("--workload", choices=("standard", "repetitive", "copy"), default="standard",
                    help="standard: every method on the prompt set; repetitive: chat questions "
                         "and code edits asked again (plain, ngram, suffix, transformers plain "
-                        "and prompt lookup), written to <docs>/benchmarks-repetitive.md")
-    p.add_argument("--repeats", type=int, default=3, help="repetitive workload: times each "
-                   "request is asked (default %(default)s)")
+                        "and prompt lookup), written to <docs>/benchmarks-repetitive.md; copy: "
+                        "copy-heavy tasks and chat (plain, ngram, suffix, auto; drafted in the "
+                        "verifier and by a worker), written to <docs>/benchmarks-copy.md")
+    p.add_argument("--repeats", type=int, default=None, help="repetitive / copy workload: "
+                   "times each request is asked (default 3 / 2)")
     p.add_argument("--report", metavar="RESULTS_JSON", help="only re-render the report and "
                    "plots from a saved results.json")
 
@@ -114,10 +117,20 @@ def _print_summary(s: dict, out: Path) -> None:
 
 def cmd_bench(args) -> int:
     """Run a workload (or re-render a saved one) and write its results, report and docs."""
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
     docs = Path(args.docs) if args.docs else None
+    if args.workload == "copy":
+        from tools.bench.copy_heavy import rerender, run_workload
+
+        if args.report:
+            rerender(args.report, str(docs or Path(args.report).parent))
+            return 0
+        out = Path(args.out or f"results/bench-copy-{time.strftime('%Y-%m-%d', time.gmtime())}")
+        run_workload(args.max_tokens or 160, args.repeats or 2, out=out / "results.json",
+                     docs=docs)
+        return 0
     saved = _restore(json.loads(Path(args.report).read_text())) if args.report else None
     repetitive = (saved.get("meta", {}).get("workload") if saved is not None
                   else args.workload) == "repetitive"
@@ -137,7 +150,7 @@ def cmd_bench(args) -> int:
         if repetitive:
             from tools.bench.repetitive import run_repetitive
 
-            run_repetitive(config, args.repeats, result, out)
+            run_repetitive(config, args.repeats or 3, result, out)
         else:
             from tools.bench.runner import run_bench
 
