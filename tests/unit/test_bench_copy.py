@@ -43,3 +43,16 @@ def test_page_has_first_asks_repeats_and_the_aggregates():
     assert "**copy share >= 0.7**" in table and "**chat** (2 prompts)" in table
     assert "| **2.00x** | **1.50x** | **3.00x** |" in table
     assert "identical to plain for every arm and prompt: True" in table
+
+
+def test_leviathan_bound_uses_the_measured_verify_cost():
+    flat = {1: 10.0, 2: 10.0, 9: 10.0}  # verifying is free: the bound is E(a, k)
+    assert c.bound(0.5, 2, flat) == pytest.approx(1.75)
+    steep = {1: 10.0, 3: 20.0}  # three tokens cost twice one
+    assert c.bound(1.0, 2, steep) == pytest.approx(3.0 / 2.0, rel=1e-6)
+    rows = _rows({"none": 30.0, "ngram": 60.0, "suffix": 45.0, "auto": 90.0}, reps=1)
+    for r in rows:
+        r["spec"]["rounds"] = 5
+    place = {"rows": rows, "first": c.summarise(rows), "repeat": {}, **c.summarise(rows)}
+    lines = c.bound_table({"verify_ms": {"1": 10.0, "4": 20.0}, "places": {"v": place}})
+    assert any(line.startswith("| v | auto | 0.80 | 2.0 |") for line in lines), lines

@@ -27,50 +27,9 @@ from pathlib import Path
 
 import httpx
 
+from tools.bench.copy_prompts import CHAT, PROMPTS
 from tools.launcher import Cluster, ClusterConfig, free_port
 
-DOC = ("Tandem is a disaggregated speculative-decoding server. Draft workers stream token "
-       "proposals with their probabilities to verifier workers, which hold the target model "
-       "and a paged KV cache and accept or reject the proposals losslessly. A gateway speaks "
-       "the OpenAI API, routes sessions and keeps state in Redis. The draft and verifier pools "
-       "run on different machines and scale on their own. Every speculation round is traced.")
-STEPS = ["Open the valve on the north tank.", "Wait until the pressure reads ten bar.",
-         "Close the valve on the south tank.", "Record the reading in the log book.",
-         "Check the seals on both pumps.", "Switch the heater to its low setting.",
-         "Drain the water from the east pipe.", "Clean the filter with fresh water.",
-         "Refit the filter and tighten its cap.", "Tell the shift supervisor the test is done."]
-CODE = ("def moving_average(values, window):\n    if window <= 0:\n        raise ValueError("
-        "'window must be positive')\n    out = []\n    total = 0.0\n    for i, v in "
-        "enumerate(values):\n        total += v\n        if i >= window:\n            total -= "
-        "values[i - window]\n        out.append(total / min(i + 1, window))\n    return out")
-# Plain chat, where little is copied: auto must not lose here either.
-CHAT = ["Write a short paragraph about why the sky is blue.",
-        "Give three tips for staying focused while studying, with one sentence each."]
-# Picked so that this 135M target really copies on most (the copy share column says how much):
-# asked to quote, repeat or correct a text it copies; asked to edit code or convert a table it
-# mostly rewrites, and two prompts that only made it loop ("A: A: A: ...") were left out.
-PROMPTS = [
-    f"Repeat this text exactly, word for word:\n\n{DOC}",
-    "Correct the spelling and repeat the rest unchanged: 'Teh quick brown fox jumpd over teh "
-    "lazy dog, and then teh fox ran into teh forest where teh trees were tall and teh river "
-    "was cold and clear.'",
-    "Repeat this list exactly, one item per line:\n" + "\n".join(
-        f"{i + 1}. {step}" for i, step in enumerate(STEPS)),
-    "Rewrite this list as a numbered list, keeping every item exactly:\n- apples from the "
-    "north orchard\n- pears from the south orchard\n- plums from the east orchard\n- cherries "
-    "from the west orchard\n- grapes from the hill vineyard\n- figs from the old garden",
-    f"Add a docstring to this function and return the whole function unchanged otherwise:\n\n"
-    f"{CODE}",
-    "Fix the grammar of this sentence and repeat it: 'The servers is fast and the gateway "
-    "route every requests to a verifier that have the target model, which check the drafts.'",
-    f"Summarise this document in two sentences, and after each sentence quote the words of the "
-    f"document it relies on.\n\n{DOC}",
-    "Convert this JSON to a markdown table with columns name, city, age:\n"
-    '[{"name": "Alice Smith", "city": "Boston", "age": 34}, {"name": "Bob Jones", "city": '
-    '"Denver", "age": 41}, {"name": "Carol White", "city": "Austin", "age": 29}, {"name": '
-    '"David Brown", "city": "Seattle", "age": 52}]',
-    *CHAT,
-]
 ARMS = ("none", "ngram", "suffix", "auto")
 
 
@@ -155,13 +114,44 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+def verify_curve(counts=(1, 2, 3, 4, 6, 8, 12, 16, 17)) -> dict[int, float]:
+    """ms of one target forward over q new tokens, as the cluster's verifier runs it (the
+    target under --dtype auto, 1 torch thread): the cost side of Leviathan's bound."""
+    import torch
+
+    from tandem.device import place
+    from tandem.engine.exact_dtype import load_target
+    from tandem.engine.model_runner import ModelRunner
+    from tandem.models import resolve_model
+    from verify_service.calibration import calibrate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = load_target(resolve_model("default"), place("cpu", "auto"))
+        return calibrate(ModelRunner.with_memory(model, 64 << 20, 16), counts, reps=5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bound(alpha: float, k: float, curve: dict[int, float]) -> float:
+    """Leviathan's speedup for acceptance alpha and k drafts per round (a mean: fractional),
+    with the round's cost from the measured curve: E(alpha, k) / (cost(k + 1) / cost(1))."""
+    import numpy as np
+
+    ms = {int(q): float(v) for q, v in curve.items()}  # (JSON keys are strings)
+    cost = float(np.interp(k + 1, sorted(ms), [ms[q] for q in sorted(ms)]))
+    a = min(alpha, 1 - 1e-9)
+    return (1 - a ** (k + 1)) / (1 - a) / (cost / ms[1])
+
+
 def run_workload(tokens: int = 160, reps: int = 2, places=("verifier", "worker"),
                  temperature: float = 0.0, out: Path = Path("results/copy_heavy.json"),
                  docs: Path | None = None) -> dict:
     """One cluster per place, every prompt and arm; the table printed, JSON (and docs)
     written."""
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "tokens": tokens, "reps": reps,
-              "temperature": temperature, "places": {}}
+              "temperature": temperature, "verify_ms": verify_curve(), "places": {}}
     for place in places:
         result["places"][place] = run_place(place, reps, tokens, temperature)
     table = markdown(result)
@@ -221,6 +211,8 @@ def markdown(result: dict) -> str:
             if agg:
                 lines.append(f"| {place} | **{label}** ({len(picks)} prompts) | | " + " | ".join(
                     f"**{_x(agg['overall'].get(a, {}).get('speedup'))}**" for a in arms) + " | |")
+    if result.get("verify_ms"):
+        lines += ["", *bound_table(result)]
     same = all(a["identical_to_plain"] for s in result["places"].values()
                for a in s["overall"].values())
     acc = {p: {a: v["acceptance"] for a, v in s["overall"].items() if a != "none"}
@@ -230,6 +222,34 @@ def markdown(result: dict) -> str:
                         for p, s in result["places"].items()) +
               f". Acceptance (all asks): {json.dumps(acc, default=lambda v: round(v, 2))}"]
     return "\n".join(lines)
+
+
+def bound_table(result: dict) -> list[str]:
+    """How much of Leviathan's bound each arm realises on the copy-rich first asks, with the
+    acceptance and mean drafts per round it measured and the measured verify-cost curve."""
+    lines = ["Leviathan's bound on the copy share >= 0.7 first asks: E(a, k) / (cost(k + 1) / "
+             "cost(1)) with a = accepted / drafted, k = drafts per round (mean) and the verify "
+             "cost measured at the start of the run (ms by new tokens: " +
+             ", ".join(f"{q}: {float(v):.0f}" for q, v in result["verify_ms"].items()) + ").",
+             "", "| drafts made in | method | a | k per round | bound | measured | of bound |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for place, s in result["places"].items():
+        rich = [int(i) for i, row in s["first"]["per_prompt"].items()
+                if row["copy_share"] >= 0.7]
+        rows = [r for r in s["rows"] if r["rep"] == 0 and r["prompt"] in rich]
+        agg = summarise(rows)
+        for arm in ARMS[1:]:
+            sel = [r["spec"] for r in rows if r["arm"] == arm]
+            drafted = sum(x.get("drafted_tokens", 0) for x in sel)
+            rounds = sum(x.get("rounds", 0) for x in sel)
+            if not drafted or not rounds:
+                continue
+            a = sum(x.get("accepted_tokens", 0) for x in sel) / drafted
+            b = bound(a, drafted / rounds, result["verify_ms"])
+            got = agg["overall"][arm]["speedup"]
+            lines.append(f"| {place} | {arm} | {a:.2f} | {drafted / rounds:.1f} | {b:.2f}x | "
+                         f"{got:.2f}x | {got / b:.0%} |")
+    return lines
 
 
 def write_docs(result: dict, table: str, docs: Path) -> None:
