@@ -139,7 +139,7 @@ def bound(alpha: float, k: float, curve: dict[int, float]) -> float:
     with the round's cost from the measured curve: E(alpha, k) / (cost(k + 1) / cost(1))."""
     import numpy as np
 
-    ms = {int(q): float(v) for q, v in curve.items()}  # (JSON keys are strings)
+    ms = {int(q): float(v) for q, v in curve.items()}  # JSON keys are strings
     cost = float(np.interp(k + 1, sorted(ms), [ms[q] for q in sorted(ms)]))
     a = min(alpha, 1 - 1e-9)
     return (1 - a ** (k + 1)) / (1 - a) / (cost / ms[1])
@@ -148,8 +148,7 @@ def bound(alpha: float, k: float, curve: dict[int, float]) -> float:
 def run_workload(tokens: int = 160, reps: int = 2, places=("verifier", "worker"),
                  temperature: float = 0.0, out: Path = Path("results/copy_heavy.json"),
                  docs: Path | None = None) -> dict:
-    """One cluster per place, every prompt and arm; the table printed, JSON (and docs)
-    written."""
+    """One cluster per place, every prompt and arm; table printed, JSON (and docs) written."""
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "tokens": tokens, "reps": reps,
               "temperature": temperature, "verify_ms": verify_curve(), "places": {}}
     for place in places:
@@ -180,7 +179,7 @@ def main(argv=None) -> None:
 
 
 def rerender(path: str, docs: str) -> None:
-    """The table, page and plot again from a saved run (python -c ...rerender(...))."""
+    """The table, page and plot again from a saved run (`--report`)."""
     result = json.loads(Path(path).read_text())
     write_docs(result, markdown(result), Path(docs))
 
@@ -228,8 +227,10 @@ def bound_table(result: dict) -> list[str]:
     """How much of Leviathan's bound each arm realises on the copy-rich first asks, with the
     acceptance and mean drafts per round it measured and the measured verify-cost curve."""
     lines = ["Leviathan's bound on the copy share >= 0.7 first asks: E(a, k) / (cost(k + 1) / "
-             "cost(1)) with a = accepted / drafted, k = drafts per round (mean) and the verify "
-             "cost measured at the start of the run (ms by new tokens: " +
+             "cost(1)) with a = accepted / drafted, k = drafts per round (a mean over all rounds, "
+             "those without a match included, so the bound is approximate: a mix of long and "
+             "empty rounds does better than their mean) and the verify cost measured at the "
+             "start of the run (ms by new tokens: " +
              ", ".join(f"{q}: {float(v):.0f}" for q, v in result["verify_ms"].items()) + ").",
              "", "| drafts made in | method | a | k per round | bound | measured | of bound |",
              "|---|---|---:|---:|---:|---:|---:|"]
