@@ -99,6 +99,10 @@ def register(sub, colocate=None) -> None:
              choices=HISTORY_PLACES,
              help="where ngram and suffix sessions draft: verifier (in its own step: no "
                   "draft link, no wait) or worker (a draft worker, like model drafts)")
+    add_flag(p, "--suffix-cache-tokens", "TANDEM_VERIFIER_SUFFIX_CACHE_TOKENS",
+             _DEFAULTS.suffix_cache_tokens, int,
+             help="finished tokens the verifier's suffix decoding keeps per tenant to draft "
+                  "from (0 = each session's own text only) [%(default)s]")
     add_log_level_flag(p, "TANDEM_VERIFIER_LOG_LEVEL")
     add_tls_flags(p)
     p.set_defaults(func=functools.partial(_run, colocate=colocate))

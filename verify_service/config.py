@@ -72,6 +72,8 @@ class VerifierConfig:
     # Where ngram and suffix sessions draft: "verifier" (in this process's own step, no
     # draft link and no wait: verify_service/history.py) or "worker" (a draft worker).
     history_drafts: str = "verifier"
+    # Finished tokens its suffix decoding keeps per tenant to draft from (0 = own text only).
+    suffix_cache_tokens: int = 262_144
     # gRPC over TLS: served with it and presented to draft workers; None = plaintext.
     tls: TlsConfig | None = None
 
@@ -103,6 +105,8 @@ class VerifierConfig:
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape must be one of {', '.join(DRAFT_SHAPES)}, got "
                              f"{self.draft_shape!r}")
+        if self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
         if self.history_drafts not in HISTORY_PLACES:
             raise ValueError(f"history_drafts must be one of {', '.join(HISTORY_PLACES)}, "
                              f"got {self.history_drafts!r}")

@@ -24,6 +24,7 @@ from tandem.engine.medusa import load_for
 from tandem.engine.model_runner import ModelRunner
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
+from tandem.history.suffix import SuffixConfig
 from tandem.models import ModelPaths, resolve_model, tokenizer_hash
 from tandem.netaddr import advertised, join_host_port
 from tandem.registration import Registration, start_registration, stop_registration
@@ -163,8 +164,9 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     metrics.bind_load(running=lambda: len(scheduler.running),
                       waiting=lambda: len(scheduler.waiting),
                       kv_usage=lambda: scheduler.blocks.usage)
-    history = (HistoryDrafts(config.max_spec_tokens or 1)
-               if config.history_drafts == "verifier" else None)
+    history = (HistoryDrafts(config.max_spec_tokens or 1, SuffixConfig(
+        per_tenant=True, cache_tokens=config.suffix_cache_tokens))
+        if config.history_drafts == "verifier" else None)
     return Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics,
                   history), metrics
 

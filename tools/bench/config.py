@@ -26,7 +26,8 @@ QUICK_CONCURRENCY_METHODS = (Method.NONE.api_name, Method.NGRAM.api_name,
 # Every prompt is asked several times in a run (per temperature, then direct): with its
 # cross-request cache on, suffix would draft from the run's own earlier answers. The standard
 # run measures it on prompts it has not seen; `--workload repetitive` measures the cache.
-SUFFIX_CACHE_OFF = {"TANDEM_DRAFT_SUFFIX_CACHE_TOKENS": "0"}
+SUFFIX_CACHE_OFF = {"TANDEM_DRAFT_SUFFIX_CACHE_TOKENS": "0",
+                    "TANDEM_VERIFIER_SUFFIX_CACHE_TOKENS": "0"}  # auto and suffix draft there
 
 
 @dataclass(frozen=True)

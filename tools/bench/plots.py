@@ -32,7 +32,7 @@ def speedup(s: dict, path: Path, labels: dict) -> Path:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, temp in zip(axes[:, 0], temps):
         # a fixed colour per method, so the panels read alike
-        series = [(lab, colors[i], s["speedup"][(sy, me, temp)])
+        series = [(lab, colors[i % len(colors)], s["speedup"][(sy, me, temp)])
                   for i, ((sy, me), lab) in enumerate(labels.items())
                   if (sy, me, temp) in s["speedup"]]
         width = 0.8 / max(1, len(series))
