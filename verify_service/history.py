@@ -45,16 +45,16 @@ class HistoryDrafts:
     def fill(self, seqs: list[Sequence], k_max: Callable[[Sequence], int]) -> None:
         """Give each session (local, speculating, with no drafts yet) this round's proposal:
         Sequence.drafts and their reach. A proposer that fails leaves its sessions plain."""
+        ks = {seq.seq_id: k for seq in seqs if (k := k_max(seq)) > 0}
         by_method: dict[Method, list[Sequence]] = {}
         for seq in seqs:
-            if k_max(seq) > 0:
-                for method in _AUTO_FROM if seq.params.method is Method.AUTO else (
-                        seq.params.method,):
+            if seq.seq_id in ks:
+                for method in _sources(seq.params.method):
                     by_method.setdefault(method, []).append(seq)
         best: dict[str, tuple[float, DraftResult]] = {}
         for method, group in by_method.items():
             reqs = [DraftRequest(key=seq.seq_id, token_ids=seq.tokens,
-                                 num_committed=seq.num_tokens, max_tokens=k_max(seq),
+                                 num_committed=seq.num_tokens, max_tokens=ks[seq.seq_id],
                                  sampling=seq.params.sampling, tenant=seq.params.tenant)
                     for seq in group]
             for seq, res in zip(group, propose_isolated(self.proposers[method], reqs)):
@@ -78,10 +78,13 @@ class HistoryDrafts:
         if seq.stats.drafted:
             key = (method, seq.params.sampling.is_greedy)
             self.scale[key] = 0.7 * self.scale.get(key, 1.0) + 0.3 * seq.tree_scale
-        for m in _AUTO_FROM if method is Method.AUTO else (method,):
-            proposer = self.proposers.get(m)
-            if proposer is None:
-                continue
+        for m in _sources(method):
+            proposer = self.proposers[m]
             proposer.release(seq.seq_id)
             if isinstance(proposer, Learner) and seq.finish_reason != "abort":
                 proposer.learn(seq.params.tenant, seq.tokens)
+
+
+def _sources(method: Method) -> tuple[Method, ...]:
+    """The proposers a session of `method` drafts from (auto: both)."""
+    return _AUTO_FROM if method is Method.AUTO else (method,)
