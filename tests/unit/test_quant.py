@@ -129,9 +129,9 @@ def test_a_rows_output_does_not_depend_on_the_batch_it_runs_in():
     torch.manual_seed(3)
     q = Int8Weight.quantize(torch.randn(100, 576))  # 100 channels: a partial block of 8 too
     x = torch.randn(MAX_KERNEL_ROWS, 576)
-    alone = q.linear(x[:1])
-    for rows in (2, 3, 5, 16, MAX_KERNEL_ROWS):
-        assert torch.equal(q.linear(x[:rows])[:1], alone), rows
+    alone = torch.cat([q.linear(x[i:i + 1]) for i in range(MAX_KERNEL_ROWS)])
+    for rows in (2, 3, 4, 5, 16, MAX_KERNEL_ROWS):  # fused paths (<= 3 rows) and buffered
+        assert torch.equal(q.linear(x[:rows]), alone[:rows]), rows
 
 
 def test_bad_parts_are_refused():
