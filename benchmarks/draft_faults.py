@@ -1,10 +1,12 @@
 """A slow and a partitioned draft worker: decoding keeps plain speed, and drafts return after.
 
     python benchmarks/draft_faults.py [--requests 4] [--max-tokens 48] [--delay-ms 300]
+                                      [--prompts copy|chat] [--method ngram|draft_model]
 
 Real processes on loopback: redis, one verifier, the gateway (tools.launcher) and one draft
 worker that registers a TCP proxy's address as its own, so every verifier->draft byte crosses
-the proxy. Phases, each with draft_model (k = 4) and plain requests interleaved:
+the proxy. Phases, each with --method (k = 4; ngram drafts on the worker here, over the
+proxied link) and plain requests interleaved:
   healthy      the proxy forwards
   slow         every chunk waits --delay-ms before it is forwarded (a slow draft)
   partitioned  nothing is forwarded or closed: the connection is black-holed
@@ -27,10 +29,14 @@ from pathlib import Path
 
 import httpx
 
+from tools.bench.copy_prompts import PROMPTS as COPY_PROMPTS
 from tools.launcher import Cluster, ClusterConfig, free_port, grpc_healthy
 
-PROMPTS = ["Explain how a bicycle works.", "Write a short story about a lighthouse keeper.",
-           "List the planets of the solar system with one fact each."]
+CHAT = ["Explain how a bicycle works.", "Write a short story about a lighthouse keeper.",
+        "List the planets of the solar system with one fact each."]
+# Copy tasks: the draft model agrees with the target there (~0.8), so a draft that is
+# back but not used shows; on chat it agrees ~0.3 and k mostly probes either way.
+COPY = [COPY_PROMPTS[0], COPY_PROMPTS[2], COPY_PROMPTS[3]]
 
 
 class Proxy:
@@ -94,21 +100,20 @@ def stream(url: str, prompt: str, method: str, max_tokens: int) -> dict:
             "drafted": spec.get("drafted_tokens", 0), "accepted": spec.get("accepted_tokens", 0)}
 
 
-def phase(url: str, n: int, max_tokens: int) -> dict:
-    runs = {"draft_model": [], "none": []}
+def phase(url: str, n: int, max_tokens: int, prompts: list[str], method: str) -> dict:
+    runs = {method: [], "none": []}
     for i in range(n):  # interleaved A/B
-        for method in runs:
-            runs[method].append(stream(url, PROMPTS[i % len(PROMPTS)], method, max_tokens))
+        for arm in runs:
+            runs[arm].append(stream(url, prompts[i % len(prompts)], arm, max_tokens))
     out = {}
-    for method, rs in runs.items():
+    for arm, rs in runs.items():
         ok = [r for r in rs if "error" not in r]
-        out[method] = {"errors": len(rs) - len(ok),
-                       "tok_s": round(statistics.median(r["tok_s"] for r in ok), 2) if ok else 0,
-                       "max_gap_ms": round(max((r["max_gap_ms"] for r in ok), default=0)),
-                       "drafted": sum(r["drafted"] for r in ok),
-                       "accepted": sum(r["accepted"] for r in ok)}
-    out["speed_vs_plain"] = round(out["draft_model"]["tok_s"] / max(out["none"]["tok_s"], 1e-9),
-                                  2)
+        out[arm] = {"errors": len(rs) - len(ok),
+                    "tok_s": round(statistics.median(r["tok_s"] for r in ok), 2) if ok else 0,
+                    "max_gap_ms": round(max((r["max_gap_ms"] for r in ok), default=0)),
+                    "drafted": sum(r["drafted"] for r in ok),
+                    "accepted": sum(r["accepted"] for r in ok)}
+    out["speed_vs_plain"] = round(out[method]["tok_s"] / max(out["none"]["tok_s"], 1e-9), 2)
     return out
 
 
@@ -133,10 +138,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="per method and phase")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--delay-ms", type=float, default=300.0)
+    ap.add_argument("--prompts", choices=("copy", "chat"), default="copy",
+                    help="copy tasks (the draft agrees: recovery shows) or chat")
+    ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram",
+                    help="what the worker drafts (ngram: high acceptance on copy tasks)")
     ap.add_argument("--out", default="results/draft_faults.json")
     args = ap.parse_args()
     cluster = Cluster(ClusterConfig(num_drafts=0, num_verifiers=1, gateway_port=free_port()),
-                      log=lambda m: print(m, file=sys.stderr), output=subprocess.DEVNULL)
+                      log=lambda m: print(m, file=sys.stderr), output=subprocess.DEVNULL,
+                      # ngram over the link (the verifier would otherwise draft it itself)
+                      env={"TANDEM_VERIFIER_HISTORY_DRAFTS": "worker"})
     cluster.start()
     draft = None
     try:
@@ -145,7 +156,8 @@ def main() -> None:
         for name, kw in [("healthy", {}), ("slow", {"delay_s": args.delay_ms / 1000}),
                          ("partitioned", {"paused": True}), ("healed", {})]:
             proxy.set(**kw)
-            report[name] = phase(cluster.gateway_url, args.requests, args.max_tokens)
+            report[name] = phase(cluster.gateway_url, args.requests, args.max_tokens,
+                                 COPY if args.prompts == "copy" else CHAT, args.method)
             print(name, json.dumps(report[name]), flush=True)
     finally:
         if draft is not None:

@@ -176,10 +176,10 @@ class Engine:
                 continue  # (drafts of a session that stopped being waited for still count)
             waiting += 1  # the first draft after a commit takes longer than the next ones
             if seq.params.tree:  # a tree comes at once, after its own drafting time
-                expected = max(seq.tree_wait_ms, d.first_ms)
+                expected = max(seq.tree_wait_ms, d.first.ms)
             else:
-                expected = (missing * d.arrival_ms if seq.drafts else
-                            d.first_ms + (missing - 1) * d.arrival_ms)
+                expected = (missing * d.arrival.ms if seq.drafts else
+                            d.first.ms + (missing - 1) * d.arrival.ms)
             limit_ms = max(limit_ms, min(self.config.max_draft_wait_ms, 1.5 * expected))
         return limit_ms * waiting / len(running) if running else 0.0
 

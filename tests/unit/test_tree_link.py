@@ -23,7 +23,7 @@ from tandem.spec import (
     TreeNode,
 )
 from tandem.spec.cost import CostModel, choose_tree_size
-from verify_service.drafts import DraftSide
+from verify_service.drafts import DraftSide, Latency
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.sequence import GenerateParams, Sequence
 
@@ -251,7 +251,7 @@ def test_the_verifier_waits_for_a_tree_as_long_as_trees_take():
     from verify_service.engine import Engine, EngineConfig
 
     class Side:  # everyone linked; chain drafts come fast
-        arrival_ms, first_ms = 2.0, 4.0
+        arrival, first = Latency(2.0), Latency(4.0)
 
         def linked(self, seq):
             return True
@@ -280,7 +280,7 @@ def test_a_verified_tree_resets_late_rounds_and_measures_its_wait():
     from verify_service.step import RoundOutcome, StepTimings
 
     class Side:
-        arrival_ms, first_ms = 2.0, 4.0
+        arrival, first = Latency(2.0), Latency(4.0)
 
         def linked(self, seq):
             return True

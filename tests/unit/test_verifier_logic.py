@@ -15,6 +15,7 @@ from tandem.spec.cost import (
     leviathan_speedup,
     update_acceptance,
 )
+from verify_service.drafts import Latency
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.sequence import GenerateParams, SeqStatus, Sequence
 
@@ -270,14 +271,14 @@ def test_draft_side_learns_how_long_the_first_draft_after_a_commit_takes():
             side.on_reply(link, Proposal(seq.seq_id, seq.epoch, seq.next_draft_position(),
                                          DraftToken(5)))
             seq.drafts = []
-        assert 20 < side.first_ms < 60  # ~30 ms, from 10 ms at the start
+        assert 20 < side.first.ms < 60  # ~30 ms, from 10 ms at the start
         side.commit(seq, seq.num_tokens, [], run_ahead=0)
         assert link.sent[-1].max_run_ahead == 0
-        before = side.first_ms
+        before = side.first.ms
         time.sleep(0.1)
         side.on_reply(link, Proposal(seq.seq_id, seq.epoch, seq.next_draft_position(),
                                      DraftToken(5)))
-        assert side.first_ms == before  # not asked for: says nothing about the delay
+        assert side.first.ms == before  # not asked for: says nothing about the delay
 
     asyncio.run(main())
 
@@ -286,7 +287,7 @@ def test_one_sessions_late_drafts_cost_the_batch_only_its_share_of_the_wait():
     from verify_service.engine import Engine, EngineConfig
 
     class Side:  # a DraftSide stand-in: everyone linked, measured delays fixed
-        arrival_ms, first_ms = 4.0, 10.0
+        arrival, first = Latency(4.0), Latency(10.0)
 
         def linked(self, seq):
             return True
@@ -394,3 +395,20 @@ def test_history_sessions_start_from_what_finished_ones_measured():
     idle.tree_scale = 0.1  # never drafted: says nothing
     history.finish(idle)
     assert history.prior_scale(Method.NGRAM) == 1.0
+
+
+def test_draft_latency_estimates_recover_within_a_few_healthy_rounds():
+    # A slow spell (300 ms per first draft) followed by a healthy link (10 ms): the estimate
+    # that bounds the draft wait is back under the verifier's 25 ms wait within 5 samples.
+    est = Latency(10.0)
+    for _ in range(30):
+        est.observe(300.0)
+    assert est.ms > 250  # it did learn the slow link
+    healthy = 0
+    while est.ms >= 25.0:
+        est.observe(10.0)
+        healthy += 1
+    assert healthy <= 5, healthy
+    one_spike = Latency(10.0)
+    one_spike.observe(300.0)
+    assert one_spike.ms < 75  # a single slow sample moves it only part of the way
