@@ -41,6 +41,7 @@ def test_page_has_first_asks_repeats_and_the_aggregates():
              "repeat": c.summarise([r for r in rows if r["rep"] > 0]), **c.summarise(rows)}
     table = c.markdown({"places": {"verifier": place}})
     assert "**copy share >= 0.7**" in table and "**chat** (2 prompts)" in table
+    assert "**reformat / extract** (4 prompts)" in table  # each category aggregated too
     assert "| **2.00x** | **1.50x** | **3.00x** |" in table
     assert "identical to plain for every arm and prompt: True" in table
 

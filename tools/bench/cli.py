@@ -128,7 +128,7 @@ def cmd_bench(args) -> int:
             rerender(args.report, str(docs or Path(args.report).parent))
             return 0
         out = Path(args.out or f"results/bench-copy-{time.strftime('%Y-%m-%d', time.gmtime())}")
-        run_workload(args.max_tokens or 160, args.repeats or 2, out=out / "results.json",
+        run_workload(args.max_tokens or 256, args.repeats or 2, out=out / "results.json",
                      docs=docs)
         return 0
     saved = _restore(json.loads(Path(args.report).read_text())) if args.report else None

@@ -1,14 +1,14 @@
 """Copy-heavy prompts through the gateway: plain decoding against ngram, suffix and auto.
 
-  tandem bench --workload copy [--repeats 2] [--max-tokens 160] [--docs docs]
-  python benchmarks/copy_heavy.py [--tokens 160] [--reps 2] [--history verifier,worker]
+  tandem bench --workload copy [--repeats 2] [--max-tokens 256] [--docs docs]
+  python benchmarks/copy_heavy.py [--tokens 256] [--reps 2] [--history verifier,worker]
                                   [--temperature 0] [--out results/copy_heavy.json]
                                   [--docs docs]  # writes docs/benchmarks-copy.md + a plot
 
 One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
 drafted in the verifier's own step, or by the draft worker over the draft link). In each, every
 prompt is asked once per arm per rep (none, ngram, suffix; and auto where the verifier drafts),
-and two chat prompts beside them, the arms' order rotating prompt by
+by category, and two chat prompts beside them, the arms' order rotating prompt by
 prompt so drift hits all alike; greedy (or seeded sampling: the same text whatever the
 method), non-streaming. Each arm is its own tenant (an API key each), so suffix caches are
 the arm's own. Rep 0 is every prompt's first ask (the arm's cache holds only other prompts'
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from tools.bench.copy_prompts import CHAT, PROMPTS
+from tools.bench.copy_prompts import CATEGORIES, CHAT, PROMPTS
 from tools.launcher import Cluster, ClusterConfig, free_port
 
 ARMS = ("none", "ngram", "suffix", "auto")
@@ -145,7 +145,7 @@ def bound(alpha: float, k: float, curve: dict[int, float]) -> float:
     return (1 - a ** (k + 1)) / (1 - a) / (cost / ms[1])
 
 
-def run_workload(tokens: int = 160, reps: int = 2, places=("verifier", "worker"),
+def run_workload(tokens: int = 256, reps: int = 2, places=("verifier", "worker"),
                  temperature: float = 0.0, out: Path = Path("results/copy_heavy.json"),
                  docs: Path | None = None) -> dict:
     """One cluster per place, every prompt and arm; table printed, JSON (and docs) written."""
@@ -166,7 +166,7 @@ def run_workload(tokens: int = 160, reps: int = 2, places=("verifier", "worker")
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=160, help="max new tokens per request")
+    ap.add_argument("--tokens", type=int, default=256, help="max new tokens per request")
     ap.add_argument("--reps", type=int, default=2, help="asks per prompt and arm")
     ap.add_argument("--history", default="verifier,worker",
                     help="where ngram/suffix draft, one cluster each (verifier, worker)")
@@ -196,19 +196,16 @@ def markdown(result: dict) -> str:
     for place, s in result["places"].items():
         first, repeat = s["first"]["per_prompt"], s["repeat"].get("per_prompt", {})
         for i, row in first.items():
-            kind = "chat" if PROMPTS[int(i)] in CHAT else "copy task"
-            lines.append(f"| {place} | {i} ({kind}): {PROMPTS[int(i)][:36]!r}... | "
+            lines.append(f"| {place} | {i} ({CATEGORIES[int(i)]}): {PROMPTS[int(i)][:36]!r}... | "
                          f"{row['copy_share']:.2f} | " +
                          " | ".join(_x(row.get(a)) for a in arms) +
                          f" | {_x(repeat.get(i, {}).get('suffix'))} |")
-        rich = [int(i) for i, row in first.items() if row["copy_share"] >= 0.7]
-        groups = [("copy share >= 0.7", rich), ("all copy tasks", [
-            int(i) for i in first if PROMPTS[int(i)] not in CHAT]), ("chat", [
-            int(i) for i in first if PROMPTS[int(i)] in CHAT])]
-        for label, picks in groups:
+        for label, picks in _groups(first):
             agg = summarise([r for r in s["rows"] if r["rep"] == 0 and r["prompt"] in picks])
+            share = sum(first[str(i)]["copy_share"] for i in picks) / max(1, len(picks))
             if agg:
-                lines.append(f"| {place} | **{label}** ({len(picks)} prompts) | | " + " | ".join(
+                lines.append(f"| {place} | **{label}** ({len(picks)} prompts) | {share:.2f} | " +
+                             " | ".join(
                     f"**{_x(agg['overall'].get(a, {}).get('speedup'))}**" for a in arms) + " | |")
     if result.get("verify_ms"):
         lines += ["", *bound_table(result)]
@@ -221,6 +218,16 @@ def markdown(result: dict) -> str:
                         for p, s in result["places"].items()) +
               f". Acceptance (all asks): {json.dumps(acc, default=lambda v: round(v, 2))}"]
     return "\n".join(lines)
+
+
+def _groups(first: dict) -> list[tuple[str, list[int]]]:
+    """The aggregate rows: copy-rich answers, all copy tasks, then each category."""
+    rich = [int(i) for i, row in first.items() if row["copy_share"] >= 0.7]
+    groups = [("copy share >= 0.7", rich),
+              ("all copy tasks", [int(i) for i in first if PROMPTS[int(i)] not in CHAT])]
+    for category in dict.fromkeys(CATEGORIES):
+        groups.append((category, [int(i) for i in first if CATEGORIES[int(i)] == category]))
+    return [(label, picks) for label, picks in groups if picks]
 
 
 def bound_table(result: dict) -> list[str]:
@@ -269,8 +276,8 @@ def write_docs(result: dict, table: str, docs: Path) -> None:
                [r[arm] for r in rows.values()], width, label=f"{arm}, drafted in the {place}")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.axhline(2.5, color="red", lw=0.8, ls="--", label="target 2.5x")
-    ax.set_xticks(range(len(PROMPTS)), [("chat " if p in CHAT else "copy ") + str(i)
-                                        for i, p in enumerate(PROMPTS)], fontsize=8)
+    ax.set_xticks(range(len(PROMPTS)), [f"{i} {c}" for i, c in enumerate(CATEGORIES)],
+                  fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("tokens/s vs plain (same cluster)")
     ax.set_title("Copy-heavy prompts through the gateway, first asks")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -290,7 +297,8 @@ def write_docs(result: dict, table: str, docs: Path) -> None:
         "in the same cluster, arms rotated per prompt; each arm is its own tenant (API key), so "
         "its suffix cache holds only its own answers. The ngram / suffix / auto columns are "
         "first asks; `suffix, repeats` the second ask of the same prompt. Copy share = the "
-        "fraction of the plain answer's 12-character spans found in the prompt. One ask per "
+        "fraction of the plain answer's 12-character spans found in the prompt (in an "
+        "aggregate row, the mean over its prompts). One ask per "
         "prompt and arm is noisy (a few seconds each on a shared host): read the aggregate rows.",
         "",
         table, "", "![speedup per prompt](img/benchmarks-copy.png)", ""]))
