@@ -167,6 +167,11 @@ def _message_limit(worker: DraftWorker) -> int:
     return max_message_bytes(worker.limits.max_context_length, hidden)
 
 
+# The shortest ping interval a verifier may keep a stream alive with (it pings every 10 s:
+# verify_service/draft_link.py KEEPALIVE_S); more often counts as abuse.
+MIN_PING_INTERVAL_MS = 5000
+
+
 @dataclass
 class DraftApp:
     """A built (not yet started) draft server and the pieces a drain needs."""
@@ -203,7 +208,7 @@ async def build_app(config: DraftConfig, worker: DraftWorker | None = None,
     server = grpc.aio.server(interceptors=[StatusInterceptor()], options=[
         # Speculate streams live for hours: let verifiers keep them alive with pings.
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
         *message_options(_message_limit(worker)),
     ])
     servicer = DraftServicer(worker, info or common_pb2.WorkerInfo())

@@ -25,14 +25,28 @@ class SessionFailure(Exception):
         self.code = code
 
 
+# Messages a stream's outbox holds at most. Drafting pauses at half of it (a verifier that
+# reads slowly gets fewer drafts, not a longer queue); past it the peer has stopped reading
+# while still sending (its control messages keep producing errors): the stream is ended.
+MAX_PENDING = 4096
+
+
 class Stream:
     """One verifier connection: its sessions and its outbox of proposals and errors."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_pending: int = MAX_PENDING, on_room=None) -> None:
         self.sessions: dict[str, Session] = {}
+        self.max_pending = max_pending
+        self._on_room = on_room  # called when a backed-up outbox has room again
+        self.overflowed = False
         self._outbox: asyncio.Queue[Proposal | SessionError | None] = asyncio.Queue()
 
     def put(self, item: Proposal | SessionError | None) -> None:
+        if item is not None and self._outbox.qsize() >= self.max_pending:
+            if not self.overflowed:  # end it after what is queued; drop everything else
+                self.overflowed = True
+                self._outbox.put_nowait(None)
+            return
         self._outbox.put_nowait(item)
 
     @property
@@ -40,9 +54,17 @@ class Stream:
         """Messages produced but not yet taken by the transport."""
         return self._outbox.qsize()
 
+    @property
+    def backed_up(self) -> bool:
+        """Whether drafting for this stream's sessions should wait for the transport."""
+        return self.pending >= self.max_pending // 2
+
     async def get(self) -> Proposal | SessionError | None:
         """The next message; None means the worker ended the stream (draining)."""
-        return await self._outbox.get()
+        item = await self._outbox.get()
+        if self._on_room is not None and self.pending == self.max_pending // 2 - 1:
+            self._on_room()  # just dropped below backed_up: drafting may go on
+        return item
 
 
 class FeatureStore:

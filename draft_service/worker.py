@@ -73,7 +73,7 @@ class DraftWorker:
     def open_stream(self) -> Stream:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop())
-        stream = Stream()
+        stream = Stream(on_room=self._wake.set)
         self._streams.add(stream)
         return stream
 
@@ -156,7 +156,7 @@ class DraftWorker:
 
     def _wants_draft(self, s: Session) -> bool:
         return (not s.stalled and len(s.drafts) < s.max_run_ahead
-                and s.length < self.limits.max_context_length)
+                and s.length < self.limits.max_context_length and not s.stream.backed_up)
 
     async def _loop(self) -> None:
         """One step per pass: snapshot every ready session's request, run each method's

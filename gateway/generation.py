@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 class TextDelta:
     text: str
     logprobs: tuple[TokenLogprobs, ...] = ()  # of the tokens this delta used, when asked
+    tokens: int = 0  # completion tokens this delta used (what a quota charges if cut short)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ async def run_session(plan: GenerationPlan, deps: GenerationDeps,
                 # the logprobs of the tokens the text used (not those after a stop)
                 logprobs = runner.round_logprobs[:max(0, text.num_tokens - used)]
                 if delta or logprobs:
-                    yield TextDelta(delta, logprobs)
+                    yield TextDelta(delta, logprobs, text.num_tokens - used)
                 if plan.round_events and runner.last_round is not None:
                     yield runner.last_round
                 if text.stopped:

@@ -12,6 +12,7 @@ Callers route these through a RedisBreaker and fail open on RedisError.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.generation import Finished
+from gateway.generation import Finished, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class RedisQuotas:
         self._redis = redis
         self._prefix = prefix
         self._clock = clock
+        self._charging: set[asyncio.Task] = set()  # charges that outlive a cancelled request
 
     def _key(self, who: str, window: int) -> str:
         return f"{self._prefix}:ratelimit:{who}:{window}"
@@ -85,6 +87,11 @@ class RedisQuotas:
                            "used", retry_after)
         return None
 
+    def hold(self, task: asyncio.Task) -> None:
+        """Keep a charge running after its request is gone (a task needs a reference)."""
+        self._charging.add(task)
+        task.add_done_callback(self._charging.discard)
+
     async def charge(self, who: str, tokens: int) -> None:
         """Add a finished request's tokens to `who`'s current window."""
         if tokens <= 0:
@@ -99,12 +106,28 @@ class RedisQuotas:
 async def metered(events: AsyncIterator, quotas: RedisQuotas, who: str,
                   prompt_tokens: int) -> AsyncIterator:
     """Pass a session's events through, charging prompt + completion tokens as the Finished
-    event goes by: before it is passed on, since a non-streaming caller stops reading there."""
-    async with aclosing(events):
-        async for ev in events:
-            if isinstance(ev, Finished):
-                try:
-                    await quotas.charge(who, prompt_tokens + ev.completion_tokens)
-                except (RedisError, OSError) as exc:  # fail open, like the limiter
-                    log.warning("token quota not charged for %s: %s", who, exc)
-            yield ev
+    event goes by: before it is passed on, since a non-streaming caller stops reading there.
+    A request that ends without one (the client went away, an error) is charged its prompt
+    and the tokens delivered so far, however it ends."""
+    delivered, charged = 0, False
+    try:
+        async with aclosing(events):
+            async for ev in events:
+                if isinstance(ev, TextDelta):
+                    delivered += ev.tokens
+                elif isinstance(ev, Finished):
+                    charged = True
+                    await _charge(quotas, who, prompt_tokens + ev.completion_tokens)
+                yield ev
+    finally:
+        if not charged:  # shielded: the request's task may be being cancelled
+            task = asyncio.ensure_future(_charge(quotas, who, prompt_tokens + delivered))
+            quotas.hold(task)
+            await asyncio.shield(task)  # cancelled: the charge still completes (held)
+
+
+async def _charge(quotas: RedisQuotas, who: str, tokens: int) -> None:
+    try:
+        await quotas.charge(who, tokens)
+    except (RedisError, OSError) as exc:  # fail open, like the limiter
+        log.warning("token quota not charged for %s: %s", who, exc)

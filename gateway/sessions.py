@@ -172,7 +172,8 @@ class RedisBreaker:
 
     A request touches Redis a dozen times; each failing call would cost the client's
     connect timeout and retries. After one failure every call fails fast for cooldown_s,
-    then one call probes again. Callers already treat RedisError as "fall back".
+    then one call probes again while the others keep failing fast until it answers.
+    Callers already treat RedisError as "fall back".
     """
 
     def __init__(self, *, timeout_s: float = 1.0, cooldown_s: float = 5.0,
@@ -180,22 +181,30 @@ class RedisBreaker:
         self._timeout = timeout_s
         self._cooldown = cooldown_s
         self._clock = clock
-        self._open_until = 0.0
+        self._open_until = 0.0  # 0: closed (no failure since the last success)
+        self._probing = False
 
     @property
     def is_open(self) -> bool:
-        return self._clock() < self._open_until
+        return self._clock() < self._open_until or self._probing
 
     async def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
         if self.is_open:
             raise RedisSkipped("redis unavailable (recent failure); call skipped")
+        probe = self._open_until > 0  # the first call after a cooldown: the only one
+        self._probing = probe
         try:
-            return await asyncio.wait_for(fn(*args, **kwargs), timeout=self._timeout)
+            result = await asyncio.wait_for(fn(*args, **kwargs), timeout=self._timeout)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             self._open_until = self._clock() + self._cooldown
             if isinstance(exc, RedisError):
                 raise
             raise RedisSkipped(f"redis call failed: {exc!r}") from exc
+        finally:
+            if probe:
+                self._probing = False
+        self._open_until = 0.0
+        return result
 
 
 class Guarded:

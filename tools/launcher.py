@@ -88,6 +88,9 @@ def http_healthy(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+DRAFT_BACKOFF_MAX_S = 30.0
+
+
 class Cluster:
     """Owns the child processes; `stop()` terminates them in reverse start order."""
 
@@ -97,6 +100,8 @@ class Cluster:
         self.env = env or {}  # extra environment for the children (e.g. OTEL_*)
         self.output = output  # children's stdout/stderr (None = inherit)
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.args: dict[str, list[str]] = {}  # child name -> its command line, for restarts
+        self.restarts: dict[str, tuple[int, float]] = {}  # draft -> (restarts, not before)
         self.addresses: dict[str, str] = {}  # worker name -> host:port
         self.metrics_urls: dict[str, str] = {}
         self.stack = ExitStack()
@@ -106,12 +111,16 @@ class Cluster:
         self.gateway_url = f"http://{gateway}"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "tools.cli", *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                                stdout=self.output, stderr=self.output)
+        self.args[name] = args
+        proc = self._popen(args)
         self.procs.append((name, proc))
         return proc
+
+    def _popen(self, args: list[str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "tools.cli", *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        return subprocess.Popen(cmd, env=env, start_new_session=True,
+                                stdout=self.output, stderr=self.output)
 
     def _wait(self, name: str, proc: subprocess.Popen, check) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -189,13 +198,35 @@ class Cluster:
                  f"(restart {self.redis.restarts})")
         return True
 
+    def supervise_drafts(self, clock=time.monotonic) -> list[str]:
+        """Start again the draft workers that died, each after a backoff that doubles per
+        restart (1 s to 30 s): speculation fails open, so the verifiers serve plainly
+        meanwhile and re-attach when the worker has registered again. The names restarted."""
+        restarted = []
+        for i, (name, proc) in enumerate(self.procs):
+            if not name.startswith("draft-") or proc.poll() is None:
+                continue
+            count, not_before = self.restarts.get(name, (0, 0.0))
+            if clock() < not_before:
+                continue
+            self.restarts[name] = (count + 1, clock() + min(DRAFT_BACKOFF_MAX_S, 2.0 ** count))
+            self.log(f"  {name} exited with code {proc.returncode}; starting it again "
+                     f"(restart {count + 1})")
+            self.procs[i] = (name, self._popen(self.args[name]))
+            restarted.append(name)
+        return restarted
+
     def wait(self) -> None:
-        """Block until a child dies or we are signalled; a dead Redis is restarted."""
-        while all(proc.poll() is None for _, proc in self.procs):
+        """Block until a verifier or the gateway dies or we are signalled; a dead Redis or
+        draft worker is started again."""
+        while True:
             self.supervise_redis()
+            self.supervise_drafts()
+            dead = [n for n, p in self.procs if p.poll() is not None and
+                    not n.startswith("draft-")]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited")
             time.sleep(0.5)
-        dead = [n for n, p in self.procs if p.poll() is not None]
-        raise RuntimeError(f"{', '.join(dead)} exited")
 
 
 def demo_completion(gateway_url: str, prompt: str, max_tokens: int = 48) -> dict:

@@ -33,7 +33,26 @@ from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 STREAM_DEADLINE_S = 24 * 3600.0  # long-lived by design; a deadline still bounds a lost peer
-RETRY_BACKOFF_S = 5.0
+# A worker that failed is skipped for 0.5 s, doubling with each failure in a row up to
+# RETRY_BACKOFF_S (a restarting worker is tried again within about a second of its return).
+FIRST_RETRY_S, RETRY_BACKOFF_S = 0.5, 5.0
+# A link whose peer stops answering (a black-holed network, a frozen host) must break, not
+# hold its sessions for the stream's day-long deadline: HTTP/2 pings every KEEPALIVE_S, and a
+# ping unanswered for KEEPALIVE_TIMEOUT_S closes the transport (the draft server allows a ping
+# every 5 s: draft_service/main.py).
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 10.0, 5.0
+# Control messages waiting to be sent on one link. A link that cannot drain this many (its
+# peer stopped reading) is broken rather than buffered without bound.
+MAX_QUEUED = 4096
+
+
+def keepalive_options(every_s: float = KEEPALIVE_S,
+                      timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list[tuple[str, int]]:
+    return [("grpc.keepalive_time_ms", int(every_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),  # newer gRPC cores use it
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
 
 
 def control_to_proto(c: Control) -> draft_pb2.DraftControl:
@@ -81,20 +100,26 @@ class DraftLink:
     def __init__(self, address: str,
                  on_message: Callable[[DraftLink, Reply], None],
                  on_broken: Callable[[DraftLink], None], tls: TlsConfig | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 keepalive: tuple[float, float] = (KEEPALIVE_S, KEEPALIVE_TIMEOUT_S),
+                 max_queued: int = MAX_QUEUED):
         self.address = address
         self.tls = tls
         self.max_message_bytes = max_message_bytes
+        self.keepalive = keepalive
         self.alive = False
         self._on_message = on_message
         self._on_broken = on_broken
-        self._queue: asyncio.Queue[draft_pb2.DraftControl | None] = asyncio.Queue()
+        # One slot more than max_queued for the closing sentinel.
+        self._queue: asyncio.Queue[draft_pb2.DraftControl | None] = asyncio.Queue(max_queued + 1)
+        self._max_queued = max_queued
         self._channel: grpc.aio.Channel | None = None
         self._reader: asyncio.Task | None = None
 
     async def start(self, connect_timeout_s: float = 2.0) -> bool:
         self._channel = open_channel(self.address, self.tls,
-                                     message_options(self.max_message_bytes))
+                                     message_options(self.max_message_bytes)
+                                     + keepalive_options(*self.keepalive))
         try:
             await asyncio.wait_for(self._channel.channel_ready(), connect_timeout_s)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError):
@@ -107,8 +132,22 @@ class DraftLink:
         return True
 
     def send(self, control: Control) -> None:
+        if not self.alive:
+            return
+        if self._queue.qsize() >= self._max_queued:  # the peer stopped reading: give up on it
+            log.warning("draft link to %s has %d messages unsent: breaking it", self.address,
+                        self._max_queued)
+            self._break()
+            return
+        self._queue.put_nowait(control_to_proto(control))
+
+    def _break(self) -> None:
+        """Broken from this side: sessions go plain now (on_broken), the stream and channel
+        close in the background."""
         if self.alive:
-            self._queue.put_nowait(control_to_proto(control))
+            self.alive = False
+            self._on_broken(self)
+            asyncio.get_running_loop().create_task(self.close())
 
     async def _requests(self):
         while (msg := await self._queue.get()) is not None:
@@ -124,16 +163,21 @@ class DraftLink:
             pass
         finally:
             was_alive, self.alive = self.alive, False
-            if was_alive:
+            if was_alive:  # broken by the peer or the network: release the channel too
                 self._on_broken(self)
+                asyncio.get_running_loop().create_task(self.close())
 
     async def close(self) -> None:
+        """Idempotent: ends the request stream, the reader and the channel."""
         self.alive = False
+        while not self._queue.empty():  # what was never sent never will be
+            self._queue.get_nowait()
         self._queue.put_nowait(None)
-        if self._reader is not None:
+        if self._reader is not None and self._reader is not asyncio.current_task():
             self._reader.cancel()
-        if self._channel is not None:
-            await self._channel.close()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
 
 
 class DraftPool:
@@ -143,7 +187,8 @@ class DraftPool:
                  discover: Callable[[], Awaitable[list[str]]] | None,
                  on_message, on_broken, clock=time.monotonic,
                  pinned: tuple[str, ...] = (), tls: TlsConfig | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 keepalive: tuple[float, float] = (KEEPALIVE_S, KEEPALIVE_TIMEOUT_S)):
         self._static = list(static_addresses)
         # Workers used only when a session names them (the verifier's own layer-skip
         # worker): never a fallback for a method they may not serve.
@@ -152,19 +197,27 @@ class DraftPool:
         # certificate names its Service, not 127.0.0.1.
         self._tls = tls
         self._max_message_bytes = max_message_bytes
+        self._keepalive = keepalive
         self._discover = discover
         self._on_message = on_message
         self._on_broken = on_broken
         self._clock = clock
         self.links: dict[str, DraftLink] = {}
-        self._failed_at: dict[str, float] = {}
+        self._connecting: dict[str, asyncio.Future] = {}  # address -> its one start in flight
+        self._skip_until: dict[str, float] = {}
+        self._failures: dict[str, int] = {}  # failures in a row, per address
 
-    def mark_failed(self, address: str) -> None:
-        self._failed_at[address] = self._clock()
-        self.links.pop(address, None)
+    def mark_failed(self, address: str, link: DraftLink | None = None) -> None:
+        """The worker at address failed (the link to it broke, or it would not connect):
+        skip it for a while. Only `link` itself is forgotten, not a newer one."""
+        n = self._failures[address] = self._failures.get(address, 0) + 1
+        self._skip_until[address] = self._clock() + min(RETRY_BACKOFF_S,
+                                                        FIRST_RETRY_S * 2 ** (n - 1))
+        if link is None or self.links.get(address) is link:
+            self.links.pop(address, None)
 
     def _usable(self, address: str) -> bool:
-        return self._clock() - self._failed_at.get(address, -1e9) > RETRY_BACKOFF_S
+        return self._clock() >= self._skip_until.get(address, -1e9)
 
     async def candidates(self) -> list[str]:
         found = list(self._static)
@@ -185,16 +238,34 @@ class DraftPool:
             link = self.links.get(address)
             if link is not None and link.alive:
                 return link
-            link = DraftLink(address, self._on_message, self._on_broken,
-                             None if address in self._pinned else self._tls,
-                             self._max_message_bytes)
-            if await link.start():
-                self.links[address] = link
+            # Concurrent callers share one start: one channel and stream per worker.
+            pending = self._connecting.get(address)
+            if pending is None:
+                pending = asyncio.ensure_future(self._connect(address))
+                self._connecting[address] = pending
+                pending.add_done_callback(lambda _, a=address: self._connecting.pop(a, None))
+            link = await asyncio.shield(pending)
+            if link is not None:
                 return link
-            self.mark_failed(address)
         return None
 
+    async def _connect(self, address: str) -> DraftLink | None:
+        link = DraftLink(address, self._on_message, self._on_broken,
+                         None if address in self._pinned else self._tls,
+                         self._max_message_bytes, self._keepalive)
+        if not await link.start():
+            self.mark_failed(address)
+            return None
+        self._failures.pop(address, None)
+        old = self.links.get(address)
+        self.links[address] = link
+        if old is not None and old is not link:
+            await old.close()
+        return link
+
     async def close(self) -> None:
+        for pending in list(self._connecting.values()):
+            pending.cancel()
         for link in list(self.links.values()):
             await link.close()
         self.links.clear()

@@ -26,9 +26,11 @@ from tandem.spec import (
     Reply,
     SessionError,
 )
-from verify_service.sequence import Sequence
+from verify_service.sequence import DRAFT_ATTACHES, Sequence
 
 log = logging.getLogger(__name__)
+# After a try that found no draft worker, a session looks again after this, doubling per miss.
+ATTACH_BACKOFF_S, MAX_ATTACH_BACKOFF_S = 0.25, 1.0
 
 
 class Link(Protocol):
@@ -60,14 +62,14 @@ class Links(Protocol):
 
     async def get(self, hint: str = "") -> Link | None: ...
 
-    def mark_failed(self, address: str) -> None: ...
+    def mark_failed(self, address: str, link: Link | None = None) -> None: ...
 
     async def close(self) -> None: ...
 
 
 class DraftSide:
     def __init__(self, sessions: Mapping[str, Sequence], vocab_size: int, top_n: int,
-                 max_run_ahead: int, pool: Links | None = None):
+                 max_run_ahead: int, pool: Links | None = None, clock=time.monotonic):
         self.sessions = sessions  # the engine's, read-only here
         self.vocab_size, self.top_n, self.max_run_ahead = vocab_size, top_n, max_run_ahead
         self.pool = pool
@@ -78,7 +80,9 @@ class DraftSide:
         self.first = Latency(10.0)  # from asking for drafts (commit) to the first arriving
         self._last_arrival = 0.0
         self._asked_at: dict[str, float] = {}  # session -> when its last commit asked
+        self._run_ahead: dict[str, int] = {}  # session -> the run-ahead its last commit set
         self._attaching: set[str] = set()
+        self._clock = clock
 
     def linked(self, seq: Sequence) -> bool:
         return seq.seq_id in self.links
@@ -88,8 +92,8 @@ class DraftSide:
         """Open a draft stream for seq in the background, if it may still have one."""
         if (self.pool is not None and seq.speculating and not seq.finished
                 and not seq.params.method.in_verifier and not seq.local_drafts
-                and seq.draft_attaches_left > 0 and seq.seq_id not in self._attaching):
-            seq.draft_attaches_left -= 1
+                and seq.draft_attaches_left > 0 and seq.seq_id not in self._attaching
+                and self._clock() >= seq.next_attach_at):
             self._attaching.add(seq.seq_id)
             asyncio.get_running_loop().create_task(self._attach(seq))
 
@@ -100,17 +104,27 @@ class DraftSide:
                                        or seq.params.draft_address)
         finally:
             self._attaching.discard(seq.seq_id)
-        if link is None or seq.finished or seq.seq_id not in self.sessions:
+        if seq.finished or seq.seq_id not in self.sessions:
             return
+        if link is None:  # no worker now (restarting, draining): look again later, for free
+            seq.attach_misses += 1
+            seq.next_attach_at = self._clock() + min(
+                MAX_ATTACH_BACKOFF_S, ATTACH_BACKOFF_S * 2 ** (seq.attach_misses - 1))
+            return
+        seq.attach_misses = 0
+        seq.draft_attaches_left -= 1  # given back by the stream's first draft (on_reply)
         self.links[seq.seq_id] = link
         seq.clear_drafts()
         seq.late_rounds = 0  # a new stream gets waited for again
         p, s = seq.params, seq.params.sampling
+        run_ahead = self._run_ahead.get(seq.seq_id)  # the last commit's ask, if any
         link.send(Open(session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                       method=p.method, max_run_ahead=self.max_run_ahead, top_n=self.top_n,
-                       trace_context=p.trace_context, features=seq.all_features(),
-                       tenant=p.tenant, tree=p.tree))
+                       method=p.method, max_run_ahead=run_ahead or self.max_run_ahead,
+                       top_n=self.top_n, trace_context=p.trace_context,
+                       features=seq.all_features(), tenant=p.tenant, tree=p.tree))
+        if run_ahead == 0:  # a session at k = 0: Open cannot say "none yet", a commit can
+            link.send(Commit(seq.seq_id, seq.epoch, seq.num_tokens, [], 0, None))
 
     def commit(self, seq: Sequence, start: int, tokens: list[int],
                features: Features | None = None, run_ahead: int | None = None) -> None:
@@ -118,12 +132,12 @@ class DraftSide:
         with the target's hidden states of the positions made final (EAGLE sessions) and how
         many drafts the next round can use (run_ahead: None leaves the worker's limit as is,
         0 pauses drafting)."""
+        if run_ahead is not None:  # also what a re-attach's Open asks for
+            run_ahead = self._run_ahead[seq.seq_id] = min(run_ahead, self.max_run_ahead)
         link = self.links.get(seq.seq_id)
         if link is None:
             self.attach(seq)
         else:
-            if run_ahead is not None:
-                run_ahead = min(run_ahead, self.max_run_ahead)
             if run_ahead == 0:
                 self._asked_at.pop(seq.seq_id, None)
             else:
@@ -132,6 +146,7 @@ class DraftSide:
 
     def release(self, seq: Sequence) -> None:
         self._asked_at.pop(seq.seq_id, None)
+        self._run_ahead.pop(seq.seq_id, None)
         link = self.links.pop(seq.seq_id, None)
         if link is not None:
             link.send(Close(seq.seq_id))
@@ -152,9 +167,13 @@ class DraftSide:
             self._detach(seq, close=True)
             return
         if reply.tree is None:
+            if len(seq.drafts) >= self.max_run_ahead:  # more than any limit it was given
+                self._detach(seq, close=True)
+                return
             seq.drafts.append(token)
         else:
             seq.add_node(token, reply.tree.parent, reply.tree.path_prob, reply.tree.last)
+        seq.draft_attaches_left = DRAFT_ATTACHES  # this stream works
         now = time.perf_counter()
         asked = self._asked_at.pop(seq.seq_id, None)
         if asked is not None and now - asked < 0.5:  # the first draft since the commit
@@ -189,6 +208,10 @@ class DraftSide:
                 return None
             if tok.token_id not in ids or probs[ids.index(tok.token_id)] <= 0:
                 return None
+            if p.tree is not None and sum(q > 0 for q in probs) > 1:
+                # The sibling rule (verify_service/tree.py) is exact for one-hot candidates
+                # or independent draws; a tree's q cannot say which, so only one-hot is taken.
+                return None
         return tok
 
     def _node_fits(self, seq: Sequence, p: Proposal) -> bool:
@@ -210,7 +233,7 @@ class DraftSide:
 
     def on_link_broken(self, link: Link) -> None:
         if self.pool is not None:
-            self.pool.mark_failed(link.address)
+            self.pool.mark_failed(link.address, link)
         for seq_id, owner in list(self.links.items()):
             if owner is link:
                 del self.links[seq_id]

@@ -54,6 +54,20 @@ class Verifier:
     health: health.HealthServicer
     tasks: list[asyncio.Task] = field(default_factory=list)
     colocated: Colocated | None = None
+    # Set when the engine loop died: the process reports NOT_SERVING and exits (serve), so
+    # Kubernetes restarts it rather than route to a verifier that no longer steps.
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def watch_engine(self, task: asyncio.Task) -> None:
+        def done(t: asyncio.Task) -> None:
+            if t.cancelled() or t.exception() is None:
+                return
+            log.error("the engine loop died", exc_info=t.exception())
+            self.failed.set()
+            asyncio.get_running_loop().create_task(set_health(
+                self.health, ("", SERVICE_NAME), health_pb2.HealthCheckResponse.NOT_SERVING))
+        task.add_done_callback(done)
+        self.tasks.append(task)
 
     async def begin_drain(self, beat=None) -> None:
         """SIGUSR1 (`tandem drain`, the preStop hook): take no new sessions from now on, keep
@@ -119,7 +133,7 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
                               default_method, metrics, config.tree_methods(model.device.type))
     server, health_servicer, port = await _serve_grpc(servicer, config, model)
     verifier = Verifier(server, port, engine, servicer, health_servicer, colocated=colocated)
-    verifier.tasks.append(asyncio.create_task(engine.run()))
+    verifier.watch_engine(asyncio.create_task(engine.run()))
     return verifier
 
 
@@ -253,10 +267,16 @@ async def serve(config: VerifierConfig, colocate: Colocate | None = None) -> Non
         loop.add_signal_handler(sig, stop.set)
     beat = _register(config, verifier, address) if config.redis_url else None
     drain.on_loop(lambda: verifier.begin_drain(beat))
-    await stop.wait()
-    log.info("draining verifier")
+    waits = [asyncio.ensure_future(e.wait()) for e in (stop, verifier.failed)]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    failed = verifier.failed.is_set()
+    log.info("verifier %s", "failed: stopping" if failed else "draining")
     await stop_registration(beat)  # leave the registry first so no new session is routed here
-    await verifier.drain_and_stop(config.drain_grace_s)
+    await verifier.drain_and_stop(0.0 if failed else config.drain_grace_s)
+    if failed:
+        raise SystemExit(1)
 
 
 def _register(config: VerifierConfig, verifier: Verifier, address: str):

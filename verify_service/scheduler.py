@@ -17,6 +17,11 @@ from verify_service.sequence import SeqStatus, Sequence
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
 
 
+def probing(seq: Sequence, ahead: int = 0) -> bool:
+    """Whether the session's round `ahead` rounds from now is one of its probes."""
+    return (seq.stats.rounds + ahead) % EXPLORE_EVERY == EXPLORE_EVERY - 1
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 32  # running sessions at once
@@ -35,14 +40,10 @@ class SchedulerConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_verify_tokens",
-                     "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefill_chunk_tokens < 0:
-            raise ValueError(f"prefill_chunk_tokens must be >= 0, got "
-                             f"{self.prefill_chunk_tokens}")
-        if self.max_spec_tokens < 0:
-            raise ValueError(f"max_spec_tokens must be >= 0, got {self.max_spec_tokens}")
+                     "max_model_len", "prefill_chunk_tokens", "max_spec_tokens"):
+            low = 0 if name in ("prefill_chunk_tokens", "max_spec_tokens") else 1
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,10 @@ class Scheduler:
 
     def desired_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The session's adaptive cap on draft tokens this round (before arrivals); `ahead`
-        rounds later if nothing else changes. Under batch load, the step's plan may cut it."""
-        k = self._solo_k(seq, ahead)
-        cap = self._caps.get(seq.seq_id)
-        return k if cap is None else min(k, cap)
+        rounds later if nothing else changes. Under batch load, the step's plan may cut it,
+        except in a probe round: that is how sizes the plan priced out are measured again."""
+        k, cap = self._solo_k(seq, ahead), self._caps.get(seq.seq_id)
+        return k if cap is None or probing(seq, ahead) else min(k, cap)
 
     def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The k that pays for the session alone (the single-session cost curve)."""
@@ -130,7 +131,7 @@ class Scheduler:
             k = choose_tree_size(reach, k_max, self.cost, seq.tree_wait_ms)
         else:
             k = choose_k(seq.acceptance_ema, k_max, self.cost)
-        if k == 0 and k_max and (seq.stats.rounds + ahead) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+        if k == 0 and k_max and probing(seq, ahead):
             # Speculation is off for this session: probe now and then, estimates move. A tree
             # probe verifies what would pay without its drafting wait, so that its nodes'
             # estimates get evidence too (one node alone says little about a tree).
@@ -221,9 +222,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or seq.prefill_left:
                 continue  # preempted below while serving an earlier one; or prefilling
             wanted = self.desired_k(seq)
-            k = min(len(seq.drafts), wanted)
             room = self.config.max_model_len - seq.num_tokens - 1
-            k = max(0, min(k, room))
+            k = max(0, min(len(seq.drafts), wanted, room))
             drafts = [d.token_id for d in seq.drafts[:k]]
             # A tree's first k nodes are a tree too: parents come before their children.
             parents = seq.draft_parents[:k] if seq.draft_parents is not None else None

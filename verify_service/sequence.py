@@ -18,6 +18,9 @@ from tandem.spec import DraftToken, Features, Method
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 
 
+DRAFT_ATTACHES = 3
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # needs a prefill (new, resumed or preempted)
     RUNNING = "running"
@@ -113,7 +116,12 @@ class Sequence:
     acceptance_ema: float = 0.7  # prior: a fresh session is assumed to speculate well
     late_rounds: int = 0  # rounds in a row whose wanted drafts had not arrived
     arrival: int = 0  # admission order, for FIFO and preemption choice
-    draft_attaches_left: int = 3  # a session reopens its draft stream at most this often
+    # Draft streams this session may still open that deliver nothing (a stream that delivers
+    # a draft refills it: restarts and drains of a worker never use it up); and, after a try
+    # that found no worker at all, when it may look again (backing off, free of charge).
+    draft_attaches_left: int = DRAFT_ATTACHES
+    attach_misses: int = 0
+    next_attach_at: float = 0.0
     carried: bool = False  # see the module docstring
     # Drafted in the verifier's own step from the token history (verify_service/history.py):
     # afresh each round, sized by draft_reach; never over a draft link.

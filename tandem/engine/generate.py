@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.sampling import logits_to_probs, make_generator, sample
+from kernels.sampling import keyed_seed, logits_to_probs, make_generator, sample
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.sampling_params import SamplingParams
@@ -45,13 +45,17 @@ class LocalGenerator:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         seqs = [_Seq(f"local-{i}", list(p)) for i, p in enumerate(prompts)]
-        gens = [make_generator(None if params.seed is None else params.seed + i)
-                for i in range(len(seqs))]
+        seeds = [None if params.seed is None else params.seed + i for i in range(len(seqs))]
         try:
             logits = self._prefill(seqs)
             for _ in range(max_new_tokens):
                 active = [s for s in seqs if not s.done]
-                tokens = self._sample(logits, params, [gens[seqs.index(s)] for s in active])
+                # Seeded: the noise of each position keyed by (seed, position), as the
+                # verifier draws it, so `tandem generate --seed S` gives the server's text.
+                gens = [None if (seed := seeds[seqs.index(s)]) is None else
+                        make_generator(keyed_seed(seed, len(s.prompt) + len(s.generated)))
+                        for s in active]
+                tokens = self._sample(logits, params, gens)
                 for s, tok in zip(active, tokens):
                     s.generated.append(tok)
                     s.done = tok in stop_token_ids or len(s.generated) >= max_new_tokens

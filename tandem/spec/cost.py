@@ -8,6 +8,7 @@ time we measure. The best k maximises E(k) / cost(k + 1). Drafting overlaps veri
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +19,15 @@ from dataclasses import dataclass, field
 DEFAULT_RELATIVE_COST = {1: 1.0, 2: 1.04, 3: 1.41, 4: 1.38, 5: 1.64, 6: 1.91, 7: 2.0, 8: 2.1,
                          9: 2.6, 12: 2.7, 16: 2.9}
 _EMA = 0.2
+# A measured size not seen again within this many observations of any size is forgotten (back
+# to its prior): one noisy episode must not price a size out for good, since a size priced
+# out is never run, so never measured again.
+STALE_AFTER = 256
+_MIN_MS = 1e-3  # costs are divided by: a zero (or a clock that did not move) must not raise
+
+
+def _valid(ms: float) -> bool:
+    return math.isfinite(ms) and ms > 0
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -43,11 +53,29 @@ class CostModel:
     switches speculation off.
     """
 
-    ms: dict[int, float] = field(default_factory=dict)
+    ms: dict[int, float] = field(default_factory=dict)  # the start-up calibration, then EMAs
+    _prior: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+    _seen: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _count: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self):
+        self.ms = {q: max(_MIN_MS, v) for q, v in self.ms.items() if math.isfinite(v)}
+        self._prior = dict(self.ms)
 
     def observe(self, num_tokens: int, elapsed_ms: float) -> None:
+        if not _valid(elapsed_ms):
+            return
+        self._count += 1
+        self._seen[num_tokens] = self._count
         old = self.ms.get(num_tokens)
         self.ms[num_tokens] = elapsed_ms if old is None else (1 - _EMA) * old + _EMA * elapsed_ms
+        for q, at in list(self._seen.items()):  # sizes not run for long: back to the prior
+            if self._count - at > STALE_AFTER:
+                del self._seen[q]
+                if q in self._prior:
+                    self.ms[q] = self._prior[q]
+                else:
+                    self.ms.pop(q, None)
 
     def cost(self, num_tokens: int) -> float:
         if num_tokens in self.ms:
@@ -68,15 +96,28 @@ class StepCost:
 
     calibrated: dict[int, float] = field(default_factory=dict)
     observed: dict[int, float] = field(default_factory=dict)
+    _seen: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _count: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self):
+        self.calibrated = {q: max(_MIN_MS, v) for q, v in self.calibrated.items()
+                           if math.isfinite(v)}
 
     @property
     def known(self) -> bool:
         return bool(self.calibrated)
 
     def observe(self, num_tokens: int, elapsed_ms: float) -> None:
+        if not _valid(elapsed_ms):
+            return
+        self._count += 1
+        self._seen[num_tokens] = self._count
         old = self.observed.get(num_tokens)
         self.observed[num_tokens] = (elapsed_ms if old is None
                                      else (1 - _EMA) * old + _EMA * elapsed_ms)
+        for t, at in list(self._seen.items()):  # not run for long: the calibrated shape again
+            if self._count - at > STALE_AFTER:
+                del self._seen[t], self.observed[t]
 
     def cost(self, num_tokens: int, anchor: int | None = None) -> float:
         """The calibrated curve at num_tokens, scaled by measured over calibrated at the
@@ -135,7 +176,7 @@ def plan_batch(gains: Sequence[Sequence[float]], cost: Callable[[int], float]) -
     When the step is compute-bound a draft must be nearly sure to pay for its row."""
     b = len(gains)
     counts, best_counts = [0] * b, [0] * b
-    base_cost = cost(b)
+    base_cost = max(_MIN_MS, cost(b))
     best, total, worst_cost = b / base_cost, float(b), base_cost
     heap = [(-g[0], i) for i, g in enumerate(gains) if g]
     heapq.heapify(heap)

@@ -302,6 +302,17 @@ def test_seeded_sampling_depends_on_the_seed_only(target_model, tokenizer, refer
     assert sum(last.accepted_total for _, last in good) > 0  # and drafts were accepted
 
 
+def test_tandem_generate_with_a_seed_gives_the_servers_text(target_model, tokenizer, reference):
+    """`tandem generate --seed S` (LocalGenerator) keys its noise by (seed, position) as the
+    verifier does: the same text as a served session with seed S."""
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    served, _, _ = run_engine(target_model, tokenizer, reference, sampling=seeded)
+    prompts, outs = reference
+    gen = LocalGenerator(ModelRunner(target_model, 128, 16))
+    local = [gen.generate([p], seeded, N_NEW, (tokenizer.eos_token_id,))[0] for p in prompts]
+    assert local == [t for t, _ in served] and local != outs
+
+
 def test_a_black_holed_draft_costs_little_waiting(target_model, tokenizer, reference):
     """A draft stream that takes commits but never answers (a partition, not a close): the
     text is unchanged, late drafts count as misses, speculation switches off and the
