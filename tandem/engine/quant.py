@@ -71,9 +71,10 @@ class Int8Weight:
     """W ~= q * scale + zero per group; stands in for a [out, in] float weight in LinearRouter.
 
     Packed as the kernel reads it: blocks of BLOCK output channels (out_features padded up to a
-    multiple), group by group, so each block is one sequential stream."""
+    multiple), group by group, input by input: the BLOCK channels' codes of one input are
+    adjacent bytes, one vector once converted."""
 
-    q: torch.Tensor  # [blocks, in // group, BLOCK, group] uint8 codes
+    q: torch.Tensor  # [blocks, in // group, group, BLOCK] uint8 codes
     scale: torch.Tensor  # [blocks, in // group, BLOCK] float32, >= 0 (group_scales)
     zero: torch.Tensor  # [blocks, in // group, BLOCK] float32 (the group's minimum)
     out_features: int
@@ -82,13 +83,13 @@ class Int8Weight:
     exact: bool = False
 
     def __post_init__(self):
-        if self.q.dtype != torch.uint8 or self.q.dim() != 4 or self.q.shape[2] != BLOCK:
-            raise ValueError(f"q must be uint8 [blocks, groups, {BLOCK}, group], got "
+        if self.q.dtype != torch.uint8 or self.q.dim() != 4 or self.q.shape[3] != BLOCK:
+            raise ValueError(f"q must be uint8 [blocks, groups, group, {BLOCK}], got "
                              f"{self.q.dtype} {list(self.q.shape)}")
         blocks = self.q.shape[0]
         if not (blocks - 1) * BLOCK < self.out_features <= blocks * BLOCK:
             raise ValueError(f"out_features {self.out_features} does not fit {blocks} blocks")
-        want = tuple(self.q.shape[:3])
+        want = (*self.q.shape[:2], BLOCK)
         for name in ("scale", "zero"):
             t = getattr(self, name)
             if t.dtype != torch.float32 or tuple(t.shape) != want:
@@ -111,15 +112,15 @@ class Int8Weight:
         miss = (q.float() * scale[..., None] + lo[..., None] - w).abs().max()
         exact = bool(miss <= 1e-5 * w.abs().max())
 
-        def pack(t):  # [padded, groups, ...] -> [blocks, groups, BLOCK, ...]
+        def pack(t):  # [padded, groups, ...] -> [blocks, groups, ..., BLOCK]
             t = t.reshape(padded // BLOCK, BLOCK, *t.shape[1:])
-            return t.transpose(1, 2).contiguous()
+            return t.movedim(1, -1).contiguous()
 
         return cls(pack(q), pack(scale), pack(lo), n, exact)
 
     @property
     def group(self) -> int:
-        return self.q.shape[3]
+        return self.q.shape[2]
 
     @property
     def shape(self) -> torch.Size:
@@ -134,8 +135,8 @@ class Int8Weight:
         return self.q.numel() + 4 * (self.scale.numel() + self.zero.numel())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
-        w = self.q.float() * self.scale[..., None] + self.zero[..., None]  # [b, g, BLOCK, G]
-        return w.transpose(1, 2).reshape(-1, self.shape[1])[:self.out_features].to(dtype)
+        w = self.q.float() * self.scale[:, :, None] + self.zero[:, :, None]  # [b, g, G, BLOCK]
+        return w.permute(0, 3, 1, 2).reshape(-1, self.shape[1])[:self.out_features].to(dtype)
 
     def linear(
         self,

@@ -27,10 +27,10 @@ def test_quantize_is_per_group_and_within_half_a_step():
     q = Int8Weight.quantize(w)
     assert q.q.dtype == torch.uint8 and q.group == 32 and q.shape == (21, 64)
     # 21 channels pack into 3 blocks of 8 (the last padded), 2 groups each.
-    assert tuple(q.q.shape) == (3, 2, 8, 32) and tuple(q.scale.shape) == (3, 2, 8)
+    assert tuple(q.q.shape) == (3, 2, 32, 8) and tuple(q.scale.shape) == (3, 2, 8)
     # Every group uses its own range: its extremes land on codes 0 and 255.
     varying = q.scale > 0
-    assert (q.q.amin(-1)[varying] == 0).all() and (q.q.amax(-1)[varying] == 255).all()
+    assert (q.q.amin(2)[varying] == 0).all() and (q.q.amax(2)[varying] == 255).all()
     deq = q.dequantize()
     assert deq.shape == w.shape
     step = torch.stack([q.scale[b, :, r] for b in range(3) for r in range(8)])[:21]
@@ -135,7 +135,7 @@ def test_a_rows_output_does_not_depend_on_the_batch_it_runs_in():
 
 
 def test_bad_parts_are_refused():
-    codes = torch.zeros(1, 1, 8, 8, dtype=torch.uint8)
+    codes = torch.zeros(1, 1, 8, 8, dtype=torch.uint8)  # [blocks, groups, group, BLOCK]
     ones, zeros = torch.ones(1, 1, 8), torch.zeros(1, 1, 8)
     with pytest.raises(ValueError, match="uint8"):
         Int8Weight(codes.float(), ones, zeros, 8)
