@@ -1,9 +1,9 @@
-"""The copy-heavy workload's arithmetic (tools/bench/copy_heavy.py), without a cluster: copy
+"""The copy-heavy workload's arithmetic (tools/bench/copy_report.py), without a cluster: copy
 share, speedups against plain on the same prompts, first asks apart from repeats, and the
 aggregate rows of the page."""
 import pytest
 
-from tools.bench import copy_heavy as c
+from tools.bench import copy_report as c
 
 pytestmark = pytest.mark.unit
 

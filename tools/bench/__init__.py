@@ -13,4 +13,7 @@
   report.py      results.json, Markdown report, docs/benchmarks.md; plots.py the PNGs,
                  mdtable.py the Markdown cells
   cli.py         `register(subparsers)` and `python -m tools.bench.cli`
+  copy_heavy.py  `--workload copy`: a cluster per drafting place, every prompt and arm;
+                 copy_prompts.py its prompts by category, copy_report.py its arithmetic,
+                 table and docs/benchmarks-copy.md
 """
