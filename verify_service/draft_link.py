@@ -142,8 +142,8 @@ class DraftLink:
         self._queue.put_nowait(control_to_proto(control))
 
     def _break(self) -> None:
-        """Broken from this side: sessions go plain now (on_broken), the stream and channel
-        close in the background."""
+        """The link is broken (from either side): its sessions go plain now (on_broken), the
+        stream and channel close in the background."""
         if self.alive:
             self.alive = False
             self._on_broken(self)
@@ -162,10 +162,7 @@ class DraftLink:
         except asyncio.CancelledError:
             pass
         finally:
-            was_alive, self.alive = self.alive, False
-            if was_alive:  # broken by the peer or the network: release the channel too
-                self._on_broken(self)
-                asyncio.get_running_loop().create_task(self.close())
+            self._break()  # broken by the peer or the network (a no-op after close())
 
     async def close(self) -> None:
         """Idempotent: ends the request stream, the reader and the channel."""

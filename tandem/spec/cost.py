@@ -30,6 +30,24 @@ def _valid(ms: float) -> bool:
     return math.isfinite(ms) and ms > 0
 
 
+@dataclass
+class _Recency:
+    """When each measured size was last observed, counted in observations of any size."""
+
+    seen: dict[int, int] = field(default_factory=dict)
+    count: int = 0
+
+    def touch(self, size: int) -> list[int]:
+        """Record an observation of `size`; the sizes not observed for STALE_AFTER (now
+        forgotten here, for the caller to forget too)."""
+        self.count += 1
+        self.seen[size] = self.count
+        stale = [t for t, at in self.seen.items() if self.count - at > STALE_AFTER]
+        for t in stale:
+            del self.seen[t]
+        return stale
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens committed per round with k drafts and per-token acceptance alpha."""
     if k < 0:
@@ -55,8 +73,7 @@ class CostModel:
 
     ms: dict[int, float] = field(default_factory=dict)  # the start-up calibration, then EMAs
     _prior: dict[int, float] = field(default_factory=dict, init=False, repr=False)
-    _seen: dict[int, int] = field(default_factory=dict, init=False, repr=False)
-    _count: int = field(default=0, init=False, repr=False)
+    _recency: _Recency = field(default_factory=_Recency, init=False, repr=False)
 
     def __post_init__(self):
         self.ms = {q: max(_MIN_MS, v) for q, v in self.ms.items() if math.isfinite(v)}
@@ -65,17 +82,13 @@ class CostModel:
     def observe(self, num_tokens: int, elapsed_ms: float) -> None:
         if not _valid(elapsed_ms):
             return
-        self._count += 1
-        self._seen[num_tokens] = self._count
         old = self.ms.get(num_tokens)
         self.ms[num_tokens] = elapsed_ms if old is None else (1 - _EMA) * old + _EMA * elapsed_ms
-        for q, at in list(self._seen.items()):  # sizes not run for long: back to the prior
-            if self._count - at > STALE_AFTER:
-                del self._seen[q]
-                if q in self._prior:
-                    self.ms[q] = self._prior[q]
-                else:
-                    self.ms.pop(q, None)
+        for q in self._recency.touch(num_tokens):  # sizes not run for long: back to the prior
+            if q in self._prior:
+                self.ms[q] = self._prior[q]
+            else:
+                self.ms.pop(q, None)
 
     def cost(self, num_tokens: int) -> float:
         if num_tokens in self.ms:
@@ -96,8 +109,7 @@ class StepCost:
 
     calibrated: dict[int, float] = field(default_factory=dict)
     observed: dict[int, float] = field(default_factory=dict)
-    _seen: dict[int, int] = field(default_factory=dict, init=False, repr=False)
-    _count: int = field(default=0, init=False, repr=False)
+    _recency: _Recency = field(default_factory=_Recency, init=False, repr=False)
 
     def __post_init__(self):
         self.calibrated = {q: max(_MIN_MS, v) for q, v in self.calibrated.items()
@@ -110,14 +122,11 @@ class StepCost:
     def observe(self, num_tokens: int, elapsed_ms: float) -> None:
         if not _valid(elapsed_ms):
             return
-        self._count += 1
-        self._seen[num_tokens] = self._count
         old = self.observed.get(num_tokens)
         self.observed[num_tokens] = (elapsed_ms if old is None
                                      else (1 - _EMA) * old + _EMA * elapsed_ms)
-        for t, at in list(self._seen.items()):  # not run for long: the calibrated shape again
-            if self._count - at > STALE_AFTER:
-                del self._seen[t], self.observed[t]
+        for t in self._recency.touch(num_tokens):  # not run for long: the calibrated shape
+            del self.observed[t]
 
     def cost(self, num_tokens: int, anchor: int | None = None) -> float:
         """The calibrated curve at num_tokens, scaled by measured over calibrated at the
