@@ -86,8 +86,8 @@ class VerifierConfig:
         if self.draft_shape == "chain":
             return frozenset()
         if self.draft_shape == "tree" or device_type == "cuda":
-            return frozenset({Method.MEDUSA, Method.EAGLE})
-        return frozenset({Method.MEDUSA})
+            return frozenset({Method.MEDUSA, Method.EAGLE, Method.AUTO})
+        return frozenset({Method.MEDUSA, Method.AUTO})  # auto: its heads' proposals
 
     def __post_init__(self):
         check_serving(self.tls)

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tandem.telemetry import VerifierMetrics
+from verify_service import auto
 from verify_service.drafts import DraftSide
 from verify_service.executor import Executor
 from verify_service.feedback import learn_acceptance, observe_cost, observe_tree_wait
@@ -121,9 +122,11 @@ class Engine:
 
     def _draft_locally(self) -> None:
         if self.history is not None:
-            self.history.fill([s for s in self.scheduler.running if s.local_drafts
-                               and not s.drafts and not s.prefill_left and not s.finished],
-                              self.scheduler.k_max)
+            seqs = [s for s in self.scheduler.running if s.local_drafts
+                    and not s.drafts and not s.prefill_left and not s.finished]
+            self.history.fill(seqs, self.scheduler.k_max)
+            for seq in seqs:  # auto: the heads' proposal, where it promises more
+                auto.pick(self.scheduler, seq)
 
     async def _execute(self, inputs: list[StepInput]):
         return await asyncio.get_running_loop().run_in_executor(
@@ -192,10 +195,19 @@ class Engine:
             want_features=seq.params.method.needs_features, partial=s.partial,
             prefill=s.is_prefill and not s.partial,
             # The heads cost a few ms: only the nodes the next round may verify.
-            propose_tree=self.scheduler.desired_k(seq, 1) if seq.params.method.in_verifier
-            else 0, propose_chain=not seq.params.tree,
+            propose_tree=self._head_nodes(s), propose_chain=not seq.params.tree,
             typical=None if seq.params.sampling.is_greedy else seq.params.typical,
             logprobs=seq.params.logprobs)
+
+    def _head_nodes(self, s: ScheduledSeq) -> int:
+        """Medusa nodes the step drafts for the session's next round: a medusa session's
+        size; an auto session's when its heads may compete (verify_service/auto.py)."""
+        seq = s.seq
+        if seq.params.method.in_verifier:
+            return self.scheduler.desired_k(seq, 1)
+        if self.executor.medusa is not None and auto.wants_heads(seq, s.num_drafts):
+            return auto.head_nodes(self.scheduler, seq)
+        return 0
 
     def _may_carry(self, seq: Sequence, k: int) -> bool:
         """Skip the bonus token when the draft's next token is already here (unseeded
@@ -225,7 +237,10 @@ class Engine:
         seq.carried = next_token is None and not seq.finished
         self.table.keep_carried(seq, outcome.carry)
         if outcome.tree is not None and not seq.finished:  # Medusa: the next round's tree
-            seq.drafts, seq.draft_parents = outcome.tree[0], outcome.tree[1]
+            if seq.local_drafts:  # auto: one of its proposals (auto.pick)
+                seq.head_proposal = outcome.tree
+            else:
+                seq.drafts, seq.draft_parents = outcome.tree[0], outcome.tree[1]
         learn_acceptance(seq, s, len(accepted), reach, self.drafts.linked)
         self.table.record(seq, new, s.num_drafts, len(accepted), wait_ms, timings,
                           bonus=next_token is not None and len(accepted) == s.num_drafts,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tandem.spec import Method
 from tandem.spec.cost import update_acceptance, update_tree_scale
 from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import Sequence
@@ -56,7 +57,9 @@ def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
     session has a draft stream. A round whose wanted drafts had not come counts as a miss."""
     if s.num_drafts:
         seq.late_rounds = 0
-    if reach is not None:  # sized node by node: correct the nodes' estimates
+    if reach is not None and seq.draft_source is Method.MEDUSA:  # auto's head rounds
+        seq.head_scale = update_tree_scale(seq.head_scale, sum(reach[:s.num_drafts]), accepted)
+    elif reach is not None:  # sized node by node: correct the nodes' estimates
         seq.tree_scale = update_tree_scale(seq.tree_scale, sum(reach[:s.num_drafts]),
                                            accepted)
     elif s.num_drafts:
@@ -68,4 +71,4 @@ def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
 
 def drafted_tree(seq: Sequence) -> bool:
     """A session whose token trees come from a draft worker, drafted after each commit."""
-    return bool(seq.params.tree) and not seq.params.method.in_verifier
+    return bool(seq.params.tree) and not seq.params.method.in_verifier and not seq.local_drafts

@@ -51,7 +51,7 @@ class HistoryDrafts:
             if seq.seq_id in ks:
                 for method in _sources(seq.params.method):
                     by_method.setdefault(method, []).append(seq)
-        best: dict[str, tuple[float, DraftResult]] = {}
+        best: dict[str, tuple[float, DraftResult, Method]] = {}
         for method, group in by_method.items():
             reqs = [DraftRequest(key=seq.seq_id, token_ids=seq.tokens,
                                  num_committed=seq.num_tokens, max_tokens=ks[seq.seq_id],
@@ -60,10 +60,11 @@ class HistoryDrafts:
             for seq, res in zip(group, propose_isolated(self.proposers[method], reqs)):
                 gain = sum(res.scores[:len(res.tokens)])
                 if res.error is None and res.tokens and gain > best.get(seq.seq_id, (0.0,))[0]:
-                    best[seq.seq_id] = (gain, res)
+                    best[seq.seq_id] = (gain, res, method)
         for seq in seqs:
+            seq.draft_source = None
             if seq.seq_id in best:
-                res = best[seq.seq_id][1]
+                _, res, seq.draft_source = best[seq.seq_id]
                 seq.drafts = list(res.tokens)
                 seq.draft_reach = [float(r) for r in res.scores[:len(res.tokens)]]
 

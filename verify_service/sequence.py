@@ -73,8 +73,8 @@ class GenerateParams:
         if self.tree is None:
             object.__setattr__(self, "tree", self.method is Method.MEDUSA)
         if self.tree and not self.method.can_tree:
-            raise InvalidArgument(f"draft_shape tree applies to methods medusa and eagle, not "
-                                  f"{self.method.api_name}")
+            raise InvalidArgument("draft_shape tree applies to methods medusa, eagle and auto, "
+                                  f"not {self.method.api_name}")
         if self.typical is not None:
             threshold, alpha = self.typical
             if not (0 < threshold <= 1 and 0 <= alpha <= 1):
@@ -126,6 +126,12 @@ class Sequence:
     # Drafted in the verifier's own step from the token history (verify_service/history.py):
     # afresh each round, sized by draft_reach; never over a draft link.
     local_drafts: bool = False
+    # auto sessions (verify_service/auto.py): which proposer drafted the current drafts, the
+    # Medusa heads' proposal for the next round (drafts, parents) kept beside the token
+    # history's, and the heads' own correction (tree_scale corrects the history's estimates).
+    draft_source: Method | None = None
+    head_proposal: tuple[list[DraftToken], tuple[int, ...]] | None = None
+    head_scale: float = 1.0
     # Chunked prefill: tokens whose KV is still to be computed (their slots are allocated);
     # 0 = prefilled, decoding. A session is not sampled until its last chunk.
     prefill_left: int = 0

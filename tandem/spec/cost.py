@@ -217,13 +217,23 @@ def choose_tree_size(reach: list[float] | tuple[float, ...], n_max: int,
     0..n_max, where reach[i] estimates the chance node i (parents first) is accepted;
     draft_ms is what a round with any nodes also waits for them (a tree drafted after the
     last commit), which plain decoding (n = 0) does not."""
+    return _best_size(reach, n_max, cost, draft_ms)[0]
+
+
+def best_rate(reach: list[float] | tuple[float, ...], n_max: int, cost: CostModel) -> float:
+    """Expected tokens per ms of a proposal with these per-node reaches, verified at its best
+    size (choose_tree_size): how `auto` compares proposals from different proposers."""
+    return _best_size(reach, n_max, cost, 0.0)[1]
+
+
+def _best_size(reach, n_max: int, cost: CostModel, draft_ms: float) -> tuple[int, float]:
     best_n, best, gain = 0, 1.0 / cost.cost(1), 1.0
     for n in range(1, min(n_max, len(reach)) + 1):
         gain += reach[n - 1]
         rate = gain / (cost.cost(n + 1) + draft_ms)
-        if rate > best * 1.001:
+        if rate > best * 1.001:  # prefer the smaller round on near-ties
             best_n, best = n, rate
-    return best_n
+    return best_n, best
 
 
 def update_tree_scale(scale: float, expected: float, accepted: int) -> float:

@@ -21,7 +21,8 @@ class Method(enum.IntEnum):
     MTP = 6  # the target checkpoint's own multi-token-prediction module (draft worker)
     LAYER_SKIP = 7  # the target minus a searched set of layers (in the verifier's process)
     MEDUSA = 8  # heads on the target's last hidden state proposing a tree (in the verifier)
-    AUTO = 9  # each round the best token-history proposal, suffix or ngram (in the verifier)
+    # Each round the best proposal made in the verifier: suffix or ngram, else Medusa heads.
+    AUTO = 9
 
     @property
     def needs_features(self) -> bool:
@@ -36,7 +37,7 @@ class Method(enum.IntEnum):
     @property
     def can_tree(self) -> bool:
         """Whether this method can draft a token tree (several candidates per position)."""
-        return self in (Method.EAGLE, Method.MEDUSA)
+        return self in (Method.EAGLE, Method.MEDUSA, Method.AUTO)  # auto: its heads' trees
 
     @property
     def api_name(self) -> str:

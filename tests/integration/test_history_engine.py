@@ -62,3 +62,37 @@ def test_seeded_sampling_with_history_drafts_is_the_plain_text(target_model, tok
         got, drafted, _, _ = run_sessions(target_model, worker(), method, copy_prompts[:2], seeded,
                                           40, stop=eos, history=HistoryDrafts(8))
         assert got == plain and drafted > 0, method
+
+
+def test_auto_with_medusa_heads_drafts_chat_too_and_stays_lossless(
+        target_model, target_paths, tokenizer, copy_prompts):
+    """auto with the verifier's Medusa heads: where the history has no match (chat) the heads
+    propose, so auto drafts and keeps more there than the history alone; text unchanged,
+    greedy and seeded."""
+    from tandem.engine.medusa import load_for
+    from tandem.spec.cost import CostModel
+
+    heads = load_for(target_model, target_paths, "auto")
+    calls = []
+    propose = heads.propose_batch
+    heads.propose_batch = lambda h, asks: (calls.append(len(asks)), propose(h, asks))[1]
+    flat = {q: 10.0 for q in range(1, 80)}  # every node pays: the choice is by reach alone
+    eos = (tokenizer.eos_token_id,)
+    chat = copy_prompts[2:]
+    for sampling in (GREEDY, SamplingParams(temperature=0.7, seed=5)):
+        plain, _, _, _ = run_sessions(target_model, worker(), Method.NONE, copy_prompts,
+                                      sampling, 40, stop=eos)
+        history_only = run_sessions(target_model, worker(), Method.AUTO, chat, sampling, 40,
+                                    stop=eos, history=HistoryDrafts(8),
+                                    cost=CostModel(dict(flat)))
+        got, drafted, accepted, link = run_sessions(
+            target_model, worker(), Method.AUTO, copy_prompts, sampling, 40, stop=eos,
+            history=HistoryDrafts(8), medusa=heads, max_spec_tokens=8,
+            cost=CostModel(dict(flat)))
+        assert got == plain and link.proposals == 0
+        with_heads = run_sessions(target_model, worker(), Method.AUTO, chat, sampling, 40,
+                                  stop=eos, history=HistoryDrafts(8), medusa=heads,
+                                  max_spec_tokens=8, cost=CostModel(dict(flat)))
+        assert with_heads[0] == plain[2:]
+        assert with_heads[2] > history_only[2]  # the heads' drafts were verified and kept
+    assert calls

@@ -226,9 +226,10 @@ def test_draft_shape_on_the_wire_and_its_defaults():
     medusa = int(Method.MEDUSA)
     assert params_from_proto(request(medusa, unset), info, Method.NONE).tree is True
     from verify_service.config import VerifierConfig
-    assert VerifierConfig().tree_methods("cpu") == {Method.MEDUSA}
-    assert VerifierConfig().tree_methods("cuda") == both
-    assert VerifierConfig(draft_shape="tree").tree_methods("cpu") == both
+    # auto follows Medusa: its heads' proposals are the heads' trees
+    assert VerifierConfig().tree_methods("cpu") == {Method.MEDUSA, Method.AUTO}
+    assert VerifierConfig().tree_methods("cuda") == {*both, Method.AUTO}
+    assert VerifierConfig(draft_shape="tree").tree_methods("cpu") == {*both, Method.AUTO}
     assert VerifierConfig(draft_shape="chain").tree_methods("cuda") == frozenset()
     with pytest.raises(ValueError, match="draft_shape"):
         VerifierConfig(draft_shape="forest")

@@ -1,0 +1,96 @@
+"""`auto`'s choice between the token history's proposal and the Medusa heads'
+(verify_service/auto.py): by expected tokens per ms, each with its own correction, and the heads
+asked only when the round verifies no history drafts."""
+import pytest
+
+from tandem.engine.block_manager import BlockManager
+from tandem.sampling_params import SamplingParams
+from tandem.spec import DraftToken, Method
+from tandem.spec.cost import CostModel, best_rate, choose_tree_size
+from verify_service import auto
+from verify_service.feedback import learn_acceptance
+from verify_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from verify_service.sequence import GenerateParams, Sequence
+
+pytestmark = pytest.mark.unit
+
+CURVE = {1: 20.0, 2: 28.0, 4: 36.0, 8: 54.0, 16: 88.0}  # ms by new tokens (this CPU's)
+TREE = (0.6, 0.3, 0.25, 0.2, 0.1, 0.1)  # the heads' held-out reach, node by node
+CHAIN = (0.6, 0.3, 0.15)
+
+
+def _setup(tree=True):
+    sched = Scheduler(BlockManager(64, 16), SchedulerConfig(max_spec_tokens=8),
+                      CostModel(dict(CURVE)), tree_reach=TREE, chain_reach=CHAIN)
+    seq = Sequence(GenerateParams(session_id="s", prompt=(1, 2, 3), committed=(),
+                                  sampling=SamplingParams(temperature=0.0), max_new_tokens=64, stop_token_ids=frozenset(),
+                                  method=Method.AUTO, tree=tree))
+    seq.local_drafts = True
+    return sched, seq
+
+
+def _heads(n=6):
+    return [DraftToken(100 + i) for i in range(n)], (-1, -1, 0, 1, 0, 2)[:n]
+
+
+def test_the_heads_fill_a_round_the_history_has_nothing_for():
+    sched, seq = _setup()
+    seq.head_proposal = _heads()
+    auto.pick(sched, seq)
+    assert seq.draft_source is Method.MEDUSA and seq.head_proposal is None
+    assert [d.token_id for d in seq.drafts] == list(range(100, 106))
+    assert seq.draft_parents == (-1, -1, 0, 1, 0, 2)
+    assert sched.reach(seq) == pytest.approx(TREE)
+
+
+def test_a_confident_history_match_beats_the_heads():
+    sched, seq = _setup()
+    seq.drafts = [DraftToken(7 + i) for i in range(8)]
+    seq.draft_reach, seq.draft_source = [0.95] * 8, Method.SUFFIX
+    seq.head_proposal = _heads()
+    auto.pick(sched, seq)
+    assert seq.draft_source is Method.SUFFIX and seq.draft_parents is None
+    assert [d.token_id for d in seq.drafts] == list(range(7, 15))
+
+
+def test_a_weak_history_match_loses_to_the_heads_and_the_rates_decide():
+    sched, seq = _setup()
+    seq.drafts, seq.draft_reach = [DraftToken(7)], [0.2]
+    seq.draft_source = Method.NGRAM
+    seq.head_proposal = _heads()
+    assert best_rate(TREE, 8, sched.cost) > best_rate([0.2], 8, sched.cost)
+    auto.pick(sched, seq)
+    assert seq.draft_source is Method.MEDUSA
+
+
+def test_heads_that_over_promise_lose_their_scale_not_the_historys():
+    sched, seq = _setup()
+    seq.head_proposal = _heads()
+    auto.pick(sched, seq)
+    reach = sched.reach(seq)
+    n = choose_tree_size(reach, 8, sched.cost)
+    s = ScheduledSeq(seq, [3, *range(n)], 2, n, False, n)
+    for _ in range(6):  # nothing the heads propose is ever accepted
+        learn_acceptance(seq, s, 0, reach, lambda _: False)
+    assert seq.head_scale < 0.5 and seq.tree_scale == 1.0
+    assert auto.head_nodes(sched, seq) < choose_tree_size(TREE, 8, sched.cost)
+
+
+def test_the_heads_run_only_when_the_round_has_no_history_drafts():
+    _, seq = _setup()
+    seq.draft_source = Method.SUFFIX
+    assert not auto.wants_heads(seq, 5)
+    assert auto.wants_heads(seq, 0)
+    seq.draft_source = Method.MEDUSA
+    assert auto.wants_heads(seq, 3)
+    seq.params = GenerateParams(session_id="t", prompt=(1,), committed=(),
+                                sampling=SamplingParams(), max_new_tokens=4,
+                                stop_token_ids=frozenset(), method=Method.SUFFIX)
+    assert not auto.wants_heads(seq, 0)
+
+
+def test_chain_shaped_auto_sessions_use_the_heads_chain_estimates():
+    sched, seq = _setup(tree=False)
+    seq.head_proposal = ([DraftToken(5), DraftToken(6), DraftToken(8)], (-1, 0, 1))
+    auto.pick(sched, seq)
+    assert sched.reach(seq) == pytest.approx(CHAIN)
