@@ -23,8 +23,8 @@ def _setup(tree=True):
     sched = Scheduler(BlockManager(64, 16), SchedulerConfig(max_spec_tokens=8),
                       CostModel(dict(CURVE)), tree_reach=TREE, chain_reach=CHAIN)
     seq = Sequence(GenerateParams(session_id="s", prompt=(1, 2, 3), committed=(),
-                                  sampling=SamplingParams(temperature=0.0), max_new_tokens=64, stop_token_ids=frozenset(),
-                                  method=Method.AUTO, tree=tree))
+                                  sampling=SamplingParams(temperature=0.0), max_new_tokens=64,
+                                  stop_token_ids=frozenset(), method=Method.AUTO, tree=tree))
     seq.local_drafts = True
     return sched, seq
 

@@ -7,9 +7,10 @@
 
 One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
 drafted in the verifier's own step, or by the draft worker over the draft link). In each, every
-prompt is asked once per arm per rep (none, ngram, suffix; and auto where the verifier drafts),
-by category, and two chat prompts beside them, the arms' order rotating prompt by
-prompt so drift hits all alike; greedy (or seeded sampling: the same text whatever the
+prompt is asked once per arm (none, ngram, suffix, medusa, eagle, draft_model, auto; where the
+worker drafts, none, ngram and suffix), by category, and two chat prompts beside them, the
+arms' order rotating prompt by prompt so drift hits all alike; later reps ask none, suffix and
+auto again; greedy (or seeded sampling: the same text whatever the
 method), non-streaming. Each arm is its own tenant (an API key each), so suffix caches are
 the arm's own. Rep 0 is every prompt's first ask (the arm's cache holds only other prompts'
 answers); later reps are repeats, where suffix and auto also draft from their own earlier
@@ -28,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from tools.bench.copy_prompts import PROMPTS
-from tools.bench.copy_report import ARMS, markdown, summarise, write_docs
+from tools.bench.copy_report import ARMS, REPEAT_ARMS, WORKER_ARMS, markdown, summarise, write_docs
 from tools.launcher import Cluster, ClusterConfig, free_port
 
 
@@ -53,8 +54,9 @@ def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.
 
 
 def run_place(place: str, reps: int, tokens: int, temperature: float) -> dict:
-    # auto drafts in the verifier only: on a worker-drafting cluster it would measure nothing
-    arms = ARMS if place == "verifier" else ARMS[:3]
+    # The worker-drafting cluster is there for ngram and suffix only: auto and the model
+    # methods draft the same way in both clusters.
+    arms = ARMS if place == "verifier" else WORKER_ARMS
     cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=print,
                       env={"TANDEM_VERIFIER_HISTORY_DRAFTS": place,
                            "TANDEM_API_KEYS": ",".join(key_of(a) for a in ARMS)},
@@ -64,9 +66,11 @@ def run_place(place: str, reps: int, tokens: int, temperature: float) -> dict:
     try:
         ask(cluster.gateway_url, "Say hi.", "none", 8)  # warm up
         for rep in range(reps):
+            # Repeats only where a cache can help (and plain, their baseline).
+            asked = arms if rep == 0 else [a for a in arms if a in REPEAT_ARMS]
             for i, prompt in enumerate(PROMPTS):
-                k = (i + rep) % len(arms)
-                for arm in arms[k:] + arms[:k]:
+                k = (i + rep) % len(asked)
+                for arm in asked[k:] + asked[:k]:
                     res = ask(cluster.gateway_url, prompt, arm, tokens, temperature)
                     rows.append({"rep": rep, "prompt": i, "arm": arm, **res})
                     print(f"[{place}] rep {rep} prompt {i} {arm}: {res['tokens']} tokens "

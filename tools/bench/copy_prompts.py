@@ -77,6 +77,14 @@ TASKS = [
     ("summarise with citations", "Summarise this document in two sentences, and after each "
                                  "sentence quote the words of the document it relies on.\n\n"
                                  f"{DOC}"),
+    ("code edit", "Add type hints to both functions and return the whole code, everything "
+                  f"else unchanged:\n\n{CODE}"),
+    ("correct text", "Fix the spelling mistakes in this note and repeat it otherwise unchanged: "
+                     "'Dear Sam, thank you for your leter. The meeting on Monday will start at "
+                     "nine in the morning in the big room on the secnd floor. Please bring the "
+                     "report, the budjet for next year and the list of new staff. After the "
+                     "meeting we will have lunch in the garden if the wether is good, and in the "
+                     "hall if it rains. Best wishes, Ann.'"),
     ("chat", "Write three paragraphs about why the sky is blue."),
     ("chat", "Give five tips for staying focused while studying, with two sentences each."),
 ]
