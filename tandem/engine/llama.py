@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kernels import int8_cpu
 from kernels.attention import attention
+from kernels.masked_attention import masked_attention
 from kernels.paged_attention import AttentionMetadata, row_attention, write_kv
 from tandem.engine.checkpoint import LlamaConfig, load_tensors
 from tandem.engine.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab
@@ -23,15 +24,19 @@ from tandem.engine.quant import Int8Weight, compute_dtype
 from tandem.models import ModelError, ModelPaths, read_hf_config
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:  # [head_dim // 2] float32
-    """Rotary inverse frequencies, with linear or Llama-3 style scaling."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    kind = cfg.rope_scaling.get("rope_type", "default")
+def rope_inv_freq(cfg: LlamaConfig, rope: dict | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim // 2] float32, with linear or Llama-3 style
+    scaling: the config's, or `rope` ({"rope_theta", "rope_type", ...}: Gemma 3's sliding
+    layers)."""
+    dim, theta = cfg.head_dim, cfg.rope_theta
+    s = cfg.rope_scaling
+    if rope is not None:
+        theta, s = float(rope["rope_theta"]), rope
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    kind = s.get("rope_type", "default")
     if kind == "linear":
-        inv = inv / cfg.rope_scaling["factor"]
+        inv = inv / s["factor"]
     elif kind == "llama3":
-        s = cfg.rope_scaling
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_ctx = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
@@ -52,6 +57,11 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor | Int8Weight  # [2 * intermediate, hidden]
     down: torch.Tensor | Int8Weight  # [hidden, intermediate]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    pre_ff_norm: torch.Tensor | None = None  # [hidden] (Gemma: around the MLP)
+    post_ff_norm: torch.Tensor | None = None  # [hidden]
 
     PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -85,6 +95,9 @@ class LlamaModel:
             # Both are CPU kernels (the int8 GEMM, the measured BLAS padding).
             raise ModelError(f"--dtype int8 and --batch-invariant run on the cpu only, not "
                              f"{device}")
+        if batch_invariant and (cfg.sliding_window or cfg.attn_softcap):
+            raise ModelError("--batch-invariant does not cover sliding windows or attention "
+                             "softcapping (this checkpoint has them)")
         self.batch_invariant = batch_invariant
         self.linear = LinearRouter()
         self.cfg = cfg = self._use_draft_vocab(cfg, draft_vocab)
@@ -95,17 +108,29 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("embed_tokens.weight")
-        self.final_norm = w("norm.weight")
+        self.final_norm = self._norm_weight(w, "norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        self.layers = [self._layer(w, weights, i) for i in range(cfg.num_layers)]
-        inv = rope_inv_freq(cfg)
-        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(pos, inv)  # [max_pos, head_dim // 2]
-        # [max_pos, head_dim], computed in fp32 on the CPU whatever the device
-        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(device=device, dtype=dtype)
-        self.sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(device=device, dtype=dtype)
+        self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        self.cos, self.sin = self._rope_table(None)
+        # Gemma 3's sliding layers rotate with their own base
+        self.local_rope = self._rope_table(cfg.local_rope) if cfg.local_rope else None
         if self.weight_dtype == "int8":
             self._quantize_int8()
+
+    def _rope_table(self, rope: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [max_pos, head_dim], computed in fp32 on the CPU whatever the device."""
+        pos = torch.arange(self.cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, rope_inv_freq(self.cfg, rope))  # [max_pos, head_dim // 2]
+        return tuple(torch.cat([f, f], -1).to(device=self.device, dtype=self.dtype)
+                     for f in (freqs.cos(), freqs.sin()))
+
+    def _norm_weight(self, w, name: str) -> torch.Tensor:
+        """A norm's scale as the forward applies it: Gemma stores w for (1 + w), added in
+        fp32 before any cast, as transformers computes it."""
+        weight = w(name)
+        if not self.cfg.norm_offset:
+            return weight
+        return (self.cfg.norm_offset + weight.float()).to(weight.dtype)
 
     def inexact_int8(self) -> list[str]:
         """Under int8: the weights whose codes do not reproduce the checkpoint's exactly."""
@@ -139,20 +164,25 @@ class LlamaModel:
             raise ModelError("batch-invariant int8 needs the C++ int8 kernel, which could "
                              "not be built here")
 
-    def _layer(self, w, weights, i: int) -> LayerWeights:
-        p = f"layers.{i}."
+    def _layer(self, w, i: int) -> LayerWeights:
+        cfg, p = self.cfg, f"layers.{i}."
         qkv_names = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-        bias = None
-        if self.cfg.qkv_bias:
-            bias = torch.cat([w(n + ".bias") for n in qkv_names])
+        norm = self._norm_weight
         return LayerWeights(
-            input_norm=w(p + "input_layernorm.weight"),
+            input_norm=norm(w, p + "input_layernorm.weight"),
             qkv=torch.cat([w(n + ".weight") for n in qkv_names]),
-            qkv_bias=bias,
+            qkv_bias=torch.cat([w(n + ".bias") for n in qkv_names]) if cfg.qkv_bias else None,
             o=w(p + "self_attn.o_proj.weight"),
-            post_norm=w(p + "post_attention_layernorm.weight"),
+            post_norm=norm(w, p + "post_attention_layernorm.weight"),
             gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
             down=w(p + "mlp.down_proj.weight"),
+            o_bias=w(p + "self_attn.o_proj.bias") if cfg.o_bias else None,
+            q_norm=norm(w, p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+            k_norm=norm(w, p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+            pre_ff_norm=norm(w, p + "pre_feedforward_layernorm.weight")
+            if cfg.sandwich_norms else None,
+            post_ff_norm=norm(w, p + "post_feedforward_layernorm.weight")
+            if cfg.sandwich_norms else None,
         )
 
     @classmethod
@@ -208,6 +238,8 @@ class LlamaModel:
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        window: int = 0,  # a sliding layer's window (0: the whole context)
+        positions: torch.Tensor | None = None,  # [num_tokens] int64, needed with a window
     ) -> torch.Tensor:  # [num_tokens, hidden]
         cfg = self.cfg
         n, hd = h.shape[0], cfg.head_dim
@@ -215,21 +247,39 @@ class LlamaModel:
         x = self._rms_norm(h, layer.input_norm)
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = self._rope(q.view(n, cfg.num_heads, hd), cos, sin)
-        k = self._rope(k.view(n, cfg.num_kv_heads, hd), cos, sin)
+        q, k = q.view(n, cfg.num_heads, hd), k.view(n, cfg.num_kv_heads, hd)
+        if layer.q_norm is not None:  # per head, before RoPE
+            q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         write_kv(k, v.view(n, cfg.num_kv_heads, hd), k_cache, v_cache, meta.slot_mapping)
-        attend = row_attention if self.batch_invariant else attention
-        attn = attend(q, k_cache, v_cache, meta, hd**-0.5)
-        h = h + self.linear(attn.reshape(n, q_size), layer.o)
-        x = self._rms_norm(h, layer.post_norm)
+        scale = cfg.query_scale or hd**-0.5
+        if window or cfg.attn_softcap:
+            attn = masked_attention(q, k_cache, v_cache, meta, scale, window, cfg.attn_softcap,
+                                    positions)
+        else:
+            attend = row_attention if self.batch_invariant else attention
+            attn = attend(q, k_cache, v_cache, meta, scale)
+        out = self.linear(attn.reshape(n, q_size), layer.o, layer.o_bias)
+        if layer.pre_ff_norm is None:  # Llama: pre-norm blocks
+            h = h + out
+            x = self._rms_norm(h, layer.post_norm)
+            return h + self._mlp(x, layer)
+        h = h + self._rms_norm(out, layer.post_norm)  # Gemma: norms on both sides
+        x = self._rms_norm(h, layer.pre_ff_norm)
+        return h + self._rms_norm(self._mlp(x, layer), layer.post_ff_norm)
+
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return h + self.linear(F.silu(gate) * up, layer.down)
+        act = F.silu(gate) if self.cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.linear(act * up, layer.down)
 
     def rope_at(self, positions: torch.Tensor):  # [num_tokens] -> 2 x [num_tokens, 1, hd]
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [rows, hidden] normed -> [rows, vocab]
         logits = self.linear(h, self.lm_head).float()
+        if cap := self.cfg.final_softcap:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
         if self.vocab_map is None:
             return logits
         full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
@@ -248,11 +298,18 @@ class LlamaModel:
         hidden state (the LM head's input, the "feature" EAGLE drafts from) of every token,
         [num_tokens, hidden]."""
         cos, sin = self.rope_at(positions)
+        local = None
+        if self.local_rope is not None:
+            local = (self.local_rope[0][positions][:, None], self.local_rope[1][positions][:, None])
         if self._input_map is not None:
             input_ids = self._input_map[input_ids]  # target ids -> draft rows
         h = self.embed[input_ids]  # [num_tokens, hidden]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
-            h = self.decoder_layer(h, layer, cos, sin, meta, k_cache, v_cache)
+        if self.cfg.embed_scale != 1.0:  # Gemma: the scale cast to the weights' dtype first
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_cache)):
+            window = self.cfg.window(i)
+            c, s = local if window and local is not None else (cos, sin)
+            h = self.decoder_layer(h, layer, c, s, meta, k_cache, v_cache, window, positions)
         if with_hidden:
             h = self._rms_norm(h, self.final_norm)
             return self.logits(h[logits_indices]), h
