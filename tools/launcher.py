@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.device import check_device_spec, check_dtype_spec
+from tandem.models import DEFAULT_TARGET, resolve_model
 from tandem.netaddr import join_host_port
 from tandem.tls import TlsConfig, open_sync_channel, tls_args
 
@@ -145,8 +146,7 @@ class Cluster:
         host = _dialable(cfg.worker_host)
         for i in range(cfg.num_drafts):
             port, mport = free_port(host), free_port(host)
-            extra = ["--model", cfg.draft_model] if cfg.draft_model else []
-            extra += ["--eagle", cfg.eagle] if cfg.eagle else []
+            extra = self._draft_args()
             extra += ["--metrics-port", str(mport)]
             self._start_worker(f"draft-{i}", ["draft", "--port", str(port), *common, *extra],
                                port, mport)
@@ -165,6 +165,17 @@ class Cluster:
         self.metrics_urls["gateway"] = self.gateway_url + "/metrics"
         for name, url in self.metrics_urls.items():
             self.log(f"  metrics of {name}: {url}")
+
+    def _draft_args(self) -> list[str]:
+        """A draft worker's model flags. The shipped draft and head belong to the default
+        target: for another target without a draft of its own, the workers draft by token
+        history alone, naming the target's tokenizer so that its verifiers pair with them."""
+        cfg = self.config
+        if cfg.model and cfg.model not in ("default", DEFAULT_TARGET) and not cfg.draft_model:
+            return ["--model", "none", "--eagle", cfg.eagle or "none",
+                    "--tokenizer", str(resolve_model(cfg.model).root)]
+        return (["--model", cfg.draft_model] if cfg.draft_model else []) + (
+            ["--eagle", cfg.eagle] if cfg.eagle else [])
 
     def _start_worker(self, name: str, args: list[str], port: int, metrics_port: int) -> None:
         host = _dialable(self.config.worker_host)

@@ -160,7 +160,8 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs, features_cached=True,
                                 prefill_chunk_tokens=config.prefill_chunk_tokens,
                                 max_spec_tokens=config.max_spec_tokens,
-                                max_model_len=model.cfg.max_position_embeddings)
+                                max_model_len=model.cfg.max_position_embeddings,
+                                kv_window=model.cfg.kv_window)
     medusa = load_for(model, paths, config.medusa)
     if medusa is not None:
         log.info("medusa: %d heads, a tree of %d nodes", medusa.cfg.num_heads,

@@ -1,9 +1,7 @@
 """Verifier scheduler: admits prefills, decides each step's batch, preempts when KV runs out.
-
 Pure Python, no torch (nano-vllm's layering). One step batches every running session (plain
 decode, or verification of the draft tokens that have arrived, up to its adaptive k) together
-with as many waiting prefills as the token budget allows, into one flattened forward.
-"""
+with as many waiting prefills as the token budget allows, into one flattened forward."""
 from __future__ import annotations
 
 import itertools
@@ -38,11 +36,12 @@ class SchedulerConfig:
     # The runner keeps every cached token's features (ModelRunner keep_features), so EAGLE
     # sessions may take prefix-cache hits and chunked prefills like any other.
     features_cached: bool = False
+    kv_window: int = 0  # every layer's sliding window: older KV blocks are released (0: none)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_verify_tokens",
-                     "max_model_len", "prefill_chunk_tokens", "max_spec_tokens"):
-            low = 0 if name in ("prefill_chunk_tokens", "max_spec_tokens") else 1
+                     "max_model_len", "prefill_chunk_tokens", "max_spec_tokens", "kv_window"):
+            low = 0 if name in ("prefill_chunk_tokens", "max_spec_tokens", "kv_window") else 1
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
@@ -300,3 +299,5 @@ class Scheduler:
         if path:
             self.blocks.rewrite(seq.seq_id, path)
         self.blocks.commit(seq.seq_id, self.blocks.num_tokens(seq.seq_id))
+        if self.config.kv_window:  # the next round's queries start at the last token
+            self.blocks.release_before(seq.seq_id, seq.num_tokens - self.config.kv_window)

@@ -57,7 +57,10 @@ class SessionTable:
         if len(self.sessions) >= self.max_sessions:
             raise ResourceExhausted(f"verifier is full ({self.max_sessions} sessions)")
         blocks = self.scheduler.blocks
-        need = -(-(len(params.prompt) + params.max_new_tokens) // blocks.block_size)
+        tokens = len(params.prompt) + params.max_new_tokens
+        if window := self.scheduler.config.kv_window:  # blocks past it go back as it runs
+            tokens = max(len(params.prompt), window + self.scheduler.config.max_spec_tokens + 1)
+        need = -(-tokens // blocks.block_size) + (1 if window else 0)
         if need > blocks.num_blocks:  # would wait forever: refuse, another verifier may fit it
             raise ResourceExhausted(
                 f"the session needs {need} KV blocks, this verifier's cache has "

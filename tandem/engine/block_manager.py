@@ -38,6 +38,7 @@ class _Sequence:
     block_table: list[int]
     num_committed: int
     block_hashes: list[bytes]  # chain hashes of the leading full committed blocks
+    dropped: int = 0  # leading blocks released past a sliding window (entries kept, unread)
 
 
 def _check_tokens(token_ids: Iterable[int]) -> list[int]:
@@ -182,8 +183,23 @@ class BlockManager:
         del self._seqs[seq_id]
         # Tail first: a sequence's last blocks are the least likely to be another prompt's
         # prefix, so they should be the first to be evicted.
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.block_table[seq.dropped:]):
             self._release(block_id)
+
+    def release_before(self, seq_id: str, position: int) -> int:
+        """Release the sequence's committed blocks that hold only positions < `position`: a
+        model whose every layer has a sliding window never reads them again. Their table
+        entries stay (the attention gathers them and masks them out), so positions keep
+        their slots; a released block may be handed to another sequence. Returns how many
+        blocks were released."""
+        seq = self._get(seq_id)
+        upto = min(_check_count("position", position), seq.num_committed) // self._block_size
+        upto = min(upto, len(seq.block_table) - 1)  # the block being written stays
+        released = max(0, upto - seq.dropped)
+        for block_id in seq.block_table[seq.dropped:upto]:
+            self._release(block_id)
+        seq.dropped = max(seq.dropped, upto)
+        return released
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._get(seq_id).block_table)

@@ -73,6 +73,13 @@ class LlamaConfig:
         sliding = self.layer_types and self.layer_types[layer] == SLIDING
         return self.sliding_window if sliding else 0
 
+    @property
+    def kv_window(self) -> int:
+        """The window every layer has: KV older than it is never read again (0: some layer
+        reads the whole context)."""
+        every = self.layer_types and all(t == SLIDING for t in self.layer_types)
+        return self.sliding_window if every else 0
+
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
         """Parse a HF config.json dict (transformers 4.x and 5.x layouts) of any served

@@ -38,23 +38,26 @@ def fails_after(proposer_cls, calls: int, message: str):
 def run_sessions(target_model, proposers, method, prompts, sampling, max_new, die_after=None,
                  stop=(), batch=64, medusa=None, max_spec_tokens=4, cost=None, logprobs=None,
                  rounds=None, prefill_chunk_tokens=0, tree=None, features_cached=False,
-                 forwarded=None, step_cost=None, history=None):
+                 forwarded=None, step_cost=None, history=None, kv_window=0, block_size=16,
+                 num_blocks=512):
     """Generate every prompt through the engine with `method`'s proposer in a DraftWorker
     (or the engine's own Medusa heads): (token lists, drafted, accepted, link). `logprobs`
     asks for them; `rounds`, a list, receives every RoundOutput per prompt; `tree` is
     GenerateParams.tree (None: trees for medusa only); features_cached: the runner keeps
     features (EAGLE then takes cache hits and chunks); `forwarded`, a list, receives the
     token count of every target forward; step_cost: the batch plan's curve (None: no plan);
-    history: the engine's own HistoryDrafts (ngram / suffix drafted in its step)."""
+    history: the engine's own HistoryDrafts (ngram / suffix drafted in its step); kv_window:
+    SchedulerConfig.kv_window (KV blocks past a sliding window released as it goes)."""
     async def main():
-        runner = ModelRunner(target_model, 512, 16, keep_features=features_cached)
+        runner = ModelRunner(target_model, num_blocks, block_size, keep_features=features_cached)
         if forwarded is not None:
             forward = runner.forward
             runner.forward = lambda chunks, **kw: (
                 forwarded.append(sum(len(c.token_ids) for c in chunks)), forward(chunks, **kw))[1]
-        sched = Scheduler(BlockManager(512, 16), SchedulerConfig(
+        sched = Scheduler(BlockManager(num_blocks, block_size), SchedulerConfig(
             max_spec_tokens=max_spec_tokens, max_num_seqs=batch, features_cached=features_cached,
-            prefill_chunk_tokens=prefill_chunk_tokens), cost or CostModel(),
+            prefill_chunk_tokens=prefill_chunk_tokens, kv_window=kv_window),
+            cost or CostModel(),
             tree_reach=medusa.cfg.reach if medusa is not None else (),
             chain_reach=medusa.cfg.chain_reach if medusa is not None else (),
             step_cost=step_cost)
