@@ -1,17 +1,18 @@
-"""`speculation.method = "auto"`: each round, the best proposal the verifier can make itself.
+"""Which proposal a session drafted in the verifier verifies each round; for
+`speculation.method = "auto"`, the best of several.
 
-Two proposers, neither behind a network hop:
+Proposers, none behind a network hop:
 - the token history (suffix decoding and n-gram lookup, verify_service/history.py), asked
   every round over the committed tokens;
-- the Medusa heads, when this verifier has them: they run after a step on the row that gave
-  the round's last token (verify_service/features.py), and only when that round verified no
-  history drafts. A match that held is usually there again next round, so the heads' pass
-  would be wasted; a round without one is where the heads earn their few ms.
+- for auto, the Medusa heads when this verifier has them: they run after a step on the row
+  that gave the round's last token (verify_service/features.py), and only when that round
+  verified no history drafts. A match that held is usually there again next round, so the
+  heads' pass would be wasted; a round without one is where the heads earn their few ms.
 
 Proposals are compared by expected tokens per ms of verify cost, each at its best size
 (tandem.spec.cost.best_rate): every node's estimated reach times the session's correction for
-that proposer (tree_scale for the history's, head_scale for the heads'), so a proposer that
-keeps over-promising loses the next comparisons.
+that source (Sequence.source_scale, learnt from its own rounds), so a proposer that keeps
+over-promising loses the next comparisons.
 
 Pure Python, like the scheduler.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 from tandem.spec import Method
 from tandem.spec.cost import best_rate, choose_tree_size
 from verify_service.scheduler import Scheduler
-from verify_service.sequence import Sequence
+from verify_service.sequence import Proposal, Sequence
 
 HISTORY_SOURCES = frozenset({Method.SUFFIX, Method.NGRAM})
 
@@ -32,30 +33,37 @@ def wants_heads(seq: Sequence, num_drafts: int) -> bool:
             and not (num_drafts and seq.draft_source in HISTORY_SOURCES))
 
 
-def head_reach(scheduler: Scheduler, seq: Sequence) -> list[float]:
-    """The heads' per-node reach for the session (their tree's or chain's held-out
-    estimates), corrected by what its head rounds measured."""
+def heads_proposal(scheduler: Scheduler, seq: Sequence, drafts, parents) -> Proposal:
+    """The heads' drafts as a proposal, with their held-out reach per node."""
     base = scheduler.tree_reach if seq.params.tree else scheduler.chain_reach
-    return [min(1.0, r * seq.head_scale) for r in base]
+    return Proposal(list(drafts), tuple(parents), [float(r) for r in base[:len(drafts)]])
 
 
-def head_nodes(scheduler: Scheduler, seq: Sequence) -> int:
-    """Nodes of the heads' proposal worth drafting for the next round (0: none pays)."""
-    return choose_tree_size(head_reach(scheduler, seq), scheduler.k_max(seq), scheduler.cost)
+def head_nodes(scheduler: Scheduler, seq: Sequence, heads_ms: float = 0.0) -> int:
+    """Nodes of the heads' proposal worth drafting for the next round: 0 when none pays
+    for the verify cost plus the heads' own pass (heads_ms, spent whether or not their
+    proposal is then picked), so heads that do not pay for themselves are not run."""
+    base = scheduler.tree_reach if seq.params.tree else scheduler.chain_reach
+    return choose_tree_size(scaled(seq, Method.MEDUSA, base), scheduler.k_max(seq),
+                            scheduler.cost, heads_ms)
+
+
+def scaled(seq: Sequence, source: Method, reach) -> list[float]:
+    """A source's reach estimates corrected by what this session measured of it."""
+    scale = seq.source_scale.get(source, 1.0)
+    return [min(1.0, r * scale) for r in reach]
 
 
 def pick(scheduler: Scheduler, seq: Sequence) -> None:
-    """After the history drafted (or found nothing): take the heads' proposal instead when it
-    promises more tokens per ms. Either way the heads' proposal is used up."""
-    proposal, seq.head_proposal = seq.head_proposal, None
-    if proposal is None or seq.finished:
+    """Take the proposal that promises the most tokens per ms into the session's drafts
+    (the only one, for a single-source session); the others are dropped."""
+    proposals, seq.proposals = seq.proposals, {}
+    seq.draft_source = None
+    if not proposals or seq.finished:
         return
-    drafts, parents = proposal
     k_max = scheduler.k_max(seq)
-    heads = head_reach(scheduler, seq)[:len(drafts)]
-    history = scheduler.reach(seq) or []
-    if best_rate(heads, k_max, scheduler.cost) > best_rate(history, k_max, scheduler.cost):
-        base = scheduler.tree_reach if seq.params.tree else scheduler.chain_reach
-        seq.drafts, seq.draft_parents = list(drafts), tuple(parents)
-        seq.draft_reach = [float(r) for r in base[:len(drafts)]]
-        seq.draft_source = Method.MEDUSA
+    source = max(proposals, key=lambda m: best_rate(
+        scaled(seq, m, proposals[m].reach), k_max, scheduler.cost))
+    chosen = proposals[source]
+    seq.drafts, seq.draft_parents = list(chosen.drafts), chosen.parents
+    seq.draft_reach, seq.draft_source = list(chosen.reach), source

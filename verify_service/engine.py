@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
 from verify_service import auto
 from verify_service.drafts import DraftSide
@@ -57,6 +58,7 @@ class Engine:
                                 scheduler.config.max_spec_tokens)
         self._wakeup = asyncio.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="verify-forward")
+        self.heads_ms = 0.0  # a step's pass of the Medusa heads (EMA)
 
     @property
     def sessions(self) -> dict[str, Sequence]:
@@ -68,8 +70,8 @@ class Engine:
         seq, queue = self.table.admit(params)
         seq.local_drafts = self.history is not None and self.history.serves(params.method)
         if seq.local_drafts:
-            seq.tree_scale = self.history.prior_scale(params.method,
-                                                      params.sampling.is_greedy)
+            seq.source_scale = self.history.prior_scales(params.method,
+                                                         params.sampling.is_greedy)
         self._wakeup.set()
         self.drafts.attach(seq)
         return queue
@@ -111,6 +113,9 @@ class Engine:
             outcomes, timings = await self._execute_isolated(sched.scheduled, inputs)
         else:
             observe_cost(self.scheduler, sched.scheduled, wait_ms, timings)
+            if timings.heads_ms:  # what an auto session's heads cost it (auto.head_nodes)
+                self.heads_ms = (0.8 * self.heads_ms + 0.2 * timings.heads_ms
+                                 if self.heads_ms else timings.heads_ms)
         for s, outcome in zip(sched.scheduled, outcomes):  # 4. apply: commit, stream, tell
             if outcome is None:
                 continue
@@ -125,7 +130,7 @@ class Engine:
             seqs = [s for s in self.scheduler.running if s.local_drafts
                     and not s.drafts and not s.prefill_left and not s.finished]
             self.history.fill(seqs, self.scheduler.k_max)
-            for seq in seqs:  # auto: the heads' proposal, where it promises more
+            for seq in seqs:  # one proposal each (auto: the best of several)
                 auto.pick(self.scheduler, seq)
 
     async def _execute(self, inputs: list[StepInput]):
@@ -206,7 +211,7 @@ class Engine:
         if seq.params.method.in_verifier:
             return self.scheduler.desired_k(seq, 1)
         if self.executor.medusa is not None and auto.wants_heads(seq, s.num_drafts):
-            return auto.head_nodes(self.scheduler, seq)
+            return auto.head_nodes(self.scheduler, seq, self.heads_ms)
         return 0
 
     def _may_carry(self, seq: Sequence, k: int) -> bool:
@@ -238,7 +243,8 @@ class Engine:
         self.table.keep_carried(seq, outcome.carry)
         if outcome.tree is not None and not seq.finished:  # Medusa: the next round's tree
             if seq.local_drafts:  # auto: one of its proposals (auto.pick)
-                seq.head_proposal = outcome.tree
+                seq.proposals[Method.MEDUSA] = auto.heads_proposal(self.scheduler, seq,
+                                                                   *outcome.tree)
             else:
                 seq.drafts, seq.draft_parents = outcome.tree[0], outcome.tree[1]
         learn_acceptance(seq, s, len(accepted), reach, self.drafts.linked)

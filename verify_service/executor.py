@@ -28,6 +28,7 @@ class Executor:
     def __init__(self, runner: ModelRunner, medusa=None):
         self.runner = runner
         self.medusa = medusa  # tandem.engine.medusa.MedusaHeads, or None
+        self.heads_ms = 0.0  # the last step's pass of the heads
 
     def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
         """One forward over every input, then verification of the rounds. Prefill chunks
@@ -58,7 +59,7 @@ class Executor:
             found = self._verify(inputs, probs)
         outcomes = self._outcomes(inputs, found, logits, hidden)
         total_ms = (time.perf_counter() - t0) * 1e3
-        return outcomes, StepTimings(forward_ms, total_ms - forward_ms)
+        return outcomes, StepTimings(forward_ms, total_ms - forward_ms, self.heads_ms)
 
     def _outcomes(self, inputs: list[StepInput], found, logits: torch.Tensor | None,
                   hidden: torch.Tensor | None) -> list[RoundOutcome]:
@@ -81,8 +82,11 @@ class Executor:
             outcome = RoundOutcome(accepted, next_token, carry, feats)
             outcomes.append(replace(outcome, logprobs=lps) if lps else outcome)
             hidden_at += len(s.token_ids)
+        self.heads_ms = 0.0
         if heads:  # Medusa: every session's next tree from one pass of the heads
+            t0 = time.perf_counter()
             propose_trees(self.medusa, inputs, outcomes, heads)
+            self.heads_ms = (time.perf_counter() - t0) * 1e3
         return outcomes
 
     @staticmethod

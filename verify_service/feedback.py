@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tandem.spec import Method
 from tandem.spec.cost import update_acceptance, update_tree_scale
 from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import Sequence
@@ -57,8 +56,11 @@ def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
     session has a draft stream. A round whose wanted drafts had not come counts as a miss."""
     if s.num_drafts:
         seq.late_rounds = 0
-    if reach is not None and seq.draft_source is Method.MEDUSA:  # auto's head rounds
-        seq.head_scale = update_tree_scale(seq.head_scale, sum(reach[:s.num_drafts]), accepted)
+    source = seq.draft_source if seq.local_drafts else None
+    if reach is not None and source is not None:  # drafted here: that source's correction
+        seq.source_scale[source] = update_tree_scale(seq.source_scale.get(source, 1.0),
+                                                     sum(reach[:s.num_drafts]), accepted)
+        seq.drafted_from.add(source)
     elif reach is not None:  # sized node by node: correct the nodes' estimates
         seq.tree_scale = update_tree_scale(seq.tree_scale, sum(reach[:s.num_drafts]),
                                            accepted)

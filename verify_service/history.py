@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 from tandem.history.ngram import NgramProposer
 from tandem.history.suffix import SuffixConfig, SuffixProposer
-from tandem.spec import DraftRequest, DraftResult, Method, Proposer
+from tandem.spec import DraftRequest, Method, Proposer
 from tandem.spec.proposer import Learner, propose_isolated
-from verify_service.sequence import Sequence
+from verify_service.sequence import Proposal, Sequence
 
 HISTORY_METHODS = frozenset({Method.NGRAM, Method.SUFFIX, Method.AUTO})
 # `auto` asks both each round and keeps the proposal with the most expected accepted tokens.
@@ -31,8 +31,8 @@ class HistoryDrafts:
         self.proposers: dict[Method, Proposer] = {
             Method.NGRAM: NgramProposer(num_speculative_tokens=max_tokens),
             Method.SUFFIX: SuffixProposer(suffix, num_speculative_tokens=max_tokens)}
-        # What finished sessions of each method measured (accepted / expected: their
-        # Sequence.tree_scale), smoothed: a new session starts from it rather than from the
+        # What finished sessions measured of each source (accepted / expected: their
+        # Sequence.source_scale), smoothed: a new session starts from it rather than from the
         # proposers' raw estimates, which a short request has no rounds to correct. Kept apart
         # for greedy and sampled sessions: a sampled one keeps a draft only with the target's
         # probability of it, so the same proposal reaches less far.
@@ -43,42 +43,41 @@ class HistoryDrafts:
         return method in HISTORY_METHODS
 
     def fill(self, seqs: list[Sequence], k_max: Callable[[Sequence], int]) -> None:
-        """Give each session (local, speculating, with no drafts yet) this round's proposal:
-        Sequence.drafts and their reach. A proposer that fails leaves its sessions plain."""
+        """Each session's (local, speculating, with no drafts yet) proposals for this round,
+        one per source it drafts from, into Sequence.proposals: drafts and their reach (the
+        proposer's own confidence per token). verify_service/auto.py picks among them. A
+        proposer that fails or finds no match proposes nothing."""
         ks = {seq.seq_id: k for seq in seqs if (k := k_max(seq)) > 0}
         by_method: dict[Method, list[Sequence]] = {}
         for seq in seqs:
             if seq.seq_id in ks:
                 for method in _sources(seq.params.method):
                     by_method.setdefault(method, []).append(seq)
-        best: dict[str, tuple[float, DraftResult, Method]] = {}
         for method, group in by_method.items():
             reqs = [DraftRequest(key=seq.seq_id, token_ids=seq.tokens,
                                  num_committed=seq.num_tokens, max_tokens=ks[seq.seq_id],
                                  sampling=seq.params.sampling, tenant=seq.params.tenant)
                     for seq in group]
             for seq, res in zip(group, propose_isolated(self.proposers[method], reqs)):
-                gain = sum(res.scores[:len(res.tokens)])
-                if res.error is None and res.tokens and gain > best.get(seq.seq_id, (0.0,))[0]:
-                    best[seq.seq_id] = (gain, res, method)
-        for seq in seqs:
-            seq.draft_source = None
-            if seq.seq_id in best:
-                _, res, seq.draft_source = best[seq.seq_id]
-                seq.drafts = list(res.tokens)
-                seq.draft_reach = [float(r) for r in res.scores[:len(res.tokens)]]
+                if res.error is None and res.tokens:
+                    seq.proposals[method] = Proposal(
+                        list(res.tokens), None, [float(r) for r in res.scores[:len(res.tokens)]])
 
-    def prior_scale(self, method: Method, greedy: bool = True) -> float:
-        """The correction a new session of `method` starts from (Sequence.tree_scale)."""
-        return self.scale.get((method, greedy), 1.0)
+    def prior_scales(self, method: Method, greedy: bool = True) -> dict[Method, float]:
+        """The corrections a new session of `method` starts from, per source it drafts from
+        (Sequence.source_scale)."""
+        sources = (*_sources(method), Method.MEDUSA) if method is Method.AUTO else \
+            _sources(method)
+        return {m: self.scale.get((m, greedy), 1.0) for m in sources}
 
     def finish(self, seq: Sequence) -> None:
         """The session is over: forget its state; suffix decoding learns its text; its
         measured correction moves the next sessions' start."""
         method = seq.params.method
-        if seq.stats.drafted:
-            key = (method, seq.params.sampling.is_greedy)
-            self.scale[key] = 0.7 * self.scale.get(key, 1.0) + 0.3 * seq.tree_scale
+        for source, scale in seq.source_scale.items():
+            if source in seq.drafted_from:  # a source never used says nothing new
+                key = (source, seq.params.sampling.is_greedy)
+                self.scale[key] = 0.7 * self.scale.get(key, 1.0) + 0.3 * scale
         for m in _sources(method):
             proposer = self.proposers[m]
             proposer.release(seq.seq_id)

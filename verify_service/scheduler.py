@@ -9,7 +9,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
-from tandem.spec import Method
 from tandem.spec.cost import CostModel, StepCost, choose_k, choose_tree_size, plan_batch
 from verify_service.sequence import SeqStatus, Sequence
 
@@ -151,7 +150,7 @@ class Scheduler:
         sessions sized node by node (trees, and Medusa's chains); None for a draft worker's
         chain (sized by its acceptance EMA). Scaled by the session's measured correction."""
         if seq.local_drafts:  # the proposal's own per-token estimates (none: no match)
-            scale = seq.head_scale if seq.draft_source is Method.MEDUSA else seq.tree_scale
+            scale = seq.source_scale.get(seq.draft_source, 1.0)
             return [min(1.0, r * scale) for r in seq.draft_reach]
         if seq.params.method.in_verifier:
             base = self.tree_reach if seq.params.tree else self.chain_reach

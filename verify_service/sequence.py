@@ -86,6 +86,15 @@ class GenerateParams:
                                       f"not {self.method.api_name}")
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """One proposer's drafts for a round of a session drafted in the verifier."""
+
+    drafts: list[DraftToken]
+    parents: tuple[int, ...] | None  # a tree's (Sequence.draft_parents); None = a chain
+    reach: list[float]  # the proposer's estimate that each draft is accepted
+
+
 @dataclass
 class SessionStats:
     rounds: int = 0
@@ -126,12 +135,14 @@ class Sequence:
     # Drafted in the verifier's own step from the token history (verify_service/history.py):
     # afresh each round, sized by draft_reach; never over a draft link.
     local_drafts: bool = False
-    # auto sessions (verify_service/auto.py): which proposer drafted the current drafts, the
-    # Medusa heads' proposal for the next round (drafts, parents) kept beside the token
-    # history's, and the heads' own correction (tree_scale corrects the history's estimates).
+    # This round's proposals by source (suffix, ngram; Medusa heads for auto) before
+    # verify_service/auto.py picks one into drafts; the source of the current drafts; each
+    # source's correction to its reach estimates (accepted / expected, an EMA); the sources
+    # whose drafts this session verified.
+    proposals: dict[Method, Proposal] = field(default_factory=dict)
     draft_source: Method | None = None
-    head_proposal: tuple[list[DraftToken], tuple[int, ...]] | None = None
-    head_scale: float = 1.0
+    source_scale: dict[Method, float] = field(default_factory=dict)
+    drafted_from: set[Method] = field(default_factory=set)
     # Chunked prefill: tokens whose KV is still to be computed (their slots are allocated);
     # 0 = prefilled, decoding. A session is not sampled until its last chunk.
     prefill_left: int = 0

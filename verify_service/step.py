@@ -95,4 +95,5 @@ class RoundOutcome:
 @dataclass(frozen=True)
 class StepTimings:
     forward_ms: float
-    rejection_ms: float
+    rejection_ms: float  # everything after the forward: sampling, rejection, the heads' pass
+    heads_ms: float = 0.0  # of which the Medusa heads' pass (0: none ran)

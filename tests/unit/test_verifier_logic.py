@@ -361,23 +361,40 @@ def test_history_drafts_are_sized_by_their_own_confidence():
     assert verified[32] >= 6
 
 
-def test_auto_takes_the_history_proposal_with_the_most_expected_tokens():
-    """auto asks suffix and ngram each round and keeps the proposal whose per-token reach sums
-    highest; with no match anywhere it drafts nothing."""
+def test_auto_takes_the_history_proposal_with_the_most_expected_tokens_per_ms():
+    """auto asks suffix and ngram each round and keeps the proposal that promises the most
+    tokens per ms of verify cost (verify_service/auto.py); with no match anywhere it drafts
+    nothing; a source that over-promised is corrected on its own."""
+    from tandem.spec.cost import best_rate
+    from verify_service import auto
     from verify_service.history import HistoryDrafts
 
+    sched = make_sched(max_spec_tokens=8)
     history = HistoryDrafts(8)
     text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 3 + [5, 6, 7]  # a copy that has held long
-    picks = {}
+    picks, rates = {}, {}
     for method in (Method.NGRAM, Method.SUFFIX, Method.AUTO):
         seq = Sequence(params(sid=method.api_name, prompt=text, max_new=20, method=method))
         history.fill([seq], lambda s: 8)
-        picks[method] = (seq.drafts, sum(seq.draft_reach))
-    assert [d.token_id for d in picks[Method.AUTO][0]] == [8, 9, 10, 11, 12, 13, 14, 5]
-    assert picks[Method.AUTO][1] == max(picks[Method.NGRAM][1], picks[Method.SUFFIX][1]) > 0
+        if method is Method.AUTO:
+            assert set(seq.proposals) == {Method.NGRAM, Method.SUFFIX}
+            rates = {m: best_rate(p.reach, 8, sched.cost) for m, p in seq.proposals.items()}
+        auto.pick(sched, seq)
+        picks[method] = seq
+    best = max(rates, key=rates.get)
+    assert picks[Method.AUTO].draft_source is best
+    assert picks[Method.AUTO].drafts == picks[best].drafts
+    assert [d.token_id for d in picks[Method.AUTO].drafts][:7] == [8, 9, 10, 11, 12, 13, 14]
+    worse = Sequence(params(sid="worse", prompt=text, max_new=20, method=Method.AUTO))
+    worse.source_scale = {best: 0.05, Method.SUFFIX if best is Method.NGRAM else Method.NGRAM:
+                          1.0}  # the better proposer has kept over-promising here
+    history.fill([worse], lambda s: 8)
+    auto.pick(sched, worse)
+    assert worse.draft_source is not best
     fresh = Sequence(params(sid="fresh", prompt=[1, 2, 3, 4], method=Method.AUTO))
     history.fill([fresh], lambda s: 8)
-    assert fresh.drafts == [] and fresh.draft_reach == []
+    auto.pick(sched, fresh)
+    assert fresh.drafts == [] and fresh.draft_reach == [] and fresh.draft_source is None
     history.finish(fresh)  # forgets it in both proposers, learns it for suffix
 
 
@@ -385,16 +402,19 @@ def test_history_sessions_start_from_what_finished_ones_measured():
     from verify_service.history import HistoryDrafts
 
     history = HistoryDrafts(8)
-    assert history.prior_scale(Method.SUFFIX) == 1.0
+    assert history.prior_scales(Method.AUTO) == {Method.SUFFIX: 1.0, Method.NGRAM: 1.0,
+                                                 Method.MEDUSA: 1.0}
     seq = Sequence(params(method=Method.SUFFIX))
-    seq.tree_scale, seq.stats.drafted = 0.2, 6  # its drafts were accepted far less than hoped
+    seq.source_scale = {Method.SUFFIX: 0.2}  # its drafts were accepted far less than hoped
+    seq.drafted_from = {Method.SUFFIX}
     history.finish(seq)
-    assert history.prior_scale(Method.SUFFIX) < 1.0 == history.prior_scale(Method.NGRAM)
-    assert history.prior_scale(Method.SUFFIX, greedy=False) == 1.0  # sampled ones: apart
+    assert history.prior_scales(Method.SUFFIX)[Method.SUFFIX] < 1.0
+    assert history.prior_scales(Method.AUTO)[Method.NGRAM] == 1.0
+    assert history.prior_scales(Method.SUFFIX, greedy=False) == {Method.SUFFIX: 1.0}
     idle = Sequence(params(sid="idle", method=Method.NGRAM))
-    idle.tree_scale = 0.1  # never drafted: says nothing
+    idle.source_scale = {Method.NGRAM: 0.1}  # never drafted: says nothing
     history.finish(idle)
-    assert history.prior_scale(Method.NGRAM) == 1.0
+    assert history.prior_scales(Method.NGRAM) == {Method.NGRAM: 1.0}
 
 
 def test_draft_latency_estimates_recover_within_a_few_healthy_rounds():

@@ -3,6 +3,7 @@
   tandem bench --workload copy [--repeats 2] [--max-tokens 256] [--docs docs]
   python benchmarks/copy_heavy.py [--tokens 256] [--reps 2] [--history verifier,worker]
                                   [--temperature 0] [--out results/copy_heavy.json]
+                                  [--arms ngram,suffix,auto]
                                   [--docs docs]  # writes docs/benchmarks-copy.md + a plot
 
 One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
@@ -53,10 +54,12 @@ def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.
             "tokens": out["usage"]["completion_tokens"], "spec": out.get("speculation") or {}}
 
 
-def run_place(place: str, reps: int, tokens: int, temperature: float) -> dict:
+def run_place(place: str, reps: int, tokens: int, temperature: float,
+              only: tuple[str, ...] = ()) -> dict:
     # The worker-drafting cluster is there for ngram and suffix only: auto and the model
     # methods draft the same way in both clusters.
     arms = ARMS if place == "verifier" else WORKER_ARMS
+    arms = tuple(a for a in arms if not only or a in only or a == "none")
     cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=print,
                       env={"TANDEM_VERIFIER_HISTORY_DRAFTS": place,
                            "TANDEM_API_KEYS": ",".join(key_of(a) for a in ARMS)},
@@ -104,12 +107,12 @@ def verify_curve(counts=(1, 2, 3, 4, 6, 8, 12, 16, 17)) -> dict[int, float]:
 
 def run_workload(tokens: int = 256, reps: int = 2, places=("verifier", "worker"),
                  temperature: float = 0.0, out: Path = Path("results/copy_heavy.json"),
-                 docs: Path | None = None) -> dict:
+                 docs: Path | None = None, arms: tuple[str, ...] = ()) -> dict:
     """One cluster per place, every prompt and arm; table printed, JSON (and docs) written."""
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "tokens": tokens, "reps": reps,
               "temperature": temperature, "verify_ms": verify_curve(), "places": {}}
     for place in places:
-        result["places"][place] = run_place(place, reps, tokens, temperature)
+        result["places"][place] = run_place(place, reps, tokens, temperature, arms)
     table = markdown(result)
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -130,9 +133,12 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else seeded")
     ap.add_argument("--out", default="results/copy_heavy.json")
     ap.add_argument("--docs", default="", help="also write DOCS/benchmarks-copy.md and a plot")
+    ap.add_argument("--arms", default="", help="only these methods beside plain, comma "
+                    "separated (default: all of " + ", ".join(ARMS[1:]) + ")")
     args = ap.parse_args(argv)
     run_workload(args.tokens, args.reps, tuple(args.history.split(",")), args.temperature,
-                 Path(args.out), Path(args.docs) if args.docs else None)
+                 Path(args.out), Path(args.docs) if args.docs else None,
+                 tuple(a for a in args.arms.split(",") if a))
 
 
 def rerender(path: str, docs: str) -> None:

@@ -211,7 +211,9 @@ def render_markdown(result: dict, s: dict, img_prefix: str) -> str:
         "is for is in benchmarks-repetitive.md (`tandem bench --workload repetitive`)",
         "- **Copy-heavy work:** speedup per category (repeat / quote, reformat / extract, code "
         "edit, correct text, summarise with citations, chat) and method, with its plot, is in "
-        "[benchmarks-copy.md](benchmarks-copy.md) (`tandem bench --workload copy`)",
+        "[benchmarks-copy.md](benchmarks-copy.md) (`tandem bench --workload copy`); its "
+        "plot:", "", f"![copy-heavy speedup per category and method]({img_prefix}"
+        "benchmarks-copy.png)", "",
         "- **Wall time:** " + (", ".join(f"{k} {v:.0f} s" for k, v in m.get("phase_s", {}).items())
                                + f"; total {fmt(m.get('wall_s'), '.0f')} s"), ""]
     parts += [f"> **Error:** {e}\n" for e in m.get("errors", [])] + [
