@@ -27,11 +27,9 @@ class SchedulerConfig:
     max_spec_tokens: int = 8  # cap on k per round
     max_verify_tokens: int = 64  # verification tokens per step; caps k under batch load
     max_model_len: int = 8192
-    # Chunked prefill: while other sessions decode, a prompt is computed at most this many
-    # tokens per step, so one long prompt does not stall their next token for its whole
-    # prefill; alone, it goes in one forward. 0 = off (a long prefill waits for a step of
-    # its own and then runs whole).
-    prefill_chunk_tokens: int = 256
+    # Chunked prefill: beside decoding sessions a prompt is computed at most this many tokens
+    # per step (their next token does not wait for its whole prefill); alone, in one forward.
+    prefill_chunk_tokens: int = 256  # 0 = off: a long prefill waits for a step of its own
     # The runner keeps every cached token's features (ModelRunner keep_features), so EAGLE
     # sessions may take prefix-cache hits and chunked prefills like any other.
     features_cached: bool = False
