@@ -159,3 +159,24 @@ def test_models_inspect_says_servable_or_names_the_problem(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_activation": "relu"}))
     assert main(["models", "inspect", str(tmp_path)]) == 1
     assert "hidden_act='relu'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, rope", [
+    ("llama-3.1", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                   "rope_theta": 500000.0}),
+    ("llama-3.2", {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                   "rope_theta": 500000.0}),
+])
+def test_llama3_rope_matches_transformers_at_the_published_settings(name, rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tandem.engine.llama import rope_inv_freq
+
+    hf_cfg = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32,
+                                      max_position_embeddings=131072, rope_parameters=rope)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    ours = LlamaConfig.from_hf({**hf_cfg.to_dict(), "model_type": "llama"})
+    assert ours.rope_theta == 500000.0 and ours.rope_scaling["factor"] == rope["factor"]
+    assert torch.allclose(rope_inv_freq(ours), want.float(), rtol=1e-6, atol=0), name
