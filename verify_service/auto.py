@@ -5,9 +5,10 @@ Proposers, none behind a network hop:
 - the token history (suffix decoding and n-gram lookup, verify_service/history.py), asked
   every round over the committed tokens;
 - for auto, the Medusa heads when this verifier has them: they run after a step on the row
-  that gave the round's last token (verify_service/features.py), and only when that round
-  verified no history drafts. A match that held is usually there again next round, so the
-  heads' pass would be wasted; a round without one is where the heads earn their few ms.
+  that gave the round's last token (verify_service/features.py), only once the history has
+  missed a few rounds in a row and not after a round that verified its drafts: a match that
+  held, or one that just broke off, is usually there again next round, and the heads' pass
+  would be wasted; a stretch without one is where the heads earn their few ms.
 
 Proposals are compared by expected tokens per ms of verify cost, each at its best size
 (tandem.spec.cost.best_rate): every node's estimated reach times the session's correction for
@@ -26,10 +27,17 @@ from verify_service.sequence import Proposal, Sequence
 HISTORY_SOURCES = frozenset({Method.SUFFIX, Method.NGRAM})
 
 
+# Rounds in a row the token history must find nothing before the heads are asked: on copy
+# work a miss is usually one round between two matches, and a heads' pass then (3-4 ms on
+# this CPU, a sixth of a round) is wasted when the next round matches again.
+HEADS_AFTER_MISSES = 2
+
+
 def wants_heads(seq: Sequence, num_drafts: int) -> bool:
     """Whether an auto session's step should also run the heads for its next round: not when
-    this round verifies the history's drafts (see the module docstring)."""
-    return (seq.params.method is Method.AUTO
+    this round verifies the history's drafts, nor until the history has missed a few rounds
+    in a row (see the module docstring)."""
+    return (seq.params.method is Method.AUTO and seq.history_misses >= HEADS_AFTER_MISSES
             and not (num_drafts and seq.draft_source in HISTORY_SOURCES))
 
 
@@ -59,6 +67,7 @@ def pick(scheduler: Scheduler, seq: Sequence) -> None:
     (the only one, for a single-source session); the others are dropped."""
     proposals, seq.proposals = seq.proposals, {}
     seq.draft_source = None
+    seq.history_misses = 0 if HISTORY_SOURCES & set(proposals) else seq.history_misses + 1
     if not proposals or seq.finished:
         return
     k_max = scheduler.k_max(seq)

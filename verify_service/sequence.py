@@ -143,6 +143,7 @@ class Sequence:
     draft_source: Method | None = None
     source_scale: dict[Method, float] = field(default_factory=dict)
     drafted_from: set[Method] = field(default_factory=set)
+    history_misses: int = 0  # rounds in a row the token history proposed nothing
     # Chunked prefill: tokens whose KV is still to be computed (their slots are allocated);
     # 0 = prefilled, decoding. A session is not sampled until its last chunk.
     prefill_left: int = 0

@@ -92,13 +92,19 @@ def test_heads_that_over_promise_lose_their_scale_not_the_historys():
     assert auto.head_nodes(sched, seq) < choose_tree_size(TREE, 8, sched.cost)
 
 
-def test_the_heads_run_only_when_the_round_has_no_history_drafts():
-    _, seq = _setup()
+def test_the_heads_run_only_after_the_history_missed_and_not_beside_its_drafts():
+    sched, seq = _setup()
+    for _ in range(auto.HEADS_AFTER_MISSES):
+        assert not auto.wants_heads(seq, 0)  # a miss or two: copying may go on next round
+        auto.pick(sched, seq)  # nothing proposed: one more miss
+    assert auto.wants_heads(seq, 0)
     seq.draft_source = Method.SUFFIX
     assert not auto.wants_heads(seq, 5)
-    assert auto.wants_heads(seq, 0)
     seq.draft_source = Method.MEDUSA
     assert auto.wants_heads(seq, 3)
+    _history(seq, Method.NGRAM, [0.9])
+    auto.pick(sched, seq)  # the history matched again
+    assert seq.history_misses == 0 and not auto.wants_heads(seq, 0)
     seq.params = GenerateParams(session_id="t", prompt=(1,), committed=(),
                                 sampling=SamplingParams(), max_new_tokens=4,
                                 stop_token_ids=frozenset(), method=Method.SUFFIX)
