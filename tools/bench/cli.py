@@ -129,7 +129,7 @@ def cmd_bench(args) -> int:
             return 0
         out = Path(args.out or f"results/bench-copy-{time.strftime('%Y-%m-%d', time.gmtime())}")
         run_workload(args.max_tokens or 256, args.repeats or 2, out=out / "results.json",
-                     docs=docs)
+                     docs=docs, model=args.model)
         return 0
     saved = _restore(json.loads(Path(args.report).read_text())) if args.report else None
     repetitive = (saved.get("meta", {}).get("workload") if saved is not None

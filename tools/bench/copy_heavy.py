@@ -55,12 +55,12 @@ def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.
 
 
 def run_place(place: str, reps: int, tokens: int, temperature: float,
-              only: tuple[str, ...] = ()) -> dict:
+              only: tuple[str, ...] = (), model: str = "") -> dict:
     # The worker-drafting cluster is there for ngram and suffix only: auto and the model
     # methods draft the same way in both clusters.
     arms = ARMS if place == "verifier" else WORKER_ARMS
     arms = tuple(a for a in arms if not only or a in only or a == "none")
-    cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=print,
+    cluster = Cluster(ClusterConfig(gateway_port=free_port(), model=model), log=print,
                       env={"TANDEM_VERIFIER_HISTORY_DRAFTS": place,
                            "TANDEM_API_KEYS": ",".join(key_of(a) for a in ARMS)},
                       output=subprocess.DEVNULL)
@@ -85,7 +85,7 @@ def run_place(place: str, reps: int, tokens: int, temperature: float,
             "repeat": summarise([r for r in rows if r["rep"] > 0]), **summarise(rows)}
 
 
-def verify_curve(counts=(1, 2, 3, 4, 6, 8, 12, 16, 17)) -> dict[int, float]:
+def verify_curve(counts=(1, 2, 3, 4, 6, 8, 12, 16, 17), model: str = "") -> dict[int, float]:
     """ms of one target forward over q new tokens, as the cluster's verifier runs it (the
     target under --dtype auto, 1 torch thread): the cost side of Leviathan's bound."""
     import torch
@@ -99,20 +99,21 @@ def verify_curve(counts=(1, 2, 3, 4, 6, 8, 12, 16, 17)) -> dict[int, float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = load_target(resolve_model("default"), place("cpu", "auto"))
-        return calibrate(ModelRunner.with_memory(model, 64 << 20, 16), counts, reps=5)
+        target = load_target(resolve_model(model or "default"), place("cpu", "auto"))
+        return calibrate(ModelRunner.with_memory(target, 64 << 20, 16), counts, reps=5)
     finally:
         torch.set_num_threads(threads)
 
 
 def run_workload(tokens: int = 256, reps: int = 2, places=("verifier", "worker"),
                  temperature: float = 0.0, out: Path = Path("results/copy_heavy.json"),
-                 docs: Path | None = None, arms: tuple[str, ...] = ()) -> dict:
+                 docs: Path | None = None, arms: tuple[str, ...] = (), model: str = "") -> dict:
     """One cluster per place, every prompt and arm; table printed, JSON (and docs) written."""
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "tokens": tokens, "reps": reps,
-              "temperature": temperature, "verify_ms": verify_curve(), "places": {}}
+              "temperature": temperature, "model": model or "default",
+              "verify_ms": verify_curve(model=model), "places": {}}
     for place in places:
-        result["places"][place] = run_place(place, reps, tokens, temperature, arms)
+        result["places"][place] = run_place(place, reps, tokens, temperature, arms, model)
     table = markdown(result)
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -135,10 +136,11 @@ def main(argv=None) -> None:
     ap.add_argument("--docs", default="", help="also write DOCS/benchmarks-copy.md and a plot")
     ap.add_argument("--arms", default="", help="only these methods beside plain, comma "
                     "separated (default: all of " + ", ".join(ARMS[1:]) + ")")
+    ap.add_argument("--model", default="", help="target (default: the default target)")
     args = ap.parse_args(argv)
     run_workload(args.tokens, args.reps, tuple(args.history.split(",")), args.temperature,
                  Path(args.out), Path(args.docs) if args.docs else None,
-                 tuple(a for a in args.arms.split(",") if a))
+                 tuple(a for a in args.arms.split(",") if a), args.model)
 
 
 def rerender(path: str, docs: str) -> None:
