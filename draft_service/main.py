@@ -120,7 +120,9 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
         proposers[Method.DRAFT_MODEL] = model
     if config.eagle is not None:
         eagle = EagleProposer.load(ModelPaths(Path(config.eagle)), kv_bytes, at.block_size,
-                                   config.eagle_vocab, at.device)
+                                   config.eagle_vocab, at.device,
+                                   ModelPaths(Path(config.tokenizer)) if config.tokenizer
+                                   else None)
         _check_eagle_tokens(eagle, model)
         proposers[Method.EAGLE] = eagle
     if config.mtp is not None:

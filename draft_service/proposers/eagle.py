@@ -20,7 +20,7 @@ from draft_service.proposers.draft_model import _common_prefix, sample_drafts
 from kernels.paged_attention import build_attention_metadata
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from tandem.engine.eagle import EagleHead
-from tandem.models import ModelPaths
+from tandem.models import ModelError, ModelPaths
 from tandem.spec import DraftRequest, DraftResult, ErrorCode, Method
 
 
@@ -70,8 +70,20 @@ class EagleProposer:
 
     @classmethod
     def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16,
-             draft_vocab: int = 0, device="cpu") -> EagleProposer:
-        head = EagleHead.load(paths, draft_vocab=draft_vocab, device=device)
+             draft_vocab: int = 0, device="cpu", target: ModelPaths | None = None
+             ) -> EagleProposer:
+        """Tandem's own head format, or a published EAGLE-1/2 head over `target` (whose
+        embeddings and LM head it uses)."""
+        from tandem.engine.eagle_published import is_published_eagle, load_published
+
+        if is_published_eagle(paths.root):
+            if target is None:
+                raise ModelError(f"{paths.root} is a published EAGLE-1/2 head: it drafts with "
+                                 "the target's LM head, so pass the target checkpoint "
+                                 "(--tokenizer TARGET_DIR)")
+            head = load_published(paths.root, target, device=device)
+        else:
+            head = EagleHead.load(paths, draft_vocab=draft_vocab, device=device)
         return cls(head, cache_blocks(head, kv_cache_bytes, block_size), block_size)
 
     def release(self, key: Hashable) -> None:

@@ -50,6 +50,10 @@ class EagleHead:
             raise ModelError(f"fc.weight has shape {tuple(self.fc.shape)}, "
                              f"expected {(hidden, 2 * hidden)}")
         self.card: dict = {}
+        # The published EAGLE-1/2 layout (tandem.engine.eagle_published): fc has a bias and
+        # no norm follows the layer.
+        self.fc_bias: torch.Tensor | None = None
+        self.out_norm = True
 
     def fuse_inputs(
         self,
@@ -94,9 +98,9 @@ class EagleHead:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [m, vocab] float32, predicted [n, hidden]
         m = self.model
         ids = input_ids if m._input_map is None else m._input_map[input_ids]
-        h = m.linear(self.fuse_inputs(m.embed[ids], features.to(m.dtype)), self.fc)
+        h = m.linear(self.fuse_inputs(m.embed[ids], features.to(m.dtype)), self.fc, self.fc_bias)
         cos, sin = m.rope_at(positions)
         (k_cache, v_cache), = kv_cache
         h = m.decoder_layer(h, m.layers[0], cos, sin, meta, k_cache, v_cache)
-        predicted = m._rms_norm(h, m.final_norm)
+        predicted = m._rms_norm(h, m.final_norm) if self.out_norm else h
         return m.logits(predicted[logits_indices]), predicted

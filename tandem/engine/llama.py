@@ -49,7 +49,7 @@ def rope_inv_freq(cfg: LlamaConfig, rope: dict | None = None) -> torch.Tensor:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor | None  # [hidden]; None: the published EAGLE-1/2 head's layer
     # The four projections are float tensors, or Int8Weight under --dtype int8.
     qkv: torch.Tensor | Int8Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
@@ -244,7 +244,7 @@ class LlamaModel:
         cfg = self.cfg
         n, hd = h.shape[0], cfg.head_dim
         q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        x = self._rms_norm(h, layer.input_norm)
+        x = h if layer.input_norm is None else self._rms_norm(h, layer.input_norm)
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q, k = q.view(n, cfg.num_heads, hd), k.view(n, cfg.num_kv_heads, hd)
