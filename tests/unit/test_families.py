@@ -172,7 +172,7 @@ def test_models_inspect_says_servable_or_names_the_problem(tmp_path, capsys):
 def test_llama3_rope_matches_transformers_at_the_published_settings(name, rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from tandem.engine.llama import rope_inv_freq
+    from tandem.engine.rope import rope_inv_freq
 
     hf_cfg = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32,
                                       max_position_embeddings=131072, rope_parameters=rope)

@@ -20,7 +20,7 @@ from torch import nn
 from tandem.engine.checkpoint import LlamaConfig
 from tandem.engine.draft_vocab import DraftVocab
 from tandem.engine.eagle import EAGLE_CARD
-from tandem.engine.llama import rope_inv_freq
+from tandem.engine.rope import rope_inv_freq
 
 
 class EagleTrainHead(nn.Module):
