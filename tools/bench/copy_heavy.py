@@ -3,7 +3,8 @@
   tandem bench --workload copy [--repeats 2] [--max-tokens 256] [--docs docs]
   python benchmarks/copy_heavy.py [--tokens 256] [--reps 2] [--history verifier,worker]
                                   [--temperature 0] [--out results/copy_heavy.json]
-                                  [--arms ngram,suffix,auto]
+                                  [--arms ngram,suffix,auto] [--first-reps 2]
+                                  [--model gemma3-270m]
                                   [--docs docs]  # writes docs/benchmarks-copy.md + a plot
 
 One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
@@ -34,19 +35,20 @@ from tools.bench.copy_report import ARMS, REPEAT_ARMS, WORKER_ARMS, markdown, su
 from tools.launcher import Cluster, ClusterConfig, free_port
 
 
-def key_of(arm: str) -> str:
+def key_of(arm: str, first_pass: int = 0) -> str:
     """Each arm asks with its own API key, so it is its own tenant: the verifier's suffix
     caches are per tenant, and no arm drafts from another arm's answer to the same prompt."""
-    return f"bench-{arm}"
+    return f"bench-{arm}" + (f"-{first_pass}" if first_pass else "")
 
 
-def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.0) -> dict:
+def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.0,
+        first_pass: int = 0) -> dict:
     body = {"model": "SmolLM2-135M-Instruct", "max_tokens": tokens, "temperature": temperature,
             "seed": 7, "messages": [{"role": "user", "content": prompt}],
             "speculation": {"method": method}}
     t0 = time.perf_counter()
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600,
-                   headers={"Authorization": f"Bearer {key_of(method)}"})
+                   headers={"Authorization": f"Bearer {key_of(method, first_pass)}"})
     wall = time.perf_counter() - t0
     r.raise_for_status()
     out = r.json()
@@ -55,27 +57,32 @@ def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.
 
 
 def run_place(place: str, reps: int, tokens: int, temperature: float,
-              only: tuple[str, ...] = (), model: str = "") -> dict:
+              only: tuple[str, ...] = (), model: str = "", first_reps: int = 1) -> dict:
     # The worker-drafting cluster is there for ngram and suffix only: auto and the model
     # methods draft the same way in both clusters.
     arms = ARMS if place == "verifier" else WORKER_ARMS
     arms = tuple(a for a in arms if not only or a in only or a == "none")
     cluster = Cluster(ClusterConfig(gateway_port=free_port(), model=model), log=print,
                       env={"TANDEM_VERIFIER_HISTORY_DRAFTS": place,
-                           "TANDEM_API_KEYS": ",".join(key_of(a) for a in ARMS)},
+                           "TANDEM_API_KEYS": ",".join(key_of(a, j) for a in ARMS
+                                                       for j in range(first_reps))},
                       output=subprocess.DEVNULL)
     cluster.start()
     rows = []
     try:
         ask(cluster.gateway_url, "Say hi.", "none", 8)  # warm up
-        for rep in range(reps):
+        # First asks `first_reps` times over, each pass as fresh tenants (no answer to the
+        # same prompt in any cache), then the repeats as the first pass's tenants.
+        for rep, first_pass in [(0, j) for j in range(first_reps)] + [
+                (r, 0) for r in range(1, reps)]:
             # Repeats only where a cache can help (and plain, their baseline).
             asked = arms if rep == 0 else [a for a in arms if a in REPEAT_ARMS]
             for i, prompt in enumerate(PROMPTS):
-                k = (i + rep) % len(asked)
+                k = (i + rep + first_pass) % len(asked)
                 for arm in asked[k:] + asked[:k]:
-                    res = ask(cluster.gateway_url, prompt, arm, tokens, temperature)
-                    rows.append({"rep": rep, "prompt": i, "arm": arm, **res})
+                    res = ask(cluster.gateway_url, prompt, arm, tokens, temperature, first_pass)
+                    rows.append({"rep": rep, "pass": first_pass, "prompt": i, "arm": arm,
+                                 **res})
                     print(f"[{place}] rep {rep} prompt {i} {arm}: {res['tokens']} tokens "
                           f"{res['tokens'] / res['wall_s']:.1f} tok/s "
                           f"accepted {res['spec'].get('acceptance_rate')}", flush=True)
@@ -107,13 +114,15 @@ def verify_curve(counts=(1, 2, 3, 4, 6, 8, 12, 16, 17), model: str = "") -> dict
 
 def run_workload(tokens: int = 256, reps: int = 2, places=("verifier", "worker"),
                  temperature: float = 0.0, out: Path = Path("results/copy_heavy.json"),
-                 docs: Path | None = None, arms: tuple[str, ...] = (), model: str = "") -> dict:
+                 docs: Path | None = None, arms: tuple[str, ...] = (), model: str = "",
+                 first_reps: int = 1) -> dict:
     """One cluster per place, every prompt and arm; table printed, JSON (and docs) written."""
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "tokens": tokens, "reps": reps,
-              "temperature": temperature, "model": model or "default",
+              "temperature": temperature, "model": model or "default", "first_reps": first_reps,
               "verify_ms": verify_curve(model=model), "places": {}}
     for place in places:
-        result["places"][place] = run_place(place, reps, tokens, temperature, arms, model)
+        result["places"][place] = run_place(place, reps, tokens, temperature, arms, model,
+                                            first_reps)
     table = markdown(result)
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -137,10 +146,12 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", default="", help="only these methods beside plain, comma "
                     "separated (default: all of " + ", ".join(ARMS[1:]) + ")")
     ap.add_argument("--model", default="", help="target (default: the default target)")
+    ap.add_argument("--first-reps", type=int, default=1, help="independent first asks per "
+                    "prompt and arm, each pass as fresh tenants (default 1)")
     args = ap.parse_args(argv)
     run_workload(args.tokens, args.reps, tuple(args.history.split(",")), args.temperature,
                  Path(args.out), Path(args.docs) if args.docs else None,
-                 tuple(a for a in args.arms.split(",") if a), args.model)
+                 tuple(a for a in args.arms.split(",") if a), args.model, args.first_reps)
 
 
 def rerender(path: str, docs: str) -> None:
