@@ -41,9 +41,16 @@ def key_of(arm: str, first_pass: int = 0) -> str:
     return f"bench-{arm}" + (f"-{first_pass}" if first_pass else "")
 
 
+def served_model(url: str) -> str:
+    """The name the cluster's gateway serves (what "model" must say)."""
+    r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key_of('none')}"})
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
 def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.0,
-        first_pass: int = 0) -> dict:
-    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": tokens, "temperature": temperature,
+        first_pass: int = 0, model: str = "SmolLM2-135M-Instruct") -> dict:
+    body = {"model": model, "max_tokens": tokens, "temperature": temperature,
             "seed": 7, "messages": [{"role": "user", "content": prompt}],
             "speculation": {"method": method}}
     t0 = time.perf_counter()
@@ -70,7 +77,8 @@ def run_place(place: str, reps: int, tokens: int, temperature: float,
     cluster.start()
     rows = []
     try:
-        ask(cluster.gateway_url, "Say hi.", "none", 8)  # warm up
+        name = served_model(cluster.gateway_url)
+        ask(cluster.gateway_url, "Say hi.", "none", 8, model=name)  # warm up
         # First asks `first_reps` times over, each pass as fresh tenants (no answer to the
         # same prompt in any cache), then the repeats as the first pass's tenants.
         for rep, first_pass in [(0, j) for j in range(first_reps)] + [
@@ -80,7 +88,8 @@ def run_place(place: str, reps: int, tokens: int, temperature: float,
             for i, prompt in enumerate(PROMPTS):
                 k = (i + rep + first_pass) % len(asked)
                 for arm in asked[k:] + asked[:k]:
-                    res = ask(cluster.gateway_url, prompt, arm, tokens, temperature, first_pass)
+                    res = ask(cluster.gateway_url, prompt, arm, tokens, temperature, first_pass,
+                              name)
                     rows.append({"rep": rep, "pass": first_pass, "prompt": i, "arm": arm,
                                  **res})
                     print(f"[{place}] rep {rep} prompt {i} {arm}: {res['tokens']} tokens "
