@@ -126,7 +126,8 @@ def expected_accepted(accuracy, choices) -> float:
 
 class MedusaHeads(torch.nn.Module):
     """The trainable part: per head, num_layers residual SiLU blocks. `lm_rows` [V_d, hidden]
-    are the target's LM-head rows of cfg.vocab_ids (frozen)."""
+    are the target's LM-head rows of cfg.vocab_ids (frozen), or [heads, V_d, hidden] for heads
+    published with an LM head each (tandem.engine.medusa_published)."""
 
     def __init__(self, cfg: MedusaConfig, lm_rows: torch.Tensor):
         super().__init__()
@@ -150,7 +151,10 @@ class MedusaHeads(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """[N, hidden] -> [heads, N, V_d] logits over the heads' vocabulary."""
-        return self.hidden(h, heads) @ self.lm_rows.T
+        x = self.hidden(h, heads)
+        if self.lm_rows.dim() == 3:  # a published layout: each head its own LM head
+            return torch.bmm(x, self.lm_rows[:x.shape[0]].transpose(1, 2))
+        return x @ self.lm_rows.T
 
     def propose(self, h: torch.Tensor, nodes: int | None = None, chain: bool = False
                 ) -> tuple[list[DraftToken], tuple[int, ...]]:
@@ -211,6 +215,11 @@ def load_for(model, paths: ModelPaths, choice: str) -> MedusaHeads | None:
     path = resolve_medusa(choice, paths)
     if path is None:
         return None
+    from tandem.engine.medusa_published import is_published_medusa, load_published
+
+    if is_published_medusa(path):  # FasterDecoding, rtp-llm or vLLM layouts
+        return load_published(path, model.cfg.hidden_size, model.cfg.vocab_size).to(
+            model.device)
     lm_head = model.lm_head
     if model.cfg.tie_word_embeddings or not isinstance(lm_head, torch.Tensor):
         lm_head = model.embed  # tied (int8 keeps a float twin), else read below
