@@ -80,5 +80,7 @@ def skip_view(model: LlamaModel, skip: SkipSet) -> LlamaModel:
                          f"{model.cfg.num_layers} layers")
     view = copy.copy(model)  # shallow: embeddings, norms, head and layers are the target's
     view.layers = [model.layers[i] for i in skip.kept]
-    view.cfg = replace(model.cfg, num_layers=len(view.layers))
+    types = model.cfg.layer_types  # a kept layer keeps its window (Gemma's pattern)
+    view.cfg = replace(model.cfg, num_layers=len(view.layers),
+                       layer_types=tuple(types[i] for i in skip.kept) if types else ())
     return view

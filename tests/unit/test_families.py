@@ -180,3 +180,14 @@ def test_llama3_rope_matches_transformers_at_the_published_settings(name, rope):
     ours = LlamaConfig.from_hf({**hf_cfg.to_dict(), "model_type": "llama"})
     assert ours.rope_theta == 500000.0 and ours.rope_scaling["factor"] == rope["factor"]
     assert torch.allclose(rope_inv_freq(ours), want.float(), rtol=1e-6, atol=0), name
+
+
+def test_a_layer_skip_view_keeps_each_kept_layers_window(tmp_path):
+    from tandem.engine.layer_skip import SkipSet, skip_view
+
+    make_checkpoint(tmp_path, "gemma3")  # sliding, sliding, full, sliding
+    view = skip_view(LlamaModel.load(resolve_model(tmp_path)), SkipSet(4, (1,)))
+    assert [view.cfg.window(i) for i in range(3)] == [10, 0, 10]
+    runner = ModelRunner(view, num_blocks=16, block_size=4)
+    ids = list(range(1, 30))
+    assert runner.forward([SeqChunk(ids, 0, list(range(8)), num_logits=1)]).isfinite().all()
