@@ -79,7 +79,8 @@ class MtpHead(EagleHead):
                              f"({MTP_LAYERS_KEY}); module {index} does not exist")
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
         weights, tied = _module_weights(load_tensors(paths), cfg, index)
-        head = cls(replace(cfg, num_layers=1, tie_word_embeddings=tied), weights, dtype, device)
+        head = cls(replace(cfg, num_layers=1, tie_word_embeddings=tied, layer_types=()), weights,
+                   dtype, device)  # the module attends over the whole context
         head.card = {"method": "mtp", "source": str(paths.root), "module": index}
         head.model.tune_kernels()
         return head
