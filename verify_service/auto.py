@@ -41,19 +41,23 @@ def wants_heads(seq: Sequence, num_drafts: int) -> bool:
             and not (num_drafts and seq.draft_source in HISTORY_SOURCES))
 
 
+def _heads_reach(scheduler: Scheduler, seq: Sequence) -> tuple[float, ...]:
+    """The heads' held-out reach per node, of their tree or (chain sessions) their chain."""
+    return scheduler.tree_reach if seq.params.tree else scheduler.chain_reach
+
+
 def heads_proposal(scheduler: Scheduler, seq: Sequence, drafts, parents) -> Proposal:
     """The heads' drafts as a proposal, with their held-out reach per node."""
-    base = scheduler.tree_reach if seq.params.tree else scheduler.chain_reach
-    return Proposal(list(drafts), tuple(parents), [float(r) for r in base[:len(drafts)]])
+    reach = _heads_reach(scheduler, seq)
+    return Proposal(list(drafts), tuple(parents), [float(r) for r in reach[:len(drafts)]])
 
 
 def head_nodes(scheduler: Scheduler, seq: Sequence, heads_ms: float = 0.0) -> int:
     """Nodes of the heads' proposal worth drafting for the next round: 0 when none pays
     for the verify cost plus the heads' own pass (heads_ms, spent whether or not their
     proposal is then picked), so heads that do not pay for themselves are not run."""
-    base = scheduler.tree_reach if seq.params.tree else scheduler.chain_reach
-    return choose_tree_size(scaled(seq, Method.MEDUSA, base), scheduler.k_max(seq),
-                            scheduler.cost, heads_ms)
+    return choose_tree_size(scaled(seq, Method.MEDUSA, _heads_reach(scheduler, seq)),
+                            scheduler.k_max(seq), scheduler.cost, heads_ms)
 
 
 def scaled(seq: Sequence, source: Method, reach) -> list[float]:

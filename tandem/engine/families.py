@@ -84,8 +84,9 @@ def unsupported(hf: dict) -> str | None:
     kind = hf.get("model_type")
     if kind not in FAMILIES:
         return f"model_type={kind!r} (served: {', '.join(FAMILIES)})"
-    for types in {FULL, SLIDING} & set(layer_types(hf)):
-        rope = rope_of(hf, types)
+    types = set(layer_types(hf))
+    for kind_of_layer in {FULL, SLIDING} & types:
+        rope = rope_of(hf, kind_of_layer)
         if rope["rope_type"] not in ROPE_TYPES:
             return (f"rope scaling rope_type={rope['rope_type']!r} (served: "
                     f"{', '.join(ROPE_TYPES)})")
@@ -98,7 +99,6 @@ def unsupported(hf: dict) -> str | None:
         return "mlp_bias=true"
     if hf.get("use_bidirectional_attention"):
         return "use_bidirectional_attention=true"
-    types = set(layer_types(hf)) - {FULL, SLIDING}
-    if types:
-        return f"layer_types {sorted(types)}"
+    if types - {FULL, SLIDING}:
+        return f"layer_types {sorted(types - {FULL, SLIDING})}"
     return None
