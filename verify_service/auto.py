@@ -21,11 +21,9 @@ from __future__ import annotations
 
 from tandem.spec import Method
 from tandem.spec.cost import best_rate, choose_tree_size
+from verify_service.history import HISTORY_SOURCES
 from verify_service.scheduler import Scheduler
 from verify_service.sequence import Proposal, Sequence
-
-HISTORY_SOURCES = frozenset({Method.SUFFIX, Method.NGRAM})
-
 
 # Rounds in a row the token history must find nothing before the heads are asked: on copy
 # work a miss is usually one round between two matches, and a heads' pass then (3-4 ms on
@@ -41,14 +39,9 @@ def wants_heads(seq: Sequence, num_drafts: int) -> bool:
             and not (num_drafts and seq.draft_source in HISTORY_SOURCES))
 
 
-def _heads_reach(scheduler: Scheduler, seq: Sequence) -> tuple[float, ...]:
-    """The heads' held-out reach per node, of their tree or (chain sessions) their chain."""
-    return scheduler.tree_reach if seq.params.tree else scheduler.chain_reach
-
-
 def heads_proposal(scheduler: Scheduler, seq: Sequence, drafts, parents) -> Proposal:
     """The heads' drafts as a proposal, with their held-out reach per node."""
-    reach = _heads_reach(scheduler, seq)
+    reach = scheduler.heads_reach(seq)
     return Proposal(list(drafts), tuple(parents), [float(r) for r in reach[:len(drafts)]])
 
 
@@ -56,14 +49,8 @@ def head_nodes(scheduler: Scheduler, seq: Sequence, heads_ms: float = 0.0) -> in
     """Nodes of the heads' proposal worth drafting for the next round: 0 when none pays
     for the verify cost plus the heads' own pass (heads_ms, spent whether or not their
     proposal is then picked), so heads that do not pay for themselves are not run."""
-    return choose_tree_size(scaled(seq, Method.MEDUSA, _heads_reach(scheduler, seq)),
+    return choose_tree_size(seq.scaled_reach(Method.MEDUSA, scheduler.heads_reach(seq)),
                             scheduler.k_max(seq), scheduler.cost, heads_ms)
-
-
-def scaled(seq: Sequence, source: Method, reach) -> list[float]:
-    """A source's reach estimates corrected by what this session measured of it."""
-    scale = seq.source_scale.get(source, 1.0)
-    return [min(1.0, r * scale) for r in reach]
 
 
 def pick(scheduler: Scheduler, seq: Sequence) -> None:
@@ -71,12 +58,13 @@ def pick(scheduler: Scheduler, seq: Sequence) -> None:
     (the only one, for a single-source session); the others are dropped."""
     proposals, seq.proposals = seq.proposals, {}
     seq.draft_source = None
-    seq.history_misses = 0 if HISTORY_SOURCES & set(proposals) else seq.history_misses + 1
+    seq.history_misses = 0 if any(m in proposals for m in HISTORY_SOURCES) else \
+        seq.history_misses + 1
     if not proposals or seq.finished:
         return
     k_max = scheduler.k_max(seq)
     source = max(proposals, key=lambda m: best_rate(
-        scaled(seq, m, proposals[m].reach), k_max, scheduler.cost))
+        seq.scaled_reach(m, proposals[m].reach), k_max, scheduler.cost))
     chosen = proposals[source]
     seq.drafts, seq.draft_parents = list(chosen.drafts), chosen.parents
     seq.draft_reach, seq.draft_source = list(chosen.reach), source

@@ -16,8 +16,8 @@ from tandem.spec.proposer import Learner, propose_isolated
 from verify_service.sequence import Proposal, Sequence
 
 HISTORY_METHODS = frozenset({Method.NGRAM, Method.SUFFIX, Method.AUTO})
-# `auto` asks both each round and keeps the proposal with the most expected accepted tokens.
-_AUTO_FROM = (Method.SUFFIX, Method.NGRAM)
+# The token-history proposers `auto` asks each round (verify_service/auto.py picks).
+HISTORY_SOURCES = (Method.SUFFIX, Method.NGRAM)
 
 
 class HistoryDrafts:
@@ -87,4 +87,4 @@ class HistoryDrafts:
 
 def _sources(method: Method) -> tuple[Method, ...]:
     """The proposers a session of `method` drafts from (auto: both)."""
-    return _AUTO_FROM if method is Method.AUTO else (method,)
+    return HISTORY_SOURCES if method is Method.AUTO else (method,)

@@ -30,9 +30,7 @@ class SchedulerConfig:
     # Chunked prefill: beside decoding sessions a prompt is computed at most this many tokens
     # per step (their next token does not wait for its whole prefill); alone, in one forward.
     prefill_chunk_tokens: int = 256  # 0 = off: a long prefill waits for a step of its own
-    # The runner keeps every cached token's features (ModelRunner keep_features), so EAGLE
-    # sessions may take prefix-cache hits and chunked prefills like any other.
-    features_cached: bool = False
+    features_cached: bool = False  # runner keeps features: EAGLE takes cache hits, chunks
     kv_window: int = 0  # every layer's sliding window: older KV blocks are released (0: none)
 
     def __post_init__(self):
@@ -148,10 +146,9 @@ class Scheduler:
         sessions sized node by node (trees, and Medusa's chains); None for a draft worker's
         chain (sized by its acceptance EMA). Scaled by the session's measured correction."""
         if seq.local_drafts:  # the proposal's own per-token estimates (none: no match)
-            scale = seq.source_scale.get(seq.draft_source, 1.0)
-            return [min(1.0, r * scale) for r in seq.draft_reach]
+            return seq.scaled_reach(seq.draft_source, seq.draft_reach)
         if seq.params.method.in_verifier:
-            base = self.tree_reach if seq.params.tree else self.chain_reach
+            base = self.heads_reach(seq)
         elif seq.params.tree:  # the arrived nodes' own estimates, the last tree's for the rest
             base = seq.last_reach or [seq.acceptance_ema ** (i + 1) for i in range(
                 self.k_max(seq) if k_max is None else k_max)]
@@ -160,6 +157,9 @@ class Scheduler:
         else:
             return None
         return [r * seq.tree_scale for r in base]
+
+    def heads_reach(self, seq: Sequence) -> tuple[float, ...]:  # Medusa's, tree or chain
+        return self.tree_reach if seq.params.tree else self.chain_reach
 
     def plan(self) -> dict[str, int]:
         """Drafts per decoding session this step, when several share it: a draft's row must

@@ -206,6 +206,12 @@ class Sequence:
             self.drafts = []
         return new
 
+    def scaled_reach(self, source: Method | None, reach) -> list[float]:
+        """A source's per-node reach estimates corrected by what this session measured of it
+        (source_scale; 1 for a source it has not drafted from)."""
+        scale = self.source_scale.get(source, 1.0)
+        return [min(1.0, r * scale) for r in reach]
+
     def clear_drafts(self) -> None:
         if self.draft_reach:
             self.last_reach = tuple(self.draft_reach)

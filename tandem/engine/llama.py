@@ -250,8 +250,10 @@ class LlamaModel:
         act = F.silu(gate) if self.cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
         return self.linear(act * up, layer.down)
 
-    def rope_at(self, positions: torch.Tensor):  # [num_tokens] -> 2 x [num_tokens, 1, hd]
-        return self.cos[positions][:, None], self.sin[positions][:, None]
+    def rope_at(self, positions: torch.Tensor, table=None):  # -> 2 x [num_tokens, 1, hd]
+        """cos, sin of `positions` [num_tokens]: the global table's, or `table`'s."""
+        cos, sin = table or (self.cos, self.sin)
+        return cos[positions][:, None], sin[positions][:, None]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [rows, hidden] normed -> [rows, vocab]
         logits = self.linear(h, self.lm_head).float()
@@ -275,9 +277,7 @@ class LlamaModel:
         hidden state (the LM head's input, the "feature" EAGLE drafts from) of every token,
         [num_tokens, hidden]."""
         cos, sin = self.rope_at(positions)
-        local = None
-        if self.local_rope is not None:
-            local = (self.local_rope[0][positions][:, None], self.local_rope[1][positions][:, None])
+        local = self.rope_at(positions, self.local_rope) if self.local_rope else None
         if self._input_map is not None:
             input_ids = self._input_map[input_ids]  # target ids -> draft rows
         h = self.embed[input_ids]  # [num_tokens, hidden]
