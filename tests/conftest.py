@@ -64,3 +64,10 @@ def eagle_dir(target_paths, tmp_path_factory):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(target_paths.root / f, out / f)
     return out
+
+
+@pytest.fixture(scope="session")
+def grammar_compiler(tokenizer):
+    from tandem.grammar import GrammarCompiler
+
+    return GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))

@@ -1,0 +1,80 @@
+"""Grammars compiled for one tokenizer: cached by content, bounded in time and size.
+
+llguidance bounds its own work (lexer fuel, grammar size, Earley items per step), so a
+hostile schema fails fast with a message; `compile_async` also runs it off the event loop
+with a deadline, so no request waits behind another's grammar.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llguidance.hf
+
+from tandem.errors import InvalidArgument
+from tandem.grammar.spec import GrammarSpec
+
+
+class GrammarError(InvalidArgument):
+    """The grammar cannot be compiled (HTTP 400 / INVALID_ARGUMENT), with llguidance's why."""
+
+
+class GrammarCompiler:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...] = (),
+                 cache_size: int = 256, timeout_s: float = 5.0):
+        eos = list(eos_ids) or None  # every end-of-reply token ends a grammar's text
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                      eos_token=eos)
+        self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids) or (hf_tokenizer.eos_token_id,)
+        self.timeout_s = timeout_s
+        self._cache: OrderedDict[str, llguidance.LLMatcher | GrammarError] = OrderedDict()
+        self._size = cache_size
+        self._lock = threading.Lock()
+
+    def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """A fresh matcher at the grammar's start; GrammarError if it cannot compile."""
+        with self._lock:
+            found = self._cache.get(spec.key)
+            if found is not None:
+                self._cache.move_to_end(spec.key)
+        if found is None:
+            found = self._compile(spec)
+            with self._lock:
+                self._cache[spec.key] = found
+                while len(self._cache) > self._size:
+                    self._cache.popitem(last=False)
+        if isinstance(found, GrammarError):
+            raise found
+        return found.deep_copy()
+
+    async def matcher_async(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """`matcher` on a worker thread, within the compile deadline."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.matcher, spec), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise GrammarError(f"{spec.kind.api_name}: compiling took longer than "
+                               f"{self.timeout_s:g} s") from None
+
+    def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher | GrammarError:
+        what = spec.kind.api_name
+        try:
+            grammar = spec.llguidance()
+        except (ValueError, TypeError) as exc:
+            return GrammarError(f"{what}: {exc}")
+        why = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if why:
+            return GrammarError(f"{what}: {_first_line(why)}")
+        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():
+            return GrammarError(f"{what}: {_first_line(m.get_error())}")
+        return m
+
+
+def _first_line(message: str, limit: int = 500) -> str:
+    """llguidance's messages carry a source excerpt after the first line: keep them short."""
+    text = " ".join(line.strip() for line in message.strip().splitlines()[:3])
+    return text[:limit]

@@ -1,0 +1,89 @@
+"""One session's grammar: where its committed text stands, and the token masks of a round.
+
+A round verifies drafts the grammar has not seen. `masks` walks the matcher through them
+(a chain, or a tree by parents) to compute the allowed tokens at every verified position,
+then rolls back: the matcher only ever advances by `commit`, with the tokens the verifier
+committed. Drafts the grammar forbids get their parent's mask for the rows under them (those
+rows are never used: the forbidden draft itself has probability 0, so it is rejected).
+"""
+from __future__ import annotations
+
+import logging
+
+import llguidance
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class GrammarState:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
+        self.words = mask_words(vocab_size)
+
+    def commit(self, tokens: list[int]) -> bool:
+        """Advance by committed tokens; False (and the matcher in its error state) if the
+        grammar forbids one (a resumed session's tokens from elsewhere)."""
+        for t in tokens:
+            if self.matcher.is_stopped():
+                return t in self.eos_ids
+            if not self.matcher.consume_token(t):
+                return False
+        return True
+
+    @property
+    def forced(self) -> list[int]:
+        """Tokens the grammar allows alone from here (a key's closing quote, `": "`, ...)."""
+        if self.matcher.is_stopped():
+            return []
+        return self.matcher.compute_ff_tokens()
+
+    def masks(self, drafts: list[int], parents: tuple[int, ...] | None = None) -> torch.Tensor:
+        """[len(drafts) + 1, words] int32 bitmasks: row 0 at the committed text, row i + 1
+        after drafts[i] and its ancestors (parents[i]: index among drafts, -1 = root;
+        None = a chain). The matcher ends where it started."""
+        out = torch.zeros(len(drafts) + 1, self.words, dtype=torch.int32)
+        self._fill(out, 0)
+        paths: list[list[int] | None] = []
+        cur: list[int] = []  # tokens consumed beyond the committed text
+        for i, tok in enumerate(drafts):
+            p = i - 1 if parents is None else parents[i]
+            base = [] if p < 0 else paths[p]
+            if base is None:  # under a forbidden draft
+                paths.append(None)
+                out[i + 1] = out[p + 1]
+                continue
+            cur = self._move(cur, base)
+            if self.matcher.validate_tokens([tok]) == 1 and self.matcher.consume_token(tok):
+                cur = [*base, tok]
+                paths.append(cur)
+                self._fill(out, i + 1)
+            else:
+                paths.append(None)
+                out[i + 1] = out[p + 1]
+        self._move(cur, [])
+        return out
+
+    def _move(self, cur: list[int], target: list[int]) -> list[int]:
+        """Roll back to the common prefix of `cur` and `target`, then consume the rest."""
+        common = 0
+        while common < min(len(cur), len(target)) and cur[common] == target[common]:
+            common += 1
+        if len(cur) > common:
+            self.matcher.rollback(len(cur) - common)
+        if len(target) > common:
+            self.matcher.consume_tokens(target[common:])
+        return target
+
+    def _fill(self, out: torch.Tensor, row: int) -> None:
+        v = out[row]
+        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        if not bool(v.any()):  # a matcher in its error state allows nothing: let it end
+            log.warning("grammar matcher allows no token (%s); allowing only EOS",
+                        self.matcher.get_error())
+            for t in self.eos_ids:
+                v[t // 32] |= 1 << (t % 32)
