@@ -6,6 +6,7 @@ built in gateway/plan.py, generated in gateway/generation.py, shaped in gateway/
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -38,7 +39,7 @@ from gateway.errors import (
 )
 from gateway.generation import GenerationDeps, run_session
 from gateway.observe import observed, start_request_span
-from gateway.plan import build_plan
+from gateway.plan import GenerationPlan, build_plan
 from gateway.quotas import Limits, RedisQuotas, metered
 from gateway.responses import ResponseMeta, collect, stream
 from gateway.routing import Router
@@ -49,8 +50,11 @@ from gateway.sessions import (
     RedisSessionStore,
     client_identity,
 )
+from gateway.tool_events import with_tool_calls
 from gateway.verifier import ChannelPool
 from tandem import telemetry
+from tandem.grammar import GrammarCompiler
+from tandem.grammar.compiler import LazyCompiler
 from tandem.registry import WorkerRegistry
 from tandem.telemetry import GatewayMetrics
 
@@ -70,6 +74,7 @@ class _Gateway:
     limiter: RedisQuotas  # behind the breaker (Guarded)
     deps: GenerationDeps
     started: int
+    grammars: LazyCompiler  # structured output: grammars compiled for the tokenizer
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     tracer: Any = field(default_factory=lambda: telemetry.tracer("gateway"))
     # Set by a stop or drain signal (gateway/serve.py), from the main thread: /health
@@ -98,8 +103,12 @@ def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
     store = Guarded(RedisSessionStore(redis, prefix=p, ttl_s=config.session_ttl_s, clock=clock),
                     breaker)
     limiter = Guarded(RedisQuotas(redis, prefix=p, clock=clock), breaker)
+    grammars = LazyCompiler(lambda: GrammarCompiler(
+        tokenizer, len(tokenizer), tuple(dict.fromkeys(
+            ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+            + config.eos_token_ids))))
     gw = _Gateway(config, tokenizer, clock, redis, breaker, router, limiter,
-                  GenerationDeps(config, router, channels, store), int(clock()))
+                  GenerationDeps(config, router, channels, store), int(clock()), grammars)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -216,6 +225,14 @@ async def _parse(request: Request, model: type[schemas.GenerationRequest]):
         raise from_validation_error(exc) from None
 
 
+def _captures(gw: _Gateway, plan: GenerationPlan, text: str) -> list[str]:
+    """The tool calls an auto plan's grammar captures in a finished text: the grammar that
+    produced the text parses it (llguidance reads bytes, so any tokenization will do)."""
+    ids = gw.tokenizer(text, add_special_tokens=False).input_ids
+    state = gw.grammars.now().state_now(plan.tools.grammar, ids)
+    return [value.decode() for name, value in state.matcher.get_captures() if name == "call"]
+
+
 async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     req = await _parse(request, schemas.ChatCompletionRequest if chat
                        else schemas.CompletionRequest)
@@ -225,7 +242,7 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     try:
         with trace.use_span(span, end_on_exit=False):
             plan, text = await build_plan(req, sid, config=gw.config, router=gw.router,
-                                          tokenizer=gw.tokenizer)
+                                          tokenizer=gw.tokenizer, grammars=gw.grammars)
             plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()),
                            tenant=_tenant(request))
             try:
@@ -247,6 +264,8 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     if key is not None and key.tpm:
         events = metered(events, gw.limiter, key.identity, meta.prompt_tokens)
     events = observed(events, span, gw.metrics, endpoint, meta.prompt_tokens)
+    if plan.tools is not None:
+        events = with_tool_calls(events, plan.tools, functools.partial(_captures, gw, plan))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream(events, meta, include_usage)

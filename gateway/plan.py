@@ -10,7 +10,12 @@ from gateway.config import GatewayConfig
 from gateway.errors import bad_request
 from gateway.logprobs import requested as requested_logprobs
 from gateway.routing import Router, affinity_key
+from gateway.structured import constraint
 from gateway.text import TextStream
+from gateway.tools import ToolPlan, system_prompt
+from tandem.errors import InvalidArgument
+from tandem.grammar import GrammarSpec
+from tandem.grammar.compiler import LazyCompiler
 from tandem.sampling_params import SamplingParams
 from tandem.spec.methods import Method
 
@@ -34,12 +39,16 @@ class GenerationPlan:
     logprobs: int | None = None  # each token's logprob with this many top ones; None = off
     round_events: bool = False  # stream a speculation_round chunk per verification round
     draft_shape: str | None = None  # "tree" or "chain" (medusa, eagle); None = the verifier's
+    grammar: GrammarSpec | None = None  # structured output (gateway/structured.py)
+    tools: ToolPlan | None = None  # the tools the text may call (chat)
 
 
 async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: GatewayConfig,
-                     router: Router, tokenizer: Any) -> tuple[GenerationPlan, TextStream]:
+                     router: Router, tokenizer: Any, grammars: LazyCompiler | None = None
+                     ) -> tuple[GenerationPlan, TextStream]:
     """The plan for `req` and the TextStream that turns its tokens into the client's text;
-    400 (APIError) for anything the request models alone could not reject."""
+    400 (APIError) for anything the request models alone could not reject. A grammar is
+    compiled here (`grammars`), so one that cannot be is a 400 before any token."""
     verifiers = await router.verifiers()
     # The live verifiers' limit wins; the config's covers verifiers that report none.
     max_spec = max((v.max_speculative_tokens for v in verifiers), default=0)
@@ -47,7 +56,11 @@ async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: Gatewa
     if req.model is not None and req.model != config.model_name:
         raise bad_request(f"model: unknown model {req.model!r}; this server serves "
                           f"{config.model_name!r}", param="model", code="model_not_found")
-    ids, conversation = schemas.prompt_token_ids(req, tokenizer)
+    grammar, tools = constraint(req)
+    if grammar is not None:
+        await _check_grammar(grammar, grammars, "tools" if tools else "")
+    ids, conversation = schemas.prompt_token_ids(
+        req, tokenizer, system_prompt(req.tools, tools) if tools else "")
     max_new = schemas.resolve_max_tokens(req, len(ids), config.context_length,
                                          config.default_max_tokens)
     stop_ids = _stop_token_ids(req, tokenizer, config.eos_token_ids)
@@ -64,8 +77,21 @@ async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: Gatewa
                                 if spec.num_speculative_tokens is not None
                                 else config.default_speculative_tokens),
         affinity_key=affinity_key(conversation), typical=_typical(spec),
-        logprobs=requested_logprobs(req), round_events=spec.events)
+        logprobs=requested_logprobs(req), round_events=spec.events, grammar=grammar,
+        tools=tools)
     return plan, TextStream(tokenizer, req.stop_strings(), stop_ids)
+
+
+async def _check_grammar(grammar: GrammarSpec, grammars: LazyCompiler | None,
+                         param: str) -> None:
+    if grammars is None:
+        raise bad_request("structured output is not served by this gateway",
+                          param=param or None, code="unsupported_parameter")
+    try:
+        await (await grammars.get()).matcher_async(grammar)
+    except InvalidArgument as exc:
+        raise bad_request(f"{param or 'grammar'}: cannot compile: {exc}",
+                          param=param or None, code="invalid_grammar") from None
 
 
 def _typical(spec: schemas.SpeculationOptions) -> tuple[float, float] | None:

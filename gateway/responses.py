@@ -13,6 +13,7 @@ from gateway import schemas
 from gateway.errors import APIError
 from gateway.generation import Finished, RoundEvent, TextDelta
 from gateway.logprobs import LogprobsFormatter, TokenLogprobs
+from gateway.tool_events import ToolCalls, chunk
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,12 @@ async def collect(events: AsyncIterator, meta: ResponseMeta, request: Request) -
     """The whole response as one body (stream=false)."""
     parts: list[str] = []
     logprobs: list[TokenLogprobs] = []
+    calls = None
     async with aclosing(events):
         async for ev in events:
-            if isinstance(ev, TextDelta):
+            if isinstance(ev, ToolCalls):
+                calls = ev.calls
+            elif isinstance(ev, TextDelta):
                 parts.append(ev.text)
                 logprobs.extend(ev.logprobs)
                 # Nobody to answer: stop (closing `events` cancels the verifier's work).
@@ -47,11 +51,12 @@ async def collect(events: AsyncIterator, meta: ResponseMeta, request: Request) -
                     raise APIError(499, "client disconnected", code="client_closed")
             elif isinstance(ev, Finished):
                 usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
-                build = schemas.chat_response if meta.chat else schemas.completion_response
                 fmt = meta.formatter()
-                return build(meta.rid, meta.created, meta.model, "".join(parts),
-                             ev.finish_reason, usage, ev.speculation,
-                             None if fmt is None else fmt.format(logprobs))
+                args = (meta.rid, meta.created, meta.model, "".join(parts), ev.finish_reason,
+                        usage, ev.speculation, None if fmt is None else fmt.format(logprobs))
+                if meta.chat:
+                    return schemas.chat_response(*args, tool_calls=calls)
+                return schemas.completion_response(*args)
     raise APIError(502, "generation ended without a result")
 
 
@@ -89,8 +94,10 @@ async def stream(events: AsyncIterator, meta: ResponseMeta,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _chunks(ev: TextDelta | RoundEvent | Finished, meta: ResponseMeta, include_usage: bool,
-            fmt: LogprobsFormatter | None) -> list[dict]:
+def _chunks(ev: TextDelta | RoundEvent | ToolCalls | Finished, meta: ResponseMeta,
+            include_usage: bool, fmt: LogprobsFormatter | None) -> list[dict]:
+    if isinstance(ev, ToolCalls):
+        return [chunk(meta.head(), ev.calls)]
     if isinstance(ev, RoundEvent):
         return [schemas.round_chunk(*meta.head(), ev.as_dict())]
     if isinstance(ev, TextDelta):

@@ -12,6 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.errors import bad_request
 from gateway.logprobs import MAX_TOP_LOGPROBS
+from gateway.structured_models import (
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    Tool,
+    ToolCall,
+)
 from tandem.spec.methods import API_NAMES, Method
 
 # Sorted, so a bad method's 400 lists the choices alphabetically.
@@ -67,6 +74,13 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     speculation: SpeculationOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured_outputs' json / regex / choice / grammar.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted only at their no-op values (see check_unsupported).
     best_of: int | None = None
     echo: bool | None = None
@@ -97,11 +111,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's earlier calls
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
         # As OpenAI: only an assistant turn may omit its content (it then carried tool calls).
-        if self.content is None and self.role != "assistant":
+        if self.content is None and self.role != "assistant":  # (which may carry tool calls)
             raise ValueError(f"content is required for a {self.role} message")
         return self
 
@@ -118,12 +134,17 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def template_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        # Earlier tool calls are shown as the text the model wrote for them (gateway/tools.py).
+        from gateway.tools import message_text
+
+        return [{"role": "system" if m.role == "developer" else m.role,
+                 "content": message_text(m)} for m in self.messages]
 
 
 def check_common(req: GenerationRequest, *, max_speculative_tokens: int) -> None:
@@ -153,21 +174,25 @@ def check_unsupported(req: GenerationRequest) -> None:
               ("presence_penalty", bool(req.presence_penalty)),
               ("frequency_penalty", bool(req.frequency_penalty)),
               ("logit_bias", bool(req.logit_bias)),
-              ("suffix", bool(getattr(req, "suffix", None))),
-              ("tools", bool(getattr(req, "tools", None)))]
+              ("suffix", bool(getattr(req, "suffix", None)))]
     for name, is_set in checks:
         if is_set:
             raise bad_request(f"{name}: not supported by this server", param=name,
                               code="unsupported_parameter")
 
 
-def prompt_token_ids(req: CompletionRequest | ChatCompletionRequest,
-                     tokenizer: Any) -> tuple[list[int], str]:
-    """Token ids of the prompt, and the text that identifies the conversation (affinity)."""
+def prompt_token_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Any,
+                     system: str = "") -> tuple[list[int], str]:
+    """Token ids of the prompt, and the text that identifies the conversation (affinity).
+    `system`: what the server adds to the system message (the tools' description)."""
     if isinstance(req, ChatCompletionRequest):
         if not req.messages:
             raise bad_request("messages: must be a non-empty list", param="messages")
         msgs = req.template_messages()
+        if system and msgs[0]["role"] == "system":
+            msgs[0] = {"role": "system", "content": f"{msgs[0]['content']}\n\n{system}"}
+        elif system:
+            msgs.insert(0, {"role": "system", "content": system})
         try:
             ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False)
@@ -243,9 +268,12 @@ def completion_response(rid: str, created: int, model: str, text: str, finish: s
 
 
 def chat_response(rid: str, created: int, model: str, text: str, finish: str,
-                  usage: dict, speculation: dict, logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": logprobs, "finish_reason": finish}
+                  usage: dict, speculation: dict, logprobs: dict | None = None,
+                  tool_calls: list[dict] | None = None) -> dict:
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:  # OpenAI: no content beside the calls
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
     body = _envelope(rid, "chat.completion", created, model, [choice])
     return {**body, "usage": usage, "speculation": speculation}
 

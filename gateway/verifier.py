@@ -128,7 +128,9 @@ def build_request(plan: GenerationPlan, committed: Sequence[int],
             method=int(plan.method), num_speculative_tokens=plan.num_speculative_tokens,
             draft_address=draft_address, tenant=plan.tenant, typical_acceptance=typical,
             draft_shape=_DRAFT_SHAPES[plan.draft_shape]),
-        logprobs=plan.logprobs is not None, top_logprobs=plan.logprobs or 0)
+        logprobs=plan.logprobs is not None, top_logprobs=plan.logprobs or 0,
+        grammar=None if plan.grammar is None else verify_pb2.Grammar(
+            kind=int(plan.grammar.kind), source=plan.grammar.source))
 
 
 class GenerateCall:

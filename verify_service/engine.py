@@ -66,8 +66,10 @@ class Engine:
         return self.table.sessions
 
     # ---- requests -------------------------------------------------------------------------
-    def submit(self, params: GenerateParams) -> asyncio.Queue[RoundOutput]:
+    def submit(self, params: GenerateParams, grammar=None) -> asyncio.Queue[RoundOutput]:
+        """Admit a session (`grammar`: its tandem.grammar.GrammarState, structured output)."""
         seq, queue = self.table.admit(params)
+        seq.grammar = grammar
         seq.local_drafts = self.history is not None and self.history.serves(params.method)
         if seq.local_drafts:
             seq.source_scale = self.history.prior_scales(params.method,
@@ -193,8 +195,12 @@ class Engine:
 
     def _step_input(self, s: ScheduledSeq) -> StepInput:
         seq = s.seq
+        drafts = list(seq.drafts[: s.num_drafts])
+        mask = None  # the grammar's allowed tokens at every position the round samples
+        if seq.grammar is not None and not s.partial:
+            mask = seq.grammar.masks([d.token_id for d in drafts], s.parents)
         return StepInput(s.token_ids, s.start_pos, list(self.scheduler.blocks.block_table(
-            seq.seq_id)), list(seq.drafts[: s.num_drafts]), seq.params.sampling,
+            seq.seq_id)), drafts, seq.params.sampling,
             carried=self.table.carried.get(seq.seq_id) if seq.carried else None,
             sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
             want_features=seq.params.method.needs_features, partial=s.partial,
@@ -202,7 +208,7 @@ class Engine:
             # The heads cost a few ms: only the nodes the next round may verify.
             propose_tree=self._head_nodes(s), propose_chain=not seq.params.tree,
             typical=None if seq.params.sampling.is_greedy else seq.params.typical,
-            logprobs=seq.params.logprobs)
+            logprobs=seq.params.logprobs, mask=mask)
 
     def _head_nodes(self, s: ScheduledSeq) -> int:
         """Medusa nodes the step drafts for the session's next round: a medusa session's
@@ -222,6 +228,7 @@ class Engine:
         return (k >= 1 and len(seq.drafts) > k and not s.is_greedy and s.seed is None
                 and not seq.params.tree  # a tree's nodes beyond k are not the next draft
                 and seq.params.logprobs is None  # a carried row has no logits to report
+                and seq.grammar is None  # masks are made per round, from the root
                 and self.drafts.linked(seq)
                 and len(seq.output) + k < seq.params.max_new_tokens)
 
@@ -239,6 +246,8 @@ class Engine:
         observe_tree_wait(seq, s.num_drafts, wait_ms)  # ditto: reads the arrived tree
         start = seq.num_tokens
         new = seq.commit(accepted, next_token)  # may bump the epoch (the draft diverged)
+        if seq.grammar is not None and not seq.grammar.commit(new):  # cannot happen: masked
+            log.error("session %s: committed tokens the grammar forbids", seq.seq_id)
         seq.carried = next_token is None and not seq.finished
         self.table.keep_carried(seq, outcome.carry)
         if outcome.tree is not None and not seq.finished:  # Medusa: the next round's tree

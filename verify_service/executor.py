@@ -16,6 +16,7 @@ import torch
 from kernels.sampling import keyed_seed, logits_to_probs, make_generator, sample
 from tandem.device import synchronize
 from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.grammar.masks import apply_masks
 from tandem.spec import DraftToken
 from verify_service import tree
 from verify_service.features import eagle_features, kept_hidden, propose_trees
@@ -53,7 +54,7 @@ class Executor:
                for s in inputs):
             logits, hidden, forward_ms = self._forward([s.chunk() for s in inputs] + extra,
                                                        with_hidden)
-            found = _greedy_verify(inputs, logits)
+            found = _greedy_verify(inputs, _masked(inputs, logits))
         else:
             probs, logits, hidden, forward_ms = self._target_probs(inputs, with_hidden, extra)
             found = self._verify(inputs, probs)
@@ -164,7 +165,7 @@ class Executor:
                                 device=logits.device)
 
         probs = logits_to_probs(
-            logits,
+            _masked(inputs, logits),
             per_row([s.sampling.temperature for s in inputs], torch.float32),
             per_row([s.sampling.top_k for s in inputs], torch.int64),
             per_row([s.sampling.top_p for s in inputs], torch.float32),
@@ -214,6 +215,12 @@ def _greedy_verify(inputs: list[StepInput], logits: torch.Tensor):
         found.append(_from_path(tree.walk(s.drafts, s.parents, lambda r, _d, row=row: row[r]))
                      if s.is_tree else _match(s.drafts, row))
     return found
+
+
+def _masked(inputs: list[StepInput], logits: torch.Tensor) -> torch.Tensor:
+    """The logits with each structured-output session's forbidden tokens at -inf (before
+    temperature, top-k and top-p, as plain constrained sampling does)."""
+    return apply_masks(logits, [s.mask for s in inputs], [s.num_logits for s in inputs])
 
 
 def _from_path(p: tree.TreePath):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -22,10 +23,11 @@ from tandem.engine.exact_dtype import load_target
 from tandem.engine.llama import LlamaModel
 from tandem.engine.medusa import load_for
 from tandem.engine.model_runner import ModelRunner
+from tandem.grammar.compiler import LazyCompiler, compiler_for
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
 from tandem.history.suffix import SuffixConfig
-from tandem.models import ModelPaths, resolve_model, tokenizer_hash
+from tandem.models import ModelPaths, generation_eos_ids, resolve_model, tokenizer_hash
 from tandem.netaddr import advertised, join_host_port
 from tandem.registration import Registration, start_registration, stop_registration
 from tandem.spec import Method
@@ -129,8 +131,11 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     remote = _wire_drafts(engine, config, model, discover, colocated)
     # Layer skip is served only when asked for: on a small target it rarely pays.
     default_method = Method.DRAFT_MODEL if remote else Method.NONE
+    grammars = LazyCompiler(functools.partial(compiler_for, paths.root, model.cfg.vocab_size,
+                                              generation_eos_ids(paths)))
     servicer = VerifyServicer(engine, build_info(model, paths, config, paths.root.name),
-                              default_method, metrics, config.tree_methods(model.device.type))
+                              default_method, metrics, config.tree_methods(model.device.type),
+                              grammars)
     server, health_servicer, port = await _serve_grpc(servicer, config, model)
     verifier = Verifier(server, port, engine, servicer, health_servicer, colocated=colocated)
     verifier.watch_engine(asyncio.create_task(engine.run()))

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.errors import InvalidArgument
+from tandem.grammar.spec import GrammarSpec
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Features, Method
 
@@ -49,6 +51,7 @@ class GenerateParams:
     # Draft token trees (medusa, eagle) instead of chains; None: medusa's trees, else chains
     # (the servicer always decides, from the request and the server's --draft-shape).
     tree: bool | None = None
+    grammar: GrammarSpec | None = None  # structured output: the text follows it
 
     def __post_init__(self):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -151,6 +154,9 @@ class Sequence:
     # draft stream opened mid-session (re-attach) starts from the whole history.
     features: bytearray = field(default_factory=bytearray)
     feature_size: int = 0
+    # Structured output: a tandem.grammar.GrammarState at the committed tokens (None = free
+    # text); it masks every verified position and advances only by committed tokens.
+    grammar: Any = None
 
     def __post_init__(self):
         self.output = list(self.params.committed)

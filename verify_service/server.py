@@ -13,6 +13,8 @@ from opentelemetry import trace
 
 from tandem import telemetry
 from tandem.errors import InvalidArgument, Unavailable
+from tandem.grammar import GrammarKind, GrammarSpec
+from tandem.grammar.compiler import LazyCompiler
 from tandem.grpc_limits import MAX_SESSION_ID_CHARS, MAX_STOP_TOKEN_IDS
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
@@ -87,7 +89,17 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
             (spec.typical_acceptance.posterior_threshold, spec.typical_acceptance.posterior_alpha)
             if spec.HasField("typical_acceptance") else None),
         logprobs=req.top_logprobs if req.logprobs else None,
-        tree=_tree(spec.draft_shape, method, tree_methods))
+        tree=_tree(spec.draft_shape, method, tree_methods), grammar=_grammar(req))
+
+
+def _grammar(req: verify_pb2.GenerateRequest) -> GrammarSpec | None:
+    if not req.HasField("grammar"):
+        return None
+    try:
+        kind = GrammarKind(req.grammar.kind)
+    except ValueError:
+        raise InvalidArgument(f"grammar: unknown kind {req.grammar.kind}") from None
+    return GrammarSpec(kind, req.grammar.source)  # InvalidArgument if empty or too big
 
 
 def _tree(shape: int, method: Method, tree_methods: frozenset[Method]) -> bool:
@@ -118,8 +130,10 @@ def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, engine: Engine, info: common_pb2.WorkerInfo, default_method: Method,
                  metrics: VerifierMetrics | None = None,
-                 tree_methods: frozenset[Method] = frozenset({Method.MEDUSA})):
+                 tree_methods: frozenset[Method] = frozenset({Method.MEDUSA}),
+                 grammars: LazyCompiler | None = None):
         self.engine, self.info, self.default_method = engine, info, default_method
+        self.grammars = grammars  # None: structured output is refused
         self.tree_methods = tree_methods
         self.metrics = metrics
         self.tracer = telemetry.tracer("verifier")
@@ -141,7 +155,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                                        self.tree_methods)
             params = dataclasses.replace(params, trace_context=tuple(
                 telemetry.inject_context(span).items()))
-            queue = self.engine.submit(params)
+            queue = self.engine.submit(params, await self._grammar_state(params))
         except Exception as exc:  # the interceptor picks the status code from its type
             span.set_status(trace.StatusCode.ERROR, str(exc))
             span.end()
@@ -169,6 +183,13 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             span.set_attribute(telemetry.GEN_AI_USAGE_OUTPUT, generated)
             span.end()
             self.engine.abort(params.session_id)  # no-op once finished; frees on cancel
+
+    async def _grammar_state(self, params: GenerateParams):
+        if params.grammar is None:
+            return None
+        if self.grammars is None:
+            raise InvalidArgument("grammar: this verifier does not serve structured output")
+        return await self.grammars.state(params.grammar, params.committed)
 
     async def Info(self, request, context):
         return self.info

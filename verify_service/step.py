@@ -36,6 +36,9 @@ class StepInput:
     logprobs: int | None = None  # the emitted tokens' target logprobs, with this many top
     partial: bool = False  # a prefill chunk before the last: computes KV, samples nothing
     prefill: bool = False  # a prompt's last (or only) chunk: features of all of it, if wanted
+    # Structured output: [k + 1, ceil(vocab / 32)] int32 grammar bitmasks of the root and each
+    # draft's position (tandem.grammar.state); None = free text.
+    mask: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.logprobs is not None and self.carried is not None:

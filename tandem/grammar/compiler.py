@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -16,6 +18,7 @@ import llguidance.hf
 
 from tandem.errors import InvalidArgument
 from tandem.grammar.spec import GrammarSpec
+from tandem.grammar.state import GrammarState
 
 
 class GrammarError(InvalidArgument):
@@ -51,6 +54,15 @@ class GrammarCompiler:
             raise found
         return found.deep_copy()
 
+    def state_now(self, spec: GrammarSpec, committed=(), matcher=None) -> GrammarState:
+        """A session's grammar at `committed` tokens (InvalidArgument if they do not follow
+        it), compiled here unless `matcher` is given."""
+        st = GrammarState(matcher or self.matcher(spec), self.vocab_size, self.eos_ids)
+        if not st.commit(list(committed)):
+            raise InvalidArgument(f"committed_token_ids do not follow the {spec.kind.api_name}"
+                                  f" grammar: {st.matcher.get_error()}")
+        return st
+
     async def matcher_async(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         """`matcher` on a worker thread, within the compile deadline."""
         try:
@@ -78,3 +90,39 @@ def _first_line(message: str, limit: int = 500) -> str:
     """llguidance's messages carry a source excerpt after the first line: keep them short."""
     text = " ".join(line.strip() for line in message.strip().splitlines()[:3])
     return text[:limit]
+
+
+class LazyCompiler:
+    """A GrammarCompiler built on first use (the tokenizer costs ~1 s: servers that never
+    see a grammar never pay it), off the event loop."""
+
+    def __init__(self, load: Callable[[], GrammarCompiler]):
+        self._load, self._compiler = load, None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> GrammarCompiler:
+        async with self._lock:
+            if self._compiler is None:
+                self._compiler = await asyncio.to_thread(self._load)
+        return self._compiler
+
+    def now(self) -> GrammarCompiler:
+        """The compiler, once `get` has built it."""
+        if self._compiler is None:
+            raise RuntimeError("the grammar compiler is not built yet")
+        return self._compiler
+
+    async def state(self, spec: GrammarSpec, committed: tuple[int, ...] = ()) -> GrammarState:
+        """A session's grammar at its committed tokens; GrammarError if it cannot compile,
+        InvalidArgument if the committed tokens do not follow it."""
+        c = await self.get()
+        return c.state_now(spec, committed, await c.matcher_async(spec))
+
+
+def compiler_for(root: Path, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarCompiler:
+    """The compiler of a checkpoint directory's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(root))
+    own = () if tok.eos_token_id is None else (tok.eos_token_id,)
+    return GrammarCompiler(tok, vocab_size, tuple(dict.fromkeys(own + eos_ids)))

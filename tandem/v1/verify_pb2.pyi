@@ -63,7 +63,7 @@ class TypicalAcceptance(_message.Message):
     def __init__(self, posterior_threshold: _Optional[float] = ..., posterior_alpha: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "committed_token_ids", "sampling", "stopping", "speculation", "logprobs", "top_logprobs")
+    __slots__ = ("session_id", "prompt_token_ids", "committed_token_ids", "sampling", "stopping", "speculation", "logprobs", "top_logprobs", "grammar")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class GenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -80,7 +81,28 @@ class GenerateRequest(_message.Message):
     speculation: SpeculationConfig
     logprobs: bool
     top_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationConfig, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationConfig, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "source")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Grammar.Kind]
+        KIND_JSON_SCHEMA: _ClassVar[Grammar.Kind]
+        KIND_REGEX: _ClassVar[Grammar.Kind]
+        KIND_CHOICE: _ClassVar[Grammar.Kind]
+        KIND_LARK: _ClassVar[Grammar.Kind]
+    KIND_UNSPECIFIED: Grammar.Kind
+    KIND_JSON_SCHEMA: Grammar.Kind
+    KIND_REGEX: Grammar.Kind
+    KIND_CHOICE: Grammar.Kind
+    KIND_LARK: Grammar.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    kind: Grammar.Kind
+    source: str
+    def __init__(self, kind: _Optional[_Union[Grammar.Kind, str]] = ..., source: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")

@@ -1,0 +1,103 @@
+"""Structured output in the verifier's engine: sampled under a grammar, speculation keeps plain
+constrained sampling's distribution, even from a draft that proposes forbidden tokens."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from inproc import run_sessions
+
+from kernels.sampling import logits_to_probs
+from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.grammar import GrammarSpec
+from tandem.grammar.masks import apply_masks
+from tandem.sampling_params import SamplingParams
+from tandem.spec import DraftToken, Method
+from tandem.spec.proposer import DraftResult
+
+pytestmark = pytest.mark.integration
+CHOICES = ["yes sir", "yes madam", "yes indeed", "no sir", "no madam", "no way"]
+
+
+class ForbiddenFirst:
+    """Drafts one token from q = {forbidden: 0.6, allowed: 0.4}, really sampled from q (so the
+    rejection rule applies): the forbidden one must always be rejected, and the recovered
+    token must come from the residual of the masked target and this q."""
+
+    method = Method.DRAFT_MODEL
+
+    def __init__(self, forbidden: int, allowed: int, seed: int = 0):
+        self.forbidden, self.allowed, self.rng = forbidden, allowed, random.Random(seed)
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            tok = self.forbidden if self.rng.random() < 0.6 else self.allowed
+            out.append(DraftResult([DraftToken(tok, (self.forbidden, self.allowed),
+                                               (0.6, 0.4))]))
+        return out
+
+    def release(self, key):
+        pass
+
+
+# Chi-square's 0.1% critical values by degrees of freedom.
+_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12,
+         9: 27.88, 10: 29.59}
+
+
+def chi_square(counts: dict[int, int], expected: dict[int, float]) -> tuple[float, float]:
+    """(Pearson's statistic, its 0.1% critical value); outcomes expected fewer than 5 times
+    are pooled into one."""
+    n = sum(counts.values())
+    big = [t for t, p in expected.items() if p * n >= 5]
+    obs = [counts.get(t, 0) for t in big] + [n - sum(counts.get(t, 0) for t in big)]
+    exp = [expected[t] * n for t in big] + [n * (1 - sum(expected[t] for t in big))]
+    if exp[-1] < 1:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    return stat, _CRIT[max(1, len(obs) - 1)]
+
+
+def masked_probs(target_model, grammar_compiler, spec, ids: list[int], committed: list[int]):
+    """The target's distribution after ids + committed, masked by the grammar at committed
+    and renormalised (T = 1): plain constrained sampling's."""
+    runner = ModelRunner(target_model, 8, 16)
+    logits = runner.forward([SeqChunk(ids + committed, 0, list(range(8)))])  # [1, vocab]
+    mask = grammar_compiler.state_now(spec, tuple(committed)).masks([])
+    p = logits_to_probs(apply_masks(logits, [mask], [1]), torch.tensor([1.0]),
+                        torch.tensor([0]), torch.tensor([1.0]))[0]
+    return {t: float(v) for t, v in enumerate(p.tolist()) if v > 0}
+
+
+def test_sampled_speculation_keeps_the_masked_targets_distribution(
+        target_model, tokenizer, grammar_compiler):
+    """The first token comes from the prefill (no drafts); the second is verified against
+    one draft: tested at it, given the commonest first token."""
+    spec = GrammarSpec.choice(CHOICES)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Is the sea salty? Answer yes or no, with sir or madam."}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    first = masked_probs(target_model, grammar_compiler, spec, prompt, [])
+    forbidden = tokenizer(" The", add_special_tokens=False).input_ids[0]
+    sir = tokenizer(" sir", add_special_tokens=False).input_ids[0]
+    assert forbidden not in first
+    # Small engines: one whose drafts keep failing learns to stop asking for them.
+    n, rounds, got, drafted, accepted = 240, [], [], 0, 0
+    for seed in range(n // 8):
+        g, d, a, _ = run_sessions(
+            target_model, {Method.DRAFT_MODEL: ForbiddenFirst(forbidden, sir, seed)},
+            Method.DRAFT_MODEL, [prompt] * 8, SamplingParams(temperature=1.0), 4,
+            max_spec_tokens=1, grammar=(spec, grammar_compiler), rounds=rounds)
+        got, drafted, accepted = got + g, drafted + d, accepted + a
+    assert all(g[0] in first for g in got)
+    t1 = max(set(g[0] for g in got), key=[g[0] for g in got].count)
+    expected = masked_probs(target_model, grammar_compiler, spec, prompt, [t1])
+    assert len(expected) >= 3 and forbidden not in expected
+    seconds = [g[1] for g, r in zip(got, rounds) if g[0] == t1 and r[1].drafted]
+    assert len(seconds) >= n // 5 and drafted and accepted < drafted
+    assert all(t in expected for t in seconds)
+    counts = {t: seconds.count(t) for t in set(seconds)}
+    stat, critical = chi_square(counts, expected)
+    assert stat < critical, (counts, expected)
