@@ -53,8 +53,7 @@ from gateway.sessions import (
 from gateway.tool_events import with_tool_calls
 from gateway.verifier import ChannelPool
 from tandem import telemetry
-from tandem.grammar import GrammarCompiler
-from tandem.grammar.compiler import LazyCompiler
+from tandem.grammar.compiler import GrammarCompiler, LazyCompiler
 from tandem.registry import WorkerRegistry
 from tandem.telemetry import GatewayMetrics
 

@@ -68,6 +68,6 @@ def eagle_dir(target_paths, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def grammar_compiler(tokenizer):
-    from tandem.grammar import GrammarCompiler
+    from tandem.grammar.compiler import GrammarCompiler
 
     return GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))

@@ -2,10 +2,9 @@
 
 spec.py names a grammar (what travels on the wire), compiler.py turns it into matchers for
 one tokenizer (cached by content, bounded in time), state.py is one session's matcher with
-the masks of a round's positions, masks.py applies them to the target's logits.
+the masks of a round's positions, masks.py applies them to the target's logits. Only spec
+is imported here: the scheduler's side (pure Python) and the gateway need no torch.
 """
-from tandem.grammar.compiler import GrammarCompiler
 from tandem.grammar.spec import GrammarKind, GrammarSpec
-from tandem.grammar.state import GrammarState
 
-__all__ = ["GrammarCompiler", "GrammarKind", "GrammarSpec", "GrammarState"]
+__all__ = ["GrammarKind", "GrammarSpec"]

@@ -9,9 +9,12 @@ rows are never used: the forbidden draft itself has probability 0, so it is reje
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
+
+if TYPE_CHECKING:  # the gateway reads captures and needs no torch: masks import it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class GrammarState:
         """[len(drafts) + 1, words] int32 bitmasks: row 0 at the committed text, row i + 1
         after drafts[i] and its ancestors (parents[i]: index among drafts, -1 = root;
         None = a chain). The matcher ends where it started."""
+        import torch
+
         out = torch.zeros(len(drafts) + 1, self.words, dtype=torch.int32)
         self._fill(out, 0)
         paths: list[list[int] | None] = []

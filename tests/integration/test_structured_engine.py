@@ -32,7 +32,7 @@ class ForbiddenFirst:
 
     def propose(self, requests):
         out = []
-        for r in requests:
+        for _ in requests:
             tok = self.forbidden if self.rng.random() < 0.6 else self.allowed
             out.append(DraftResult([DraftToken(tok, (self.forbidden, self.allowed),
                                                (0.6, 0.4))]))

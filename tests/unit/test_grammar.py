@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from tandem.errors import InvalidArgument
-from tandem.grammar import GrammarKind, GrammarSpec, GrammarState
+from tandem.grammar import GrammarKind, GrammarSpec
 from tandem.grammar.compiler import GrammarError
 from tandem.grammar.masks import allowed, apply_masks
+from tandem.grammar.state import GrammarState
 
 pytestmark = pytest.mark.unit
 
