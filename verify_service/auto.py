@@ -19,7 +19,7 @@ Pure Python, like the scheduler.
 """
 from __future__ import annotations
 
-from tandem.spec import Method
+from tandem.spec import DraftToken, Method
 from tandem.spec.cost import best_rate, choose_tree_size
 from verify_service.history import HISTORY_SOURCES
 from verify_service.scheduler import Scheduler
@@ -29,6 +29,9 @@ from verify_service.sequence import Proposal, Sequence
 # work a miss is usually one round between two matches, and a heads' pass then (3-4 ms on
 # this CPU, a sixth of a round) is wasted when the next round matches again.
 HEADS_AFTER_MISSES = 2
+# What a grammar-forced draft is expected to reach: the grammar allows it alone, but the
+# target may spell the same text in other tokens (`{"` or `{` then `"`).
+FORCED_REACH = 0.95
 
 
 def wants_heads(seq: Sequence, num_drafts: int) -> bool:
@@ -68,3 +71,15 @@ def pick(scheduler: Scheduler, seq: Sequence) -> None:
     chosen = proposals[source]
     seq.drafts, seq.draft_parents = list(chosen.drafts), chosen.parents
     seq.draft_reach, seq.draft_source = list(chosen.reach), source
+
+
+def grammar_forced(seq: Sequence, k_max: int) -> None:
+    """Structured output: the tokens the grammar allows alone from here (a key, its quotes
+    and `": "`) are drafts of confidence ~1 at no cost; they replace the round's proposal
+    unless it already starts with them."""
+    forced = seq.grammar.forced[:k_max] if seq.grammar is not None else []
+    if not forced or [d.token_id for d in seq.drafts[:len(forced)]] == forced:
+        return
+    seq.drafts, seq.draft_parents = [DraftToken(t) for t in forced], None
+    seq.draft_reach, seq.draft_source = [FORCED_REACH ** (i + 1) for i in
+                                         range(len(forced))], None

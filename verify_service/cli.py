@@ -57,6 +57,10 @@ def register(sub, colocate=None) -> None:
              nargs="?", const=True, metavar="on|off",
              help="under batch load verify only the drafts that pay for the whole step "
                   "(its measured cost by tokens); off: each session's single-session k")
+    add_flag(p, "--forced-drafts", "TANDEM_VERIFIER_FORCED_DRAFTS", _DEFAULTS.forced_drafts,
+             boolean, nargs="?", const=True, metavar="on|off",
+             help="structured output: draft the tokens a grammar forces (keys, quotes, "
+                  "separators) in ngram, suffix and auto sessions at no cost")
     for name, text in _INT_FLAGS.items():
         add_flag(p, "--" + name.replace("_", "-"), f"TANDEM_VERIFIER_{name.upper()}",
                  getattr(_DEFAULTS, name), int, help=text)

@@ -38,6 +38,9 @@ class VerifierConfig:
     # Under batch load, verify only the drafts that pay for the whole batch's step (its cost
     # curve by tokens), not just for their own session; off = each session's solo k.
     batch_plan: bool = True
+    # Structured output: tokens the grammar forces become free drafts of sessions drafted in
+    # the verifier (ngram, suffix, auto); off only to measure what they add.
+    forced_drafts: bool = True
     # The cost model picks each round's k up to this: a weak draft stays short, while suffix
     # decoding on a repeated answer pays up to ~16 on this CPU.
     max_spec_tokens: int = 16

@@ -41,6 +41,7 @@ class EngineConfig:
     max_sessions: int = 64
     max_draft_wait_ms: float = 25.0  # longest a step waits for missing draft tokens
     top_n: int = 8  # size of the sparse q asked from draft workers
+    forced_drafts: bool = True  # a grammar's forced tokens drafted (verify_service/auto.py)
 
     def __post_init__(self):
         if self.max_sessions < 1 or self.max_draft_wait_ms < 0 or self.top_n < 1:
@@ -134,6 +135,8 @@ class Engine:
             self.history.fill(seqs, self.scheduler.k_max)
             for seq in seqs:  # one proposal each (auto: the best of several)
                 auto.pick(self.scheduler, seq)
+                if self.config.forced_drafts:
+                    auto.grammar_forced(seq, self.scheduler.k_max(seq))
 
     async def _execute(self, inputs: list[StepInput]):
         return await asyncio.get_running_loop().run_in_executor(

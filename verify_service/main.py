@@ -179,7 +179,8 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
                           chain_reach=medusa.cfg.chain_reach if medusa is not None else (),
                           step_cost=StepCost(dict(calibrated) if config.batch_plan else {}))
     eng_cfg = EngineConfig(max_sessions=config.max_sessions,
-                           max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n)
+                           max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n,
+                           forced_drafts=config.forced_drafts)
     metrics = VerifierMetrics()
     metrics.bind_load(running=lambda: len(scheduler.running),
                       waiting=lambda: len(scheduler.waiting),

@@ -195,3 +195,27 @@ def test_bad_structured_requests_are_400s(client, extra, param, why):
     assert why in err["message"]
     if param:
         assert err["param"] == param
+
+
+def test_the_openai_clients_parse_and_tools_work(client):
+    """The README's examples: the official client's parse() and a tools call."""
+    from openai import OpenAI
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    oai = OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", http_client=client)
+    parsed = oai.chat.completions.parse(
+        model=MODEL, max_tokens=48, temperature=0, response_format=Person,
+        messages=[{"role": "user", "content": "Invent a person."}])
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and person.name
+    reply = oai.chat.completions.create(
+        model=MODEL, max_tokens=48, temperature=0, tools=[WEATHER], tool_choice="required",
+        messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+        parallel_tool_calls=False)
+    call = reply.choices[0].message.tool_calls[0]
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)

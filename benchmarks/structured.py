@@ -1,0 +1,175 @@
+"""Structured output through the gateway: constrained against free decoding, plain against
+speculation, the same prompts in the same cluster.
+
+  python benchmarks/structured.py [--tokens 160] [--reps 2] [--arms ngram,suffix,auto]
+                                  [--out results/structured.json] [--docs docs]
+
+Each prompt asks for a JSON object; it is asked free (no response_format) and constrained
+(response_format json_schema, strict) by every method, the arms' order rotating prompt by
+prompt. A second cluster runs with the verifier's forced drafts off (--forced-drafts off),
+so what the grammar's forced tokens add as free drafts shows beside the rest. Greedy,
+non-streaming; speed is completion tokens over wall time. Every constrained answer is
+validated against its schema (jsonschema).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+
+from tools.launcher import Cluster, ClusterConfig, free_port
+
+
+def _obj(props: dict) -> dict:
+    return {"type": "object", "properties": props, "required": list(props),
+            "additionalProperties": False}
+
+
+STR, INT = {"type": "string", "maxLength": 40}, {"type": "integer", "minimum": 0}
+PROMPTS = [
+    ("Describe a fictional person as JSON with name, age, city and job.",
+     _obj({"name": STR, "age": INT, "city": STR, "job": STR})),
+    ("Give a product listing as JSON: title, price in cents, stock count, category, "
+     "and three tags.", _obj({"title": STR, "price_cents": INT, "stock": INT, "category": STR,
+                             "tags": {"type": "array", "items": STR, "maxItems": 3}})),
+    ("Return a calendar event as JSON with title, day, start hour, end hour and location.",
+     _obj({"title": STR, "day": {"enum": ["Mon", "Tue", "Wed", "Thu", "Fri"]}, "start": INT,
+           "end": INT, "location": STR})),
+    ("Write a short recipe as JSON: name, servings, minutes, and a list of ingredients.",
+     _obj({"name": STR, "servings": INT, "minutes": INT,
+           "ingredients": {"type": "array", "items": STR, "maxItems": 5}})),
+    ("Report the weather of three cities as JSON: a list of objects with city, celsius and "
+     "sky.", _obj({"reports": {"type": "array", "maxItems": 3, "items": _obj(
+         {"city": STR, "celsius": INT, "sky": {"enum": ["sunny", "cloudy", "rain"]}})}})),
+    ("Describe a book as JSON with title, author, year, pages and genre.",
+     _obj({"title": STR, "author": STR, "year": INT, "pages": INT, "genre": STR})),
+]
+
+
+def ask(url: str, model: str, prompt: str, schema: dict | None, method: str,
+        tokens: int) -> dict:
+    body = {"model": model, "max_tokens": tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}],
+            "speculation": {"method": method}}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": schema, "strict": True}}
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    wall = time.perf_counter() - t0
+    r.raise_for_status()
+    out = r.json()
+    text, finish = out["choices"][0]["message"]["content"], out["choices"][0]["finish_reason"]
+    valid = None
+    if schema is not None:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            valid = True
+        except (ValueError, jsonschema.ValidationError):
+            valid = None if finish == "length" else False  # cut short: not counted
+    return {"tokens": out["usage"]["completion_tokens"], "wall_s": wall, "text": text,
+            "finish": finish, "valid": valid, "spec": out.get("speculation") or {}}
+
+
+def run_cluster(forced: bool, arms: list[tuple[str, str]], reps: int, tokens: int) -> list:
+    cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=print,
+                      env={"TANDEM_VERIFIER_FORCED_DRAFTS": "on" if forced else "off"},
+                      output=subprocess.DEVNULL)
+    cluster.start()
+    rows, url = [], cluster.gateway_url
+    try:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        ask(url, model, "Say hi.", None, "none", 8)  # warm up
+        for rep in range(reps):
+            for i, (prompt, schema) in enumerate(PROMPTS):
+                k = (i + rep) % len(arms)
+                for mode, method in arms[k:] + arms[:k]:
+                    res = ask(url, model, prompt, schema if mode == "json" else None, method,
+                              tokens)
+                    rows.append({"forced": forced, "rep": rep, "prompt": i, "mode": mode,
+                                 "method": method, **res})
+                    print(f"forced={forced} rep {rep} prompt {i} {mode}/{method}: "
+                          f"{res['tokens']} tok {res['tokens'] / res['wall_s']:.1f} tok/s "
+                          f"valid={res['valid']}", flush=True)
+    finally:
+        cluster.stop()
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    """tokens/s per (forced, mode, method) over all its asks; ratios to the same cluster's
+    plain of the same mode; validity counts."""
+    out: dict = {}
+    for r in rows:
+        key = f"{'forced' if r['forced'] else 'noforced'}/{r['mode']}/{r['method']}"
+        a = out.setdefault(key, {"tokens": 0, "wall_s": 0.0, "valid": 0, "invalid": 0,
+                                 "drafted": 0, "accepted": 0})
+        a["tokens"] += r["tokens"]
+        a["wall_s"] += r["wall_s"]
+        a["valid"] += r["valid"] is True
+        a["invalid"] += r["valid"] is False
+        a["drafted"] += r["spec"].get("drafted_tokens", 0)
+        a["accepted"] += r["spec"].get("accepted_tokens", 0)
+    for key, a in out.items():
+        a["tok_s"] = a["tokens"] / a["wall_s"]
+        base = out.get(key.rsplit("/", 1)[0] + "/none")
+        a["vs_plain"] = a["tokens"] / a["wall_s"] / (base["tokens"] / base["wall_s"])
+    return out
+
+
+def markdown(summary: dict, identical: dict) -> str:
+    lines = ["| cluster | mode | method | tok/s | vs plain (same mode) | accepted / drafted | "
+             "valid / invalid | greedy text = plain |", "|---|---|---|---|---|---|---|---|"]
+    for key, a in sorted(summary.items()):
+        forced, mode, method = key.split("/")
+        acc = f"{a['accepted']} / {a['drafted']}" if a["drafted"] else "-"
+        val = f"{a['valid']} / {a['invalid']}" if mode == "json" else "-"
+        lines.append(f"| {forced} | {mode} | {method} | {a['tok_s']:.1f} | "
+                     f"{a['vs_plain']:.2f}x | {acc} | {val} | {identical.get(key, '-')} |")
+    return "\n".join(lines)
+
+
+def identical_text(rows: list[dict]) -> dict:
+    """Per arm: whether every answer equals plain's of the same mode, prompt and rep."""
+    plain = {(r["forced"], r["mode"], r["prompt"], r["rep"]): r["text"] for r in rows
+             if r["method"] == "none"}
+    out: dict = {}
+    for r in rows:
+        key = f"{'forced' if r['forced'] else 'noforced'}/{r['mode']}/{r['method']}"
+        same = plain[(r["forced"], r["mode"], r["prompt"], r["rep"])] == r["text"]
+        out[key] = out.get(key, True) and same
+    return {k: "yes" if v else "NO" for k, v in out.items()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=160, help="max new tokens per request")
+    ap.add_argument("--reps", type=int, default=2, help="asks per prompt and arm")
+    ap.add_argument("--arms", default="ngram,suffix,auto,draft_model",
+                    help="methods beside plain, comma separated")
+    ap.add_argument("--out", default="results/structured.json")
+    args = ap.parse_args(argv)
+    methods = ["none", *[m for m in args.arms.split(",") if m]]
+    arms = [(mode, m) for m in methods for mode in ("free", "json")]
+    rows = run_cluster(True, arms, args.reps, args.tokens)
+    local = [("json", m) for m in methods if m in ("none", "ngram", "suffix", "auto")]
+    rows += run_cluster(False, local, args.reps, args.tokens)
+    summary, same = summarise(rows), identical_text(rows)
+    table = markdown(summary, same)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "tokens": args.tokens,
+                               "reps": args.reps, "summary": summary, "rows": rows,
+                               "table": table}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
