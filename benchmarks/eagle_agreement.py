@@ -1,13 +1,15 @@
 """An EAGLE head's first-draft agreement with the target, the trainer's way and the served way,
 on the same sequences (tools.distill.eagle_agreement).
 
-  python benchmarks/eagle_agreement.py [--head DIR] [--source heldout|val|train]
+  python benchmarks/eagle_agreement.py [--head DIR] [--source heldout|val|train|fresh]
       [--prompts 10] [--new-tokens 48] [--temperature T | --as-trained]
       [--eagle-vocab 4096 [0 ...]] [--single-path [DTYPE ...]] [--k 4]
 
 --source heldout: the held-out chat prompts (draft_service/data/heldout_prompts.jsonl), which
 no training run sees; val / train: the head's own training prompts (rebuilt from its card),
-those its trainer held out / trained on. The target answers each (greedy, or at
+those its trainer held out / trained on; fresh: new prompts from the same generator as the
+training prompts, the ones after those its data reached (none trained on). The target answers each
+(greedy, or at
 --temperature with a per-prompt seed, or --as-trained: as the training data was generated).
 Prints one JSON line per served variant beside the trainer's figure:
   trained: tools.distill.eagle.evaluate, top-1 at draft steps 1 and 2 (teacher-forced);
@@ -34,7 +36,7 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
 from tools.distill.acceptance import load_prompts
 from tools.distill.config import EagleTrainConfig
-from tools.distill.corpus import Prompt, encode_prompt
+from tools.distill.corpus import Prompt, build_prompts, encode_prompt
 from tools.distill.eagle_agreement import (
     GREEDY,
     record_answers,
@@ -68,6 +70,13 @@ def _prompts(args, card: dict) -> tuple[list[Prompt], list[SamplingParams]]:
     if args.source == "heldout":
         prompts = [Prompt("chat", t, "heldout") for t in load_prompts(None)[:args.prompts]]
         params = [GREEDY] * len(prompts)
+    elif args.source == "fresh":
+        d = card["data"]
+        n = d["sequences"]  # the generator's next prompts: the data never reached them
+        prompts = build_prompts(n + args.prompts, d["seed"], mix=d["mix"])
+        seen = {p.text for p in prompts[:n]}
+        prompts = [p for p in prompts[n:] if p.text not in seen]
+        params = [GREEDY] * len(prompts)
     else:
         ordered, params, n_val = training_split(card)
         pick = slice(0, n_val) if args.source == "val" else slice(n_val, None)
@@ -83,7 +92,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--head", default="draft_service/weights/smollm2-135m-eagle")
     ap.add_argument("--target", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--source", choices=("heldout", "val", "train"), default="heldout")
+    ap.add_argument("--source", choices=("heldout", "val", "train", "fresh"),
+                    default="heldout")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -27,8 +27,9 @@ import torch
 from draft_service.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
+from tools.distill.acceptance import load_prompts
 from tools.distill.config import DataConfig, EagleTrainConfig
-from tools.distill.corpus import Prompt, build_prompts
+from tools.distill.corpus import Prompt, build_prompts, encode_prompt
 from tools.distill.data import _RecordingGenerator, generate_shard
 from tools.distill.eagle import FeatureSeq, evaluate, load_feature_seqs
 from tools.distill.eagle_head import EagleTrainHead
@@ -62,6 +63,17 @@ def record_answers(runner, tokenizer, prompts: list[list[int]], params: list[Sam
 def trained_top1(head_dir: Path, seqs: list[FeatureSeq], cfg: EagleTrainConfig) -> dict:
     """The trainer's validation figures for the exported head on `seqs`."""
     return evaluate(EagleTrainHead.from_export(head_dir), seqs, cfg)
+
+
+def heldout_agreement(runner, tokenizer, head: EagleTrainHead, cfg: EagleTrainConfig,
+                      prompts: int, new_tokens: int) -> dict:
+    """The trainer's validation on the target's greedy answers to the held-out chat prompts
+    (draft_service/data/heldout_prompts.jsonl, never in any training set): the figure the
+    served proposer reproduces (benchmarks/eagle_agreement.py)."""
+    texts = load_prompts(None)[:prompts]
+    ids = [encode_prompt(tokenizer, Prompt("chat", t, "heldout"), 256) for t in texts]
+    seqs = record_answers(runner, tokenizer, ids, [GREEDY] * len(ids), new_tokens)
+    return {**evaluate(head, seqs, cfg), "prompts": len(seqs), "new_tokens": new_tokens}
 
 
 @dataclass
