@@ -8,9 +8,9 @@ on the same sequences (tools.distill.eagle_agreement).
 --source heldout: the held-out chat prompts (draft_service/data/heldout_prompts.jsonl), which
 no training run sees; val / train: the head's own training prompts (rebuilt from its card),
 those its trainer held out / trained on; fresh: new prompts from the same generator as the
-training prompts, the ones after those its data reached (none trained on). The target answers each
-(greedy, or at
---temperature with a per-prompt seed, or --as-trained: as the training data was generated).
+training prompts, the ones after those its data reached (none trained on). The target answers
+each (greedy, or at --temperature with a per-prompt seed, or --as-trained: as the training
+data was generated; val/train only).
 Prints one JSON line per served variant beside the trainer's figure:
   trained: tools.distill.eagle.evaluate, top-1 at draft steps 1 and 2 (teacher-forced);
   served: EagleProposer's one greedy draft per position (recorded fp16 features), at each
