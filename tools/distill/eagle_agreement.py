@@ -126,9 +126,10 @@ def training_split(card: dict) -> tuple[list[Prompt], list[SamplingParams], int]
     return [prompts[i] for i in order], [params[i] for i in order], n_val
 
 
-def single_path_features(runner, seqs: list[FeatureSeq], fp16: bool) -> list[torch.Tensor]:
+def single_path_features(runner, seqs: list[FeatureSeq], fp16: bool = False
+                         ) -> list[torch.Tensor]:
     """Variant: each sequence's features recomputed alone (prefill, then one token per
-    forward, as benchmarks used to), fp32 unless fp16."""
+    forward, as this benchmark used to), in the runner's dtype, rounded to fp16 if asked."""
     from tandem.engine.model_runner import SeqChunk
 
     out = []
@@ -143,7 +144,3 @@ def single_path_features(runner, seqs: list[FeatureSeq], fp16: bool) -> list[tor
         f = torch.cat(rows).float()
         out.append(f.half().float() if fp16 else f)
     return out
-
-
-def torch_threads(n: int) -> None:
-    torch.set_num_threads(n)
