@@ -1,95 +1,144 @@
-"""How often an EAGLE head's chained greedy drafts match the target, through the real proposer.
+"""An EAGLE head's first-draft agreement with the target, the trainer's way and the served way,
+on the same sequences (tools.distill.eagle_agreement).
 
-  python benchmarks/eagle_agreement.py [--head DIR] [--prompts 10] [--new-tokens 48] [--k 4]
-                                       [--eagle-vocab 4096]
+  python benchmarks/eagle_agreement.py [--head DIR] [--source heldout|val|train|fresh]
+      [--prompts 10] [--new-tokens 48] [--temperature T | --as-trained]
+      [--eagle-vocab 4096 [0 ...]] [--single-path [DTYPE ...]] [--k 4]
 
-Along the target's own greedy answer to each held-out chat prompt
-(draft_service/data/heldout_prompts.jsonl), a round starts at every position: the
-`EagleProposer` (as a draft worker serves it) drafts k tokens from the true prefix and the
-target's true features, and position i counts a hit while drafts 1..i equal the target's
-tokens. Prints P(draft i right | drafts before it right): position 1 is the issue's
-"greedy agreement at the first draft position".
+--source heldout: the held-out chat prompts (draft_service/data/heldout_prompts.jsonl), which
+no training run sees; val / train: the head's own training prompts (rebuilt from its card),
+those its trainer held out / trained on; fresh: new prompts from the same generator as the
+training prompts, the ones after those its data reached (none trained on). The target answers
+each (greedy, or at --temperature with a per-prompt seed, or --as-trained: as the training
+data was generated; val/train only).
+Prints one JSON line per served variant beside the trainer's figure:
+  trained: tools.distill.eagle.evaluate, top-1 at draft steps 1 and 2 (teacher-forced);
+  served: EagleProposer's one greedy draft per position (recorded fp16 features), at each
+          --eagle-vocab; --single-path also serves features recomputed along the same tokens
+          one sequence and one token at a time (as this benchmark used to) by the target in
+          each DTYPE (float32, bfloat16, float16, int8; default float32), unrounded.
+--k > 1 adds the served chain: P(draft i right | drafts before it right) along greedy paths.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
 from draft_service.config import DraftConfig
 from draft_service.proposers.eagle import EagleProposer
 from tandem.engine.llama import LlamaModel
-from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths, resolve_model
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
 from tools.distill.acceptance import load_prompts
-from tools.distill.corpus import Prompt, encode_prompt
-
-GREEDY = SamplingParams(temperature=0.0)
-
-
-def greedy_path(runner: ModelRunner, prompt: list[int], new: int):
-    """The target's greedy continuation and its feature (final normed state) per position."""
-    table = list(range(-(-(len(prompt) + new + 1) // runner.block_size)))
-    path = list(prompt)
-    logits, hidden = runner.forward([SeqChunk(path, 0, table, 1)], with_hidden=True)
-    feats = [*hidden]
-    for _ in range(new):
-        path.append(int(logits[-1].argmax()))
-        logits, hidden = runner.forward([SeqChunk(path[-1:], len(path) - 1, table, 1)],
-                                        with_hidden=True)
-        feats.append(hidden[0])
-    return path, torch.stack(feats)  # [len(path)], [len(path), hidden]
+from tools.distill.config import EagleTrainConfig
+from tools.distill.corpus import Prompt, build_prompts, encode_prompt
+from tools.distill.eagle_agreement import (
+    GREEDY,
+    record_answers,
+    served_top1,
+    single_path_features,
+    trained_top1,
+    training_split,
+)
 
 
-def chain_hits(prop: EagleProposer, key, path, feats, start: int, k: int):
-    """(positions reached, hits) of rounds started at every position after `start`."""
+def chain_rates(prop: EagleProposer, seqs, k: int) -> list[float | None]:
+    """Served chains of k greedy drafts from every answer position (greedy paths only)."""
     reached, hits = [0] * k, [0] * k
-    for n in range(start, len(path) - k):
-        ids = path[:n + 1]  # position n is the fresh bonus token: no feature for it yet
-        for j in range(k):
-            res = prop.propose([DraftRequest(key, list(ids), n + 1, k - j, GREEDY,
-                                             features=feats[:n])])[0]
-            reached[j] += 1
-            if not res.tokens or res.tokens[0].token_id != path[n + 1 + j]:
-                break
-            hits[j] += 1
-            ids.append(res.tokens[0].token_id)
-    return reached, hits
+    for i, s in enumerate(seqs):
+        path, feats = s.ids.tolist(), s.features.float()
+        for n in range(s.gen_start, len(path) - k):
+            ids = path[:n + 1]
+            for j in range(k):
+                res = prop.propose([DraftRequest(("c", i), list(ids), n + 1, k - j, GREEDY,
+                                                 features=feats[:n])])[0]
+                reached[j] += 1
+                if not res.tokens or res.tokens[0].token_id != path[n + 1 + j]:
+                    break
+                hits[j] += 1
+                ids.append(res.tokens[0].token_id)
+        prop.release(("c", i))
+    return [round(h / r, 4) if r else None for h, r in zip(hits, reached)]
+
+
+def _prompts(args, card: dict) -> tuple[list[Prompt], list[SamplingParams]]:
+    if args.source == "heldout":
+        prompts = [Prompt("chat", t, "heldout") for t in load_prompts(None)[:args.prompts]]
+        params = [GREEDY] * len(prompts)
+    elif args.source == "fresh":
+        d = card["data"]
+        n = d["sequences"]  # the generator's next prompts: the data never reached them
+        prompts = build_prompts(n + args.prompts, d["seed"], mix=d["mix"])
+        seen = {p.text for p in prompts[:n]}
+        prompts = [p for p in prompts[n:] if p.text not in seen]
+        params = [GREEDY] * len(prompts)
+    else:
+        ordered, params, n_val = training_split(card)
+        pick = slice(0, n_val) if args.source == "val" else slice(n_val, None)
+        prompts, params = ordered[pick][:args.prompts], params[pick][:args.prompts]
+    if not args.as_trained:
+        params = [GREEDY if not args.temperature else
+                  SamplingParams(temperature=args.temperature, seed=1000 + i)
+                  for i in range(len(prompts))]
+    return prompts, params
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--head", default="draft_service/weights/smollm2-135m-eagle")
     ap.add_argument("--target", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--prompts", type=int, default=10, help="held-out prompts used")
+    ap.add_argument("--source", choices=("heldout", "val", "train", "fresh"),
+                    default="heldout")
+    ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--eagle-vocab", type=int, default=DraftConfig.eagle_vocab,
-                    help="rows drafted from, as the worker's --eagle-vocab (0 = all)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--as-trained", action="store_true",
+                    help="val/train prompts: answered as the training data was (greedy or "
+                         "seeded at its temperature, by shard)")
+    ap.add_argument("--eagle-vocab", type=int, nargs="+", default=[DraftConfig.eagle_vocab],
+                    help="served rows drafted from, as the worker's --eagle-vocab (0 = all)")
+    ap.add_argument("--single-path", nargs="*", default=None, metavar="DTYPE")
+    ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
+    head = ModelPaths(resolve_model(args.head).root)
+    card = json.loads((head.root / "tandem_eagle.json").read_text())
     paths = resolve_model(args.target)
     tok = AutoTokenizer.from_pretrained(str(paths.root))
-    runner = ModelRunner.with_memory(LlamaModel.load(paths), 64 << 20)
-    prop = EagleProposer.load(ModelPaths(resolve_model(args.head).root), 32 << 20,
-                              draft_vocab=args.eagle_vocab)
-    reached, hits = [0] * args.k, [0] * args.k
-    for i, text in enumerate(load_prompts(None)[:args.prompts]):
-        prompt = encode_prompt(tok, Prompt("chat", text, "heldout"), 256)
-        path, feats = greedy_path(runner, prompt, args.new_tokens)
-        r, h = chain_hits(prop, ("p", i), path, feats, len(prompt), args.k)
-        prop.release(("p", i))
-        reached = [a + b for a, b in zip(reached, r)]
-        hits = [a + b for a, b in zip(hits, h)]
-    rates = [round(h / r, 3) if r else None for h, r in zip(hits, reached)]
-    print(json.dumps({"head": args.head, "eagle_vocab": args.eagle_vocab,
-                      "prompts": args.prompts, "per_position": rates, "reached": reached}))
+    runner = ModelRunner.with_memory(LlamaModel.load(paths), 256 << 20)
+    prompts, params = _prompts(args, card)
+    t0 = time.perf_counter()
+    seqs = record_answers(runner, tok, [encode_prompt(tok, p, 256) for p in prompts], params,
+                          args.new_tokens)
+    base = {"head": args.head, "source": args.source, "prompts": len(seqs),
+            "new_tokens": args.new_tokens, "temperature": args.temperature,
+            "as_trained": args.as_trained}
+    cfg = EagleTrainConfig(**card["train"])
+    trained = trained_top1(head.root, seqs, cfg)
+    print(json.dumps({**base, "trained": trained}), flush=True)
+    variants = {"recorded-fp16": None}
+    for dtype in ([] if args.single_path is None else args.single_path or ["float32"]):
+        model = runner.model if dtype == "float32" else LlamaModel.load(paths, dtype)
+        variants[f"single-{dtype}"] = single_path_features(
+            ModelRunner.with_memory(model, 64 << 20), seqs, fp16=False)
+    for v in args.eagle_vocab:
+        prop = EagleProposer.load(head, 64 << 20, draft_vocab=v)
+        for name, feats in variants.items():
+            out = served_top1(prop, seqs, feats)
+            print(json.dumps({**base, "eagle_vocab": v, "features": name,
+                              "trained_top1": round(trained["top1_step1"], 4), **out}),
+                  flush=True)
+        if args.k > 1:
+            print(json.dumps({**base, "eagle_vocab": v, "chain": chain_rates(prop, seqs, args.k)}))
+    print(json.dumps({"wall_s": round(time.perf_counter() - t0, 1)}))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,10 @@ class DraftRequest:
     top_n: int = 8
     max_ngram_size: int = 3
     generator: torch.Generator | None = None  # the session's draft RNG (seeded requests)
-    features: torch.Tensor | None = None  # [num_committed, hidden] target states, for heads
+    # [rows, hidden] the target's states at positions 0..rows-1, for heads: row t drafts
+    # token t+2 with token t+1; the newest committed token has none yet (rows <=
+    # num_committed - 1 from a verifier, fewer while a commit is in flight)
+    features: torch.Tensor | None = None
     tenant: str = ""  # who asked (the gateway's API-key tenant); "" = anonymous
     tree: bool = False  # draft a token tree of at most max_tokens nodes (can_tree methods)
 

@@ -209,13 +209,17 @@ def test_eagle_distill_generates_trains_resumes_and_serves(tmp_path, target_path
     argv = ["distill", "--method", "eagle", "--target", str(target), "--out", str(out),
             "--data-dir", str(data), "--num-prompts", "8", "--gen-batch", "4",
             "--max-new-tokens", "12", "--eagle-vocab", "512", "--epochs", "2",
-            "--batch-tokens", "256", "--time-budget", "0"]
+            "--batch-tokens", "256", "--time-budget", "0", "--heldout-prompts", "2"]
     assert main(argv) == 0
     seqs = load_feature_seqs(data)
     assert len(seqs) >= 4 and all(len(s.features) == len(s.ids) - 1 for s in seqs)
     card = json.loads((out / EAGLE_CARD).read_text())
     steps = card["progress"]["steps"]
     assert steps >= 1 and "--method eagle" in card["command"]
+    # The trainer's figure on the held-out chat prompts too (greedy answers, 48 tokens each).
+    held = card["progress"]["heldout_chat"]
+    assert held["prompts"] == 2 and 2 <= held["positions"] <= 2 * 48
+    assert 0 <= held["top1_step1"] <= 1
     head = EagleProposer.load(ModelPaths(out), 8 << 20)
     req = DraftRequest("k", seqs[0].ids[:6].tolist(), 6, 1, features=seqs[0].features[:5].float())
     (res,) = head.propose([req])

@@ -103,6 +103,9 @@ def _add_distill(sub) -> None:
                    help="token loss weight against the feature regression [%(default)s]")
     g.add_argument("--step2-weight", type=float, default=e.step2_weight,
                    help="weight of the second draft step's losses, 0 = off [%(default)s]")
+    g.add_argument("--heldout-prompts", type=int, default=40,
+                   help="after training, score the head on the target's greedy answers to "
+                        "this many held-out chat prompts, as served (0 = not) [%(default)s]")
     m = MedusaTrainConfig()
     g = p.add_argument_group("medusa heads (--method medusa; the same data as eagle)")
     g.add_argument("--medusa-num-heads", type=int, default=m.num_heads)
@@ -187,7 +190,8 @@ def _cmd_eagle(args) -> int:
                            epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
                            cls_weight=args.cls_weight, step2_weight=args.step2_weight,
                            checkpoint_min=args.checkpoint_minutes, seed=args.seed)
-    print(run_eagle(EagleJob(**job_args, train=cfg), log=lambda m: print(m, file=sys.stderr)))
+    print(run_eagle(EagleJob(**job_args, train=cfg, heldout_prompts=args.heldout_prompts),
+                    log=lambda m: print(m, file=sys.stderr)))
     return 0
 
 

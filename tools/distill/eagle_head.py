@@ -132,6 +132,31 @@ class EagleTrainHead(nn.Module):
         head.init_from_target(tensors, cfg.num_layers - 1)
         return head
 
+    @classmethod
+    def from_export(cls, root: Path) -> EagleTrainHead:
+        """The module back from an exported head directory (fp16 weights, as served), so
+        that the trainer's own validation can score a shipped head."""
+        from tandem.engine.checkpoint import load_tensors
+        from tandem.models import ModelPaths, read_hf_config
+
+        paths = ModelPaths(Path(root))
+        cfg = LlamaConfig.from_hf(read_hf_config(paths))
+        vocab = DraftVocab.read(paths.root)
+        t = {k: v.float() for k, v in load_tensors(paths).items()}
+        head = cls(cfg, vocab, t["embed_tokens.weight"], cfg.max_position_embeddings)
+        p = "layers.0."
+        with torch.no_grad():
+            head.fc.weight.copy_(t["fc.weight"])
+            head.norm.copy_(t["norm.weight"])
+            head.input_norm.copy_(t[p + "input_layernorm.weight"])
+            head.post_norm.copy_(t[p + "post_attention_layernorm.weight"])
+            for mod, name in ((head.q, "self_attn.q_proj"), (head.k, "self_attn.k_proj"),
+                              (head.v, "self_attn.v_proj"), (head.o, "self_attn.o_proj"),
+                              (head.gate, "mlp.gate_proj"), (head.up, "mlp.up_proj"),
+                              (head.down, "mlp.down_proj")):
+                mod.weight.copy_(t[p + name + ".weight"])
+        return head.eval()
+
     def export(self, out: Path, target_hf_cfg: dict, card: dict) -> None:
         """Write the EagleHead checkpoint (fp16): config.json, model.safetensors,
         draft_vocab.json and the card."""

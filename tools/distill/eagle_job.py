@@ -40,12 +40,19 @@ class EagleJob:
     resume: bool = False
     command: str = ""  # the command line, for the model card
     device: str = "auto"  # where the target generates and the head trains (tandem.device)
+    # After training, also score the head on the target's greedy answers to this many of the
+    # held-out chat prompts (0 = not): the validation split shares the prompt generator's
+    # templates and subjects with the training set, these prompts do not.
+    heldout_prompts: int = 40
+    heldout_new_tokens: int = 48
 
     def __post_init__(self):
         if not self.data.features:
             raise ValueError("an EAGLE head trains on recorded features (DataConfig.features)")
         if self.gen_minutes < 0:
             raise ValueError("--gen-minutes must be >= 0")
+        if self.heldout_prompts < 0 or self.heldout_new_tokens < 1:
+            raise ValueError("need --heldout-prompts >= 0 and heldout_new_tokens >= 1")
         check_device_spec(self.device)
 
 
@@ -83,6 +90,13 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     stats = train(head, train_seqs, val, job.train, job.data_dir / "eagle_train_state.pt",
                   job.resume, log, progress)
     bar.close()
+    if job.heldout_prompts:
+        from tools.distill.eagle_agreement import heldout_agreement
+
+        stats["heldout_chat"] = heldout_agreement(
+            target_runner(paths, job.data, at), tokenizer, head, job.train, job.heldout_prompts,
+            job.heldout_new_tokens)
+        log(f"eagle: held-out chat prompts {stats['heldout_chat']}")
     command = job.command or shlex.join(["tandem", *sys.argv[1:]])
     data_stats = {"sequences": len(seqs), "positions": tokens,
                   "generated_tokens": sum(len(s.ids) - s.gen_start for s in seqs)}
