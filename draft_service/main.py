@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import logging
@@ -36,11 +37,19 @@ from tandem.device import Placement, place
 from tandem.drain import DrainSignal, set_health
 from tandem.engine.layer_skip import resolve_skip_set
 from tandem.engine.llama import LlamaModel
+from tandem.grammar.compiler import LazyCompiler, compiler_for
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
 from tandem.history.ngram import NgramProposer
 from tandem.history.suffix import SuffixProposer
-from tandem.models import ModelError, ModelPaths, default_target_dir, resolve_model, tokenizer_hash
+from tandem.models import (
+    ModelError,
+    ModelPaths,
+    default_target_dir,
+    generation_eos_ids,
+    resolve_model,
+    tokenizer_hash,
+)
 from tandem.netaddr import join_host_port, split_host_port
 from tandem.registration import Beat, Registration, start_registration, stop_registration
 from tandem.spec import Method, Proposer
@@ -143,7 +152,13 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
             context = min(context, proposers[method].max_context_length)
     if config.max_context_length:
         context = min(context, config.max_context_length)
-    return assemble_worker(config, proposers, model_id, tok_hash, vocab, context)
+    worker, info = assemble_worker(config, proposers, model_id, tok_hash, vocab, context)
+    if config.model is not None:  # the draft model's own tokenizer: its drafts' ids
+        root = resolve_model(config.model).root
+        worker.grammars = LazyCompiler(functools.partial(
+            compiler_for, root, proposers[Method.DRAFT_MODEL].vocab_size,
+            generation_eos_ids(ModelPaths(root))))
+    return worker, info
 
 
 def assemble_worker(config: DraftConfig, proposers: dict[Method, Proposer], model_id: str,

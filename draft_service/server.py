@@ -14,6 +14,7 @@ from draft_service.session import Stream
 from draft_service.tracing import SessionSpans
 from draft_service.worker import DraftWorker
 from tandem.errors import InvalidArgument, Unavailable
+from tandem.grammar import GrammarKind, GrammarSpec
 from tandem.spec import Close, Commit, Control, Features, Invalid, Open, Reply, SessionError
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -25,12 +26,17 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
     which = msg.WhichOneof("control")
     if which == "open":
         o, s = msg.open, msg.open.sampling
+        try:
+            grammar = _grammar(o)
+        except InvalidArgument as exc:
+            return Invalid(o.session_id, str(exc))
         return Open(
             o.session_id, list(o.token_ids), s.temperature, s.top_k,
             s.top_p if s.top_p != 0 else 1.0,  # proto3 default 0 means "off", like 1
             s.seed if s.HasField("seed") else None, o.method, o.max_run_ahead, o.top_n,
             o.epoch, o.max_ngram_size, trace_context=tuple(o.trace_context.items()),
-            features=_features(o), tenant=o.tenant, tree=o.tree)
+            features=_features(o), tenant=o.tenant, tree=o.tree, grammar=grammar,
+            grammar_start=o.grammar_start)
     if which == "commit":
         c = msg.commit
         return Commit(c.session_id, c.epoch, c.start_position, list(c.token_ids),
@@ -39,6 +45,16 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
     if which == "close":
         return Close(msg.close.session_id)
     return Invalid("", "DraftControl has no control set")
+
+
+def _grammar(o: draft_pb2.OpenSession) -> GrammarSpec | None:
+    if not o.HasField("grammar"):
+        return None
+    try:
+        kind = GrammarKind(o.grammar.kind)
+    except ValueError:
+        raise InvalidArgument(f"grammar: unknown kind {o.grammar.kind}") from None
+    return GrammarSpec(kind, o.grammar.source)
 
 
 def _features(msg) -> Features | None:

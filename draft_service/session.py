@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -128,6 +129,10 @@ class Session:
     features: FeatureStore | None = None  # EAGLE sessions: the target's features so far
     tenant: str = ""
     tree: bool = False  # one token tree per epoch instead of a chain
+    # Structured output (draft_model): a tandem.grammar.state.GrammarState at the committed
+    # tokens, and whether it is still being compiled (no drafts until it is).
+    grammar: Any = None
+    grammar_pending: bool = False
 
     @property
     def length(self) -> int:
@@ -146,4 +151,5 @@ class Session:
             sampling=self.sampling, top_n=self.top_n, max_ngram_size=self.max_ngram_size,
             generator=generator,
             features=None if self.features is None else self.features.view(),
-            tenant=self.tenant, tree=self.tree)
+            tenant=self.tenant, tree=self.tree,
+            mask=None if self.grammar is None else self.grammar.masks(self.drafts)[-1:])

@@ -28,6 +28,7 @@ from draft_service.control import apply_commit, open_session
 from draft_service.limits import Limits, WorkerStats
 from draft_service.proposals import send_chain, send_tree
 from draft_service.session import Session, SessionFailure, Stream
+from tandem.grammar.compiler import LazyCompiler
 from tandem.grpc_limits import MAX_SESSION_ID_CHARS
 from tandem.spec import (
     Close,
@@ -46,6 +47,9 @@ from tandem.spec import (
 )
 
 log = logging.getLogger(__name__)
+# Proposers that draft under a session's grammar (DraftRequest.mask); the others' drafts are
+# masked by the verifier only.
+GRAMMAR_METHODS = frozenset({Method.DRAFT_MODEL})
 
 # One step's work per method: (session, its generation when asked, the request).
 _Jobs = dict[Method, list[tuple[Session, int, DraftRequest]]]
@@ -53,7 +57,7 @@ _Jobs = dict[Method, list[tuple[Session, int, DraftRequest]]]
 
 class DraftWorker:
     def __init__(self, proposers: Mapping[Method, Proposer], limits: Limits,
-                 default_method: Method | None = None):
+                 default_method: Method | None = None, grammars: LazyCompiler | None = None):
         if not proposers:
             raise ValueError("a draft worker needs at least one proposer")
         self.proposers = dict(proposers)
@@ -67,6 +71,7 @@ class DraftWorker:
         self._task: asyncio.Task | None = None
         self._tokens_drafted = 0
         self._steps = 0
+        self.grammars = grammars  # structured output; None: sessions draft free text
 
     # --- streams and control messages (event loop) ------------------------------------------
 
@@ -123,6 +128,23 @@ class DraftWorker:
                                open_sessions=len(self._sessions), keys=self._keys)
         stream.sessions[cmd.session_id] = session
         self._sessions[session.key] = session
+        if cmd.grammar is not None and self.grammars is not None and (
+                session.method in GRAMMAR_METHODS):
+            session.grammar_pending = True  # compiled off the loop, then it drafts
+            asyncio.get_running_loop().create_task(self._attach_grammar(session, cmd))
+        self._wake.set()
+
+    async def _attach_grammar(self, session: Session, cmd: Open) -> None:
+        """The session's grammar at its generated tokens; if it cannot be had (the verifier
+        compiled it, so this is unexpected), the session drafts free text, still exact."""
+        try:
+            # (commits that came meanwhile are in `committed`, which only grows)
+            state = await self.grammars.state(cmd.grammar, ())
+            if state.commit(session.committed[cmd.grammar_start:]):
+                session.grammar = state
+        except Exception as exc:
+            log.warning("session %r drafts without its grammar: %s", session.session_id, exc)
+        session.grammar_pending = False
         self._wake.set()
 
     def _commit(self, stream: Stream, cmd: Commit) -> None:
@@ -130,7 +152,11 @@ class DraftWorker:
         if session is None:
             raise SessionFailure(ErrorCode.UNKNOWN_SESSION,
                                  f"session {cmd.session_id!r} is not open on this stream")
+        before = len(session.committed)
         apply_commit(session, cmd, self.limits)
+        if session.grammar is not None and not session.grammar.commit(
+                session.committed[before:]):
+            session.grammar = None  # the matcher is lost: draft free text from here
         self._wake.set()
 
     def _fail(self, stream: Stream, sid: str, code: ErrorCode, message: str,
@@ -155,7 +181,7 @@ class DraftWorker:
     # --- drafting loop ------------------------------------------------------------------------
 
     def _wants_draft(self, s: Session) -> bool:
-        return (not s.stalled and len(s.drafts) < s.max_run_ahead
+        return (not s.stalled and not s.grammar_pending and len(s.drafts) < s.max_run_ahead
                 and s.length < self.limits.max_context_length and not s.stream.backed_up)
 
     async def _loop(self) -> None:

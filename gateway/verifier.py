@@ -129,7 +129,7 @@ def build_request(plan: GenerationPlan, committed: Sequence[int],
             draft_address=draft_address, tenant=plan.tenant, typical_acceptance=typical,
             draft_shape=_DRAFT_SHAPES[plan.draft_shape]),
         logprobs=plan.logprobs is not None, top_logprobs=plan.logprobs or 0,
-        grammar=None if plan.grammar is None else verify_pb2.Grammar(
+        grammar=None if plan.grammar is None else common_pb2.Grammar(
             kind=int(plan.grammar.kind), source=plan.grammar.source))
 
 

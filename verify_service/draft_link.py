@@ -63,7 +63,10 @@ def control_to_proto(c: Control) -> draft_pb2.DraftControl:
             max_run_ahead=c.max_run_ahead, top_n=c.top_n, max_ngram_size=c.max_ngram_size,
             sampling=common_pb2.SamplingParams(temperature=c.temperature, top_k=c.top_k,
                                                top_p=c.top_p, seed=c.seed),
-            features=_features(c.features), tenant=c.tenant, tree=c.tree))
+            features=_features(c.features), tenant=c.tenant, tree=c.tree,
+            grammar=None if c.grammar is None else common_pb2.Grammar(
+                kind=int(c.grammar.kind), source=c.grammar.source),
+            grammar_start=c.grammar_start))
     if isinstance(c, Commit):
         return draft_pb2.DraftControl(commit=draft_pb2.CommitTokens(
             session_id=c.session_id, epoch=c.epoch, start_position=c.start_position,

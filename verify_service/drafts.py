@@ -122,7 +122,8 @@ class DraftSide:
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                        method=p.method, max_run_ahead=run_ahead or self.max_run_ahead,
                        top_n=self.top_n, trace_context=p.trace_context,
-                       features=seq.all_features(), tenant=p.tenant, tree=p.tree))
+                       features=seq.all_features(), tenant=p.tenant, tree=p.tree,
+                       grammar=p.grammar, grammar_start=len(p.prompt)))
         if run_ahead == 0:  # a session at k = 0: Open cannot say "none yet", a commit can
             link.send(Commit(seq.seq_id, seq.epoch, seq.num_tokens, [], 0, None))
 

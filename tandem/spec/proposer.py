@@ -52,6 +52,10 @@ class DraftRequest:
     features: torch.Tensor | None = None
     tenant: str = ""  # who asked (the gateway's API-key tenant); "" = anonymous
     tree: bool = False  # draft a token tree of at most max_tokens nodes (can_tree methods)
+    # Structured output: [1, ceil(vocab / 32)] int32 bitmask of the tokens the session's
+    # grammar allows next (tandem.grammar); proposers that can draft only those, with q masked
+    # and renormalised. None = free text.
+    mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from tandem.grammar.spec import GrammarSpec
 from tandem.spec.methods import Method
 
 
@@ -86,6 +87,8 @@ class Open:
     features: Features | None = None  # EAGLE: target features computed so far
     tenant: str = ""  # who asked; methods with shared state may keep it per tenant
     tree: bool = False  # draft one token tree per epoch instead of a chain
+    grammar: GrammarSpec | None = None  # structured output: drafts it allows (draft_model)
+    grammar_start: int = 0  # where the grammar's text starts in token_ids (the prompt's end)
 
 
 @dataclass(frozen=True)

@@ -86,3 +86,23 @@ class WorkerInfo(_message.Message):
     methods: _containers.RepeatedScalarFieldContainer[SpeculationMethod]
     version: str
     def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ..., max_top_n: _Optional[int] = ..., methods: _Optional[_Iterable[_Union[SpeculationMethod, str]]] = ..., version: _Optional[str] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "source")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Grammar.Kind]
+        KIND_JSON_SCHEMA: _ClassVar[Grammar.Kind]
+        KIND_REGEX: _ClassVar[Grammar.Kind]
+        KIND_CHOICE: _ClassVar[Grammar.Kind]
+        KIND_LARK: _ClassVar[Grammar.Kind]
+    KIND_UNSPECIFIED: Grammar.Kind
+    KIND_JSON_SCHEMA: Grammar.Kind
+    KIND_REGEX: Grammar.Kind
+    KIND_CHOICE: Grammar.Kind
+    KIND_LARK: Grammar.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    kind: Grammar.Kind
+    source: str
+    def __init__(self, kind: _Optional[_Union[Grammar.Kind, str]] = ..., source: _Optional[str] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x96\x01\n\x0c\x44raftControl\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.tandem.v1.OpenSessionH\x00\x12)\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x17.tandem.v1.CommitTokensH\x00\x12(\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x17.tandem.v1.CloseSessionH\x00\x42\t\n\x07\x63ontrol\"\x9d\x03\n\x0bOpenSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12,\n\x06method\x18\x04 \x01(\x0e\x32\x1c.tandem.v1.SpeculationMethod\x12\x15\n\rmax_run_ahead\x18\x05 \x01(\r\x12\r\n\x05top_n\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x16\n\x0emax_ngram_size\x18\x08 \x01(\r\x12?\n\rtrace_context\x18\t \x03(\x0b\x32(.tandem.v1.OpenSession.TraceContextEntry\x12+\n\x08\x66\x65\x61tures\x18\n \x01(\x0b\x32\x19.tandem.v1.TargetFeatures\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x0c\n\x04tree\x18\x0c \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"K\n\x0eTargetFeatures\x12\x16\n\x0estart_position\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb7\x01\n\x0c\x43ommitTokens\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x1a\n\rmax_run_ahead\x18\x05 \x01(\rH\x00\x88\x01\x01\x12+\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x19.tandem.v1.TargetFeaturesB\x10\n\x0e_max_run_ahead\"\"\n\x0c\x43loseSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\"F\n\nDraftError\x12\'\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x19.tandem.v1.DraftErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc9\x01\n\rDraftProposal\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x10\n\x08token_id\x18\x04 \x01(\x05\x12(\n\x01q\x18\x05 \x01(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12$\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x15.tandem.v1.DraftError\x12!\n\x04tree\x18\x07 \x01(\x0b\x32\x13.tandem.v1.TreeNode\";\n\x08TreeNode\x12\x0e\n\x06parent\x18\x01 \x01(\x05\x12\x11\n\tpath_prob\x18\x02 \x01(\x02\x12\x0c\n\x04last\x18\x03 \x01(\x08*\x92\x02\n\x0e\x44raftErrorCode\x12 \n\x1c\x44RAFT_ERROR_CODE_UNSPECIFIED\x10\x00\x12$\n DRAFT_ERROR_CODE_UNKNOWN_SESSION\x10\x01\x12%\n!DRAFT_ERROR_CODE_INVALID_ARGUMENT\x10\x02\x12 \n\x1c\x44RAFT_ERROR_CODE_OUT_OF_SYNC\x10\x03\x12\'\n#DRAFT_ERROR_CODE_RESOURCE_EXHAUSTED\x10\x04\x12\'\n#DRAFT_ERROR_CODE_UNSUPPORTED_METHOD\x10\x05\x12\x1d\n\x19\x44RAFT_ERROR_CODE_INTERNAL\x10\x06\x32\x89\x01\n\x0c\x44raftService\x12\x42\n\tSpeculate\x12\x17.tandem.v1.DraftControl\x1a\x18.tandem.v1.DraftProposal(\x01\x30\x01\x12\x35\n\x04Info\x12\x16.tandem.v1.InfoRequest\x1a\x15.tandem.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x96\x01\n\x0c\x44raftControl\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.tandem.v1.OpenSessionH\x00\x12)\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x17.tandem.v1.CommitTokensH\x00\x12(\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x17.tandem.v1.CloseSessionH\x00\x42\t\n\x07\x63ontrol\"\xd9\x03\n\x0bOpenSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12,\n\x06method\x18\x04 \x01(\x0e\x32\x1c.tandem.v1.SpeculationMethod\x12\x15\n\rmax_run_ahead\x18\x05 \x01(\r\x12\r\n\x05top_n\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x16\n\x0emax_ngram_size\x18\x08 \x01(\r\x12?\n\rtrace_context\x18\t \x03(\x0b\x32(.tandem.v1.OpenSession.TraceContextEntry\x12+\n\x08\x66\x65\x61tures\x18\n \x01(\x0b\x32\x19.tandem.v1.TargetFeatures\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x0c\n\x04tree\x18\x0c \x01(\x08\x12#\n\x07grammar\x18\r \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x15\n\rgrammar_start\x18\x0e \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"K\n\x0eTargetFeatures\x12\x16\n\x0estart_position\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb7\x01\n\x0c\x43ommitTokens\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x1a\n\rmax_run_ahead\x18\x05 \x01(\rH\x00\x88\x01\x01\x12+\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x19.tandem.v1.TargetFeaturesB\x10\n\x0e_max_run_ahead\"\"\n\x0c\x43loseSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\"F\n\nDraftError\x12\'\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x19.tandem.v1.DraftErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc9\x01\n\rDraftProposal\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x10\n\x08token_id\x18\x04 \x01(\x05\x12(\n\x01q\x18\x05 \x01(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12$\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x15.tandem.v1.DraftError\x12!\n\x04tree\x18\x07 \x01(\x0b\x32\x13.tandem.v1.TreeNode\";\n\x08TreeNode\x12\x0e\n\x06parent\x18\x01 \x01(\x05\x12\x11\n\tpath_prob\x18\x02 \x01(\x02\x12\x0c\n\x04last\x18\x03 \x01(\x08*\x92\x02\n\x0e\x44raftErrorCode\x12 \n\x1c\x44RAFT_ERROR_CODE_UNSPECIFIED\x10\x00\x12$\n DRAFT_ERROR_CODE_UNKNOWN_SESSION\x10\x01\x12%\n!DRAFT_ERROR_CODE_INVALID_ARGUMENT\x10\x02\x12 \n\x1c\x44RAFT_ERROR_CODE_OUT_OF_SYNC\x10\x03\x12\'\n#DRAFT_ERROR_CODE_RESOURCE_EXHAUSTED\x10\x04\x12\'\n#DRAFT_ERROR_CODE_UNSUPPORTED_METHOD\x10\x05\x12\x1d\n\x19\x44RAFT_ERROR_CODE_INTERNAL\x10\x06\x32\x89\x01\n\x0c\x44raftService\x12\x42\n\tSpeculate\x12\x17.tandem.v1.DraftControl\x1a\x18.tandem.v1.DraftProposal(\x01\x30\x01\x12\x35\n\x04Info\x12\x16.tandem.v1.InfoRequest\x1a\x15.tandem.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OPENSESSION_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_OPENSESSION_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_DRAFTERRORCODE']._serialized_start=1266
-  _globals['_DRAFTERRORCODE']._serialized_end=1540
+  _globals['_DRAFTERRORCODE']._serialized_start=1326
+  _globals['_DRAFTERRORCODE']._serialized_end=1600
   _globals['_DRAFTCONTROL']._serialized_start=61
   _globals['_DRAFTCONTROL']._serialized_end=211
   _globals['_OPENSESSION']._serialized_start=214
-  _globals['_OPENSESSION']._serialized_end=627
-  _globals['_OPENSESSION_TRACECONTEXTENTRY']._serialized_start=576
-  _globals['_OPENSESSION_TRACECONTEXTENTRY']._serialized_end=627
-  _globals['_TARGETFEATURES']._serialized_start=629
-  _globals['_TARGETFEATURES']._serialized_end=704
-  _globals['_COMMITTOKENS']._serialized_start=707
-  _globals['_COMMITTOKENS']._serialized_end=890
-  _globals['_CLOSESESSION']._serialized_start=892
-  _globals['_CLOSESESSION']._serialized_end=926
-  _globals['_DRAFTERROR']._serialized_start=928
-  _globals['_DRAFTERROR']._serialized_end=998
-  _globals['_DRAFTPROPOSAL']._serialized_start=1001
-  _globals['_DRAFTPROPOSAL']._serialized_end=1202
-  _globals['_TREENODE']._serialized_start=1204
-  _globals['_TREENODE']._serialized_end=1263
-  _globals['_DRAFTSERVICE']._serialized_start=1543
-  _globals['_DRAFTSERVICE']._serialized_end=1680
+  _globals['_OPENSESSION']._serialized_end=687
+  _globals['_OPENSESSION_TRACECONTEXTENTRY']._serialized_start=636
+  _globals['_OPENSESSION_TRACECONTEXTENTRY']._serialized_end=687
+  _globals['_TARGETFEATURES']._serialized_start=689
+  _globals['_TARGETFEATURES']._serialized_end=764
+  _globals['_COMMITTOKENS']._serialized_start=767
+  _globals['_COMMITTOKENS']._serialized_end=950
+  _globals['_CLOSESESSION']._serialized_start=952
+  _globals['_CLOSESESSION']._serialized_end=986
+  _globals['_DRAFTERROR']._serialized_start=988
+  _globals['_DRAFTERROR']._serialized_end=1058
+  _globals['_DRAFTPROPOSAL']._serialized_start=1061
+  _globals['_DRAFTPROPOSAL']._serialized_end=1262
+  _globals['_TREENODE']._serialized_start=1264
+  _globals['_TREENODE']._serialized_end=1323
+  _globals['_DRAFTSERVICE']._serialized_start=1603
+  _globals['_DRAFTSERVICE']._serialized_end=1740
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ class DraftControl(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., commit: _Optional[_Union[CommitTokens, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "method", "max_run_ahead", "top_n", "epoch", "max_ngram_size", "trace_context", "features", "tenant", "tree")
+    __slots__ = ("session_id", "token_ids", "sampling", "method", "max_run_ahead", "top_n", "epoch", "max_ngram_size", "trace_context", "features", "tenant", "tree", "grammar", "grammar_start")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class OpenSession(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_START_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -68,7 +70,9 @@ class OpenSession(_message.Message):
     features: TargetFeatures
     tenant: str
     tree: bool
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_run_ahead: _Optional[int] = ..., top_n: _Optional[int] = ..., epoch: _Optional[int] = ..., max_ngram_size: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[TargetFeatures, _Mapping]] = ..., tenant: _Optional[str] = ..., tree: _Optional[bool] = ...) -> None: ...
+    grammar: _common_pb2.Grammar
+    grammar_start: int
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_run_ahead: _Optional[int] = ..., top_n: _Optional[int] = ..., epoch: _Optional[int] = ..., max_ngram_size: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[TargetFeatures, _Mapping]] = ..., tenant: _Optional[str] = ..., tree: _Optional[bool] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., grammar_start: _Optional[int] = ...) -> None: ...
 
 class TargetFeatures(_message.Message):
     __slots__ = ("start_position", "hidden_size", "data")

@@ -81,28 +81,8 @@ class GenerateRequest(_message.Message):
     speculation: SpeculationConfig
     logprobs: bool
     top_logprobs: int
-    grammar: Grammar
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationConfig, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
-
-class Grammar(_message.Message):
-    __slots__ = ("kind", "source")
-    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-        __slots__ = ()
-        KIND_UNSPECIFIED: _ClassVar[Grammar.Kind]
-        KIND_JSON_SCHEMA: _ClassVar[Grammar.Kind]
-        KIND_REGEX: _ClassVar[Grammar.Kind]
-        KIND_CHOICE: _ClassVar[Grammar.Kind]
-        KIND_LARK: _ClassVar[Grammar.Kind]
-    KIND_UNSPECIFIED: Grammar.Kind
-    KIND_JSON_SCHEMA: Grammar.Kind
-    KIND_REGEX: Grammar.Kind
-    KIND_CHOICE: Grammar.Kind
-    KIND_LARK: Grammar.Kind
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_FIELD_NUMBER: _ClassVar[int]
-    kind: Grammar.Kind
-    source: str
-    def __init__(self, kind: _Optional[_Union[Grammar.Kind, str]] = ..., source: _Optional[str] = ...) -> None: ...
+    grammar: _common_pb2.Grammar
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationConfig, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")

@@ -131,3 +131,29 @@ def test_spec_key_is_content():
     assert a.key == GrammarSpec.json_schema({"a": 2, "b": 1}).key
     assert a.key != GrammarSpec(GrammarKind.REGEX, a.source).key
     assert json.loads(a.source) == {"a": 2, "b": 1}
+
+
+def test_grammars_travel_to_draft_workers_and_bad_kinds_are_refused():
+    from draft_service.server import control_from_proto
+    from tandem.spec import Invalid, Open
+    from verify_service.draft_link import control_to_proto
+
+    sent = Open("s", [1, 2, 3], grammar=GrammarSpec.choice(["a"]), grammar_start=2)
+    back = control_from_proto(control_to_proto(sent))
+    assert back.grammar == sent.grammar and back.grammar_start == 2
+    bad = control_to_proto(sent)
+    bad.open.grammar.kind = 9
+    assert isinstance(control_from_proto(bad), Invalid)
+    assert control_from_proto(control_to_proto(Open("s", [1]))).grammar is None
+
+
+def test_a_generate_request_with_a_bad_grammar_is_invalid():
+    from tandem.v1 import common_pb2, verify_pb2
+    from verify_service.server import _grammar
+
+    req = verify_pb2.GenerateRequest(grammar=common_pb2.Grammar(kind=2, source="a+"))
+    assert _grammar(req) == GrammarSpec(GrammarKind.REGEX, "a+")
+    assert _grammar(verify_pb2.GenerateRequest()) is None
+    for grammar in (common_pb2.Grammar(kind=7, source="x"), common_pb2.Grammar(kind=1)):
+        with pytest.raises(InvalidArgument):
+            _grammar(verify_pb2.GenerateRequest(grammar=grammar))
