@@ -8,8 +8,11 @@ Each prompt asks for a JSON object; it is asked free (no response_format) and co
 (response_format json_schema, strict) by every method, the arms' order rotating prompt by
 prompt. A second cluster runs with the verifier's forced drafts off (--forced-drafts off),
 so what the grammar's forced tokens add as free drafts shows beside the rest. Greedy,
-non-streaming; speed is completion tokens over wall time. Every constrained answer is
-validated against its schema (jsonschema).
+streamed; speed is completion tokens over wall time, and decode speed the tokens after
+the first over the time from first to last (what the grammar and the drafts change, without
+the prompt's prefill). Each arm and rep is its own tenant, so suffix decoding never drafts
+from another arm's answer to the same prompt. Every constrained answer is validated against
+its schema (jsonschema).
 """
 from __future__ import annotations
 
@@ -51,8 +54,14 @@ PROMPTS = [
 ]
 
 
+def key_of(mode: str, method: str, rep: int) -> str:
+    """Each arm and rep asks as its own tenant (an API key each): the verifier's suffix
+    caches are per tenant, so no ask drafts from another arm's answer to the same prompt."""
+    return f"bench-{mode}-{method}-{rep}"
+
+
 def ask(url: str, model: str, prompt: str, schema: dict | None, method: str,
-        tokens: int) -> dict:
+        tokens: int, key: str = "") -> dict:
     """One streamed request: the text, its tokens, wall time and decode time (first token
     to last: what the grammar and the drafts change, without the prompt's prefill)."""
     body = {"model": model, "max_tokens": tokens, "temperature": 0, "stream": True,
@@ -64,7 +73,9 @@ def ask(url: str, model: str, prompt: str, schema: dict | None, method: str,
             "name": "answer", "schema": schema, "strict": True}}
     parts, first, last, finish, usage, spec = [], None, None, None, {}, {}
     t0 = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600,
+                      headers=headers) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -92,20 +103,22 @@ def ask(url: str, model: str, prompt: str, schema: dict | None, method: str,
 
 
 def run_cluster(forced: bool, arms: list[tuple[str, str]], reps: int, tokens: int) -> list:
+    keys = [key_of(mode, method, rep) for mode, method in arms for rep in range(reps)]
     cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=print,
-                      env={"TANDEM_VERIFIER_FORCED_DRAFTS": "on" if forced else "off"},
-                      output=subprocess.DEVNULL)
+                      env={"TANDEM_VERIFIER_FORCED_DRAFTS": "on" if forced else "off",
+                           "TANDEM_API_KEYS": ",".join(keys)}, output=subprocess.DEVNULL)
     cluster.start()
     rows, url = [], cluster.gateway_url
     try:
-        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        ask(url, model, "Say hi.", None, "none", 8)  # warm up
+        auth = {"Authorization": f"Bearer {keys[0]}"}
+        model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
+        ask(url, model, "Say hi.", None, "none", 8, keys[0])  # warm up
         for rep in range(reps):
             for i, (prompt, schema) in enumerate(PROMPTS):
                 k = (i + rep) % len(arms)
                 for mode, method in arms[k:] + arms[:k]:
                     res = ask(url, model, prompt, schema if mode == "json" else None, method,
-                              tokens)
+                              tokens, key_of(mode, method, rep))
                     rows.append({"forced": forced, "rep": rep, "prompt": i, "mode": mode,
                                  "method": method, **res})
                     print(f"forced={forced} rep {rep} prompt {i} {mode}/{method}: "
