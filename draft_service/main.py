@@ -8,11 +8,9 @@ their sessions, then end with UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import importlib.metadata
-import json
 import logging
 import signal
 from collections.abc import Callable
@@ -31,6 +29,7 @@ from draft_service.proposers.eagle import EagleProposer
 from draft_service.proposers.layer_skip import LayerSkipProposer
 from draft_service.proposers.mtp import MtpProposer
 from draft_service.server import SERVICE_NAME, DraftServicer
+from draft_service.token_space import token_space, tokenizer_root
 from draft_service.worker import DraftWorker
 from tandem import redis_conn, telemetry
 from tandem.device import Placement, place
@@ -45,10 +44,8 @@ from tandem.history.suffix import SuffixProposer
 from tandem.models import (
     ModelError,
     ModelPaths,
-    default_target_dir,
     generation_eos_ids,
     resolve_model,
-    tokenizer_hash,
 )
 from tandem.netaddr import join_host_port, split_host_port
 from tandem.registration import Beat, Registration, start_registration, stop_registration
@@ -58,32 +55,6 @@ from tandem.v1 import common_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 _NGRAM_CONTEXT = 32768  # no model, so no positional limit; this only bounds memory per session
-
-
-def _token_space(config: DraftConfig, proposer: DraftModelProposer | None):
-    """(model_id, tokenizer_hash, vocab_size) that Info advertises."""
-    if proposer is not None:  # a draft model, else the layer-skip target
-        paths = resolve_model(config.model if config.model is not None else config.layer_skip)
-        return paths.root.name, tokenizer_hash(paths), proposer.vocab_size
-    if config.eagle is not None and not config.tokenizer:  # the head ships its tokenizer
-        root = Path(config.eagle)
-        with contextlib.suppress(OSError, ValueError, KeyError, ModelError):
-            vocab = json.loads((root / "draft_vocab.json").read_text())["target_vocab_size"]
-            return root.name, tokenizer_hash(ModelPaths(root)), int(vocab)
-    if config.mtp is not None and not config.tokenizer:  # MTP lives in the target checkpoint
-        with contextlib.suppress(OSError, ValueError, KeyError, ModelError):
-            root = resolve_model(config.mtp).root
-            vocab = json.loads((root / "config.json").read_text())["vocab_size"]
-            return root.name, tokenizer_hash(ModelPaths(root)), int(vocab)
-    root = Path(config.tokenizer) if config.tokenizer else default_target_dir()
-    try:  # n-gram lookup works on any ids: the tokenizer only names them for pairing
-        cfg = json.loads((root / "config.json").read_text())
-        return "ngram", tokenizer_hash(ModelPaths(root)), int(cfg["vocab_size"])
-    except (OSError, ValueError, KeyError, ModelError) as exc:
-        if config.tokenizer:
-            raise ModelError(f"cannot read the tokenizer checkpoint {root}: {exc}") from exc
-        log.warning("no tokenizer known (%s): Info advertises no tokenizer hash", exc)
-        return "ngram", "", 2**31 - 1
 
 
 def _check_eagle_tokens(eagle: EagleProposer, model: DraftModelProposer | None) -> None:
@@ -145,7 +116,7 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
         model = model or skip
     proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_run_ahead_cap)
     proposers[Method.SUFFIX] = SuffixProposer(config.suffix_config(), config.max_run_ahead_cap)
-    model_id, tok_hash, vocab = _token_space(config, model)
+    model_id, tok_hash, vocab = token_space(config, model)
     context = model.max_context_length if model is not None else _NGRAM_CONTEXT
     for method in (Method.EAGLE, Method.MTP):
         if method in proposers:
@@ -153,11 +124,9 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
     if config.max_context_length:
         context = min(context, config.max_context_length)
     worker, info = assemble_worker(config, proposers, model_id, tok_hash, vocab, context)
-    if config.model is not None:  # the draft model's own tokenizer: its drafts' ids
-        root = resolve_model(config.model).root
-        worker.grammars = LazyCompiler(functools.partial(
-            compiler_for, root, proposers[Method.DRAFT_MODEL].vocab_size,
-            generation_eos_ids(ModelPaths(root))))
+    root = tokenizer_root(config)
+    worker.grammars = LazyCompiler(functools.partial(  # structured output's drafts
+        compiler_for, root, vocab, generation_eos_ids(ModelPaths(root))))
     return worker, info
 
 

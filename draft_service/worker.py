@@ -47,9 +47,9 @@ from tandem.spec import (
 )
 
 log = logging.getLogger(__name__)
-# Proposers that draft under a session's grammar (DraftRequest.mask); the others' drafts are
-# masked by the verifier only.
-GRAMMAR_METHODS = frozenset({Method.DRAFT_MODEL})
+# Proposers that draft under a session's grammar (DraftRequest.mask; eagle's chains, not its
+# trees); the others' drafts are masked by the verifier only.
+GRAMMAR_METHODS = frozenset({Method.DRAFT_MODEL, Method.EAGLE})
 
 # One step's work per method: (session, its generation when asked, the request).
 _Jobs = dict[Method, list[tuple[Session, int, DraftRequest]]]

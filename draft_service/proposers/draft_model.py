@@ -17,7 +17,7 @@ from kernels.sampling import logits_to_probs, position_noise, sample, top_n_spar
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
-from tandem.grammar.masks import apply_masks
+from tandem.grammar.masks import mask_drafts
 from tandem.models import ModelPaths
 from tandem.spec import DraftRequest, DraftResult, DraftToken, ErrorCode, Method
 
@@ -76,7 +76,7 @@ class DraftModelProposer:
             for req in batch:
                 self._mark_cached(req)
             # structured output: only what the grammar allows, q renormalised over it
-            logits = apply_masks(logits, [r.mask for r in batch], [1] * len(batch))
+            logits = mask_drafts(logits, [r.mask for r in batch])
             for i, tok in zip(rows, sample_drafts(logits, batch, self.vocab_size)):
                 results[i] = DraftResult([tok])
         return results  # type: ignore[return-value]

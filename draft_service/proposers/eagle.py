@@ -20,6 +20,7 @@ from draft_service.proposers.draft_model import _common_prefix, sample_drafts
 from kernels.paged_attention import build_attention_metadata
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from tandem.engine.eagle import EagleHead
+from tandem.grammar.masks import mask_drafts
 from tandem.models import ModelError, ModelPaths
 from tandem.spec import DraftRequest, DraftResult, ErrorCode, Method
 
@@ -117,6 +118,7 @@ class EagleProposer:
         if chains:
             feats = torch.stack([self._next_feature(w) for w in chains])  # [B, hidden]
             logits = self.head.model.logits(feats.to(self.head.model.dtype))  # [B, vocab]
+            logits = mask_drafts(logits, [w.req.mask for w in chains])  # structured output
             for w, tok in zip(chains, sample_drafts(logits, [w.req for w in chains],
                                                    self.vocab_size)):
                 results[w.row] = DraftResult([tok])

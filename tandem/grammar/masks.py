@@ -31,3 +31,19 @@ def apply_masks(
             out[at:at + n].masked_fill_(~ok, float("-inf"))
         at += n
     return out
+
+
+def mask_drafts(
+    logits: torch.Tensor,  # [rows, vocab] a draft's logits, one row per request
+    masks: list[torch.Tensor | None],  # per row: [1, words] bitmask, or None = free
+) -> torch.Tensor:
+    """A draft's rows masked by their grammars, except a row whose draft vocabulary has none
+    of the allowed tokens (EAGLE drafts from its commonest tokens only): left free, since the
+    verifier masks the target either way and a draft of nothing cannot be sampled."""
+    out = apply_masks(logits, masks, [1] * len(masks))
+    if out is logits:
+        return logits
+    empty = torch.isinf(out).all(-1) & ~torch.isinf(logits).all(-1)  # [rows]
+    if bool(empty.any()):
+        out[empty] = logits[empty]
+    return out
