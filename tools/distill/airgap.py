@@ -32,7 +32,7 @@ class BundleConfig:
     target: str = DEFAULT_TARGET
     minutes: float = 10.0  # the script's default budget (generation + training)
     part_mib: float = 60.0  # every bundle file is at most this large
-    prompts: int = 20000
+    prompts: int = 12000  # the chat set has about 12,000 distinct prompts
     mix: str = "chat"  # tools.distill.corpus.build_prompts: "chat" or "corpus"
     max_new_tokens: int = 160
     val_fraction: float = 0.04  # prompts (conversations) held out for validation
@@ -45,8 +45,8 @@ class BundleConfig:
             raise ValueError("need --minutes > 0, --prompts >= 2 and --max-new-tokens >= 1")
         if self.mix not in ("chat", "corpus"):
             raise ValueError(f"--mix must be chat or corpus, got {self.mix!r}")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        if not 0 < self.val_fraction <= 0.5:
+            raise ValueError(f"--val-fraction must be in (0, 0.5], got {self.val_fraction}")
 
     @property
     def part_bytes(self) -> int:
@@ -73,8 +73,8 @@ def _geometry(cfg) -> dict:
 
 
 def _write_prompts(tokenizer, cfg: BundleConfig, path: Path, log) -> int:
-    """prompts.jsonl, pre-tokenized as tandem distill encodes them; the first val_fraction
-    (shuffled) are held out, and come first so that a short run still has them."""
+    """prompts.jsonl, pre-tokenized as tandem distill encodes them; every k-th prompt
+    (k = 1 / val_fraction) is held out, so that any prefix a short run answers has some."""
     from tqdm import tqdm
 
     from tools.distill.config import DataConfig
@@ -82,11 +82,12 @@ def _write_prompts(tokenizer, cfg: BundleConfig, path: Path, log) -> int:
 
     prompts = build_prompts(cfg.prompts, cfg.seed, mix=cfg.mix)
     random.Random(cfg.seed).shuffle(prompts)
-    n_val = max(1, round(len(prompts) * cfg.val_fraction))
+    every = max(2, round(1 / cfg.val_fraction))
+    n_val = -(-len(prompts) // every)
     with open(path, "w") as f:
         for i, p in enumerate(tqdm(prompts, desc="tokenize prompts", file=sys.stderr)):
             ids = encode_prompt(tokenizer, p, DataConfig.max_prompt_tokens)
-            f.write(json.dumps({"split": "val" if i < n_val else "train", "text": p.text,
+            f.write(json.dumps({"split": "train" if i % every else "val", "text": p.text,
                                 "ids": ids}) + "\n")
     log(f"bundle: {len(prompts)} prompts, {n_val} held out")
     return n_val
@@ -196,7 +197,8 @@ def register(distill_parser) -> None:
                    help="the script's default budget, generation + training [%(default)s]")
     b.add_argument("--part-mib", type=float, default=d.part_mib,
                    help=f"largest bundle file, at most {MAX_UPLOAD_MIB} [%(default)s]")
-    b.add_argument("--prompts", type=int, default=d.prompts, help="prompts [%(default)s]")
+    b.add_argument("--prompts", type=int, default=d.prompts,
+                   help="prompts (the chat mix has about 12,000 distinct) [%(default)s]")
     b.add_argument("--mix", choices=("chat", "corpus"), default=d.mix,
                    help="prompt set (tools/distill/corpus.py) [%(default)s]")
     b.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
