@@ -254,6 +254,7 @@ def generate(model, prompts: list[dict], spec: dict, cfg: Config, clock: dict) -
             break
         t0 = time.perf_counter()
         sampled = s % SAMPLED_EVERY == SAMPLED_EVERY - 1
+        torch.manual_seed(cfg.seed * 100003 + s)  # a sampled shard is the same on a rerun
         got, hits = make_shard(model, shards[s], spec, cfg, sampled,
                                data / f"shard-{s:05d}.safetensors")
         tokens += got
