@@ -65,7 +65,8 @@ def _add_distill(sub) -> None:
                    default="draft_model",
                    help="what to train: an independent draft model, an EAGLE head or Medusa "
                    "heads on the target's features [%(default)s]")
-    p.add_argument("--out", type=Path, required=True, help="output draft directory")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output draft directory (required unless bundle/unbundle)")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="generation cache (resumable) [default: OUT.data]")
     add_device_flags(p, "TANDEM_DISTILL", d.dtype, (
@@ -118,6 +119,9 @@ def _add_distill(sub) -> None:
     g.add_argument("--resume", action="store_true", help="continue from OUT's train state")
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.set_defaults(func=_cmd_distill)
+    from tools.distill.airgap import register as register_airgap
+
+    register_airgap(p)
 
 
 def _cmd_distill(args) -> int:
@@ -127,6 +131,8 @@ def _cmd_distill(args) -> int:
     from tools.distill.config import DataConfig, DraftArch, TrainConfig
     from tools.distill.pipeline import DistillJob, run_distill
 
+    if args.out is None:
+        raise ValueError("distill needs --out DIR (the output draft or head directory)")
     # Resolved first: a GPU this host lacks is a clear error, not a traceback minutes later.
     at = place(args.device, args.dtype)
     args.device, args.dtype = str(at.device), at.dtype
