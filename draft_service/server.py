@@ -14,7 +14,7 @@ from draft_service.session import Stream
 from draft_service.tracing import SessionSpans
 from draft_service.worker import DraftWorker
 from tandem.errors import InvalidArgument, Unavailable
-from tandem.grammar import GrammarKind, GrammarSpec
+from tandem.grammar import GrammarSpec
 from tandem.spec import Close, Commit, Control, Features, Invalid, Open, Reply, SessionError
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -48,13 +48,7 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
 
 
 def _grammar(o: draft_pb2.OpenSession) -> GrammarSpec | None:
-    if not o.HasField("grammar"):
-        return None
-    try:
-        kind = GrammarKind(o.grammar.kind)
-    except ValueError:
-        raise InvalidArgument(f"grammar: unknown kind {o.grammar.kind}") from None
-    return GrammarSpec(kind, o.grammar.source)
+    return GrammarSpec.from_wire(o.grammar if o.HasField("grammar") else None)
 
 
 def _features(msg) -> Features | None:

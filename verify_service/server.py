@@ -13,7 +13,7 @@ from opentelemetry import trace
 
 from tandem import telemetry
 from tandem.errors import InvalidArgument, Unavailable
-from tandem.grammar import GrammarKind, GrammarSpec
+from tandem.grammar import GrammarSpec
 from tandem.grammar.compiler import LazyCompiler
 from tandem.grpc_limits import MAX_SESSION_ID_CHARS, MAX_STOP_TOKEN_IDS
 from tandem.sampling_params import SamplingParams
@@ -93,13 +93,7 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
 
 
 def _grammar(req: verify_pb2.GenerateRequest) -> GrammarSpec | None:
-    if not req.HasField("grammar"):
-        return None
-    try:
-        kind = GrammarKind(req.grammar.kind)
-    except ValueError:
-        raise InvalidArgument(f"grammar: unknown kind {req.grammar.kind}") from None
-    return GrammarSpec(kind, req.grammar.source)  # InvalidArgument if empty or too big
+    return GrammarSpec.from_wire(req.grammar if req.HasField("grammar") else None)
 
 
 def _tree(shape: int, method: Method, tree_methods: frozenset[Method]) -> bool:

@@ -50,6 +50,17 @@ class GrammarSpec:
         return h.hexdigest()
 
     @classmethod
+    def from_wire(cls, msg) -> GrammarSpec | None:
+        """A tandem.v1.Grammar field's spec (None when unset); InvalidArgument if bad."""
+        if msg is None:
+            return None
+        try:
+            kind = GrammarKind(msg.kind)
+        except ValueError:
+            raise InvalidArgument(f"grammar: unknown kind {msg.kind}") from None
+        return cls(kind, msg.source)
+
+    @classmethod
     def json_schema(cls, schema: dict | bool) -> GrammarSpec:
         return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
 

@@ -11,7 +11,7 @@ from inproc import run_sessions
 from kernels.sampling import logits_to_probs
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.grammar import GrammarSpec
-from tandem.grammar.masks import apply_masks
+from tandem.grammar.masks import allowed, apply_masks
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Method
 from tandem.spec.proposer import DraftResult
@@ -101,3 +101,45 @@ def test_sampled_speculation_keeps_the_masked_targets_distribution(
     counts = {t: seconds.count(t) for t in set(seconds)}
     stat, critical = chi_square(counts, expected)
     assert stat < critical, (counts, expected)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_draft_worker_drafts_under_the_grammar(target_model, tokenizer, grammar_compiler,
+                                                   temperature):
+    """A session opened with a grammar drafts only what it allows, with q masked by it and
+    renormalised; without it the same draft model drafts prose here."""
+    import asyncio
+
+    from draft_service.limits import Limits
+    from draft_service.proposers.draft_model import DraftModelProposer
+    from draft_service.worker import DraftWorker
+    from tandem.grammar.compiler import LazyCompiler
+    from tandem.spec import Open
+
+    spec = GrammarSpec.json_schema({"type": "object", "required": ["name"],
+                                    "properties": {"name": {"type": "string"}}})
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me a story about a cat."}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    async def drafts(grammar):
+        worker = DraftWorker({Method.DRAFT_MODEL: DraftModelProposer(
+            ModelRunner(target_model, 64, 16))}, Limits(target_model.cfg.vocab_size, 2048),
+            grammars=LazyCompiler(lambda: grammar_compiler))
+        stream = worker.open_stream()
+        worker.handle(stream, Open("s", list(prompt), temperature=temperature, seed=5,
+                                   method=int(Method.DRAFT_MODEL), max_run_ahead=6,
+                                   grammar=grammar, grammar_start=len(prompt)))
+        got = [await asyncio.wait_for(stream.get(), 60) for _ in range(6)]
+        await worker.aclose()
+        return [p.token for p in got]
+
+    constrained = asyncio.run(drafts(spec))
+    state = grammar_compiler.state_now(spec)
+    for d in constrained:
+        ok = set(torch.nonzero(allowed(state.masks([])[0][None], len(tokenizer))[0]).flatten()
+                 .tolist())
+        assert d.token_id in ok and set(d.q_ids) <= ok  # q lives inside the grammar
+        assert state.commit([d.token_id])
+    free = asyncio.run(drafts(None))
+    assert not grammar_compiler.state_now(spec).commit([d.token_id for d in free])

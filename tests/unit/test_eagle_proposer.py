@@ -4,35 +4,20 @@ import random
 
 import pytest
 import torch
+from eagle_tiny import tiny_head
 
 from draft_service.proposers.eagle import EagleProposer
-from tandem.engine.checkpoint import LlamaConfig
-from tandem.engine.draft_vocab import DraftVocab
 from tandem.engine.eagle import EagleHead
 from tandem.models import ModelPaths
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest, Method
-from tools.distill.eagle_head import EagleTrainHead
 
 pytestmark = pytest.mark.unit
-
-HF = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
-      "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-      "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
-      "tie_word_embeddings": True}
 
 
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("eagle")
-    torch.manual_seed(1)
-    vocab = DraftVocab(tuple(range(0, 300, 2)), 300, 0)
-    head = EagleTrainHead(LlamaConfig.from_hf(HF), vocab, torch.randn(150, 64), 256)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    head.export(path, HF, {"format": "tandem-eagle/1"})
-    return path
+    return tiny_head(tmp_path_factory.mktemp("eagle"), seed=1)
 
 
 def _req(key, tokens, features, m):
