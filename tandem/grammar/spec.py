@@ -62,6 +62,10 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> GrammarSpec:
+        if schema is False:
+            raise InvalidArgument("grammar: the schema false admits no text")
+        if schema is True:  # any JSON value, as the schema {} says
+            schema = {}
         return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
 
     @classmethod

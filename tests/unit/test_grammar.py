@@ -157,3 +157,9 @@ def test_a_generate_request_with_a_bad_grammar_is_invalid():
     for grammar in (common_pb2.Grammar(kind=7, source="x"), common_pb2.Grammar(kind=1)):
         with pytest.raises(InvalidArgument):
             _grammar(verify_pb2.GenerateRequest(grammar=grammar))
+
+
+def test_boolean_schemas():
+    assert GrammarSpec.json_schema(True) == GrammarSpec.json_schema({})
+    with pytest.raises(InvalidArgument, match="admits no text"):
+        GrammarSpec.json_schema(False)
