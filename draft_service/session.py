@@ -152,4 +152,4 @@ class Session:
             generator=generator,
             features=None if self.features is None else self.features.view(),
             tenant=self.tenant, tree=self.tree,
-            mask=None if self.grammar is None else self.grammar.masks(self.drafts)[-1:])
+            mask=None if self.grammar is None else self.grammar.next_mask(self.drafts))

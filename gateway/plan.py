@@ -61,7 +61,7 @@ async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: Gatewa
         await _check_grammar(grammar, grammars, "tools" if tools else "")
     ids, conversation = schemas.prompt_token_ids(
         req, tokenizer, system_prompt(req.tools, tools) if tools else "")
-    max_new = schemas.resolve_max_tokens(req, len(ids), config.context_length,
+    max_new = resolve_max_tokens(req, len(ids), config.context_length,
                                          config.default_max_tokens)
     stop_ids = _stop_token_ids(req, tokenizer, config.eos_token_ids)
     spec = req.speculation or schemas.SpeculationOptions()
@@ -144,3 +144,22 @@ async def _method(spec: schemas.SpeculationOptions, router: Router,
 
 # What a draft worker that does not advertise its methods serves.
 _LEGACY_METHODS = ("draft_model", "ngram")
+
+
+def resolve_max_tokens(req: schemas.CompletionRequest | schemas.ChatCompletionRequest,
+                       prompt_len: int, context_length: int, default_max_tokens: int) -> int:
+    """Tokens to generate; 400 when the prompt (plus what was asked for) cannot fit."""
+    ctx = context_length
+    if prompt_len >= ctx:
+        raise bad_request(f"prompt: {prompt_len} tokens leave no room in the context length "
+                          f"of {ctx} tokens", param="prompt", code="context_length_exceeded")
+    chat = isinstance(req, schemas.ChatCompletionRequest)
+    asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    param = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+    if asked is None:  # chat: the rest of the context; completions: OpenAI's small default
+        return ctx - prompt_len if chat else min(default_max_tokens, ctx - prompt_len)
+    if prompt_len + asked > ctx:
+        raise bad_request(f"{param}: prompt ({prompt_len} tokens) + {param} ({asked}) exceeds "
+                          f"the context length of {ctx} tokens", param=param,
+                          code="context_length_exceeded")
+    return asked

@@ -219,25 +219,6 @@ def prompt_token_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: 
     return list(prompt), " ".join(map(str, prompt[:128]))
 
 
-def resolve_max_tokens(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
-                       context_length: int, default_max_tokens: int) -> int:
-    """Tokens to generate; 400 when the prompt (plus what was asked for) cannot fit."""
-    ctx = context_length
-    if prompt_len >= ctx:
-        raise bad_request(f"prompt: {prompt_len} tokens leave no room in the context length "
-                          f"of {ctx} tokens", param="prompt", code="context_length_exceeded")
-    chat = isinstance(req, ChatCompletionRequest)
-    asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
-    param = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
-    if asked is None:  # chat: the rest of the context; completions: OpenAI's small default
-        return ctx - prompt_len if chat else min(default_max_tokens, ctx - prompt_len)
-    if prompt_len + asked > ctx:
-        raise bad_request(f"{param}: prompt ({prompt_len} tokens) + {param} ({asked}) exceeds "
-                          f"the context length of {ctx} tokens", param=param,
-                          code="context_length_exceeded")
-    return asked
-
-
 # ---- responses (plain dicts: they go straight to JSON) ------------------------------------
 
 

@@ -73,6 +73,20 @@ class GrammarState:
         self._move(cur, [])
         return out
 
+    def next_mask(self, drafts: list[int]) -> torch.Tensor:
+        """[1, words]: the tokens allowed after the committed text and `drafts` (after the
+        allowed part of them, should one be forbidden); a draft worker's next draft."""
+        import torch
+
+        n = self.matcher.validate_tokens(drafts) if drafts else 0
+        if n:
+            self.matcher.consume_tokens(drafts[:n])
+        out = torch.zeros(1, self.words, dtype=torch.int32)
+        self._fill(out, 0)
+        if n:
+            self.matcher.rollback(n)
+        return out
+
     def _move(self, cur: list[int], target: list[int]) -> list[int]:
         """Roll back to the common prefix of `cur` and `target`, then consume the rest."""
         common = 0

@@ -72,6 +72,9 @@ def test_chain_masks_follow_the_drafts_and_leave_the_matcher(grammar_compiler, t
     # the forbidden draft and the one after it get the parent's mask
     assert torch.equal(m[len(good) + 1], m[len(good)])
     assert torch.equal(m[len(good) + 2], m[len(good)])
+    for i in range(len(good) + 3):  # a draft worker's next-draft mask: the same rows
+        assert torch.equal(st.next_mask([*good, *bad, good[0]][:i])[0], m[min(i, len(good))])
+    assert torch.equal(st.masks([])[0], before)
 
 
 def test_tree_masks_equal_each_paths_chain(grammar_compiler, tokenizer):
