@@ -78,8 +78,13 @@ def test_eagle_takes_prefix_cache_hits_and_chunks_with_kept_features(target_mode
         np.testing.assert_allclose(a, b, atol=0.02, rtol=0.02)
     if chunk:  # a prompt beside decoding sessions went in pieces of at most `chunk` tokens
         assert max(fwd_whole) < max(whole)
-    else:  # the shared system prompt was computed once
-        assert sum(fwd_whole) < sum(whole) - 16
+    else:  # the shared system prompt was computed once: prefill forwards (the ones longer
+        # than a decode round's k + 1 <= 5 tokens; how many drafts the rounds verify varies
+        # with the drafts' arrival, and would drown the saving) hold a block less per prompt
+        def prefilled(fwd):
+            return sum(t for t in fwd if t > 5)
+
+        assert prefilled(fwd_whole) <= prefilled(whole) - 16 * (len(prompts) - 1)
 
 
 def test_sampled_eagle_follows_the_target_joint_distribution(target_model, tokenizer,

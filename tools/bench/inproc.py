@@ -56,7 +56,7 @@ class OnePool:
     async def get(self, hint=""):
         return self.link if self.link.alive else None
 
-    def mark_failed(self, address):
+    def mark_failed(self, address, link=None):  # DraftPool's signature: nothing to mark
         pass
 
     async def close(self):
