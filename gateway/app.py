@@ -102,10 +102,8 @@ def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
     store = Guarded(RedisSessionStore(redis, prefix=p, ttl_s=config.session_ttl_s, clock=clock),
                     breaker)
     limiter = Guarded(RedisQuotas(redis, prefix=p, clock=clock), breaker)
-    grammars = LazyCompiler(lambda: GrammarCompiler(
-        tokenizer, len(tokenizer), tuple(dict.fromkeys(
-            ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
-            + config.eos_token_ids))))
+    grammars = LazyCompiler(lambda: GrammarCompiler(tokenizer, len(tokenizer),
+                                                    config.eos_token_ids))
     gw = _Gateway(config, tokenizer, clock, redis, breaker, router, limiter,
                   GenerationDeps(config, router, channels, store), int(clock()), grammars)
 

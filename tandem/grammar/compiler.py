@@ -28,11 +28,13 @@ class GrammarError(InvalidArgument):
 class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...] = (),
                  cache_size: int = 256, timeout_s: float = 5.0):
-        eos = list(eos_ids) or None  # every end-of-reply token ends a grammar's text
+        # Every end-of-reply token ends a grammar's text: the tokenizer's EOS and `eos_ids`
+        # (the checkpoint's generation_config ones).
+        own = () if hf_tokenizer.eos_token_id is None else (hf_tokenizer.eos_token_id,)
+        self.eos_ids = tuple(dict.fromkeys(own + tuple(eos_ids)))
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                                      eos_token=eos)
+                                                      eos_token=list(self.eos_ids) or None)
         self.vocab_size = vocab_size
-        self.eos_ids = tuple(eos_ids) or (hf_tokenizer.eos_token_id,)
         self.timeout_s = timeout_s
         self._cache: OrderedDict[str, llguidance.LLMatcher | GrammarError] = OrderedDict()
         self._size = cache_size
@@ -123,6 +125,4 @@ def compiler_for(root: Path, vocab_size: int, eos_ids: tuple[int, ...]) -> Gramm
     """The compiler of a checkpoint directory's tokenizer."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(root))
-    own = () if tok.eos_token_id is None else (tok.eos_token_id,)
-    return GrammarCompiler(tok, vocab_size, tuple(dict.fromkeys(own + eos_ids)))
+    return GrammarCompiler(AutoTokenizer.from_pretrained(str(root)), vocab_size, eos_ids)
