@@ -236,7 +236,7 @@ class LlamaModel:
         else:
             attend = row_attention if self.batch_invariant else attention
             attn = attend(q, k_cache, v_cache, meta, scale)
-        out = self.linear(attn.reshape(n, q_size), layer.o, layer.o_bias)
+        out = self._attn_out(attn.reshape(n, q_size), layer)
         if layer.pre_ff_norm is None:  # Llama: pre-norm blocks
             h = h + out
             x = self._rms_norm(h, layer.post_norm)
@@ -244,6 +244,17 @@ class LlamaModel:
         h = h + self._rms_norm(out, layer.post_norm)  # Gemma: norms on both sides
         x = self._rms_norm(h, layer.pre_ff_norm)
         return h + self._rms_norm(self._mlp(x, layer), layer.post_ff_norm)
+
+    # Hooks a tensor-parallel shard overrides (tandem.engine.tp_llama): embedding lookup,
+    # attention's output projection, the MLP and the LM head.
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden]
+        return self.embed[input_ids]
+
+    def _attn_out(self, attn: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        return self.linear(attn, layer.o, layer.o_bias)  # [n, q_size] -> [n, hidden]
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
+        return self.linear(h, self.lm_head).float()
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -256,7 +267,7 @@ class LlamaModel:
         return cos[positions][:, None], sin[positions][:, None]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [rows, hidden] normed -> [rows, vocab]
-        logits = self.linear(h, self.lm_head).float()
+        logits = self._head(h)
         if cap := self.cfg.final_softcap:  # Gemma 2
             logits = torch.tanh(logits / cap) * cap
         if self.vocab_map is None:
@@ -280,7 +291,7 @@ class LlamaModel:
         local = self.rope_at(positions, self.local_rope) if self.local_rope else None
         if self._input_map is not None:
             input_ids = self._input_map[input_ids]  # target ids -> draft rows
-        h = self.embed[input_ids]  # [num_tokens, hidden]
+        h = self._embed(input_ids)  # [num_tokens, hidden]
         if self.cfg.embed_scale != 1.0:  # Gemma: the scale cast to the weights' dtype first
             h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_cache)):

@@ -132,6 +132,7 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         keep = self.features is not None
+        self._before_model(chunks, with_hidden or keep)
         out = self.model.forward(on_device(ids), on_device(positions), meta, self.kv_cache,
                                  on_device(logit_rows), with_hidden=with_hidden or keep)
         if not keep:
@@ -141,6 +142,10 @@ class ModelRunner:
                                                         c.start_pos + len(c.token_ids))]
         self.features.index_copy_(0, on_device(slots), hidden.to(torch.float16))
         return (logits, hidden) if with_hidden else logits
+
+    def _before_model(self, chunks: list[SeqChunk], with_hidden: bool) -> None:
+        """Called once the chunks are checked, just before the model runs (a tensor-parallel
+        leader tells its worker ranks here: tandem.engine.tp_runner)."""
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

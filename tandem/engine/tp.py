@@ -1,0 +1,172 @@
+"""Tensor parallelism's pieces: the process group, its two collectives, and the weight shards.
+
+Megatron's split, as nano-vllm's layers/linear.py and gpt-fast's tp.py do it: q/k/v and
+gate/up are column-parallel (each rank owns whole attention heads, whole KV-head groups and a
+slice of the MLP's columns), o and down are row-parallel (each rank's partial sum, one
+all-reduce after each), and the embedding and LM head are split by vocabulary rows. The
+checkpoint's tensors are sliced by name before the model is built, so LlamaModel's loader,
+fused q/k/v and gate/up (each part sliced on its own, then concatenated) and int8
+quantization run unchanged on every rank's shard.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from tandem.engine.checkpoint import LlamaConfig
+from tandem.models import ModelError
+
+COLUMN = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")  # output dim split
+ROW = (".o_proj.weight", ".down_proj.weight")  # input dim split; their biases stay whole
+VOCAB = ("embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in a tensor-parallel group; world_size 1 makes every collective a
+    no-op. The data collectives run on the default process group (NCCL on GPUs, gloo on CPUs)."""
+
+    rank: int
+    world_size: int
+
+    def __post_init__(self):
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a group of {self.world_size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # [...] summed over ranks, in place
+        if self.world_size > 1:
+            x = x.contiguous()
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, cols] on each rank -> [rows, world_size * cols], rank-major."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=1)
+
+
+def check_shardable(cfg: LlamaConfig, world_size: int) -> None:
+    """Refuse a split that would cut a KV-head group (or a head, or the MLP) across ranks."""
+    if world_size < 1:
+        raise ModelError(f"tensor parallel size must be >= 1, got {world_size}")
+    if cfg.num_kv_heads % world_size:
+        raise ModelError(
+            f"--tensor-parallel-size {world_size} does not divide the model's "
+            f"{cfg.num_kv_heads} KV heads: each rank must own whole KV-head groups "
+            f"(choose a divisor of {cfg.num_kv_heads})")
+    if cfg.intermediate_size % world_size:
+        raise ModelError(f"--tensor-parallel-size {world_size} does not divide the MLP's "
+                         f"{cfg.intermediate_size} columns")
+
+
+def local_config(cfg: LlamaConfig, world_size: int) -> LlamaConfig:
+    """One rank's shape: its heads, KV heads and MLP columns; vocab_size stays the full
+    vocabulary, since the LM head's shards are gathered before anyone sees logits."""
+    check_shardable(cfg, world_size)
+    return replace(cfg, num_heads=cfg.num_heads // world_size,
+                   num_kv_heads=cfg.num_kv_heads // world_size,
+                   intermediate_size=cfg.intermediate_size // world_size)
+
+
+def vocab_rows(vocab_size: int, world_size: int) -> int:
+    """Rows of each rank's vocabulary shard (the last one zero-padded up to it)."""
+    return -(-vocab_size // world_size)
+
+
+def _split(t: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
+    if t.shape[dim] % group.world_size:
+        raise ModelError(f"a tensor of shape {tuple(t.shape)} does not split {group.world_size}"
+                         f" ways on dim {dim}")
+    return t.chunk(group.world_size, dim)[group.rank].clone()
+
+
+def _vocab_shard(t: torch.Tensor, group: TPGroup) -> torch.Tensor:  # [vocab, hidden]
+    rows = vocab_rows(t.shape[0], group.world_size)
+    shard = t[group.rank * rows:(group.rank + 1) * rows]
+    pad = rows - shard.shape[0]  # the last rank's rows past the vocabulary: zeros
+    return torch.cat([shard, shard.new_zeros(pad, t.shape[1])]) if pad else shard.clone()
+
+
+def shard_weights(weights: dict[str, torch.Tensor], group: TPGroup) -> dict[str, torch.Tensor]:
+    """This rank's slice of every checkpoint tensor, by name (the rest stays whole)."""
+    out = {}
+    for name, t in weights.items():
+        if any(part in name for part in COLUMN):  # weight [out, in] and bias [out]
+            out[name] = _split(t, 0, group)
+        elif name.endswith(ROW):
+            out[name] = _split(t, 1, group)
+        elif name.endswith(VOCAB):
+            out[name] = _vocab_shard(t, group)
+        else:
+            out[name] = t
+    return out
+
+
+class Control:
+    """Rank 0's step messages to the other ranks (broadcast over a gloo group on the CPU, so
+    NCCL's streams never wait on Python objects). While idle the leader sends a ping every
+    `heartbeat_s`, so a worker's wait never reaches the collective timeout; a dead peer
+    fails the next broadcast or collective within that timeout instead of hanging."""
+
+    def __init__(self, group: TPGroup, pg, heartbeat_s: float = 0.0,
+                 on_failure: Callable[[BaseException], None] | None = None):
+        self.group, self.pg = group, pg
+        self.lock = threading.RLock()  # one step's messages and collectives at a time
+        self.failure: BaseException | None = None
+        self.on_failure = on_failure
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        if heartbeat_s > 0 and group.rank == 0:
+            threading.Thread(target=self._beat, args=(heartbeat_s,), daemon=True,
+                             name="tp-heartbeat").start()
+
+    def send(self, message: tuple) -> None:
+        """Rank 0: every other rank receives `message` (call under self.lock)."""
+        if self.failure is not None:
+            raise RuntimeError("the tensor-parallel group has failed") from self.failure
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.pg)
+        except BaseException as e:
+            self.failure = e
+            raise
+        self._last = time.monotonic()
+
+    def recv(self) -> tuple:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+    def _beat(self, every_s: float) -> None:
+        while not self._stop.wait(every_s / 2):
+            if time.monotonic() - self._last < every_s:
+                continue
+            try:
+                with self.lock:
+                    if not self._stop.is_set():
+                        self.send(("ping",))
+            except BaseException as e:  # noqa: BLE001 (reported, then the beat ends)
+                if self.on_failure is not None:
+                    self.on_failure(e)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def init_group(rank: int, world_size: int, init_method: str, backend: str,
+               timeout_s: float) -> tuple[TPGroup, object]:
+    """Join the process group; returns this rank's TPGroup and the gloo control group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    return TPGroup(rank, world_size), control or dist.group.WORLD

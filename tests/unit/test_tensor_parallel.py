@@ -1,0 +1,113 @@
+"""Tensor parallelism on tiny random checkpoints: TP=2 over gloo (this process is rank 0, one
+spawned worker rank 1) against TP=1, every forward the verifier runs. fp32 throughout; the
+tolerance 2e-5 covers the all-reduce's different summation order (measured max ~1e-6)."""
+import pytest
+import torch
+import transformers
+
+from tandem.engine.checkpoint import LlamaConfig
+from tandem.engine.llama import LlamaModel
+from tandem.engine.model_runner import ModelRunner, SeqChunk, kv_bytes_per_token
+from tandem.engine.tp import TPGroup, check_shardable, local_config, shard_weights
+from tandem.models import ModelError, resolve_model
+from verify_service.tp_group import start_leader
+
+pytestmark = pytest.mark.unit
+
+ATOL = 2e-5
+# vocab 97: the second vocabulary shard is padded; 4 heads over 2 KV heads
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+BLOCKS, BLOCK = 24, 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A Qwen2-style checkpoint: q/k/v biases and an untied head exercise every split."""
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen2Config(**TINY, tie_word_embeddings=False)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def test_shards_reassemble(tiny):
+    from tandem.engine.checkpoint import load_tensors
+
+    weights = load_tensors(resolve_model(tiny))
+    shards = [shard_weights(weights, TPGroup(r, 2)) for r in range(2)]
+    q = "layers.0.self_attn.q_proj.weight"
+    assert torch.equal(torch.cat([s[q] for s in shards]), weights[q])
+    o = "layers.0.self_attn.o_proj.weight"
+    assert torch.equal(torch.cat([s[o] for s in shards], 1), weights[o])
+    embed = torch.cat([s["embed_tokens.weight"] for s in shards])
+    assert embed.shape[0] == 98 and torch.equal(embed[:97], weights["embed_tokens.weight"])
+    assert not embed[97].any()  # padding row
+
+
+def test_refuses_a_split_of_kv_head_groups(tiny):
+    cfg = LlamaConfig.from_hf(transformers.Qwen2Config(**TINY).to_dict())
+    with pytest.raises(ModelError, match="does not divide the model's 2 KV heads"):
+        check_shardable(cfg, 3)
+    with pytest.raises(ModelError, match="KV heads"):
+        start_leader(str(tiny), 3, "float32")  # refused before any process starts
+    local = local_config(cfg, 2)
+    assert (local.num_heads, local.num_kv_heads, local.vocab_size) == (2, 1, 97)
+
+
+def _steps(runner: ModelRunner) -> list[torch.Tensor]:
+    """Chunked prefill of two sequences, a batched verify chain, a token tree, a tree path's
+    KV move and decodes: every output (logits and hidden states) in order."""
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, b = list(range(7, -1, -1)), list(range(15, 7, -1))  # scattered blocks
+    out = []
+    out.append(runner.forward([SeqChunk(ids[:13], 0, a, num_logits=13)]))
+    logits, hidden = runner.forward([SeqChunk(ids[13:20], 13, a, num_logits=3),
+                                     SeqChunk(ids[20:31], 0, b, num_logits=11)], with_hidden=True)
+    out += [logits, hidden]
+    out.append(runner.forward([SeqChunk(ids[31:36], 20, a, num_logits=5),
+                               SeqChunk([ids[36]], 11, b)]))
+    tree = SeqChunk(ids[:5], 25, a, num_logits=5, parents=(-1, 0, 0, 1, 2))
+    out.append(runner.forward([tree]))
+    runner.move_kv(a, [25, 27], [25, 26])  # keep the path 0 -> 2
+    out.append(runner.forward([SeqChunk([ids[7]], 27, a), SeqChunk([ids[8]], 12, b)]))
+    out.append(runner.features_at(a, 0, 27).float())
+    return out
+
+
+def test_tp2_matches_tp1_every_forward(tiny):
+    torch.set_num_threads(1)
+    ref_model = LlamaModel.load(resolve_model(tiny))
+    expected = _steps(ModelRunner(ref_model, BLOCKS, BLOCK, keep_features=True))
+    leader = start_leader(str(tiny), 2, "float32", threads=1, timeout_s=30)
+    try:
+        budget = BLOCKS * BLOCK * kv_bytes_per_token(leader.model)
+        got = _steps(leader.make_runner(budget, BLOCK, keep_features=True))
+    finally:
+        leader.close()
+    assert [p.exitcode for p in leader.procs] == [0]
+    assert leader.model.cfg.num_kv_heads == 1  # rank 0 holds half the KV cache
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=0)
+    assert torch.equal(got[0].argmax(-1), expected[0].argmax(-1))
+
+
+def test_dead_worker_fails_the_next_step(tiny):
+    leader = start_leader(str(tiny), 2, "float32", threads=1, timeout_s=10)
+    try:
+        runner = leader.make_runner(BLOCKS * BLOCK * kv_bytes_per_token(leader.model), BLOCK,
+                                    keep_features=False)
+        runner.forward([SeqChunk([1, 2, 3], 0, [0])])
+        leader.procs[0].kill()
+        leader.procs[0].join(10)
+        with pytest.raises(Exception):  # noqa: B017 (gloo's error type varies)
+            for _ in range(3):  # gloo may take one more step to see the closed socket
+                runner.forward([SeqChunk([4], 3, [0])])
+    finally:
+        leader.close()

@@ -1,0 +1,84 @@
+"""Rank 0 of a tensor-parallel verifier: start the group, load its shard, own its runner."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from tandem.engine.checkpoint import LlamaConfig
+from tandem.engine.tp import Control, check_shardable, init_group
+from tandem.engine.tp_llama import TPLlamaModel
+from tandem.engine.tp_runner import TPLeaderRunner
+from tandem.models import read_hf_config, resolve_model
+from verify_service.tp_worker import WorkerSpec, backend_for, free_port, spawn_workers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TPLeader:
+    """The group as rank 0 holds it: its shard, the control channel, the worker processes."""
+
+    model: TPLlamaModel
+    control: Control
+    procs: list
+    runner: TPLeaderRunner | None = None
+    closed: bool = field(default=False)
+
+    def make_runner(self, kv_cache_bytes: int, block_size: int,
+                    keep_features: bool) -> TPLeaderRunner:
+        self.runner = TPLeaderRunner.with_memory(self.model, kv_cache_bytes, block_size,
+                                                 keep_features, control=self.control)
+        return self.runner
+
+    def close(self, join_s: float = 10.0) -> None:
+        """Stop the workers (a failed group's are terminated) and leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        self.control.stop()
+        try:
+            with self.control.lock:
+                if self.control.failure is None:
+                    self.control.send(("stop",))
+        except Exception:  # noqa: BLE001 (a dead peer: terminate below)
+            log.warning("tensor-parallel stop message failed", exc_info=True)
+        for p in self.procs:
+            p.join(join_s)
+            if p.is_alive():
+                p.terminate()
+                p.join(join_s)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_leader(model: str, world_size: int, dtype: str, device: str = "cpu",
+                 batch_invariant: bool = False, threads: int = 0,
+                 timeout_s: float = 60.0) -> TPLeader:
+    """Spawn ranks 1..world_size-1 on this node, join them as rank 0 and load rank 0's shard.
+    A world size that would split a KV-head group is refused before anything starts."""
+    paths = resolve_model(model)
+    check_shardable(LlamaConfig.from_hf(read_hf_config(paths)), world_size)
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"a tensor-parallel verifier runs on cpu or cuda, got {device!r}")
+    init = f"tcp://127.0.0.1:{free_port()}"
+    specs = [WorkerSpec(rank, world_size, init, str(paths.root), dtype, device,
+                        batch_invariant, threads, timeout_s) for rank in range(1, world_size)]
+    procs = spawn_workers(specs)
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(0)
+    try:
+        group, pg = init_group(0, world_size, init, backend_for(device), timeout_s)
+        control = Control(group, pg, heartbeat_s=timeout_s / 4)
+        shard = TPLlamaModel.load(paths, group, dtype, batch_invariant=batch_invariant,
+                                  device="cuda:0" if device == "cuda" else "cpu")
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        raise
+    log.info("tensor parallel: rank 0 of %d (%s), %d of %d heads per rank", world_size,
+             backend_for(device), shard.cfg.num_heads, shard.full_cfg.num_heads)
+    return TPLeader(shard, control, procs)
