@@ -30,6 +30,9 @@ _INT_FLAGS = {
     "calibrate_reps": "timed forwards per token count at start-up, seeding the cost curve "
                       "k is chosen from (0: a built-in table)",
     "layer_skip_kv_mb": "KV cache budget in MiB of the in-process layer-skip draft",
+    "tensor_parallel_size": "ranks the target is split over (torch.distributed: NCCL on GPUs, "
+                            "gloo on CPUs); this process is rank 0 and spawns the others; "
+                            "must divide the model's KV heads",
 }
 
 
@@ -84,6 +87,10 @@ def register(sub, colocate=None) -> None:
                   "port (default: --host)")
     add_flag(p, "--drain-grace-s", "TANDEM_VERIFIER_DRAIN_GRACE_S", 5.0, float,
              help="seconds running streams get to finish when stopping")
+    add_flag(p, "--tensor-parallel-timeout-s", "TANDEM_VERIFIER_TENSOR_PARALLEL_TIMEOUT_S",
+             _DEFAULTS.tensor_parallel_timeout_s, float,
+             help="collective timeout of the tensor-parallel group: a dead rank takes the "
+                  "group down within it")
     add_flag(p, "--metrics-port", "TANDEM_VERIFIER_METRICS_PORT", -1, int,
              help="Prometheus /metrics HTTP port: -1 off, 0 any free port")
     add_flag(p, "--layer-skip", "TANDEM_VERIFIER_LAYER_SKIP", _DEFAULTS.layer_skip,

@@ -79,6 +79,11 @@ class VerifierConfig:
     suffix_cache_tokens: int = 262_144
     # gRPC over TLS: served with it and presented to draft workers; None = plaintext.
     tls: TlsConfig | None = None
+    # Ranks of a tensor-parallel target (this process is rank 0 and spawns the others on this
+    # node: verify_service/tp_group.py); must divide the KV heads. A rank's death fails the
+    # group within the collective timeout.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
 
     def tree_methods(self, device_type: str) -> frozenset[Method]:
         """The methods whose sessions draft trees unless the request says otherwise. "auto":
@@ -122,6 +127,10 @@ class VerifierConfig:
                      "layer_skip_kv_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout_s <= 0:
+            raise ValueError(f"tensor_parallel_size must be >= 1 and tensor_parallel_timeout_s "
+                             f"> 0, got {self.tensor_parallel_size}, "
+                             f"{self.tensor_parallel_timeout_s}")
         if not 0 <= self.max_spec_tokens <= 32:
             raise ValueError(f"max_spec_tokens must be in [0, 32], got {self.max_spec_tokens}")
         if self.max_draft_wait_ms < 0 or self.drain_grace_s < 0 or self.threads < 0:

@@ -43,6 +43,7 @@ from verify_service.executor import Executor
 from verify_service.history import HistoryDrafts
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.server import SERVICE_NAME, VerifyServicer
+from verify_service.tp_group import TPLeader, start_for
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class Verifier:
     health: health.HealthServicer
     tasks: list[asyncio.Task] = field(default_factory=list)
     colocated: Colocated | None = None
+    tp: TPLeader | None = None  # a tensor-parallel target's group (this process is rank 0)
     # Set when the engine loop died: the process reports NOT_SERVING and exits (serve), so
     # Kubernetes restarts it rather than route to a verifier that no longer steps.
     failed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -90,6 +92,8 @@ class Verifier:
         for task in self.tasks:
             task.cancel()
         await self.engine.close()
+        if self.tp is not None:  # after the last step: the workers leave the group
+            await asyncio.get_running_loop().run_in_executor(None, self.tp.close)
         if self.colocated is not None:
             await self.colocated.stop()
 
@@ -122,12 +126,14 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     `colocate` starts draft workers in this process (the tools layer passes the layer-skip
     one, since services do not import each other)."""
     paths = resolve_model(config.model)
-    model = _load_target(config, paths, model)
+    tp = start_for(config, paths, model) if config.tensor_parallel_size > 1 else None
+    model = tp.model if tp is not None else _load_target(config, paths, model)
     # 0 = the device's block size; the in-process layer-skip worker uses the same
     config = dataclasses.replace(
         config, block_size=config.block_size or default_block_size(model.device))
-    engine, metrics = await _build_engine(config, model, paths)
-    colocated = None if colocate is None else await colocate(model, paths, config)
+    engine, metrics = await _build_engine(config, model, paths, tp)
+    # layer skip drafts over the target's whole weights, which no rank of a group holds
+    colocated = None if colocate is None or tp else await colocate(model, paths, config)
     remote = _wire_drafts(engine, config, model, discover, colocated)
     # Layer skip is served only when asked for: on a small target it rarely pays.
     default_method = Method.DRAFT_MODEL if remote else Method.NONE
@@ -137,7 +143,10 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
                               default_method, metrics, config.tree_methods(model.device.type),
                               grammars)
     server, health_servicer, port = await _serve_grpc(servicer, config, model)
-    verifier = Verifier(server, port, engine, servicer, health_servicer, colocated=colocated)
+    verifier = Verifier(server, port, engine, servicer, health_servicer, colocated=colocated,
+                        tp=tp)
+    if tp is not None:
+        tp.report_failure_to(verifier.failed, asyncio.get_running_loop())
     verifier.watch_engine(asyncio.create_task(engine.run()))
     return verifier
 
@@ -156,12 +165,12 @@ def _load_target(config: VerifierConfig, paths: ModelPaths,
     return model
 
 
-async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelPaths
-                        ) -> tuple[Engine, VerifierMetrics]:
+async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelPaths,
+                        tp: TPLeader | None = None) -> tuple[Engine, VerifierMetrics]:
     """The verify path over the target: its KV cache, Medusa heads if configured, the
     executor, the cost curves (timed now unless calibrate_reps is 0), scheduler, engine."""
-    runner = ModelRunner.with_memory(model, config.kv_cache_mb << 20, config.block_size,
-                                     keep_features=True)
+    runner = (tp.make_runner if tp else functools.partial(ModelRunner.with_memory, model))(
+        config.kv_cache_mb << 20, config.block_size, keep_features=True)
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs, features_cached=True,
                                 prefill_chunk_tokens=config.prefill_chunk_tokens,
                                 max_spec_tokens=config.max_spec_tokens,
@@ -240,12 +249,9 @@ async def _serve_grpc(servicer: VerifyServicer, config: VerifierConfig, model: L
         (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
     port = add_port(server, join_host_port(config.host, config.port), config.tls)
     await server.start()
-    await _set_serving(health_servicer)
+    await set_health(health_servicer, ("", SERVICE_NAME),
+                     health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, port
-
-
-async def _set_serving(servicer) -> None:
-    await set_health(servicer, ("", SERVICE_NAME), health_pb2.HealthCheckResponse.SERVING)
 
 
 async def serve(config: VerifierConfig, colocate: Colocate | None = None) -> None:

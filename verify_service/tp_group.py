@@ -1,16 +1,18 @@
 """Rank 0 of a tensor-parallel verifier: start the group, load its shard, own its runner."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from tandem.device import place
 from tandem.engine.checkpoint import LlamaConfig
 from tandem.engine.tp import Control, check_shardable, init_group
 from tandem.engine.tp_llama import TPLlamaModel
 from tandem.engine.tp_runner import TPLeaderRunner
-from tandem.models import read_hf_config, resolve_model
+from tandem.models import ModelPaths, read_hf_config, resolve_model
 from verify_service.tp_worker import WorkerSpec, backend_for, free_port, spawn_workers
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,13 @@ class TPLeader:
         self.runner = TPLeaderRunner.with_memory(self.model, kv_cache_bytes, block_size,
                                                  keep_features, control=self.control)
         return self.runner
+
+    def report_failure_to(self, failed: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
+        """Set `failed` (the verifier then stops and exits non-zero) when the group fails."""
+        def report(error: BaseException) -> None:
+            log.error("the tensor-parallel group failed: %s", error)
+            loop.call_soon_threadsafe(failed.set)
+        self.control.on_failure = report
 
     def close(self, join_s: float = 10.0) -> None:
         """Stop the workers (a failed group's are terminated) and leave the group."""
@@ -82,3 +91,16 @@ def start_leader(model: str, world_size: int, dtype: str, device: str = "cpu",
     log.info("tensor parallel: rank 0 of %d (%s), %d of %d heads per rank", world_size,
              backend_for(device), shard.cfg.num_heads, shard.full_cfg.num_heads)
     return TPLeader(shard, control, procs)
+
+
+def start_for(config, paths: ModelPaths, model=None) -> TPLeader:
+    """The group a VerifierConfig asks for. --dtype auto is the device's float dtype here
+    (float32 on the CPU, bfloat16 on a GPU): int8's exactness check would need every rank's
+    agreement."""
+    if model is not None:
+        raise ValueError("a tensor-parallel verifier loads its own shards; no model may be given")
+    at = place(config.device, config.dtype, config.block_size)
+    log.info("tensor-parallel target over %d ranks on %s", config.tensor_parallel_size, at)
+    return start_leader(str(paths.root), config.tensor_parallel_size, at.dtype,
+                        at.device.type, config.batch_invariant, config.threads,
+                        config.tensor_parallel_timeout_s)

@@ -220,19 +220,27 @@ def load_for(model, paths: ModelPaths, choice: str) -> MedusaHeads | None:
     if is_published_medusa(path):  # FasterDecoding, rtp-llm or vLLM layouts
         return load_published(path, model.cfg.hidden_size, model.cfg.vocab_size).to(
             model.device)
-    lm_head = model.lm_head
-    if model.cfg.tie_word_embeddings or not isinstance(lm_head, torch.Tensor):
-        lm_head = model.embed  # tied (int8 keeps a float twin), else read below
-        if not model.cfg.tie_word_embeddings:
-            from safetensors import safe_open
-
-            for file in paths.safetensors():
-                with safe_open(str(file), framework="pt") as f:
-                    names = [n for n in f.keys() if n.endswith("lm_head.weight")]  # noqa: SIM118
-                    if names:
-                        lm_head = f.get_tensor(names[0])
     # The heads run inside the verifier's step, on the target's hidden states: same device.
-    return MedusaHeads.load(path, lm_head).to(model.device)
+    return MedusaHeads.load(path, _float_lm_head(model, paths)).to(model.device)
+
+
+def _float_lm_head(model, paths: ModelPaths) -> torch.Tensor:  # [vocab, hidden]
+    """The target's whole LM head as floats: the model's own (a tied one's embedding: int8
+    keeps a float twin), else read from the checkpoint (an int8 head, or a tensor-parallel
+    rank's vocabulary shard)."""
+    tied = model.cfg.tie_word_embeddings
+    head = model.embed if tied else model.lm_head
+    if isinstance(head, torch.Tensor) and head.shape[0] == model.cfg.vocab_size:
+        return head
+    from safetensors import safe_open
+
+    suffix = "embed_tokens.weight" if tied else "lm_head.weight"
+    for file in paths.safetensors():
+        with safe_open(str(file), framework="pt") as f:
+            names = [n for n in f.keys() if n.endswith(suffix)]  # noqa: SIM118
+            if names:
+                return f.get_tensor(names[0]).to(model.dtype)
+    raise ModelError(f"the checkpoint has no {suffix}")
 
 
 def find_medusa(paths: ModelPaths) -> Path | None:

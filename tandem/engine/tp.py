@@ -136,9 +136,18 @@ class Control:
         try:
             dist.broadcast_object_list([message], src=0, group=self.pg)
         except BaseException as e:
-            self.failure = e
+            self.fail(e)
             raise
         self._last = time.monotonic()
+
+    def fail(self, error: BaseException) -> None:
+        """The ranks may be out of step from here on: refuse every later step, report once."""
+        if self.failure is not None:
+            return
+        self.failure = error
+        self._stop.set()
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     def recv(self) -> tuple:
         box: list = [None]
@@ -153,9 +162,7 @@ class Control:
                 with self.lock:
                     if not self._stop.is_set():
                         self.send(("ping",))
-            except BaseException as e:  # noqa: BLE001 (reported, then the beat ends)
-                if self.on_failure is not None:
-                    self.on_failure(e)
+            except BaseException:  # noqa: BLE001 (send reported it; the beat ends)
                 return
 
     def stop(self) -> None:

@@ -40,10 +40,17 @@ class TPLeaderRunner(ModelRunner):
 
     def forward(self, chunks: list[SeqChunk], with_hidden: bool = False):
         with self.control.lock:  # the heartbeat never lands between a step's messages
-            return super().forward(chunks, with_hidden)
+            self._sent = False
+            try:
+                return super().forward(chunks, with_hidden)
+            except BaseException as e:
+                if self._sent:  # the workers are inside this step: the group is out of step
+                    self.control.fail(e)
+                raise
 
     def _before_model(self, chunks: list[SeqChunk], with_hidden: bool) -> None:
         self.control.send(("forward", chunks, with_hidden))
+        self._sent = True
 
     def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
         with self.control.lock:
