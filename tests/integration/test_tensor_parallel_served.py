@@ -6,9 +6,12 @@ rank taking the verifier down.
 SmolLM2-135M has 3 KV heads, so its only split is 3 ranks (TP=2 is refused); the TP=2 checks
 of every forward run on tiny checkpoints (tests/unit/test_tensor_parallel.py)."""
 import asyncio
+import shutil
 
 import grpc
 import pytest
+import torch
+import transformers
 
 from tandem.models import ModelError
 from tandem.spec import Method
@@ -41,13 +44,13 @@ async def _generate(stub, req):
     return tokens, logprobs, accepted
 
 
-async def _serve_all(config, model, ids, after=None):
+async def _serve_all(config, model, ids, methods=METHODS, after=None):
     v = await start_verifier(config, model=model)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{v.port}") as ch:
             stub = verify_pb2_grpc.VerifyServiceStub(ch)
             got = await asyncio.gather(*[_generate(stub, _request(i, m, ids, i == 0))
-                                         for i, m in enumerate(METHODS)])
+                                         for i, m in enumerate(methods)])
             if after is not None:
                 await after(v, stub)
             return got
@@ -71,6 +74,34 @@ def test_tp3_serves_the_same_greedy_text_and_a_dead_rank_fails_it(target_model, 
         assert logprobs == pytest.approx(want_lp, abs=1e-4)
     assert len(got[0][1]) == 20
     assert got[1][2] > 0 and got[2][2] > 0  # the chains and the trees were verified
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(target_paths, tmp_path_factory):
+    """A random 2-layer Llama over SmolLM2's tokenizer, 4 heads on 2 KV heads: TP=2 served."""
+    path = tmp_path_factory.mktemp("tiny-tp2")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=True)
+    transformers.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(target_paths.root / name, path / name)
+    return path
+
+
+def test_tp2_serves_the_same_greedy_text_as_tp1(tiny_with_tokenizer, tokenizer):
+    ids = tokenizer(PROMPT)["input_ids"]
+    base = dict(model=str(tiny_with_tokenizer), dtype="float32", kv_cache_mb=8,
+                calibrate_reps=0, threads=1, prefill_chunk_tokens=16)
+    methods = METHODS[:2]  # no Medusa heads for a random model (trees: the unit tests)
+    expected = asyncio.run(_serve_all(VerifierConfig(**base), None, ids, methods))
+    got = asyncio.run(_serve_all(VerifierConfig(**base, tensor_parallel_size=2), None, ids,
+                                 methods))
+    for (tokens, logprobs, _), (want, want_lp, _) in zip(got, expected):
+        assert tokens == want and len(tokens) == 20
+        assert logprobs == pytest.approx(want_lp, abs=1e-4)
 
 
 def test_tp2_is_refused_for_three_kv_heads():
