@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from tandem.engine.checkpoint import LlamaConfig
-from tandem.models import ModelError
+from tandem.models import ModelError, ModelPaths
 
 COLUMN = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")  # output dim split
 ROW = (".o_proj.weight", ".down_proj.weight")  # input dim split; their biases stay whole
@@ -82,32 +83,63 @@ def vocab_rows(vocab_size: int, world_size: int) -> int:
     return -(-vocab_size // world_size)
 
 
-def _split(t: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
-    if t.shape[dim] % group.world_size:
-        raise ModelError(f"a tensor of shape {tuple(t.shape)} does not split {group.world_size}"
-                         f" ways on dim {dim}")
-    return t.chunk(group.world_size, dim)[group.rank].clone()
+def shard_range(name: str, shape: tuple[int, ...], group: TPGroup) -> tuple[int, slice] | None:
+    """The dim and the range of it that this rank owns of checkpoint tensor `name` (None:
+    every rank holds it whole). Vocabulary ranges may run past the end: the rows are padded."""
+    if name.endswith(VOCAB):
+        rows = vocab_rows(shape[0], group.world_size)
+        return 0, slice(group.rank * rows, (group.rank + 1) * rows)
+    if any(part in name for part in COLUMN):  # weight [out, in] and bias [out]
+        dim = 0
+    elif name.endswith(ROW):
+        dim = 1
+    else:
+        return None
+    if shape[dim] % group.world_size:
+        raise ModelError(f"{name} of shape {tuple(shape)} does not split {group.world_size} "
+                         f"ways on dim {dim}")
+    size = shape[dim] // group.world_size
+    return dim, slice(group.rank * size, (group.rank + 1) * size)
 
 
-def _vocab_shard(t: torch.Tensor, group: TPGroup) -> torch.Tensor:  # [vocab, hidden]
-    rows = vocab_rows(t.shape[0], group.world_size)
-    shard = t[group.rank * rows:(group.rank + 1) * rows]
-    pad = rows - shard.shape[0]  # the last rank's rows past the vocabulary: zeros
-    return torch.cat([shard, shard.new_zeros(pad, t.shape[1])]) if pad else shard.clone()
+def _padded(name: str, t: torch.Tensor, shape: tuple[int, ...], group: TPGroup):
+    """A vocabulary shard zero-padded to vocab_rows (the last rank's rows past the end)."""
+    if not name.endswith(VOCAB):
+        return t
+    pad = vocab_rows(shape[0], group.world_size) - t.shape[0]
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
 def shard_weights(weights: dict[str, torch.Tensor], group: TPGroup) -> dict[str, torch.Tensor]:
     """This rank's slice of every checkpoint tensor, by name (the rest stays whole)."""
     out = {}
     for name, t in weights.items():
-        if any(part in name for part in COLUMN):  # weight [out, in] and bias [out]
-            out[name] = _split(t, 0, group)
-        elif name.endswith(ROW):
-            out[name] = _split(t, 1, group)
-        elif name.endswith(VOCAB):
-            out[name] = _vocab_shard(t, group)
-        else:
+        owned = shard_range(name, tuple(t.shape), group)
+        if owned is None:
             out[name] = t
+            continue
+        dim, rng = owned
+        part = (t[rng] if dim == 0 else t[:, rng]).clone()
+        out[name] = _padded(name, part, tuple(t.shape), group)
+    return out
+
+
+def load_shard(paths: ModelPaths, group: TPGroup) -> dict[str, torch.Tensor]:
+    """shard_weights of the checkpoint, reading only this rank's slices from disk: a rank
+    never holds the whole model, in host memory either."""
+    out = {}
+    for file in paths.safetensors():
+        with safe_open(str(file), framework="pt") as f:
+            for full in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name, view = full.removeprefix("model."), f.get_slice(full)
+                shape = tuple(view.get_shape())
+                owned = shard_range(name, shape, group)
+                if owned is None:
+                    out[name] = f.get_tensor(full)
+                    continue
+                dim, rng = owned
+                part = view[rng] if dim == 0 else view[:, rng]
+                out[name] = _padded(name, part, shape, group)
     return out
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.checkpoint import LlamaConfig, load_tensors
+from tandem.engine.checkpoint import LlamaConfig
 from tandem.engine.draft_vocab import DraftVocab
 from tandem.engine.llama import LayerWeights, LlamaModel
-from tandem.engine.tp import TPGroup, local_config, shard_weights, vocab_rows
+from tandem.engine.tp import TPGroup, check_shardable, load_shard, local_config, vocab_rows
 from tandem.models import ModelError, ModelPaths, read_hf_config
 
 
@@ -21,12 +21,14 @@ class TPLlamaModel(LlamaModel):
     """`cfg` is this rank's shape (its heads, KV heads, MLP columns; the full vocab_size);
     `full_cfg` the checkpoint's."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], group: TPGroup,
+    def __init__(self, cfg: LlamaConfig, shard: dict[str, torch.Tensor], group: TPGroup,
                  dtype: torch.dtype | str = torch.float32, batch_invariant: bool = False,
                  device: torch.device | str = "cpu"):
+        """`cfg` the checkpoint's, `shard` this rank's tensors (tandem.engine.tp.shard_weights
+        or load_shard)."""
         self.group, self.full_cfg = group, cfg
-        super().__init__(local_config(cfg, group.world_size), shard_weights(weights, group),
-                         dtype, batch_invariant=batch_invariant, device=device)
+        super().__init__(local_config(cfg, group.world_size), shard, dtype,
+                         batch_invariant=batch_invariant, device=device)
         self.vocab_start = group.rank * vocab_rows(cfg.vocab_size, group.world_size)
         # rows of this shard inside the vocabulary (the last shard's padding is not)
         self.vocab_owned = max(0, min(self.embed.shape[0], cfg.vocab_size - self.vocab_start))
@@ -39,7 +41,8 @@ class TPLlamaModel(LlamaModel):
             raise ModelError("a truncated draft vocabulary is a draft's, not a tensor-parallel "
                              "target's")
         cfg = LlamaConfig.from_hf(read_hf_config(paths))
-        model = cls(cfg, load_tensors(paths), group, dtype, batch_invariant, device)
+        check_shardable(cfg, group.world_size)  # before any tensor is read
+        model = cls(cfg, load_shard(paths, group), group, dtype, batch_invariant, device)
         if tune or batch_invariant:
             model.tune_kernels()
         return model

@@ -8,7 +8,13 @@ import transformers
 from tandem.engine.checkpoint import LlamaConfig
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk, kv_bytes_per_token
-from tandem.engine.tp import TPGroup, check_shardable, local_config, shard_weights
+from tandem.engine.tp import (
+    TPGroup,
+    check_shardable,
+    load_shard,
+    local_config,
+    shard_weights,
+)
 from tandem.models import ModelError, resolve_model
 from verify_service.tp_group import start_leader
 
@@ -48,6 +54,10 @@ def test_shards_reassemble(tiny):
     embed = torch.cat([s["embed_tokens.weight"] for s in shards])
     assert embed.shape[0] == 98 and torch.equal(embed[:97], weights["embed_tokens.weight"])
     assert not embed[97].any()  # padding row
+    for rank, shard in enumerate(shards):  # read from disk slice by slice: the same tensors
+        read = load_shard(resolve_model(tiny), TPGroup(rank, 2))
+        assert read.keys() == shard.keys()
+        assert all(torch.equal(read[n], shard[n]) for n in shard)
 
 
 def test_refuses_a_split_of_kv_head_groups(tiny):
@@ -58,6 +68,19 @@ def test_refuses_a_split_of_kv_head_groups(tiny):
         start_leader(str(tiny), 3, "float32")  # refused before any process starts
     local = local_config(cfg, 2)
     assert (local.num_heads, local.num_kv_heads, local.vocab_size) == (2, 1, 97)
+
+
+def test_flag_env_and_config(monkeypatch):
+    from tools.cli import build_parser
+    from verify_service.config import VerifierConfig
+
+    monkeypatch.setenv("TANDEM_VERIFIER_TENSOR_PARALLEL_SIZE", "4")
+    args = build_parser().parse_args(["verifier"])
+    assert (args.tensor_parallel_size, args.tensor_parallel_timeout_s) == (4, 60.0)
+    args = build_parser().parse_args(["verifier", "--tensor-parallel-size", "2"])
+    assert args.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        VerifierConfig(tensor_parallel_size=0)
 
 
 def _steps(runner: ModelRunner) -> list[torch.Tensor]:
@@ -111,3 +134,29 @@ def test_dead_worker_fails_the_next_step(tiny):
                 runner.forward([SeqChunk([4], 3, [0])])
     finally:
         leader.close()
+
+
+def _cuda_case(tiny, world_size: int) -> None:
+    ref = LlamaModel.load(resolve_model(tiny), device="cuda:0")
+    expected = _steps(ModelRunner(ref, BLOCKS, BLOCK, keep_features=True))
+    leader = start_leader(str(tiny), world_size, "float32", device="cuda", timeout_s=60)
+    try:
+        budget = BLOCKS * BLOCK * kv_bytes_per_token(leader.model)
+        got = _steps(leader.make_runner(budget, BLOCK, keep_features=True))
+    finally:
+        leader.close()
+    assert all(p.exitcode == 0 for p in leader.procs)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=0)  # TF32 matmuls may differ
+
+
+@pytest.mark.gpu
+def test_nccl_group_of_one_on_cuda(tiny):
+    """One GPU: the NCCL group, the gloo control group and the leader runner, no workers."""
+    _cuda_case(tiny, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_tp2_matches_tp1(tiny):
+    _cuda_case(tiny, 2)
