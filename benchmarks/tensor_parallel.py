@@ -8,9 +8,12 @@ SmolLM2's shape (30 layers, hidden 576, MLP 1536, vocab 49152) with 8 heads over
 (head_dim 72), which splits 2 ways. Weights do not change the cost of a forward.
 
 1. greedy decoding tokens/s at batch 1 and batch 16 (a 64-token prompt each), and whether
-   TP=2 decodes the same tokens as TP=1;
+   TP=2 decodes the same tokens as TP=1 (TP=1 on one thread too: each TP=2 rank's share);
 2. the verify-cost curve: one forward over q = 1..8 new tokens on a cached 64-token prefix,
-   ms and relative to q = 1.
+   ms and relative to q = 1;
+3. gloo's own latency between two processes: an all-reduce of the residual stream (a TP=2
+   forward runs 61 of them: two per layer and the embedding's, plus the logits' all-gather)
+   and rank 0's step message.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import transformers
 
 from tandem.engine.llama import LlamaModel
@@ -80,6 +85,41 @@ def verify_curve(runner: ModelRunner, reps: int) -> dict[int, float]:
     return curve
 
 
+def _probe(rank: int, init: str, out: str, reps: int) -> None:
+    """One rank of the collective probe: mean µs of the per-step communication."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    result = {}
+    for rows in BATCHES:  # one all-reduce of the residual stream, as each layer runs twice
+        x = torch.randn(rows, SHAPE["hidden_size"])
+        for _ in range(20):  # warm-up
+            dist.all_reduce(x)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(x)
+        result[f"all_reduce_{rows}x576_us"] = (time.perf_counter() - t0) / reps * 1e6
+    message = ("forward", [SeqChunk([1], PROMPT, list(range(BLOCKS_PER_SEQ)))], True)
+    t0 = time.perf_counter()
+    for _ in range(reps):  # rank 0's step message (two broadcasts: its size, then it)
+        dist.broadcast_object_list([message if rank == 0 else None], src=0)
+    result["step_message_us"] = (time.perf_counter() - t0) / reps * 1e6
+    if rank == 0:
+        Path(out).write_text(json.dumps({k: round(v, 1) for k, v in result.items()}))
+    dist.destroy_process_group()
+
+
+def collective_latency(reps: int = 300) -> dict:
+    """gloo's latency between two processes here, outside any model."""
+    import tempfile
+
+    from verify_service.tp_worker import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "probe.json")
+        mp.spawn(_probe, args=(f"tcp://127.0.0.1:{free_port()}", out, reps), nprocs=2)
+        return json.loads(Path(out).read_text())
+
+
 def measure(runners: dict, threads: dict, steps: int, reps: int) -> dict:
     """Every measurement for each runner in turn, `reps` times interleaved; medians."""
     rows: dict = {name: {"tok_s": {b: [] for b in BATCHES}, "curve": []} for name in runners}
@@ -101,7 +141,7 @@ def measure(runners: dict, threads: dict, steps: int, reps: int) -> dict:
             "verify_ms": {q: round(ms, 2) for q, ms in curve.items()},
             "verify_relative": {q: round(ms / curve[1], 3) for q, ms in curve.items()}}
     names = list(runners)
-    result["same_greedy_tokens"] = {b: tokens[(names[0], b)] == tokens[(names[1], b)]
+    result["same_greedy_tokens"] = {b: tokens[(names[0], b)] == tokens[(names[-1], b)]
                                     for b in BATCHES}
     return result
 
@@ -122,10 +162,12 @@ def main() -> None:
     try:
         budget = blocks * BLOCK * kv_bytes_per_token(leader.model)
         tp2 = leader.make_runner(budget, BLOCK, keep_features=False)
-        result = measure({"tp1_2threads": tp1, "tp2_1thread_per_rank": tp2},
-                         {"tp1_2threads": 2, "tp2_1thread_per_rank": 1}, args.steps, args.reps)
+        result = measure({"tp1_2threads": tp1, "tp1_1thread": tp1, "tp2_1thread_per_rank": tp2},
+                         {"tp1_2threads": 2, "tp1_1thread": 1, "tp2_1thread_per_rank": 1},
+                         args.steps, args.reps)
     finally:
         leader.close()
+    result["gloo_latency"] = collective_latency()
     result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),
                          "torch": torch.__version__, "steps": args.steps, "reps": args.reps}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,13 @@
 """Tensor parallelism on tiny random checkpoints: TP=2 over gloo (this process is rank 0, one
 spawned worker rank 1) against TP=1, every forward the verifier runs. fp32 throughout; the
 tolerance 2e-5 covers the all-reduce's different summation order (measured max ~1e-6)."""
+import os
+import signal
+import time
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 import transformers
 
 from tandem.engine.checkpoint import LlamaConfig
@@ -160,3 +165,33 @@ def test_nccl_group_of_one_on_cuda(tiny):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_tp2_matches_tp1(tiny):
     _cuda_case(tiny, 2)
+
+
+def _leader_then_hang(path: str, pids) -> None:  # a spawned process: rank 0, then stuck
+    leader = start_leader(path, 2, "float32", threads=1, timeout_s=5)
+    pids.put(leader.procs[0].pid)
+    time.sleep(120)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] in "ZX"  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_a_dead_leader_takes_its_workers_down(tiny):
+    """rank 0 killed (no stop message): the worker's wait fails within the collective
+    timeout (or at once on the closed socket) and it exits: no orphan hangs on."""
+    ctx = mp.get_context("spawn")
+    pids = ctx.Queue()
+    leader = ctx.Process(target=_leader_then_hang, args=(str(tiny), pids))  # it spawns
+    leader.start()
+    worker = pids.get(timeout=60)
+    os.kill(leader.pid, signal.SIGKILL)
+    leader.join(5)
+    deadline = time.monotonic() + 20  # the 5 s timeout plus start-up slack
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _gone(worker)
