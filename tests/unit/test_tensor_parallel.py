@@ -26,8 +26,9 @@ from verify_service.tp_group import start_leader
 pytestmark = pytest.mark.unit
 
 ATOL = 2e-5
-# vocab 97: the second vocabulary shard is padded; 4 heads over 2 KV heads
-TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+# vocab 97: the second vocabulary shard is padded; 4 heads over 2 KV heads; every shard's
+# input width a multiple of int8's 32-wide groups, so int8 shards quantize as the whole does
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 BLOCKS, BLOCK = 24, 4
 
@@ -108,11 +109,12 @@ def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
-def test_tp2_matches_tp1_every_forward(tiny):
+@pytest.mark.parametrize("dtype", ["float32", "int8"])  # int8: each rank quantizes its shard
+def test_tp2_matches_tp1_every_forward(tiny, dtype):
     torch.set_num_threads(1)
-    ref_model = LlamaModel.load(resolve_model(tiny))
+    ref_model = LlamaModel.load(resolve_model(tiny), dtype)
     expected = _steps(ModelRunner(ref_model, BLOCKS, BLOCK, keep_features=True))
-    leader = start_leader(str(tiny), 2, "float32", threads=1, timeout_s=30)
+    leader = start_leader(str(tiny), 2, dtype, threads=1, timeout_s=30)
     try:
         budget = BLOCKS * BLOCK * kv_bytes_per_token(leader.model)
         got = _steps(leader.make_runner(budget, BLOCK, keep_features=True))
