@@ -33,6 +33,8 @@ _INT_FLAGS = {
     "tensor_parallel_size": "ranks the target is split over (torch.distributed: NCCL on GPUs, "
                             "gloo on CPUs); this process is rank 0 and spawns the others; "
                             "must divide the model's KV heads",
+    "tensor_parallel_local_ranks": "ranks of the group on this node, 0 = all; the rest join "
+                                   "from other nodes (`tandem tp-worker`)",
 }
 
 
@@ -91,6 +93,9 @@ def register(sub, colocate=None) -> None:
              _DEFAULTS.tensor_parallel_timeout_s, float,
              help="collective timeout of the tensor-parallel group: a dead rank takes the "
                   "group down within it")
+    add_flag(p, "--tensor-parallel-master", "TANDEM_VERIFIER_TENSOR_PARALLEL_MASTER", "",
+             help="host:port this rank 0 listens on for the group's rendezvous (needed with "
+                  "ranks on other nodes; default: loopback and a free port)")
     add_flag(p, "--metrics-port", "TANDEM_VERIFIER_METRICS_PORT", -1, int,
              help="Prometheus /metrics HTTP port: -1 off, 0 any free port")
     add_flag(p, "--layer-skip", "TANDEM_VERIFIER_LAYER_SKIP", _DEFAULTS.layer_skip,

@@ -84,6 +84,10 @@ class VerifierConfig:
     # group within the collective timeout.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
+    # Ranks on this node (0: all); the others join from other nodes (`tandem tp-worker`) at
+    # tensor_parallel_master, the host:port rank 0 listens on for the group's rendezvous.
+    tensor_parallel_local_ranks: int = 0
+    tensor_parallel_master: str = ""
 
     def tree_methods(self, device_type: str) -> frozenset[Method]:
         """The methods whose sessions draft trees unless the request says otherwise. "auto":
@@ -131,6 +135,12 @@ class VerifierConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1 and tensor_parallel_timeout_s "
                              f"> 0, got {self.tensor_parallel_size}, "
                              f"{self.tensor_parallel_timeout_s}")
+        if not 0 <= self.tensor_parallel_local_ranks <= self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_local_ranks must be in [0, "
+                             f"{self.tensor_parallel_size}], got "
+                             f"{self.tensor_parallel_local_ranks}")
+        if self.tensor_parallel_master:
+            split_host_port(self.tensor_parallel_master)
         if not 0 <= self.max_spec_tokens <= 32:
             raise ValueError(f"max_spec_tokens must be in [0, 32], got {self.max_spec_tokens}")
         if self.max_draft_wait_ms < 0 or self.drain_grace_s < 0 or self.threads < 0:

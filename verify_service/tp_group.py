@@ -13,6 +13,7 @@ from tandem.engine.tp import Control, check_shardable, init_group
 from tandem.engine.tp_llama import TPLlamaModel
 from tandem.engine.tp_runner import TPLeaderRunner
 from tandem.models import ModelPaths, read_hf_config, resolve_model
+from tandem.netaddr import join_host_port
 from verify_service.tp_worker import WorkerSpec, backend_for, free_port, spawn_workers
 
 log = logging.getLogger(__name__)
@@ -63,17 +64,24 @@ class TPLeader:
 
 
 def start_leader(model: str, world_size: int, dtype: str, device: str = "cpu",
-                 batch_invariant: bool = False, threads: int = 0,
-                 timeout_s: float = 60.0) -> TPLeader:
-    """Spawn ranks 1..world_size-1 on this node, join them as rank 0 and load rank 0's shard.
-    A world size that would split a KV-head group is refused before anything starts."""
+                 batch_invariant: bool = False, threads: int = 0, timeout_s: float = 60.0,
+                 local_ranks: int = 0, master: str = "") -> TPLeader:
+    """Spawn ranks 1..local_ranks-1 on this node (0: every rank), join the group as rank 0 and
+    load rank 0's shard. Ranks from local_ranks on are other nodes' (`tandem tp-worker`), who
+    meet rank 0 at `master` (host:port it listens on; "" = loopback and a free port, for a
+    group on this node only). A world size that would split a KV-head group is refused
+    before anything starts."""
     paths = resolve_model(model)
     check_shardable(LlamaConfig.from_hf(read_hf_config(paths)), world_size)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"a tensor-parallel verifier runs on cpu or cuda, got {device!r}")
-    init = f"tcp://127.0.0.1:{free_port()}"
+    local_ranks = local_ranks or world_size
+    if not 1 <= local_ranks <= world_size or (local_ranks < world_size and not master):
+        raise ValueError(f"local_ranks must be in [1, {world_size}], and below it needs the "
+                         f"master address remote ranks dial (got {local_ranks}, {master!r})")
+    init = f"tcp://{master or join_host_port('127.0.0.1', free_port())}"
     specs = [WorkerSpec(rank, world_size, init, str(paths.root), dtype, device,
-                        batch_invariant, threads, timeout_s) for rank in range(1, world_size)]
+                        batch_invariant, threads, timeout_s) for rank in range(1, local_ranks)]
     procs = spawn_workers(specs)
     if device == "cuda":
         import torch
@@ -103,4 +111,5 @@ def start_for(config, paths: ModelPaths, model=None) -> TPLeader:
     log.info("tensor-parallel target over %d ranks on %s", config.tensor_parallel_size, at)
     return start_leader(str(paths.root), config.tensor_parallel_size, at.dtype,
                         at.device.type, config.batch_invariant, config.threads,
-                        config.tensor_parallel_timeout_s)
+                        config.tensor_parallel_timeout_s, config.tensor_parallel_local_ranks,
+                        config.tensor_parallel_master)

@@ -28,6 +28,7 @@ class WorkerSpec:
     batch_invariant: bool = False
     threads: int = 0  # torch CPU threads, 0 = torch's default
     timeout_s: float = 60.0  # collective timeout: a dead peer is noticed within it
+    local_rank: int = -1  # this rank's GPU on its node (cuda:<local_rank>); -1: the rank
 
     def __post_init__(self):
         if not 0 < self.rank < self.world_size:
@@ -37,6 +38,9 @@ class WorkerSpec:
                              f"{self.init_method!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if not -1 <= self.local_rank < self.world_size:
+            raise ValueError(f"local_rank must be in [-1, {self.world_size}), got "
+                             f"{self.local_rank}")
         if self.threads < 0 or self.timeout_s <= 0:
             raise ValueError("threads must be >= 0 and timeout_s > 0")
 
@@ -45,7 +49,8 @@ class WorkerSpec:
         return backend_for(self.device)
 
     def torch_device(self) -> str:
-        return f"cuda:{self.rank}" if self.device == "cuda" else "cpu"
+        index = self.rank if self.local_rank < 0 else self.local_rank
+        return f"cuda:{index}" if self.device == "cuda" else "cpu"
 
 
 def backend_for(device_type: str) -> str:
@@ -73,7 +78,7 @@ def worker_main(spec: WorkerSpec) -> None:
     if spec.threads:
         torch.set_num_threads(spec.threads)
     if spec.device == "cuda":
-        torch.cuda.set_device(spec.rank)
+        torch.cuda.set_device(spec.torch_device())
     group, pg = init_group(spec.rank, spec.world_size, spec.init_method, spec.backend,
                            spec.timeout_s)
     try:

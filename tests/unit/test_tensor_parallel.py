@@ -3,6 +3,8 @@ spawned worker rank 1) against TP=1, every forward the verifier runs. fp32 throu
 tolerance 2e-5 covers the all-reduce's different summation order (measured max ~1e-6)."""
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -197,3 +199,32 @@ def test_a_dead_leader_takes_its_workers_down(tiny):
     while not _gone(worker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _gone(worker)
+
+
+def test_a_rank_from_another_node_joins_by_tp_worker(tiny):
+    """`tandem tp-worker` (a separate process, as on another node) is rank 1 of a group whose
+    rank 0 runs with local_ranks=1 and a master address: the same logits as TP=1."""
+    from verify_service.tp_worker import free_port
+
+    master = f"127.0.0.1:{free_port()}"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tools.cli import main; sys.exit(main())",
+         "tp-worker", "--model", str(tiny), "--tensor-parallel-size", "2", "--first-rank",
+         "1", "--master", master, "--threads", "1", "--device", "cpu", "--dtype", "float32",
+         "--tensor-parallel-timeout-s", "30"])
+    try:
+        leader = start_leader(str(tiny), 2, "float32", threads=1, timeout_s=30,
+                              local_ranks=1, master=master)
+        assert leader.procs == []  # nothing spawned here
+        try:
+            budget = BLOCKS * BLOCK * kv_bytes_per_token(leader.model)
+            got = _steps(leader.make_runner(budget, BLOCK, keep_features=True))
+        finally:
+            leader.close()
+        assert worker.wait(30) == 0
+    finally:
+        worker.kill()
+    expected = _steps(ModelRunner(LlamaModel.load(resolve_model(tiny)), BLOCKS, BLOCK,
+                                  keep_features=True))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=0)
