@@ -91,6 +91,24 @@ def test_flag_env_and_config(monkeypatch):
         VerifierConfig(tensor_parallel_size=0)
 
 
+def test_tp_worker_flags_give_one_spec_per_local_rank(monkeypatch):
+    from tools.cli import build_parser
+    from verify_service.tp_cli import specs_from
+
+    monkeypatch.setenv("TANDEM_TP_WORKER_MASTER", "leader.example:29500")
+    args = build_parser().parse_args(["tp-worker", "--tensor-parallel-size", "8",
+                                      "--first-rank", "4", "--local-ranks", "4",
+                                      "--device", "cpu"])
+    specs = specs_from(args)
+    assert [(s.rank, s.local_rank, s.world_size) for s in specs] == [
+        (4, 0, 8), (5, 1, 8), (6, 2, 8), (7, 3, 8)]
+    assert {s.init_method for s in specs} == {"tcp://leader.example:29500"}
+    assert specs[0].dtype == "float32"  # auto on the cpu, as rank 0 resolves it
+    monkeypatch.delenv("TANDEM_TP_WORKER_MASTER")
+    with pytest.raises(SystemExit, match="--master"):
+        specs_from(build_parser().parse_args(["tp-worker"]))
+
+
 def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     """Chunked prefill of two sequences, a batched verify chain, a token tree, a tree path's
     KV move and decodes: every output (logits and hidden states) in order."""
