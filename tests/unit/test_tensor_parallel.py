@@ -148,6 +148,22 @@ def test_tp2_matches_tp1_every_forward(tiny, dtype):
     assert torch.equal(got[0].argmax(-1), expected[0].argmax(-1))
 
 
+def test_a_group_of_one_is_the_plain_model(tiny):
+    """World size 1 (the path a one-GPU NCCL check takes, here on gloo): no workers, the
+    control channel broadcasting to itself, the same numbers as LlamaModel."""
+    expected = _steps(ModelRunner(LlamaModel.load(resolve_model(tiny)), BLOCKS, BLOCK,
+                                  keep_features=True))
+    leader = start_leader(str(tiny), 1, "float32", threads=1, timeout_s=30)
+    try:
+        got = _steps(leader.make_runner(BLOCKS * BLOCK * kv_bytes_per_token(leader.model),
+                                        BLOCK, keep_features=True))
+    finally:
+        leader.close()
+    assert leader.procs == []
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=0)
+
+
 def test_dead_worker_fails_the_next_step(tiny):
     leader = start_leader(str(tiny), 2, "float32", threads=1, timeout_s=10)
     try:
