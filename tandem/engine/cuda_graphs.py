@@ -1,0 +1,238 @@
+"""CUDA graphs for decode steps: one graph per (batch bucket, key-length bucket), replayed
+with padded inputs.
+
+A decode step (every sequence adds one token and wants its logits) is launch-bound on a GPU
+at small batch: hundreds of small kernels per forward. A graph records them once and replays
+them with one launch. Graphs need static shapes and static tensor addresses, so a step is
+padded up to its bucket:
+
+- the batch to the next of `buckets` (1, 2, 4, ..., 64): the padding rows are dummy sequences
+  of one token whose key and value land in a reserved scratch block and which see only it;
+- the keys each row reads to the next power-of-two multiple of the block size: positions past
+  a row's own length read the scratch slot and are masked out.
+
+The pure padding functions (bucket_for, kv_bucket, pad_decode) carry the logic and are tested
+on the CPU; GraphDecoder runs the same padded forward eagerly on the CPU (`capture=False`), so
+only the capture itself needs a GPU. Anything a graph does not cover (a prefill, a
+verification chunk, a tree, kept features, a batch or context past the largest bucket) falls
+back to ModelRunner.forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.paged_attention import AttentionMetadata
+from tandem.engine.model_runner import ModelRunner, SeqChunk
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GRAPH_MODES = ("auto", "on", "off")
+
+
+def check_mode(mode: str, device_type: str) -> bool:
+    """Whether decode steps use graphs. `auto` is off until gpu-check has measured a gain on
+    a GPU (it has not yet: docs/gpu.md); `on` off a GPU is an error."""
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
+    if mode == "on" and device_type != "cuda":
+        raise ValueError(f"--cuda-graphs on needs a CUDA device, not {device_type!r}")
+    return mode == "on"
+
+
+def bucket_for(n: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int | None:
+    """The smallest bucket holding n rows; None past the largest."""
+    if n < 1:
+        raise ValueError(f"a decode batch has at least one row, got {n}")
+    return next((b for b in sorted(buckets) if b >= n), None)
+
+
+def kv_bucket(seq_len: int, block_size: int) -> int:
+    """Keys read per row: the next power-of-two number of blocks holding seq_len."""
+    if seq_len < 1 or block_size < 1:
+        raise ValueError(f"seq_len and block_size must be >= 1, got {seq_len}, {block_size}")
+    blocks = -(-seq_len // block_size)
+    return block_size * (1 << (blocks - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int  # padded rows
+    kv_len: int  # padded keys per row
+
+
+@dataclass(frozen=True)
+class PaddedDecode:
+    """One decode step's inputs padded to a GraphKey (plain lists: built on the CPU)."""
+
+    token_ids: list[int]  # [batch]
+    positions: list[int]  # [batch]
+    slot_mapping: list[int]  # [batch] cache slot each new token's KV goes to
+    kv_slots: list[list[int]]  # [batch][kv_len] cache slot of each key a row reads
+    seq_lens: list[int]  # [batch] keys each row really has (padding rows: 1)
+    rows: int  # the real rows, first
+
+    def __post_init__(self):
+        n = len(self.token_ids)
+        if not (len(self.positions) == len(self.slot_mapping) == len(self.kv_slots)
+                == len(self.seq_lens) == n) or not 0 < self.rows <= n:
+            raise ValueError("PaddedDecode fields disagree on the batch size")
+
+    def mask(self) -> list[list[bool]]:  # [batch][kv_len]: key j visible to row i
+        return [[j < s for j in range(len(k))] for s, k in zip(self.seq_lens, self.kv_slots)]
+
+
+def is_decode(chunks: list[SeqChunk]) -> bool:
+    """A plain decode step: one chain token per sequence, its logits wanted."""
+    return bool(chunks) and all(len(c.token_ids) == 1 and c.num_logits == 1 and
+                                c.parents is None for c in chunks)
+
+
+def pad_decode(chunks: list[SeqChunk], block_size: int, key: GraphKey,
+               scratch_block: int) -> PaddedDecode:
+    """A decode step padded to `key`: real rows first, then dummies on the scratch block."""
+    if not is_decode(chunks) or len(chunks) > key.batch:
+        raise ValueError(f"pad_decode takes at most {key.batch} one-token decode chunks")
+    scratch = scratch_block * block_size
+    tokens, positions, slots, kv, lens = [], [], [], [], []
+    for c in chunks:
+        seq_len = c.start_pos + 1
+        if seq_len > key.kv_len or len(c.block_table) * block_size < seq_len:
+            raise ValueError(f"a row of {seq_len} keys does not fit {key} / its block table")
+        row = [c.block_table[p // block_size] * block_size + p % block_size
+               for p in range(seq_len)]
+        tokens.append(c.token_ids[0])
+        positions.append(c.start_pos)
+        slots.append(row[-1])
+        kv.append(row + [scratch] * (key.kv_len - seq_len))
+        lens.append(seq_len)
+    for _ in range(key.batch - len(chunks)):
+        tokens.append(0)
+        positions.append(0)
+        slots.append(scratch)
+        kv.append([scratch] * key.kv_len)
+        lens.append(1)
+    return PaddedDecode(tokens, positions, slots, kv, lens, len(chunks))
+
+
+class _Slot:
+    """One GraphKey's static input tensors, its layout and (on a GPU) its captured graph."""
+
+    def __init__(self, runner: ModelRunner, key: GraphKey):
+        dev, b, k = runner.device, key.batch, key.kv_len
+        self.runner, self.key = runner, key
+        self.ids = torch.zeros(b, dtype=torch.int64, device=dev)  # [batch]
+        self.positions = torch.zeros(b, dtype=torch.int64, device=dev)  # [batch]
+        self.logit_rows = torch.arange(b, device=dev)  # [batch]
+        self.meta = AttentionMetadata(
+            cu_seqlens_q=torch.arange(b + 1, device=dev),
+            seq_lens=torch.ones(b, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(b, k // runner.block_size, dtype=torch.int64, device=dev),
+            slot_mapping=torch.zeros(b, dtype=torch.int64, device=dev),
+            max_seqlen_q=1, max_seqlen_k=k,
+            kv_slots=torch.zeros(b, k, dtype=torch.int64, device=dev),
+            q_rows=torch.arange(b, device=dev)[:, None],
+            q_valid=torch.ones(b, dtype=torch.bool, device=dev),
+            mask=torch.zeros(b, 1, 1, k, dtype=torch.bool, device=dev))
+        self.graph = None
+        self.logits: torch.Tensor | None = None  # [batch, vocab] float32, the last run's
+
+    def load(self, p: PaddedDecode) -> None:
+        """Copy a padded step into the static tensors (in place: the graph reads them)."""
+        m = self.meta
+        for dst, src in ((self.ids, p.token_ids), (self.positions, p.positions),
+                         (m.slot_mapping, p.slot_mapping), (m.seq_lens, p.seq_lens),
+                         (m.kv_slots, p.kv_slots)):
+            dst.copy_(torch.tensor(src, dtype=torch.int64), non_blocking=True)
+        m.mask.copy_(torch.tensor(p.mask(), dtype=torch.bool)[:, None, None], non_blocking=True)
+
+    def run(self) -> None:
+        self.logits = self.runner.model.forward(self.ids, self.positions, self.meta,
+                                                self.runner.kv_cache, self.logit_rows)
+
+    def capture(self, pool, warmup: int = 2) -> None:
+        """Record run() as a CUDA graph (the loaded inputs must be padding only: warm-up and
+        capture write their KV, which then lands in the scratch block)."""
+        side = torch.cuda.Stream(self.runner.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self.run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.run()
+
+
+class GraphDecoder:
+    """ModelRunner.forward for decode steps through per-bucket CUDA graphs.
+
+    `scratch_block` is a KV block the block manager never hands out (the padding rows write
+    there). capture=False runs the same padded forward eagerly (the CPU test of the layout).
+    """
+
+    def __init__(self, runner: ModelRunner, scratch_block: int,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, max_kv_len: int = 0,
+                 capture: bool | None = None):
+        capture = runner.device.type == "cuda" if capture is None else capture
+        if capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
+        if not 0 <= scratch_block < runner.num_blocks or not buckets or min(buckets) < 1:
+            raise ValueError(f"bad scratch block {scratch_block} or buckets {buckets}")
+        self.runner, self.scratch_block, self.capture = runner, scratch_block, capture
+        self.buckets = tuple(sorted(buckets))
+        self.max_kv_len = max_kv_len or runner.model.cfg.max_position_embeddings
+        self.slots: dict[GraphKey, _Slot] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = self.fallbacks = 0
+
+    def key_for(self, chunks: list[SeqChunk]) -> GraphKey | None:
+        """The graph a step would replay; None: it falls back to the eager forward."""
+        if not is_decode(chunks) or self.runner.features is not None:
+            return None
+        batch = bucket_for(len(chunks), self.buckets)
+        kv_len = kv_bucket(max(c.start_pos + 1 for c in chunks), self.runner.block_size)
+        if batch is None or kv_len > self.max_kv_len:
+            return None
+        return GraphKey(batch, kv_len)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:  # [len(chunks), vocab] f32
+        key = self.key_for(chunks)
+        if key is None:
+            self.fallbacks += 1
+            return self.runner.forward(chunks)
+        self._check(chunks)
+        slot = self.slots.get(key) or self._new_slot(key)
+        slot.load(pad_decode(chunks, self.runner.block_size, key, self.scratch_block))
+        if slot.graph is not None:
+            slot.graph.replay()
+            self.replays += 1
+        else:
+            slot.run()
+        return slot.logits[:len(chunks)].clone()
+
+    def _check(self, chunks: list[SeqChunk]) -> None:
+        vocab, blocks = self.runner.model.cfg.vocab_size, self.runner.num_blocks
+        for c in chunks:
+            if not 0 <= c.token_ids[0] < vocab:
+                raise ValueError(f"token ids must be in [0, {vocab})")
+            if any(b < 0 or b >= blocks or b == self.scratch_block for b in c.block_table):
+                raise ValueError(f"block table {c.block_table} has ids outside the cache "
+                                 "or the scratch block")
+
+    def _new_slot(self, key: GraphKey) -> _Slot:
+        slot = _Slot(self.runner, key)
+        if self.capture:
+            slot.load(_all_padding(key, self.runner.block_size, self.scratch_block))
+            slot.capture(self.pool)
+        self.slots[key] = slot
+        return slot
+
+
+def _all_padding(key: GraphKey, block_size: int, scratch_block: int) -> PaddedDecode:
+    """A step of padding rows only (what a graph is captured with)."""
+    scratch = scratch_block * block_size
+    b = key.batch
+    return PaddedDecode([0] * b, [0] * b, [scratch] * b, [[scratch] * key.kv_len] * b,
+                        [1] * b, b)

@@ -1,0 +1,98 @@
+"""CUDA graphs for decode (tandem/engine/cuda_graphs.py): the bucketing and padding on the CPU,
+the padded forward (what a graph records) against the runner's own, and, on a GPU, captured
+graphs replaying the eager logits."""
+import pytest
+import torch
+
+from tandem.engine.cuda_graphs import (
+    GraphDecoder,
+    GraphKey,
+    bucket_for,
+    check_mode,
+    kv_bucket,
+    pad_decode,
+)
+from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tools.gpu_check.models import tiny_family
+
+pytestmark = pytest.mark.unit
+
+
+def test_buckets():
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_for(65) is None and bucket_for(3, (8, 2)) == 8
+    with pytest.raises(ValueError):
+        bucket_for(0)
+    assert [kv_bucket(n, 16) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, 128]
+
+
+def test_modes():
+    assert not check_mode("auto", "cuda") and not check_mode("off", "cpu")
+    assert check_mode("on", "cuda")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        check_mode("on", "cpu")
+    with pytest.raises(ValueError, match="must be one of"):
+        check_mode("yes", "cuda")
+
+
+def test_pad_decode_layout():
+    with pytest.raises(ValueError, match="does not fit"):  # 6 keys, a table of 4 slots
+        pad_decode([SeqChunk([7], 5, [3])], 4, GraphKey(4, 8), 0)
+    chunks = [SeqChunk([7], 5, [3, 2]), SeqChunk([9], 0, [1])]
+    with pytest.raises(ValueError, match="does not fit"):  # 6 keys, a bucket of 4
+        pad_decode(chunks, 4, GraphKey(4, 4), 0)
+    p = pad_decode(chunks, 4, GraphKey(4, 8), scratch_block=0)
+    assert p.token_ids == [7, 9, 0, 0] and p.positions == [5, 0, 0, 0] and p.rows == 2
+    assert p.seq_lens == [6, 1, 1, 1]
+    assert p.kv_slots[0] == [12, 13, 14, 15, 8, 9, 0, 0] and p.slot_mapping[:2] == [9, 4]
+    assert p.kv_slots[2] == [0] * 8 and p.mask()[0] == [True] * 6 + [False] * 2
+    assert p.mask()[3] == [True] + [False] * 7
+    with pytest.raises(ValueError, match="decode chunks"):
+        pad_decode([SeqChunk([1, 2], 0, [1])], 4, GraphKey(4, 8), 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mistral-window"])
+def test_padded_decode_matches_the_runner(family):
+    """Decode steps of a ragged batch through the padded layout (eager on the CPU) give the
+    runner's logits, and leave the KV cache as the runner would."""
+    model = tiny_family(family)
+    plain, padded = ModelRunner(model, 40, 4), ModelRunner(model, 40, 4)
+    graphs = GraphDecoder(padded, scratch_block=39, capture=False)
+    prompts = [list(range(3, 3 + n)) for n in (9, 2, 14)]
+    tables = [list(range(i * 12, i * 12 + 12)) for i in range(3)]
+    seqs = [list(p) for p in prompts]
+    for runner in (plain, padded):
+        runner.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+    for step in range(6):
+        rows = [0, 2] if step % 2 else [0, 1, 2]  # batches of 3 and 2 (buckets 4 and 2)
+        chunks = [SeqChunk([seqs[i][-1] + 1], len(seqs[i]), tables[i]) for i in rows]
+        want, got = plain.forward(chunks), graphs.forward(chunks)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for i in rows:
+            seqs[i].append(seqs[i][-1] + 1)
+    assert graphs.fallbacks == 0 and {k.batch for k in graphs.slots} == {2, 4}
+    assert graphs.forward([SeqChunk([1, 2], 30, tables[0], 2)]).shape[0] == 2  # eager
+    assert graphs.fallbacks == 1
+
+
+def test_capture_refuses_the_cpu():
+    runner = ModelRunner(tiny_family("llama"), 8, 4)
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        GraphDecoder(runner, 7, capture=True)
+    with pytest.raises(ValueError, match="scratch block"):
+        GraphDecoder(runner, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_graphs_replay_the_eager_logits():
+    model = tiny_family("llama", device="cuda")
+    eager, graphed = ModelRunner(model, 40, 16), ModelRunner(model, 40, 16)
+    graphs = GraphDecoder(graphed, scratch_block=39)
+    for runner in (eager, graphed):
+        runner.forward([SeqChunk(list(range(1, 20)), 0, [0, 1])])
+    for pos in range(19, 27):
+        chunk = [SeqChunk([pos % 90 + 1], pos, [0, 1])]
+        torch.testing.assert_close(graphs.forward(chunk), eager.forward(chunk),
+                                   atol=1e-4, rtol=1e-4)
+    assert graphs.replays == 8 and graphs.slots[GraphKey(1, 32)].graph is not None
