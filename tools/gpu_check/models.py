@@ -58,7 +58,7 @@ def random_weights(cfg: LlamaConfig, seed: int = 0, device: str | torch.device =
                    dtype: torch.dtype = torch.float32,
                    std: float = 0.08) -> dict[str, torch.Tensor]:
     """Every tensor LlamaModel reads for `cfg`, drawn from one seeded generator on `device`:
-    projections ~ N(0, std), embeddings ~ N(0, 10 std), norm scales and biases near their
+    projections ~ N(0, std), untied embeddings ~ N(0, 10 std), norm scales and biases near their
     neutral values (random enough that a wrong one shows)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, hd = cfg.hidden_size, cfg.head_dim
@@ -69,7 +69,8 @@ def random_weights(cfg: LlamaConfig, seed: int = 0, device: str | torch.device =
         t = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
         return (t * scale + base).to(dtype)
 
-    w = {"embed_tokens.weight": rand(cfg.vocab_size, h, scale=min(10 * std, 1.0)),
+    embed = 0.3 if cfg.tie_word_embeddings else min(10 * std, 1.0)  # tied: it is the LM head
+    w = {"embed_tokens.weight": rand(cfg.vocab_size, h, scale=embed),
          "norm.weight": rand(h, scale=0.1, base=neutral)}
     if not cfg.tie_word_embeddings:
         w["lm_head.weight"] = rand(cfg.vocab_size, h)
