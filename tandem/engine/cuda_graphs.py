@@ -14,30 +14,22 @@ padded up to its bucket:
 The pure padding functions (bucket_for, kv_bucket, pad_decode) carry the logic and are tested
 on the CPU; GraphDecoder runs the same padded forward eagerly on the CPU (`capture=False`), so
 only the capture itself needs a GPU. Anything a graph does not cover (a prefill, a
-verification chunk, a tree, kept features, a batch or context past the largest bucket) falls
-back to ModelRunner.forward.
+verification chunk, a tree, a batch or context past the largest bucket) falls back to
+ModelRunner.forward. A runner that keeps features (EAGLE's) gets them from the graph too.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kernels.paged_attention import AttentionMetadata
+from tandem.engine.graph_modes import GRAPH_MODES, check_mode  # noqa: F401 (re-exported)
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-GRAPH_MODES = ("auto", "on", "off")
-
-
-def check_mode(mode: str, device_type: str) -> bool:
-    """Whether decode steps use graphs. `auto` is off until gpu-check has measured a gain on
-    a GPU (it has not yet: docs/gpu.md); `on` off a GPU is an error."""
-    if mode not in GRAPH_MODES:
-        raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
-    if mode == "on" and device_type != "cuda":
-        raise ValueError(f"--cuda-graphs on needs a CUDA device, not {device_type!r}")
-    return mode == "on"
+log = logging.getLogger(__name__)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int | None:
@@ -136,6 +128,7 @@ class _Slot:
             mask=torch.zeros(b, 1, 1, k, dtype=torch.bool, device=dev))
         self.graph = None
         self.logits: torch.Tensor | None = None  # [batch, vocab] float32, the last run's
+        self.hidden: torch.Tensor | None = None  # [batch, hidden], the last run's
 
     def load(self, p: PaddedDecode) -> None:
         """Copy a padded step into the static tensors (in place: the graph reads them)."""
@@ -147,8 +140,13 @@ class _Slot:
         m.mask.copy_(torch.tensor(p.mask(), dtype=torch.bool)[:, None, None], non_blocking=True)
 
     def run(self) -> None:
-        self.logits = self.runner.model.forward(self.ids, self.positions, self.meta,
-                                                self.runner.kv_cache, self.logit_rows)
+        """The padded forward: logits and final hidden states of every row, which a runner
+        that keeps features also stores slot for slot (as ModelRunner.forward does)."""
+        r = self.runner
+        self.logits, self.hidden = r.model.forward(self.ids, self.positions, self.meta,
+                                                   r.kv_cache, self.logit_rows, with_hidden=True)
+        if r.features is not None:
+            r.features.index_copy_(0, self.meta.slot_mapping, self.hidden.to(torch.float16))
 
     def capture(self, pool, warmup: int = 2) -> None:
         """Record run() as a CUDA graph (the loaded inputs must be padding only: warm-up and
@@ -188,7 +186,7 @@ class GraphDecoder:
 
     def key_for(self, chunks: list[SeqChunk]) -> GraphKey | None:
         """The graph a step would replay; None: it falls back to the eager forward."""
-        if not is_decode(chunks) or self.runner.features is not None:
+        if not is_decode(chunks):
             return None
         batch = bucket_for(len(chunks), self.buckets)
         kv_len = kv_bucket(max(c.start_pos + 1 for c in chunks), self.runner.block_size)
@@ -197,11 +195,13 @@ class GraphDecoder:
         return GraphKey(batch, kv_len)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:  # [len(chunks), vocab] f32
+    def forward(self, chunks: list[SeqChunk], with_hidden: bool = False):
+        """ModelRunner.forward's contract: logits [len(chunks), vocab] float32, and with
+        with_hidden the rows' final hidden states [len(chunks), hidden]."""
         key = self.key_for(chunks)
         if key is None:
             self.fallbacks += 1
-            return self.runner.forward(chunks)
+            return self.runner.forward(chunks, with_hidden=with_hidden)
         self._check(chunks)
         slot = self.slots.get(key) or self._new_slot(key)
         slot.load(pad_decode(chunks, self.runner.block_size, key, self.scratch_block))
@@ -210,7 +210,9 @@ class GraphDecoder:
             self.replays += 1
         else:
             slot.run()
-        return slot.logits[:len(chunks)].clone()
+        n = len(chunks)
+        logits = slot.logits[:n].clone()
+        return (logits, slot.hidden[:n].clone()) if with_hidden else logits
 
     def _check(self, chunks: list[SeqChunk]) -> None:
         vocab, blocks = self.runner.model.cfg.vocab_size, self.runner.num_blocks
@@ -236,3 +238,15 @@ def _all_padding(key: GraphKey, block_size: int, scratch_block: int) -> PaddedDe
     b = key.batch
     return PaddedDecode([0] * b, [0] * b, [scratch] * b, [[scratch] * key.kv_len] * b,
                         [1] * b, b)
+
+
+def graph_decoder(mode: str, runner: ModelRunner) -> GraphDecoder | None:
+    """The verifier's GraphDecoder when `--cuda-graphs` says so (auto: off until gpu-check
+    measures a gain; on without a GPU: a clear error), else None. It takes the cache's last
+    block as its scratch: the block manager must hand out one block fewer."""
+    if not check_mode(mode, runner.device.type):
+        return None
+    if runner.num_blocks < 2:
+        raise ValueError("--cuda-graphs on needs a KV cache of at least 2 blocks")
+    log.info("cuda graphs: decode steps replayed per batch bucket %s", DEFAULT_BUCKETS)
+    return GraphDecoder(runner, scratch_block=runner.num_blocks - 1)

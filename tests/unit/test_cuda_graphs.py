@@ -96,3 +96,54 @@ def test_captured_graphs_replay_the_eager_logits():
         torch.testing.assert_close(graphs.forward(chunk), eager.forward(chunk),
                                    atol=1e-4, rtol=1e-4)
     assert graphs.replays == 8 and graphs.slots[GraphKey(1, 32)].graph is not None
+
+
+def test_kept_features_and_hidden_states_match_the_runner():
+    """A runner that keeps features (the verifier's, for EAGLE) gets them from the padded
+    step too, and with_hidden returns the rows' hidden states."""
+    model = tiny_family("llama3-rope")
+    plain, padded = ModelRunner(model, 12, 4, True), ModelRunner(model, 12, 4, True)
+    graphs = GraphDecoder(padded, scratch_block=11, capture=False)
+    tables = [[0, 1, 2], [3, 4, 5]]
+    for runner in (plain, padded):
+        runner.forward([SeqChunk([4, 5, 6, 7, 8], 0, tables[0]), SeqChunk([9, 3], 0, tables[1])])
+    chunks = [SeqChunk([11], 5, tables[0]), SeqChunk([12], 2, tables[1])]
+    (want, want_h), (got, got_h) = plain.forward(chunks, True), graphs.forward(chunks, True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_h, want_h, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(padded.features_at(tables[0], 0, 6),
+                               plain.features_at(tables[0], 0, 6), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_the_executor_with_graphs_gives_plain_text(seeded):
+    """Decode steps through the verifier's Executor with a GraphDecoder (as --cuda-graphs on
+    serves them): the same text as without, with and without Medusa trees in between."""
+    from tandem.sampling_params import SamplingParams
+    from tools.gpu_check.heads import medusa_heads
+    from tools.gpu_check.spec_loop import generate
+
+    model = tiny_family("gemma2")
+    sampling = SamplingParams(0.8, seed=5) if seeded else SamplingParams(temperature=0.0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = generate(ModelRunner(model, 9, 8), prompt, 20, sampling).tokens
+    assert generate(ModelRunner(model, 9, 8), prompt, 20, sampling, graphs=True).tokens == want
+    medusa = medusa_heads(model)
+    assert generate(ModelRunner(model, 9, 8), prompt, 20, sampling, medusa=medusa,
+                    graphs=True).tokens == want
+
+
+def test_the_verifier_flag():
+    from verify_service.config import VerifierConfig
+
+    assert VerifierConfig().cuda_graphs == "auto"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        VerifierConfig(cuda_graphs="on", device="cpu")
+    with pytest.raises(ValueError, match="must be one of"):
+        VerifierConfig(cuda_graphs="maybe")
+    from tandem.engine.cuda_graphs import graph_decoder
+
+    runner = ModelRunner(tiny_family("llama"), 8, 4)
+    assert graph_decoder("auto", runner) is None and graph_decoder("off", runner) is None
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        graph_decoder("on", runner)

@@ -39,13 +39,20 @@ class _State:
 
 
 def generate(runner: ModelRunner, prompt: list[int], max_new: int, sampling: SamplingParams,
-             proposer=None, medusa=None, k: int = 4, logprobs: bool = False) -> Run:
+             proposer=None, medusa=None, k: int = 4, logprobs: bool = False,
+             graphs: bool = False) -> Run:
     """Generate max_new tokens after `prompt`: plainly (no proposer, no medusa), with a
-    proposer's chains, or with Medusa trees of k nodes. The runner's whole cache is the
-    session's (blocks 0..num_blocks-1 in order)."""
-    executor = Executor(runner, medusa)
-    table = list(range(runner.num_blocks))
-    if (len(prompt) + max_new + k + 1) > runner.num_blocks * runner.block_size:
+    proposer's chains, or with Medusa trees of k nodes; `graphs`: decode steps through a
+    GraphDecoder (captured on a GPU), as `--cuda-graphs on` serves them. The runner's cache
+    is the session's (blocks 0.. in order; the last is the graphs' scratch)."""
+    decoder = None
+    if graphs:
+        from tandem.engine.cuda_graphs import GraphDecoder
+
+        decoder = GraphDecoder(runner, scratch_block=runner.num_blocks - 1)
+    executor = Executor(runner, medusa, decoder)
+    table = list(range(runner.num_blocks - graphs))
+    if (len(prompt) + max_new + k + 1) > len(table) * runner.block_size:
         raise ValueError("the runner's cache is too small for this generation")
     want_features = proposer is not None and getattr(proposer, "method", None) is not None \
         and proposer.method.name == "EAGLE"
