@@ -103,4 +103,4 @@ def flex_paged_attention(
     out = _kernel(query.device.type)(q, k, v, block_mask=_block_mask(meta, kv_len),
                                      scale=scale, enable_gqa=heads != kvh)
     out = out.transpose(1, 2).reshape(batch * max_q, heads, dim)
-    return out if batch == 1 else out[meta.q_valid]
+    return out if batch == 1 or max_q == 1 else out[meta.q_valid]  # one token: all rows real
