@@ -12,6 +12,8 @@ round and a chain round can alternate in one session.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kernels import flash, flex_attention
@@ -20,6 +22,7 @@ from kernels.paged_attention import AttentionMetadata, paged_attention
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 KERNELS = ("auto", "reference", "flex")
 _chosen = ["auto"]
+log = logging.getLogger(__name__)
 
 
 def use_kernel(name: str) -> str:
@@ -43,7 +46,7 @@ def kernel_for(query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMeta
         return _chosen[0]
     if flash_usable(query, key_cache, meta):
         return "flash"
-    if query.is_cuda and meta.has_tree and flex_attention.is_available():
+    if query.is_cuda and meta.has_tree and flex_attention.serves(query):
         return "flex"
     return "reference"
 
@@ -59,7 +62,14 @@ def attention(
     kernel = kernel_for(query, key_cache, meta)
     if kernel == "flash":
         return flash.flash_paged_attention(query, key_cache, value_cache, meta, scale)
-    if kernel == "flex":
+    if kernel == "flex" and query.is_cuda and _chosen[0] == "auto":
+        try:
+            return flex_attention.flex_paged_attention(query, key_cache, value_cache, meta,
+                                                       scale)
+        except (RuntimeError, ImportError) as exc:  # compile or Triton trouble on this GPU
+            log.warning("FlexAttention failed (%s); trees use the reference from now on", exc)
+            flex_attention.mark_broken(str(exc))
+    elif kernel == "flex":
         return flex_attention.flex_paged_attention(query, key_cache, value_cache, meta, scale)
     return paged_attention(query, key_cache, value_cache, meta, scale)
 

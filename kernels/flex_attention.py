@@ -27,6 +27,9 @@ KV_MULTIPLE = 128  # keys padded to this on CUDA
 _recent: list[tuple[AttentionMetadata, object]] = []
 
 
+_broken: list[str] = []  # why compiled flex failed on this process's GPU, if it did
+
+
 @functools.cache
 def is_available() -> bool:
     try:
@@ -34,6 +37,19 @@ def is_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def serves(query: torch.Tensor) -> bool:
+    """Whether flex can take this call: present, not failed before, and a head size its
+    compiled kernels handle (a power of two >= 16) on CUDA."""
+    dim = query.shape[-1]
+    shape_ok = not query.is_cuda or (dim >= 16 and dim & (dim - 1) == 0)
+    return is_available() and not _broken and shape_ok
+
+
+def mark_broken(why: str) -> None:
+    """Compiled flex failed here: later calls go to the reference (kernels.attention)."""
+    _broken.append(why)
 
 
 @functools.cache

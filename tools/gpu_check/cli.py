@@ -100,6 +100,9 @@ def cmd_gpu_check(args) -> int:
     reports = run_all(selected, lambda deadline: PhaseContext(device, args.tiny, deadline, cache,
                                                               _log), args.box_scale, _log)
     cache.clear()
+    from kernels import flex_attention
+
+    env["flex_failures"] = list(flex_attention._broken)  # compiled flex errors, if any
     summary = {"tandem_gpu_check": 1, **env, "tiny": args.tiny,
                "total_s": round(time.monotonic() - t0, 2),
                "all_ok": all(r["status"] == "ok" for r in reports.values()),

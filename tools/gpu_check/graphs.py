@@ -14,8 +14,10 @@ import time
 from tandem.device import synchronize
 from tandem.engine.cuda_graphs import GraphDecoder
 from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.sampling_params import SamplingParams
 from tools.gpu_check.models import tiny_family
 from tools.gpu_check.runner import PhaseContext
+from tools.gpu_check.spec_loop import generate
 from tools.gpu_check.timing import chunks_at, median_ms, model_names, timed_model
 
 PROMPTS = [[3, 8, 13, 21, 34], [2, 7, 1, 8, 2, 8, 18], [9, 9, 4]]
@@ -54,6 +56,12 @@ def _same_output(ctx: PhaseContext) -> None:
     ctx.check("graphs/no_fallback", decoder.fallbacks == 0, decoder.fallbacks)
     if decoder.capture:
         ctx.check("graphs/replayed", decoder.replays == 12, decoder.replays)
+    # as the verifier serves it: the Executor's decode steps through the graphs
+    sampling = SamplingParams(temperature=0.8, seed=3)
+    plain = generate(ModelRunner(model, 8, 16), PROMPTS[1], 24, sampling).tokens
+    served = generate(ModelRunner(model, 8, 16), PROMPTS[1], 24, sampling, graphs=True).tokens
+    ctx.result["executor_same"] = served == plain
+    ctx.check("graphs/executor_text_same", served == plain)
 
 
 def _gain(ctx: PhaseContext) -> None:

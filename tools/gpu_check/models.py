@@ -17,9 +17,10 @@ _TINY = dict(vocab_size=101, hidden_size=48, intermediate_size=96, num_hidden_la
 # HF config.json dicts, parsed by LlamaConfig.from_hf as a checkpoint's would be.
 TINY_FAMILIES: dict[str, dict] = {
     "llama": dict(_TINY, model_type="llama", tie_word_embeddings=True),
-    "llama3-rope": dict(_TINY, model_type="llama", rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}),
+    "llama3-rope": dict(_TINY, model_type="llama", head_dim=16, rope_theta=500000.0,
+                        rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     "mistral-window": dict(_TINY, model_type="mistral", sliding_window=12, head_dim=8),
     "qwen2-window": dict(_TINY, model_type="qwen2", use_sliding_window=True, sliding_window=12,
                          max_window_layers=1, tie_word_embeddings=False),
