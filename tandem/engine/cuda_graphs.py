@@ -52,6 +52,10 @@ class GraphKey:
     batch: int  # padded rows
     kv_len: int  # padded keys per row
 
+    def __post_init__(self):
+        if self.batch < 1 or self.kv_len < 1:
+            raise ValueError(f"a graph key needs batch and kv_len >= 1, got {self}")
+
 
 @dataclass(frozen=True)
 class PaddedDecode:

@@ -10,6 +10,7 @@ reported as `error` with the exception; one whose checks fail, as `failed`. Phas
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import traceback
@@ -94,8 +95,18 @@ def run_phase(phase: Phase, ctx: PhaseContext, box_s: float) -> dict:
         report["error"] = error[0]
     if alive:
         report["error"] = f"still running after its {box_s:.0f} s box; left behind"
-    report["results"] = dict(ctx.result)
+    report["results"] = _snapshot(ctx.result)
     return report
+
+
+def _snapshot(result: dict) -> dict:
+    """A copy of a phase's results (an overrunning phase may still be writing to them)."""
+    for _ in range(5):
+        try:
+            return copy.deepcopy(result)
+        except RuntimeError:  # changed size during the copy
+            time.sleep(0.01)
+    return {"unreadable": "the phase kept writing its results"}
 
 
 def run_all(phases: list[Phase], make_ctx: Callable[[float], PhaseContext],
