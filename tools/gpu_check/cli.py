@@ -19,17 +19,17 @@ def phases() -> list[Phase]:
     from tools.gpu_check import attention, colocate, correctness, cost, graphs
 
     return [
-        Phase("correctness", 110, correctness.run, "device vs CPU fp32 on tiny random models "
+        Phase("correctness", 130, correctness.run, "device vs CPU fp32 on tiny random models "
               "of every family: logits, greedy text, speculation (ngram, draft model, EAGLE, "
               "Medusa tree) identical to plain, tree verification, logprobs, rejection "
               "sampler distribution"),
-        Phase("attention", 60, attention.run, "paged attention kernels (reference, flex, "
+        Phase("attention", 75, attention.run, "paged attention kernels (reference, flex, "
               "flash if installed) on decode, chain and tree layouts: speed and agreement"),
         Phase("cuda_graphs", 60, graphs.run, "decode steps with CUDA graphs off and on: same "
               "output, and the step time per batch"),
-        Phase("verify_cost", 140, cost.run_verify_cost, "forward time over q = 1..16 new "
+        Phase("verify_cost", 120, cost.run_verify_cost, "forward time over q = 1..16 new "
               "tokens at batch 1..64 (1B- and 8B-shaped Llama, bf16)"),
-        Phase("decode", 60, cost.run_decode, "plain decode tokens/s at batch 1, 16, 64"),
+        Phase("decode", 45, cost.run_decode, "plain decode tokens/s at batch 1, 16, 64"),
         Phase("colocate", 45, colocate.run, "a draft model and a verifier sharing the "
               "device: each alone vs both at once"),
     ]
