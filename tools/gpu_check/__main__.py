@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.gpu_check.cli import add_arguments, cmd_gpu_check
+from tools.gpu_check.cli import add_arguments, cmd_gpu_check, description
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.gpu_check",
-                                     description="tandem gpu-check (see --help of `tandem "
-                                     "gpu-check`)")
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=description(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

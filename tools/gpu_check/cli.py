@@ -1,6 +1,6 @@
 """`tandem gpu-check`: use a short GPU window fully with one command.
 
-Needs only what a stock PyTorch image has (torch, transformers' deps, numpy; matplotlib if
+Needs only what a stock PyTorch image has (torch, numpy, safetensors; matplotlib if
 present): random-weight models, no checkpoint, tokenizer, network, Redis, FastAPI or gRPC
 services. Every phase is time-boxed (tools/gpu_check/runner.py); the boxes sum to under 8 min
 on a GPU. `--device cpu --tiny` is the dry run the test suite runs.
@@ -14,36 +14,48 @@ from pathlib import Path
 
 from tools.gpu_check.runner import Phase
 
+# Each phase's time box on a GPU, in seconds, in the order they run (475 s in all).
+BOXES = {"correctness": 130, "attention": 75, "cuda_graphs": 60, "verify_cost": 120,
+         "decode": 45, "colocate": 45}
+PHASE_NAMES = tuple(BOXES)
+
+
+ABOUT = {
+    "correctness": "device vs CPU fp32 on tiny random models of every family: logits, greedy "
+                   "text, speculation (ngram, draft model, EAGLE, Medusa tree) identical to "
+                   "plain, tree verification, logprobs, rejection sampler distribution",
+    "attention": "paged attention kernels (reference, flex, flash if installed) on decode, "
+                 "chain and tree layouts: speed and agreement",
+    "cuda_graphs": "decode steps with CUDA graphs off and on: same output, and the step time "
+                   "per batch",
+    "verify_cost": "forward time over q = 1..16 new tokens at batch 1..64 (1B- and 8B-shaped "
+                   "Llama, bf16 on a GPU)",
+    "decode": "plain decode tokens/s at batch 1, 16, 64",
+    "colocate": "a draft model and a verifier sharing the device: each alone vs both at once",
+}
+
 
 def phases() -> list[Phase]:
     from tools.gpu_check import attention, colocate, correctness, cost, graphs
 
-    return [
-        Phase("correctness", 130, correctness.run, "device vs CPU fp32 on tiny random models "
-              "of every family: logits, greedy text, speculation (ngram, draft model, EAGLE, "
-              "Medusa tree) identical to plain, tree verification, logprobs, rejection "
-              "sampler distribution"),
-        Phase("attention", 75, attention.run, "paged attention kernels (reference, flex, "
-              "flash if installed) on decode, chain and tree layouts: speed and agreement"),
-        Phase("cuda_graphs", 60, graphs.run, "decode steps with CUDA graphs off and on: same "
-              "output, and the step time per batch"),
-        Phase("verify_cost", 120, cost.run_verify_cost, "forward time over q = 1..16 new "
-              "tokens at batch 1..64 (1B- and 8B-shaped Llama, bf16)"),
-        Phase("decode", 45, cost.run_decode, "plain decode tokens/s at batch 1, 16, 64"),
-        Phase("colocate", 45, colocate.run, "a draft model and a verifier sharing the "
-              "device: each alone vs both at once"),
-    ]
-
-
-PHASE_NAMES = ("correctness", "attention", "cuda_graphs", "verify_cost", "decode", "colocate")
+    runs = {"correctness": correctness.run, "attention": attention.run,
+            "cuda_graphs": graphs.run, "verify_cost": cost.run_verify_cost,
+            "decode": cost.run_decode, "colocate": colocate.run}
+    return [Phase(name, box, runs[name], ABOUT[name]) for name, box in BOXES.items()]
 
 
 def register(sub) -> None:
     p = sub.add_parser("gpu-check", help="check and measure Tandem on this device in one "
                        "command (random-weight models; no checkpoint or network needed)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=description(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=cmd_gpu_check)
+
+
+def description() -> str:
+    boxes = ", ".join(f"{n} {s} s" for n, s in BOXES.items())
+    return f"{__doc__}\nPhases and their time boxes, in order: {boxes} (docs/gpu.md)."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true",
                    help="tiny model shapes for the timing phases (the CPU dry run)")
     p.add_argument("--phases", default=",".join(PHASE_NAMES),
-                   help="comma-separated subset, in order (default: all: %(default)s)")
+                   help="comma-separated subset (run in the order above; default all)")
     p.add_argument("--box-scale", type=float, default=1.0,
                    help="multiply every phase's time box (default 1)")
 
