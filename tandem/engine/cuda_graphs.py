@@ -59,23 +59,38 @@ class GraphKey:
 
 @dataclass(frozen=True)
 class PaddedDecode:
-    """One decode step's inputs padded to a GraphKey (plain lists: built on the CPU)."""
+    """One decode step's inputs padded to a GraphKey (plain lists: built on the CPU). The
+    keys' slots and mask are derived from tables and seq_lens on the device (derive_layout),
+    inside the graph, so a step copies only these few numbers."""
 
     token_ids: list[int]  # [batch]
     positions: list[int]  # [batch]
-    slot_mapping: list[int]  # [batch] cache slot each new token's KV goes to
-    kv_slots: list[list[int]]  # [batch][kv_len] cache slot of each key a row reads
     seq_lens: list[int]  # [batch] keys each row really has (padding rows: 1)
+    tables: list[list[int]]  # [batch][kv_len // block_size] blocks, padded with the scratch
     rows: int  # the real rows, first
 
     def __post_init__(self):
         n = len(self.token_ids)
-        if not (len(self.positions) == len(self.slot_mapping) == len(self.kv_slots)
-                == len(self.seq_lens) == n) or not 0 < self.rows <= n:
-            raise ValueError("PaddedDecode fields disagree on the batch size")
+        widths = {len(t) for t in self.tables}
+        if not (len(self.positions) == len(self.seq_lens) == len(self.tables) == n) or \
+                not 0 < self.rows <= n or len(widths) != 1:
+            raise ValueError("PaddedDecode fields disagree on the batch size or table width")
 
-    def mask(self) -> list[list[bool]]:  # [batch][kv_len]: key j visible to row i
-        return [[j < s for j in range(len(k))] for s, k in zip(self.seq_lens, self.kv_slots)]
+
+def derive_layout(
+    tables: torch.Tensor,  # [batch, kv_len // block_size] int64
+    seq_lens: torch.Tensor,  # [batch] int64
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv_slots [batch, kv_len], mask [batch, kv_len] bool, slot_mapping [batch]): the slot of
+    every key a row reads, which of them it sees (its first seq_len), and where its new
+    token's KV goes (its last). Torch ops only, no host sync: capturable."""
+    kv_len = tables.shape[1] * block_size
+    pos = torch.arange(kv_len, device=tables.device)  # [kv_len]
+    kv_slots = tables[:, pos // block_size] * block_size + pos % block_size
+    mask = pos[None, :] < seq_lens[:, None]
+    slot_mapping = kv_slots.gather(1, (seq_lens - 1)[:, None]).squeeze(1)
+    return kv_slots, mask, slot_mapping
 
 
 def is_decode(chunks: list[SeqChunk]) -> bool:
@@ -89,26 +104,20 @@ def pad_decode(chunks: list[SeqChunk], block_size: int, key: GraphKey,
     """A decode step padded to `key`: real rows first, then dummies on the scratch block."""
     if not is_decode(chunks) or len(chunks) > key.batch:
         raise ValueError(f"pad_decode takes at most {key.batch} one-token decode chunks")
-    scratch = scratch_block * block_size
-    tokens, positions, slots, kv, lens = [], [], [], [], []
+    width = key.kv_len // block_size
+    tokens, positions, lens, tables = [], [], [], []
     for c in chunks:
         seq_len = c.start_pos + 1
         if seq_len > key.kv_len or len(c.block_table) * block_size < seq_len:
             raise ValueError(f"a row of {seq_len} keys does not fit {key} / its block table")
-        row = [c.block_table[p // block_size] * block_size + p % block_size
-               for p in range(seq_len)]
+        used = c.block_table[:-(-seq_len // block_size)]
         tokens.append(c.token_ids[0])
         positions.append(c.start_pos)
-        slots.append(row[-1])
-        kv.append(row + [scratch] * (key.kv_len - seq_len))
         lens.append(seq_len)
-    for _ in range(key.batch - len(chunks)):
-        tokens.append(0)
-        positions.append(0)
-        slots.append(scratch)
-        kv.append([scratch] * key.kv_len)
-        lens.append(1)
-    return PaddedDecode(tokens, positions, slots, kv, lens, len(chunks))
+        tables.append(used + [scratch_block] * (width - len(used)))
+    pad = key.batch - len(chunks)
+    return PaddedDecode(tokens + [0] * pad, positions + [0] * pad, lens + [1] * pad,
+                        tables + [[scratch_block] * width] * pad, len(chunks))
 
 
 class _Slot:
@@ -137,20 +146,24 @@ class _Slot:
     def load(self, p: PaddedDecode) -> None:
         """Copy a padded step into the static tensors (in place: the graph reads them)."""
         m = self.meta
-        for dst, src in ((self.ids, p.token_ids), (self.positions, p.positions),
-                         (m.slot_mapping, p.slot_mapping), (m.seq_lens, p.seq_lens),
-                         (m.kv_slots, p.kv_slots)):
-            dst.copy_(torch.tensor(src, dtype=torch.int64), non_blocking=True)
-        m.mask.copy_(torch.tensor(p.mask(), dtype=torch.bool)[:, None, None], non_blocking=True)
+        small = torch.tensor([p.token_ids, p.positions, p.seq_lens], dtype=torch.int64)
+        for dst, src in zip((self.ids, self.positions, m.seq_lens), small.to(m.seq_lens.device)):
+            dst.copy_(src)
+        m.block_tables.copy_(torch.tensor(p.tables, dtype=torch.int64), non_blocking=True)
 
     def run(self) -> None:
-        """The padded forward: logits and final hidden states of every row, which a runner
-        that keeps features also stores slot for slot (as ModelRunner.forward does)."""
-        r = self.runner
-        self.logits, self.hidden = r.model.forward(self.ids, self.positions, self.meta,
-                                                   r.kv_cache, self.logit_rows, with_hidden=True)
+        """The padded forward: the layout derived from the tables, then logits and final
+        hidden states of every row, which a runner that keeps features also stores slot for
+        slot (as ModelRunner.forward does)."""
+        r, m = self.runner, self.meta
+        kv_slots, mask, slot_mapping = derive_layout(m.block_tables, m.seq_lens, r.block_size)
+        m.kv_slots.copy_(kv_slots)
+        m.mask.copy_(mask[:, None, None])
+        m.slot_mapping.copy_(slot_mapping)
+        self.logits, self.hidden = r.model.forward(self.ids, self.positions, m, r.kv_cache,
+                                                   self.logit_rows, with_hidden=True)
         if r.features is not None:
-            r.features.index_copy_(0, self.meta.slot_mapping, self.hidden.to(torch.float16))
+            r.features.index_copy_(0, m.slot_mapping, self.hidden.to(torch.float16))
 
     def capture(self, pool, warmup: int = 2) -> None:
         """Record run() as a CUDA graph (the loaded inputs must be padding only: warm-up and
@@ -238,10 +251,9 @@ class GraphDecoder:
 
 def _all_padding(key: GraphKey, block_size: int, scratch_block: int) -> PaddedDecode:
     """A step of padding rows only (what a graph is captured with)."""
-    scratch = scratch_block * block_size
     b = key.batch
-    return PaddedDecode([0] * b, [0] * b, [scratch] * b, [[scratch] * key.kv_len] * b,
-                        [1] * b, b)
+    return PaddedDecode([0] * b, [0] * b, [1] * b,
+                        [[scratch_block] * (key.kv_len // block_size)] * b, b)
 
 
 def graph_decoder(mode: str, runner: ModelRunner) -> GraphDecoder | None:

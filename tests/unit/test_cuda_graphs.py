@@ -9,6 +9,7 @@ from tandem.engine.cuda_graphs import (
     GraphKey,
     bucket_for,
     check_mode,
+    derive_layout,
     kv_bucket,
     pad_decode,
 )
@@ -44,9 +45,13 @@ def test_pad_decode_layout():
     p = pad_decode(chunks, 4, GraphKey(4, 8), scratch_block=0)
     assert p.token_ids == [7, 9, 0, 0] and p.positions == [5, 0, 0, 0] and p.rows == 2
     assert p.seq_lens == [6, 1, 1, 1]
-    assert p.kv_slots[0] == [12, 13, 14, 15, 8, 9, 0, 0] and p.slot_mapping[:2] == [9, 4]
-    assert p.kv_slots[2] == [0] * 8 and p.mask()[0] == [True] * 6 + [False] * 2
-    assert p.mask()[3] == [True] + [False] * 7
+    assert p.tables == [[3, 2], [1, 0], [0, 0], [0, 0]]
+    kv_slots, mask, slot_mapping = derive_layout(torch.tensor(p.tables),
+                                                 torch.tensor(p.seq_lens), 4)
+    assert kv_slots[0].tolist() == [12, 13, 14, 15, 8, 9, 10, 11]
+    assert slot_mapping.tolist() == [9, 4, 0, 0] and kv_slots[2].tolist() == [0, 1, 2, 3] * 2
+    assert mask[0].tolist() == [True] * 6 + [False] * 2 and mask[3].tolist() == [True] + [
+        False] * 7
     with pytest.raises(ValueError, match="decode chunks"):
         pad_decode([SeqChunk([1, 2], 0, [1])], 4, GraphKey(4, 8), 0)
 
