@@ -64,3 +64,20 @@ def test_kernel_choice():
         assert attn.kernel_for(q, kc, meta) == "flex"
     finally:
         attn.use_kernel("auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_flex_on_cuda_serves_tree_rounds():
+    """On a GPU a tree round takes compiled flex (kernels.attention's choice), in bf16 within
+    rounding of the CPU fp32 reference."""
+    g = torch.Generator().manual_seed(5)
+    kc, vc = torch.randn(8, 16, 2, 64, generator=g), torch.randn(8, 16, 2, 64, generator=g)
+    meta = build_attention_metadata([6, 1], [40, 30], [[0, 1, 2], [3, 4]], 16,
+                                    [ancestor_mask([-1, 0, 0, 1, 1, 2]), None])
+    q = torch.randn(7, 4, 64, generator=g)
+    want = paged_attention(q, kc, vc, meta, 0.125)
+    on = [t.to("cuda", torch.bfloat16) for t in (q, kc, vc)]
+    assert attn.kernel_for(on[0], on[1], meta.to("cuda")) == "flex"
+    got = attn.attention(*on, meta.to("cuda"), 0.125)
+    torch.testing.assert_close(got.float().cpu(), want, atol=3e-2, rtol=3e-2)
