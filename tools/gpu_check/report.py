@@ -69,8 +69,9 @@ def _simple(phase: str, res: dict) -> list[str]:
                        for b, t in row.items()])
     if phase == "cuda_graphs":
         same = res.get("same_output", {})
+        replayed = "graphs ms" if res.get("captured") else "padded eager ms (no capture)"
         return [f"Same output: {same}. Captured: {res.get('captured')}.", ""] + _table(
-            ["batch", "eager ms", "graphs ms", "gain", "first call ms"],
+            ["batch", "eager ms", replayed, "gain", "first call ms"],
             [[b, r["eager_ms"], r["graph_ms"], r["gain"], r["first_call_ms"]]
              for b, r in res.get("decode_step_ms", {}).items()])
     if phase == "attention":
