@@ -110,8 +110,12 @@ def register(sub, colocate=None) -> None:
                   "from (0 = each session's own text only) [%(default)s]")
     add_flag(p, "--cuda-graphs", "TANDEM_VERIFIER_CUDA_GRAPHS", _DEFAULTS.cuda_graphs,
              choices=GRAPH_MODES,
-             help="CUDA graphs for decode steps: on, off, or auto (on only where `tandem "
-                  "gpu-check` measured a gain; none measured yet, so off); on needs a GPU")
+             help="CUDA graphs for decode steps: on, off, or auto (on only where the "
+                  "--gpu-check-result measured a gain on this GPU model; none measured yet, "
+                  "so off); on needs a GPU")
+    add_flag(p, "--gpu-check-result", "TANDEM_VERIFIER_GPU_CHECK_RESULT", "",
+             help="a gpu-check.json written by `tandem gpu-check` on this GPU model, read by "
+                  "--cuda-graphs auto")
     add_log_level_flag(p, "TANDEM_VERIFIER_LOG_LEVEL")
     add_tls_flags(p)
     p.set_defaults(func=functools.partial(_run, colocate=colocate))

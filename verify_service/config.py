@@ -81,8 +81,10 @@ class VerifierConfig:
     # gRPC over TLS: served with it and presented to draft workers; None = plaintext.
     tls: TlsConfig | None = None
     # CUDA graphs for decode steps (tandem/engine/cuda_graphs.py): "on", "off", or "auto":
-    # on only where `tandem gpu-check` measured a gain, which no GPU has yet, so off for now.
+    # on only where the gpu-check result (a gpu-check.json path) measured a gain on this GPU
+    # model; no GPU has been measured yet, so without one auto is off.
     cuda_graphs: str = "auto"
+    gpu_check_result: str = ""
 
     def tree_methods(self, device_type: str) -> frozenset[Method]:
         """The methods whose sessions draft trees unless the request says otherwise. "auto":

@@ -172,7 +172,7 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     if medusa is not None:
         log.info("medusa: %d heads, a tree of %d nodes", medusa.cfg.num_heads,
                  len(medusa.cfg.choices))
-    graphs = graph_decoder(config.cuda_graphs, runner)
+    graphs = graph_decoder(config.cuda_graphs, runner, config.gpu_check_result)
     executor = Executor(runner, medusa, graphs)
     calibrated, solo = await _calibrate(runner, config)
     # with graphs, the cache's last block is theirs (padding rows write there)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.paged_attention import AttentionMetadata
-from tandem.engine.graph_modes import GRAPH_MODES, check_mode  # noqa: F401 (re-exported)
+from tandem.engine.graph_modes import GRAPH_MODES, check_mode, measured_gain  # noqa: F401
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -256,13 +256,19 @@ def _all_padding(key: GraphKey, block_size: int, scratch_block: int) -> PaddedDe
                         [[scratch_block] * (key.kv_len // block_size)] * b, b)
 
 
-def graph_decoder(mode: str, runner: ModelRunner) -> GraphDecoder | None:
-    """The verifier's GraphDecoder when `--cuda-graphs` says so (auto: off until gpu-check
-    measures a gain; on without a GPU: a clear error), else None. It takes the cache's last
-    block as its scratch: the block manager must hand out one block fewer."""
-    if not check_mode(mode, runner.device.type):
+def graph_decoder(mode: str, runner: ModelRunner, gpu_check_result: str = ""
+                  ) -> GraphDecoder | None:
+    """The verifier's GraphDecoder when `--cuda-graphs` says so (auto: on where the gpu-check
+    result at `gpu_check_result` measured a gain on this GPU model, else off; on without a
+    GPU: a clear error), else None. It takes the cache's last block as its scratch: the block
+    manager must hand out one block fewer."""
+    gain = None
+    if mode == "auto" and runner.device.type == "cuda":
+        gain = measured_gain(gpu_check_result, torch.cuda.get_device_name(runner.device))
+    if not check_mode(mode, runner.device.type, gain):
         return None
     if runner.num_blocks < 2:
-        raise ValueError("--cuda-graphs on needs a KV cache of at least 2 blocks")
-    log.info("cuda graphs: decode steps replayed per batch bucket %s", DEFAULT_BUCKETS)
+        raise ValueError("--cuda-graphs needs a KV cache of at least 2 blocks")
+    log.info("cuda graphs (%s): decode steps replayed per batch bucket %s", mode,
+             DEFAULT_BUCKETS)
     return GraphDecoder(runner, scratch_block=runner.num_blocks - 1)

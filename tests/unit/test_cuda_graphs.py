@@ -152,3 +152,19 @@ def test_the_verifier_flag():
     assert graph_decoder("auto", runner) is None and graph_decoder("off", runner) is None
     with pytest.raises(ValueError, match="needs a CUDA device"):
         graph_decoder("on", runner)
+
+
+def test_auto_reads_a_gpu_check_result(tmp_path):
+    import json
+
+    from tandem.engine.graph_modes import measured_gain
+
+    path = tmp_path / "gpu-check.json"
+    path.write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "recommendations": {
+        "cuda_graphs_auto_should_enable": True}}))
+    assert measured_gain(str(path), "NVIDIA H100 80GB HBM3") is True
+    assert measured_gain(str(path), "NVIDIA L4") is None and measured_gain("", "x") is None
+    assert check_mode("auto", "cuda", True) and not check_mode("auto", "cuda", None)
+    assert not check_mode("auto", "cpu", True) and not check_mode("auto", "cuda", False)
+    with pytest.raises(ValueError, match="cannot read"):
+        measured_gain(str(tmp_path / "missing.json"), "x")
