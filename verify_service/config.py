@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.device import DTYPE_CHOICES, check_device_spec
+from tandem.engine.graph_modes import GRAPH_MODES
 from tandem.models import DEFAULT_TARGET
 from tandem.netaddr import check_target, split_host_port
 from tandem.spec.methods import Method
@@ -79,6 +80,11 @@ class VerifierConfig:
     suffix_cache_tokens: int = 262_144
     # gRPC over TLS: served with it and presented to draft workers; None = plaintext.
     tls: TlsConfig | None = None
+    # CUDA graphs for decode steps (tandem/engine/cuda_graphs.py): "on", "off", or "auto":
+    # on only where the gpu-check result (a gpu-check.json path) measured a gain on this GPU
+    # model; no GPU has been measured yet, so without one auto is off.
+    cuda_graphs: str = "auto"
+    gpu_check_result: str = ""
 
     def tree_methods(self, device_type: str) -> frozenset[Method]:
         """The methods whose sessions draft trees unless the request says otherwise. "auto":
@@ -97,6 +103,11 @@ class VerifierConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         check_device_spec(self.device)
+        if self.cuda_graphs not in GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got "
+                             f"{self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and self.device == "cpu":
+            raise ValueError("--cuda-graphs on needs a CUDA device, not --device cpu")
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be -1 (off) or a port, got {self.metrics_port}")
         if not 0 <= self.port < 65536:
