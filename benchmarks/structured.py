@@ -2,7 +2,8 @@
 speculation, the same prompts in the same cluster.
 
   python benchmarks/structured.py [--tokens 96] [--reps 2] [--arms ngram,suffix,auto]
-                                  [--out results/structured.json] [--docs docs]
+                                  [--modes free,json,tools] [--temperature 0.7]
+                                  [--no-forced-off] [--out results/structured.json]
 
 Each prompt asks for a JSON object; it is asked free (no response_format) and constrained
 (response_format json_schema, strict) by every method, the arms' order rotating prompt by
@@ -12,7 +13,10 @@ streamed; speed is completion tokens over wall time, and decode speed the tokens
 the first over the time from first to last (what the grammar and the drafts change, without
 the prompt's prefill). Each arm and rep is its own tenant, so suffix decoding never drafts
 from another arm's answer to the same prompt. Every constrained answer is validated against
-its schema (jsonschema).
+its schema (jsonschema). Mode "tools" asks for the same object as a required tool call
+(the schema as the function's parameters), streamed as argument deltas. At a temperature
+above 0 every arm samples with the same seed per prompt and rep (text equality is then not
+expected: drafts change how the noise is used, not the distribution).
 """
 from __future__ import annotations
 
@@ -60,17 +64,27 @@ def key_of(mode: str, method: str, rep: int) -> str:
     return f"bench-{mode}-{method}-{rep}"
 
 
+def _constraint(mode: str, schema: dict) -> dict:
+    if mode == "json":
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": schema, "strict": True}}}
+    if mode == "tools":
+        return {"tools": [{"type": "function", "function": {"name": "answer",
+                                                            "parameters": schema}}],
+                "tool_choice": "required", "parallel_tool_calls": False}
+    return {}
+
+
 def ask(url: str, model: str, prompt: str, schema: dict | None, method: str,
-        tokens: int, key: str = "") -> dict:
+        tokens: int, key: str = "", mode: str = "json", sampling: dict | None = None) -> dict:
     """One streamed request: the text, its tokens, wall time and decode time (first token
     to last: what the grammar and the drafts change, without the prompt's prefill)."""
     body = {"model": model, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": prompt}],
-            "speculation": {"method": method}}
+            "speculation": {"method": method}, **(sampling or {})}
     if schema is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": "answer", "schema": schema, "strict": True}}
+        body |= _constraint(mode, schema)
     parts, first, last, finish, usage, spec = [], None, None, None, {}, {}
     t0 = time.perf_counter()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -82,10 +96,13 @@ def ask(url: str, model: str, prompt: str, schema: dict | None, method: str,
                 continue
             chunk = json.loads(line[6:])
             for c in chunk["choices"]:
-                if c["delta"].get("content"):
+                calls = c["delta"].get("tool_calls") or []
+                piece = c["delta"].get("content") or "".join(
+                    t["function"].get("arguments", "") for t in calls)
+                if piece:
                     first = first or time.perf_counter()
                     last = time.perf_counter()
-                    parts.append(c["delta"]["content"])
+                    parts.append(piece)
                 finish = c.get("finish_reason") or finish
             usage, spec = chunk.get("usage") or usage, chunk.get("speculation") or spec
     wall = time.perf_counter() - t0
@@ -102,7 +119,8 @@ def ask(url: str, model: str, prompt: str, schema: dict | None, method: str,
             "text": text, "finish": finish, "valid": valid, "spec": spec}
 
 
-def run_cluster(forced: bool, arms: list[tuple[str, str]], reps: int, tokens: int) -> list:
+def run_cluster(forced: bool, arms: list[tuple[str, str]], reps: int, tokens: int,
+                temperature: float = 0.0) -> list:
     keys = [key_of(mode, method, rep) for mode, method in arms for rep in range(reps)]
     cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=print,
                       env={"TANDEM_VERIFIER_FORCED_DRAFTS": "on" if forced else "off",
@@ -116,9 +134,10 @@ def run_cluster(forced: bool, arms: list[tuple[str, str]], reps: int, tokens: in
         for rep in range(reps):
             for i, (prompt, schema) in enumerate(PROMPTS):
                 k = (i + rep) % len(arms)
+                sampling = {"temperature": temperature, "seed": 1000 * rep + i}
                 for mode, method in arms[k:] + arms[:k]:
-                    res = ask(url, model, prompt, schema if mode == "json" else None, method,
-                              tokens, key_of(mode, method, rep))
+                    res = ask(url, model, prompt, schema if mode != "free" else None, method,
+                              tokens, key_of(mode, method, rep), mode, sampling)
                     rows.append({"forced": forced, "rep": rep, "prompt": i, "mode": mode,
                                  "method": method, **res})
                     print(f"forced={forced} rep {rep} prompt {i} {mode}/{method}: "
@@ -163,7 +182,7 @@ def markdown(summary: dict, identical: dict) -> str:
     for key, a in sorted(summary.items()):
         forced, mode, method = key.split("/")
         acc = f"{a['accepted']} / {a['drafted']}" if a["drafted"] else "-"
-        val = f"{a['valid']} / {a['invalid']}" if mode == "json" else "-"
+        val = f"{a['valid']} / {a['invalid']}" if mode != "free" else "-"
         lines.append(f"| {forced} | {mode} | {method} | {a['tok_s']:.1f} | "
                      f"{a['decode_tok_s']:.1f} | {a['decode_vs_plain']:.2f}x | {acc} | {val} | "
                      f"{identical.get(key, '-')} |")
@@ -189,20 +208,30 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=2, help="asks per prompt and arm")
     ap.add_argument("--arms", default="ngram,suffix,auto,draft_model",
                     help="methods beside plain, comma separated")
+    ap.add_argument("--modes", default="free,json",
+                    help="free, json (response_format) and/or tools (a required tool call)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every arm samples at this temperature (seeded per prompt and rep)")
+    ap.add_argument("--no-forced-off", action="store_true",
+                    help="skip the second cluster (forced drafts off)")
     ap.add_argument("--out", default="results/structured.json")
     args = ap.parse_args(argv)
     methods = ["none", *[m for m in args.arms.split(",") if m]]
-    arms = [(mode, m) for m in methods for mode in ("free", "json")]
-    rows = run_cluster(True, arms, args.reps, args.tokens)
+    modes = [m for m in args.modes.split(",") if m]
+    arms = [(mode, m) for m in methods for mode in modes]
+    rows = run_cluster(True, arms, args.reps, args.tokens, args.temperature)
     local = [("json", m) for m in methods if m in ("none", "ngram", "suffix", "auto")]
-    rows += run_cluster(False, local, args.reps, args.tokens)
-    summary, same = summarise(rows), identical_text(rows)
+    if not args.no_forced_off:
+        rows += run_cluster(False, local, args.reps, args.tokens, args.temperature)
+    summary = summarise(rows)
+    same = identical_text(rows) if args.temperature == 0 else {}
     table = markdown(summary, same)
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "tokens": args.tokens,
-                               "reps": args.reps, "summary": summary, "rows": rows,
+                               "reps": args.reps, "temperature": args.temperature,
+                               "summary": summary, "rows": rows,
                                "table": table}, indent=2))
     print(f"wrote {out}")
 

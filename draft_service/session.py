@@ -152,4 +152,6 @@ class Session:
             generator=generator,
             features=None if self.features is None else self.features.view(),
             tenant=self.tenant, tree=self.tree,
-            mask=None if self.grammar is None else self.grammar.next_mask(self.drafts))
+            mask=None if self.grammar is None else self.grammar.next_mask(self.drafts),
+            grammar=self.grammar.copy_after(self.drafts) if self.grammar and self.tree
+            else None)

@@ -47,9 +47,10 @@ from tandem.spec import (
 )
 
 log = logging.getLogger(__name__)
-# Proposers that draft under a session's grammar (DraftRequest.mask; eagle's chains, not its
-# trees); the others' drafts are masked by the verifier only.
-GRAMMAR_METHODS = frozenset({Method.DRAFT_MODEL, Method.EAGLE})
+# Proposers that draft under a session's grammar (DraftRequest.mask: the draft model and
+# layer skip share its proposer, MTP eagle's chains; not eagle's trees); the others' drafts
+# are masked by the verifier only.
+GRAMMAR_METHODS = frozenset({Method.DRAFT_MODEL, Method.EAGLE, Method.MTP, Method.LAYER_SKIP})
 
 # One step's work per method: (session, its generation when asked, the request).
 _Jobs = dict[Method, list[tuple[Session, int, DraftRequest]]]

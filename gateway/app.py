@@ -262,7 +262,8 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
         events = metered(events, gw.limiter, key.identity, meta.prompt_tokens)
     events = observed(events, span, gw.metrics, endpoint, meta.prompt_tokens)
     if plan.tools is not None:
-        events = with_tool_calls(events, plan.tools, functools.partial(_captures, gw, plan))
+        events = with_tool_calls(events, plan.tools, functools.partial(_captures, gw, plan),
+                                 stream=bool(req.stream))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream(events, meta, include_usage)

@@ -13,7 +13,7 @@ from gateway import schemas
 from gateway.errors import APIError
 from gateway.generation import Finished, RoundEvent, TextDelta
 from gateway.logprobs import LogprobsFormatter, TokenLogprobs
-from gateway.tool_events import ToolCalls, chunk
+from gateway.tool_events import ToolCallDeltas, ToolCalls, chunk
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,10 @@ async def stream(events: AsyncIterator, meta: ResponseMeta,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _chunks(ev: TextDelta | RoundEvent | ToolCalls | Finished, meta: ResponseMeta,
+def _chunks(ev: TextDelta | RoundEvent | ToolCallDeltas | Finished, meta: ResponseMeta,
             include_usage: bool, fmt: LogprobsFormatter | None) -> list[dict]:
-    if isinstance(ev, ToolCalls):
-        return [chunk(meta.head(), ev.calls)]
+    if isinstance(ev, ToolCallDeltas):
+        return [chunk(meta.head(), ev.deltas)]
     if isinstance(ev, RoundEvent):
         return [schemas.round_chunk(*meta.head(), ev.as_dict())]
     if isinstance(ev, TextDelta):

@@ -1,12 +1,19 @@
-"""A tool-calling session's events: text that may be a tool call is held back, and a
-finished call comes out as one ToolCalls event (finish_reason "tool_calls")."""
+"""A tool-calling session's events: text that may be a tool call is held back. Whole (not
+streamed), a finished call comes out as one ToolCalls event; streamed, as ToolCallDeltas
+while the model writes it. Either way the finish_reason becomes "tool_calls" once the grammar
+that produced the text reads calls in it."""
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from gateway.generation import Finished, TextDelta
+from gateway.tool_stream import CallStream
 from gateway.tools import ToolPlan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -14,30 +21,44 @@ class ToolCalls:
     calls: list[dict]  # OpenAI's message.tool_calls
 
 
+@dataclass(frozen=True)
+class ToolCallDeltas:
+    deltas: list[dict]  # OpenAI's delta.tool_calls entries
+
+
 async def with_tool_calls(events: AsyncIterator, plan: ToolPlan,
-                          captures: Callable[[str], list[str]]) -> AsyncIterator:
-    """`events` with a call's text replaced by ToolCalls; `captures(text)`: the call JSONs
-    the plan's grammar captures in a text (auto)."""
+                          captures: Callable[[str], list[str]],
+                          stream: bool = False) -> AsyncIterator:
+    """`events` with a call's text replaced by ToolCalls (or ToolCallDeltas when `stream`);
+    `captures(text)`: the call JSONs the plan's grammar captures in a text (auto)."""
     held: list[TextDelta] = []
     text, holding = "", True
+    calls = CallStream(plan) if stream else None
     async for ev in events:
         if holding and isinstance(ev, TextDelta):
             text += ev.text
             held.append(ev)
             if plan.holds(text):
+                if calls is not None and (deltas := calls.feed(text)):
+                    yield ToolCallDeltas(deltas)
                 continue
             holding = False  # plain text (auto): send it as it comes
             for h in held:
                 yield h
             continue
         if holding and isinstance(ev, Finished):
-            calls = _calls(plan, text, captures) if ev.finish_reason == "stop" else None
-            if calls:
-                yield ToolCalls(calls)
+            found = _calls(plan, text, captures) if ev.finish_reason == "stop" else None
+            if found and calls is not None:
+                _check_streamed(calls, text, found)
                 yield replace(ev, finish_reason="tool_calls")
                 return
-            for h in held:  # cut short (length), or text after all: as content
-                yield h
+            if found:
+                yield ToolCalls(found)
+                yield replace(ev, finish_reason="tool_calls")
+                return
+            if calls is None or not calls.ids:  # cut short, or text after all: as content
+                for h in held:
+                    yield h
         yield ev
 
 
@@ -49,10 +70,21 @@ def _calls(plan: ToolPlan, text: str, captures: Callable[[str], list[str]]
         return None
 
 
-def chunk(chat_head: tuple, calls: list[dict]) -> dict:
-    """The streamed delta of finished tool calls (OpenAI's shape, whole arguments at once)."""
+def _check_streamed(calls: CallStream, text: str, found: list[dict]) -> None:
+    """The streamed calls must be the ones the grammar reads (the same text, by two
+    readers); a difference is a bug worth a log line, since the deltas are already out."""
+    try:
+        streamed = [(n, json.loads(a)) for n, a in calls.begun(text)]
+    except json.JSONDecodeError:
+        streamed = None
+    parsed = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found]
+    if streamed != parsed:
+        log.warning("streamed tool calls %s differ from the grammar's %s", streamed, parsed)
+
+
+def chunk(chat_head: tuple, deltas: list[dict]) -> dict:
+    """A streamed chunk of tool-call deltas (OpenAI's shape)."""
     _, rid, created, model = chat_head
-    deltas = [{"index": i, **call} for i, call in enumerate(calls)]
     choice = {"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None,
               "finish_reason": None}
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

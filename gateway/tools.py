@@ -42,9 +42,13 @@ class ToolPlan:
         return self.mode != "auto" or OPEN.startswith(text[:len(OPEN)])
 
 
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, arguments: Any) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {"id": call_id(), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 def tool_plan(tools: list | None, choice: Any, parallel: bool | None) -> ToolPlan | None:

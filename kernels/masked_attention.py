@@ -68,4 +68,4 @@ def masked_attention(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None], scale=scale,
                                              enable_gqa=heads != kvh)
     out = out.transpose(1, 2).reshape(batch * max_q, heads, dim)
-    return out if batch == 1 else out[meta.q_valid]
+    return out if batch == 1 or max_q == 1 else out[meta.q_valid]  # one token: all rows real

@@ -227,8 +227,8 @@ def paged_attention(
         q, k, v, attn_mask=meta.mask, is_causal=causal, scale=scale, enable_gqa=heads != kvh
     )  # [batch, heads, max_q, dim]
     out = out.transpose(1, 2).reshape(batch * max_q, heads, dim)
-    if batch == 1:
-        return out
+    if batch == 1 or max_q == 1:  # every row real: no boolean index (a host sync, which a
+        return out                # CUDA graph cannot capture)
     return out[meta.q_valid]
 
 

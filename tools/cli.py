@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.drain import register as register_drain
 
     register_drain(sub)
+    from tools.gpu_check.cli import register as register_gpu_check
+
+    register_gpu_check(sub)
     return parser
 
 
@@ -244,9 +247,20 @@ def _drain_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _gpu_check_parser() -> argparse.ArgumentParser:
+    """`tandem gpu-check` alone: it runs on a stock PyTorch image, which lacks what the
+    other commands' parsers import (FastAPI, Redis, OpenTelemetry)."""
+    from tools.gpu_check.cli import register as register_gpu_check
+
+    parser = argparse.ArgumentParser(prog="tandem")
+    register_gpu_check(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _drain_parser() if argv[:1] == ["drain"] else build_parser()
+    lean = {"drain": _drain_parser, "gpu-check": _gpu_check_parser}.get(argv[0] if argv else "")
+    parser = lean() if lean else build_parser()
     args = parser.parse_args(argv)
     args.argv = argv  # model cards record the command
     try:

@@ -6,6 +6,7 @@ in the tools layer because it joins the two services, which never import each ot
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ async def start_layer_skip(model: LlamaModel, paths: ModelPaths, config) -> Colo
     from draft_service.config import DraftConfig
     from draft_service.main import assemble_worker, build_app
     from draft_service.proposers.layer_skip import LayerSkipProposer
+    from tandem.grammar.compiler import LazyCompiler, compiler_for
+    from tandem.models import generation_eos_ids
 
     skip = resolve_skip_set(config.layer_skip, paths)
     if skip is None:
@@ -46,6 +49,8 @@ async def start_layer_skip(model: LlamaModel, paths: ModelPaths, config) -> Colo
     worker, info = assemble_worker(draft_cfg, {Method.LAYER_SKIP: proposer}, paths.root.name,
                                    tokenizer_hash(paths), proposer.vocab_size,
                                    proposer.max_context_length)
+    worker.grammars = LazyCompiler(functools.partial(  # it drafts under structured output too
+        compiler_for, paths.root, proposer.vocab_size, generation_eos_ids(paths)))
     app = await build_app(draft_cfg, worker, info)
     await app.server.start()
     log.info("layer skip served in-process on 127.0.0.1:%d (skipping layers %s of %d)",

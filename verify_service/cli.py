@@ -8,6 +8,7 @@ import functools
 import logging
 
 from tandem.device import add_device_flags
+from tandem.engine.graph_modes import GRAPH_MODES
 from tandem.envflags import add_flag, add_log_level_flag, boolean, csv, env
 from tandem.redis_conn import add_password_flag
 from tandem.tls import add_tls_flags, tls_from_args
@@ -119,6 +120,14 @@ def register(sub, colocate=None) -> None:
              _DEFAULTS.suffix_cache_tokens, int,
              help="finished tokens the verifier's suffix decoding keeps per tenant to draft "
                   "from (0 = each session's own text only) [%(default)s]")
+    add_flag(p, "--cuda-graphs", "TANDEM_VERIFIER_CUDA_GRAPHS", _DEFAULTS.cuda_graphs,
+             choices=GRAPH_MODES,
+             help="CUDA graphs for decode steps: on, off, or auto (on only where the "
+                  "--gpu-check-result measured a gain on this GPU model; none measured yet, "
+                  "so off); on needs a GPU")
+    add_flag(p, "--gpu-check-result", "TANDEM_VERIFIER_GPU_CHECK_RESULT", "",
+             help="a gpu-check.json written by `tandem gpu-check` on this GPU model, read by "
+                  "--cuda-graphs auto")
     add_log_level_flag(p, "TANDEM_VERIFIER_LOG_LEVEL")
     add_tls_flags(p)
     p.set_defaults(func=functools.partial(_run, colocate=colocate))

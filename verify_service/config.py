@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.device import DTYPE_CHOICES, check_device_spec
+from tandem.engine.graph_modes import GRAPH_MODES
 from tandem.models import DEFAULT_TARGET
 from tandem.netaddr import check_target, split_host_port
 from tandem.spec.methods import Method
@@ -79,6 +80,11 @@ class VerifierConfig:
     suffix_cache_tokens: int = 262_144
     # gRPC over TLS: served with it and presented to draft workers; None = plaintext.
     tls: TlsConfig | None = None
+    # CUDA graphs for decode steps (tandem/engine/cuda_graphs.py): "on", "off", or "auto":
+    # on only where the gpu-check result (a gpu-check.json path) measured a gain on this GPU
+    # model; no GPU has been measured yet, so without one auto is off.
+    cuda_graphs: str = "auto"
+    gpu_check_result: str = ""
     # Ranks of a tensor-parallel target (this process is rank 0 and spawns the others on this
     # node: verify_service/tp_group.py); must divide the KV heads. A rank's death fails the
     # group within the collective timeout.
@@ -106,6 +112,11 @@ class VerifierConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         check_device_spec(self.device)
+        if self.cuda_graphs not in GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got "
+                             f"{self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and self.device == "cpu":
+            raise ValueError("--cuda-graphs on needs a CUDA device, not --device cpu")
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be -1 (off) or a port, got {self.metrics_port}")
         if not 0 <= self.port < 65536:
@@ -139,6 +150,9 @@ class VerifierConfig:
             raise ValueError(f"tensor_parallel_local_ranks must be in [0, "
                              f"{self.tensor_parallel_size}], got "
                              f"{self.tensor_parallel_local_ranks}")
+        if self.tensor_parallel_size > 1 and self.cuda_graphs == "on":
+            raise ValueError("--cuda-graphs on is not available with --tensor-parallel-size > 1 "
+                             "(a captured step would run rank 0 without its workers)")
         if self.tensor_parallel_master:
             split_host_port(self.tensor_parallel_master)
         if not 0 <= self.max_spec_tokens <= 32:

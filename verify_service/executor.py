@@ -26,9 +26,11 @@ from verify_service.step import RoundOutcome, StepInput, StepTimings
 
 
 class Executor:
-    def __init__(self, runner: ModelRunner, medusa=None):
+    def __init__(self, runner: ModelRunner, medusa=None, graphs=None):
         self.runner = runner
         self.medusa = medusa  # tandem.engine.medusa.MedusaHeads, or None
+        # tandem.engine.cuda_graphs.GraphDecoder over runner (decode steps replayed), or None
+        self.graphs = graphs
         self.heads_ms = 0.0  # the last step's pass of the heads
 
     def execute(self, inputs: list[StepInput]) -> tuple[list[RoundOutcome], StepTimings]:
@@ -141,10 +143,11 @@ class Executor:
         None, forward ms)."""
         t0 = time.perf_counter()
         hidden = None
+        forward = self.runner.forward if self.graphs is None else self.graphs.forward
         if with_hidden:
-            logits, hidden = self.runner.forward(chunks, with_hidden=True)
+            logits, hidden = forward(chunks, with_hidden=True)
         else:
-            logits = self.runner.forward(chunks)
+            logits = forward(chunks)
         synchronize(self.runner.device)  # forward_ms feeds the cost model: the real time
         return logits, hidden, (time.perf_counter() - t0) * 1e3
 

@@ -19,6 +19,7 @@ from tandem import __version__, redis_conn, telemetry
 from tandem.device import place
 from tandem.drain import DrainSignal, set_health
 from tandem.engine.block_manager import BlockManager
+from tandem.engine.cuda_graphs import graph_decoder
 from tandem.engine.exact_dtype import load_target
 from tandem.engine.llama import LlamaModel
 from tandem.engine.medusa import load_for
@@ -180,9 +181,13 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     if medusa is not None:
         log.info("medusa: %d heads, a tree of %d nodes", medusa.cfg.num_heads,
                  len(medusa.cfg.choices))
-    executor = Executor(runner, medusa)
+    # a graph replays rank 0's forward alone, without its workers' steps: never under TP
+    graphs = None if tp else graph_decoder(config.cuda_graphs, runner, config.gpu_check_result)
+    executor = Executor(runner, medusa, graphs)
     calibrated, solo = await _calibrate(runner, config)
-    scheduler = Scheduler(BlockManager(runner.num_blocks, runner.block_size), sched_cfg,
+    # with graphs, the cache's last block is theirs (padding rows write there)
+    blocks = BlockManager(runner.num_blocks - (graphs is not None), runner.block_size)
+    scheduler = Scheduler(blocks, sched_cfg,
                           CostModel({q: ms for q, ms in calibrated.items() if q in solo}),
                           tree_reach=medusa.cfg.reach if medusa is not None else (),
                           chain_reach=medusa.cfg.chain_reach if medusa is not None else (),

@@ -126,7 +126,8 @@ class EagleProposer:
         if trees:
             grown = eagle_tree.grow(self, [eagle_tree.Tree(
                 w.req.key, self.blocks.num_tokens(w.req.key) if self.blocks.has(w.req.key)
-                else 0, w.last, self._next_feature(w), w.req.max_tokens) for w in trees])
+                else 0, w.last, self._next_feature(w), w.req.max_tokens, grammar=w.req.grammar)
+                for w in trees])
             for w, res in zip(trees, grown):
                 results[w.row] = res
         return results  # type: ignore[return-value]

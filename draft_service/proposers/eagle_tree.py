@@ -12,7 +12,9 @@ The tree sent is the `n` best-scored nodes, in score order: a child never outsco
 so parents come first and every prefix is the best tree of its size, which is how the verifier
 sizes it by its cost model (tandem.spec.cost.choose_tree_size over the scores). Nodes are
 deterministic candidates (q one-hot), which tree verification accepts exactly
-(verify_service/tree.py).
+(verify_service/tree.py). Under structured output each node's children are drawn from what
+the session's grammar allows after the node's path, so no branch is spent on a token the
+verifier's mask would reject.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.paged_attention import ancestor_mask, build_attention_metadata
+from tandem.grammar.masks import mask_drafts
 from tandem.spec import DraftResult, DraftToken
 
 BRANCH = 4  # children per expanded node
@@ -49,6 +52,15 @@ class Tree:
     size: int  # nodes wanted
     nodes: list[_Node] = field(default_factory=list)
     expanded: list[int] = field(default_factory=list)  # node indices, parents first
+    grammar: object | None = None  # a GrammarState at the root (structured output), or None
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root to `node` (-1: the root itself, no tokens)."""
+        out = []
+        while node >= 0:
+            out.append(self.nodes[node].token)
+            node = self.nodes[node].parent
+        return out[::-1]
 
 
 def grow(proposer, trees: list[Tree], branch: int = BRANCH, width: int = WIDTH,
@@ -73,6 +85,10 @@ def grow(proposer, trees: list[Tree], branch: int = BRANCH, width: int = WIDTH,
 def _add_children(trees: list[Tree], parents: list[int], logits: torch.Tensor,
                   branch: int) -> None:
     """Children of node parents[i] of trees[i] from its row of head logits [rows, vocab]."""
+    if any(t.grammar is not None for t in trees):  # only what the grammar allows there
+        logits = mask_drafts(logits, [None if t.grammar is None else
+                                      t.grammar.mask_after(t.path(p))
+                                      for t, p in zip(trees, parents)])
     probs, ids = logits.float().softmax(-1).topk(branch, dim=-1)  # [rows, branch] each
     for t, p, row_p, row_ids in zip(trees, parents, probs.tolist(), ids.tolist()):
         base, depth = (1.0, 1) if p < 0 else (t.nodes[p].score, t.nodes[p].depth + 1)

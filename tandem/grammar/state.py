@@ -87,6 +87,31 @@ class GrammarState:
             self.matcher.rollback(n)
         return out
 
+    def copy_after(self, drafts: list[int]) -> GrammarState:
+        """An independent copy advanced past `drafts` (the allowed part of them): a draft
+        worker's tree walks it from another thread while the session's own one commits."""
+        out = GrammarState(self.matcher.deep_copy(), self.vocab_size, self.eos_ids)
+        n = out.matcher.validate_tokens(drafts) if drafts else 0
+        if n:
+            out.matcher.consume_tokens(drafts[:n])
+        return out
+
+    def mask_after(self, path: list[int]) -> torch.Tensor | None:
+        """[1, words]: the tokens allowed after `path` (a tree node's tokens from here);
+        None when the grammar forbids the path. The matcher ends where it started."""
+        import torch
+
+        n = self.matcher.validate_tokens(path) if path else 0
+        if n < len(path):
+            return None
+        if n:
+            self.matcher.consume_tokens(path)
+        out = torch.zeros(1, self.words, dtype=torch.int32)
+        self._fill(out, 0)
+        if n:
+            self.matcher.rollback(n)
+        return out
+
     def _move(self, cur: list[int], target: list[int]) -> list[int]:
         """Roll back to the common prefix of `cur` and `target`, then consume the rest."""
         common = 0

@@ -25,6 +25,8 @@ from tandem.spec.protocol import DraftToken, ErrorCode
 if TYPE_CHECKING:  # torch stays out of the gateway's imports
     import torch
 
+    from tandem.grammar.state import GrammarState
+
 log = logging.getLogger(__name__)
 
 
@@ -56,6 +58,9 @@ class DraftRequest:
     # grammar allows next (tandem.grammar); proposers that can draft only those, with q masked
     # and renormalised. None = free text.
     mask: torch.Tensor | None = None
+    # Structured output for trees (can_tree methods): the session's grammar, a copy of its own
+    # past token_ids, whose `mask_after(path)` gives the tokens allowed under each node.
+    grammar: GrammarState | None = None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ so the cluster tests cannot cover this method)."""
 import json
 import shutil
 
+import jsonschema
 import pytest
 import torch
 import transformers
@@ -44,9 +45,9 @@ def mtp_checkpoint(root, target_root):
     return root
 
 
-def test_mtp_through_the_gateway_is_greedy_identical_to_plain(tmp_path, target_paths,
-                                                             tokenizer):
-    root = mtp_checkpoint(tmp_path, target_paths.root)
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, target_paths, tokenizer):
+    root = mtp_checkpoint(tmp_path_factory.mktemp("mtp"), target_paths.root)
     model = LlamaModel.load(resolve_model(root))
 
     def verifier(draft_port):
@@ -56,15 +57,41 @@ def test_mtp_through_the_gateway_is_greedy_identical_to_plain(tmp_path, target_p
 
     # the target's tokenizer: the checkpoint shares it
     with gateway_cluster(DraftConfig(port=0, mtp=str(root)), verifier, model, tokenizer,
-                         "tiny-mtp") as client:
-        out = {}
-        for method in ("none", "mtp"):
-            r = client.post("/v1/chat/completions", json={
-                "model": "tiny-mtp", "max_tokens": 24, "temperature": 0,
-                "messages": [{"role": "user", "content": "Count: one two three"}],
-                "speculation": {"method": method, "num_speculative_tokens": 3}})
-            assert r.status_code == 200, r.text
-            out[method] = r.json()
+                         "tiny-mtp") as c:
+        yield c
+
+
+def _answers(client, **extra) -> dict:
+    out = {}
+    for method in ("none", "mtp"):
+        r = client.post("/v1/chat/completions", json={
+            "model": "tiny-mtp", "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count: one two three"}],
+            "speculation": {"method": method, "num_speculative_tokens": 3}, **extra})
+        assert r.status_code == 200, r.text
+        out[method] = r.json()
+    return out
+
+
+def test_mtp_through_the_gateway_is_greedy_identical_to_plain(client):
+    out = _answers(client)
     text = {m: b["choices"][0]["message"]["content"] for m, b in out.items()}
     assert text["mtp"] == text["none"] and out["mtp"]["usage"]["completion_tokens"] == 24
     assert out["mtp"]["speculation"]["drafted_tokens"] > 0  # MTP drafts were verified
+
+
+def test_mtp_under_a_grammar_is_greedy_identical_and_valid(client):
+    """The MTP worker drafts under the session's grammar (its chains are eagle's)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"},
+                                               "w": {"enum": ["one", "two"]}},
+              "required": ["n", "w"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    # The worker compiles the grammar off its loop and drafts nothing meanwhile: the first
+    # answer may finish before (a cold tokenizer build); the second finds it cached.
+    _answers(client, max_tokens=40, response_format=fmt)
+    out = _answers(client, max_tokens=40, response_format=fmt)
+    text = {m: b["choices"][0]["message"]["content"] for m, b in out.items()}
+    assert text["mtp"] == text["none"]
+    if out["none"]["choices"][0]["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(text["none"]), schema)
+    assert out["mtp"]["speculation"]["drafted_tokens"] > 0

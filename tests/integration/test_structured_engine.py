@@ -103,15 +103,27 @@ def test_sampled_speculation_keeps_the_masked_targets_distribution(
     assert stat < critical, (counts, expected)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def _proposer(method: Method, target_model):
+    from draft_service.proposers.draft_model import DraftModelProposer
+    from draft_service.proposers.layer_skip import LayerSkipProposer
+    from tandem.engine.layer_skip import SkipSet
+
+    if method == Method.LAYER_SKIP:  # the target without every other layer
+        n = target_model.cfg.num_layers
+        return LayerSkipProposer.over(target_model, SkipSet(n, tuple(range(1, n, 2))), 8 << 20)
+    return DraftModelProposer(ModelRunner(target_model, 64, 16))
+
+
+@pytest.mark.parametrize("method, temperature", [(Method.DRAFT_MODEL, 0.0),
+                                                 (Method.DRAFT_MODEL, 1.0),
+                                                 (Method.LAYER_SKIP, 1.0)])
 def test_the_draft_worker_drafts_under_the_grammar(target_model, tokenizer, grammar_compiler,
-                                                   temperature):
+                                                   method, temperature):
     """A session opened with a grammar drafts only what it allows, with q masked by it and
     renormalised; without it the same draft model drafts prose here."""
     import asyncio
 
     from draft_service.limits import Limits
-    from draft_service.proposers.draft_model import DraftModelProposer
     from draft_service.worker import DraftWorker
     from tandem.grammar.compiler import LazyCompiler
     from tandem.spec import Open
@@ -123,12 +135,12 @@ def test_the_draft_worker_drafts_under_the_grammar(target_model, tokenizer, gram
         add_generation_prompt=True, tokenize=True, return_dict=False)
 
     async def drafts(grammar):
-        worker = DraftWorker({Method.DRAFT_MODEL: DraftModelProposer(
-            ModelRunner(target_model, 64, 16))}, Limits(target_model.cfg.vocab_size, 2048),
-            grammars=LazyCompiler(lambda: grammar_compiler))
+        worker = DraftWorker({method: _proposer(method, target_model)},
+                             Limits(target_model.cfg.vocab_size, 2048),
+                             grammars=LazyCompiler(lambda: grammar_compiler))
         stream = worker.open_stream()
         worker.handle(stream, Open("s", list(prompt), temperature=temperature, seed=5,
-                                   method=int(Method.DRAFT_MODEL), max_run_ahead=6,
+                                   method=int(method), max_run_ahead=6,
                                    grammar=grammar, grammar_start=len(prompt)))
         got = [await asyncio.wait_for(stream.get(), 60) for _ in range(6)]
         await worker.aclose()

@@ -99,6 +99,39 @@ def test_trees_batch_with_chains_and_sizes_are_respected(head_dir):  # noqa: F81
     assert solo.parents == c.parents
 
 
+class FourthsOnly:
+    """A grammar that allows ids divisible by 4 only (this head's draft vocabulary is even
+    ids), recording the paths it was asked about."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.paths = vocab, []
+
+    def mask_after(self, path):
+        self.paths.append(tuple(path))
+        words = torch.zeros(1, (self.vocab + 31) // 32, dtype=torch.int32)
+        for t in range(0, self.vocab, 4):
+            words[0, t // 32] |= 1 << (t % 32)
+        return words
+
+
+def test_a_tree_under_a_grammar_grows_only_allowed_tokens(head_dir):  # noqa: F811
+    head = EagleHead.load(ModelPaths(head_dir))
+    features = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    tokens = [3, 8, 1, 9]
+    free = EagleProposer(head, num_blocks=64, block_size=4).propose(
+        [_req("f", tokens, features, 3, size=12)])[0]
+    assert any(t.token_id % 4 for t in free.tokens)  # unmasked, it drafts other ids
+    grammar = FourthsOnly(head.model.cfg.vocab_size)
+    req = DraftRequest(**{**_req("g", tokens, features, 3, size=12).__dict__,
+                          "grammar": grammar})
+    res = EagleProposer(head, num_blocks=64, block_size=4).propose([req])[0]
+    assert len(res.tokens) == 12 and all(t.token_id % 4 == 0 for t in res.tokens)
+    assert grammar.paths[0] == ()  # asked at the root, then under each expanded node
+    for j in range(12):  # every non-root node's parent path was asked about
+        if res.parents[j] >= 0:
+            assert tuple(_path(res, res.parents[j])) in grammar.paths
+
+
 def _path(res, j) -> list[int]:
     out = []
     while j >= 0:

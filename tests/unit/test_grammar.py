@@ -93,6 +93,20 @@ def test_tree_masks_equal_each_paths_chain(grammar_compiler, tokenizer):
     assert torch.equal(tree[4:], st.masks(d)[1:])
 
 
+def test_a_copy_walks_tree_paths_without_moving_the_session(grammar_compiler, tokenizer):
+    """A draft worker's tree gets a copy past the session's drafts; its mask under a path is
+    the chain's mask there, None under a forbidden path, and the original never moves."""
+    st = state(grammar_compiler, GrammarSpec(GrammarKind.REGEX, r"(cat|car|dog)s?"))
+    before = st.masks([])[0].clone()
+    ca, t = (tokenizer(w, add_special_tokens=False).input_ids for w in ("ca", "t"))
+    copy = st.copy_after(ca)
+    assert torch.equal(copy.mask_after([])[0], st.masks(ca)[1])
+    assert torch.equal(copy.mask_after(t)[0], st.masks([*ca, *t])[2])
+    assert copy.mask_after(tokenizer("dog", add_special_tokens=False).input_ids) is None
+    assert torch.equal(copy.mask_after([])[0], st.masks(ca)[1])  # the copy ends where it was
+    assert torch.equal(st.masks([])[0], before)
+
+
 def test_commit_advances_and_refuses_forbidden_tokens(grammar_compiler, tokenizer):
     st = state(grammar_compiler, GrammarSpec.json_schema(
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],

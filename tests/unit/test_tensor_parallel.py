@@ -89,6 +89,8 @@ def test_flag_env_and_config(monkeypatch):
     assert args.tensor_parallel_size == 2
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         VerifierConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="--cuda-graphs on is not available"):
+        VerifierConfig(tensor_parallel_size=2, cuda_graphs="on")
 
 
 def test_tp_worker_flags_give_one_spec_per_local_rank(monkeypatch):
