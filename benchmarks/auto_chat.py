@@ -1,0 +1,97 @@
+"""`auto` on chat, where copying pays least: plain against suffix, ngram and auto on six chat
+prompts, through the gateway, with the verifier's Medusa heads on and off (auto may pick
+them when the token history has nothing).
+
+  python benchmarks/auto_chat.py [--reps 2] [--tokens 200] [--out results/auto-chat.json]
+
+Each arm and rep is its own tenant (first asks only: no suffix cache holds the answer), arms
+rotate prompt by prompt, greedy, non-streaming. Speed is completion tokens over wall time,
+against plain in the same cluster.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from tools.launcher import Cluster, ClusterConfig, free_port
+
+CHAT = ["Write three paragraphs about why the sky is blue.",
+        "Give five tips for staying focused while studying, with two sentences each.",
+        "Explain how a bicycle works to a ten year old.",
+        "Write a short story about a robot who learns to paint.",
+        "What are the pros and cons of working from home?",
+        "Describe a walk through a forest in autumn."]
+ARMS = ("none", "suffix", "ngram", "auto")
+
+
+def ask(url: str, model: str, prompt: str, method: str, key: str, tokens: int) -> dict:
+    body = {"model": model, "max_tokens": tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}], "speculation": {"method": method}}
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600,
+                   headers={"Authorization": f"Bearer {key}"})
+    r.raise_for_status()
+    out = r.json()
+    return {"tokens": out["usage"]["completion_tokens"], "wall_s": time.perf_counter() - t0,
+            "spec": out.get("speculation") or {}, "text": out["choices"][0]["message"]["content"]}
+
+
+def run(medusa: bool, reps: int, tokens: int) -> dict:
+    keys = [f"chat-{a}-{r}" for a in ARMS for r in range(reps)]
+    env = {"TANDEM_API_KEYS": ",".join(keys), **({} if medusa else
+                                                 {"TANDEM_VERIFIER_MEDUSA": "off"})}
+    cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=print, env=env,
+                      output=subprocess.DEVNULL)
+    cluster.start()
+    rows, url = [], cluster.gateway_url
+    try:
+        auth = {"Authorization": f"Bearer {keys[0]}"}
+        model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
+        ask(url, model, "Say hi.", "none", keys[0], 8)  # warm up
+        for rep in range(reps):
+            for i, prompt in enumerate(CHAT):
+                k = (i + rep) % len(ARMS)
+                for arm in ARMS[k:] + ARMS[:k]:
+                    res = ask(url, model, prompt, arm, f"chat-{arm}-{rep}", tokens)
+                    rows.append({"rep": rep, "prompt": i, "arm": arm, **res})
+                    print(f"medusa={medusa} rep {rep} prompt {i} {arm}: "
+                          f"{res['tokens'] / res['wall_s']:.1f} tok/s", flush=True)
+    finally:
+        cluster.stop()
+    rate = {a: sum(r["tokens"] for r in rows if r["arm"] == a)
+            / sum(r["wall_s"] for r in rows if r["arm"] == a) for a in ARMS}
+    plain = {(r["rep"], r["prompt"]): r["text"] for r in rows if r["arm"] == "none"}
+    return {"plain_tok_s": rate["none"], "speedup": {a: rate[a] / rate["none"] for a in ARMS},
+            "identical": all(r["text"] == plain[(r["rep"], r["prompt"])] for r in rows),
+            "rows": rows}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=2, help="first asks per prompt and arm")
+    ap.add_argument("--tokens", type=int, default=200, help="max new tokens per ask")
+    ap.add_argument("--out", default="results/auto-chat.json")
+    args = ap.parse_args(argv)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "reps": args.reps}
+    for medusa in (True, False):
+        res = result[f"medusa_{'on' if medusa else 'off'}"] = run(medusa, args.reps,
+                                                                   args.tokens)
+        best = max(v for a, v in res["speedup"].items() if a not in ("none", "auto"))
+        print(f"medusa {'on' if medusa else 'off'}: " + ", ".join(
+            f"{a} {v:.3f}x" for a, v in res["speedup"].items())
+            + f"; auto / best single {res['speedup']['auto'] / best:.3f}; "
+              f"text identical {res['identical']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
