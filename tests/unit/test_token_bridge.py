@@ -82,3 +82,15 @@ def test_committed_text_is_re_encoded_and_drafts_map_back(pair):
     out, n3 = bridge.draft_ids("s", ids + more, len(ids + more))
     assert draft.decode(out) == text + " lazy dogs" and n3 == len(out)
     assert bridge.draft_ids("t", [target.token_to_id("<bos>")], 1)[0]  # never empty
+
+
+def test_tandem_up_passes_another_targets_tokenizer_to_its_draft_model():
+    from tools.launcher import Cluster, ClusterConfig
+
+    gemma = str(resolve_model("gemma3-270m").root)
+    args = Cluster(ClusterConfig(model="gemma3-270m", draft_model="SmolLM2-135M-Instruct"),
+                   log=lambda *_: None)._draft_args()
+    assert args == ["--model", "SmolLM2-135M-Instruct", "--eagle", "none",
+                    "--tokenizer", gemma]
+    history = Cluster(ClusterConfig(model="gemma3-270m"), log=lambda *_: None)._draft_args()
+    assert history[:2] == ["--model", "none"] and history[-1] == gemma
