@@ -79,7 +79,7 @@ def token_bytes(tokenizer_json: dict, vocab_size: int) -> list[bytes | None]:
     and ids the tokenizer does not define."""
     out: list[bytes | None] = [None] * vocab_size
     read = _piece_reader(tokenizer_json.get("decoder"))
-    for piece, i in tokenizer_json["model"]["vocab"].items():
+    for i, piece in _pieces(tokenizer_json).items():
         if 0 <= i < vocab_size:
             out[i] = read(piece)
     for added in tokenizer_json.get("added_tokens", []):
@@ -153,7 +153,11 @@ class VocabMap:
 
 
 def _pieces(tokenizer_json: dict) -> dict[int, str]:
-    return {i: s for s, i in tokenizer_json["model"]["vocab"].items()}
+    """id -> vocabulary string (BPE / WordLevel: a dict; Unigram: a list of [piece, score])."""
+    vocab = tokenizer_json["model"]["vocab"]
+    if isinstance(vocab, list):
+        return {i: entry[0] for i, entry in enumerate(vocab)}
+    return {i: s for s, i in vocab.items()}
 
 
 def _read(root: Path) -> dict:

@@ -63,6 +63,9 @@ def test_token_bytes_reads_both_decoders():
                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
                {"type": "ByteFallback"}, {"type": "Fuse"}]}}
     assert token_bytes(spm, 3) == [b" the", b"\n", "é".encode()]
+    unigram = {"model": {"type": "Unigram", "vocab": [["▁a", -1.0], ["<0xFF>", 0.0]]},
+               "decoder": {"type": "Metaspace", "replacement": "▁"}}
+    assert token_bytes(unigram, 2) == [b" a", b"<0xFF>"]  # no byte fallback declared
     with pytest.raises(ValueError, match="WordPiece"):
         token_bytes({"model": {"vocab": {}}, "decoder": {"type": "WordPiece"}}, 1)
 
