@@ -98,6 +98,24 @@ def test_q_is_the_drafts_distribution_over_the_shared_tokens(gemma, target_paths
     bridged.release("q")
 
 
+def test_a_grammar_mask_in_target_ids_restricts_bridged_drafts(gemma, bridged):
+    """Structured output: the session's mask (target ids) applies to the bridged draft's rows
+    as to any draft's: drafts and q only among the allowed tokens."""
+    _, _, tok = gemma
+    ids = _chat(tok, "Is the sea salty? Answer yes or no.")
+    allowed = [tok.convert_tokens_to_ids(t) for t in ("Yes", "No", "▁maybe")]
+    mask = torch.zeros(1, (bridged.vocab_size + 31) // 32, dtype=torch.int32)
+    for t in allowed:
+        mask[0, t // 32] |= 1 << (t % 32)
+    for temperature in (0.0, 1.0):
+        req = DraftRequest(key=("mask", temperature), token_ids=ids, num_committed=len(ids),
+                           max_tokens=1, sampling=SamplingParams(temperature=temperature),
+                           mask=mask)
+        (draft,) = bridged.propose([req])[0].tokens
+        assert draft.token_id in allowed and set(draft.q_ids) <= set(allowed)
+        bridged.release(req.key)
+
+
 def _target_row(model, ids: list[int], top_k: int) -> torch.Tensor:  # [vocab] p at T=1
     logits = ModelRunner(model, 64, 16).forward([SeqChunk(ids, 0, list(range(64)))])
     return logits_to_probs(logits, torch.tensor([1.0]), torch.tensor([top_k]),
