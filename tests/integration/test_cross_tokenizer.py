@@ -45,7 +45,10 @@ def _chat(tok, text: str) -> list[int]:
                                    add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def test_greedy_text_through_grpc_equals_plain(gemma, target_paths):
+def test_text_through_grpc_equals_plain(gemma, target_paths):
+    """Greedy, and sampled with a seed (each position's token is the target's sample under
+    noise keyed by seed and position, whatever proposed it): the text equals plain decoding's,
+    and the bridged draft's tokens were proposed and accepted."""
     paths, model, tok = gemma
 
     def verifier(port):
@@ -55,20 +58,26 @@ def test_greedy_text_through_grpc_equals_plain(gemma, target_paths):
 
     config = DraftConfig(port=0, model=str(target_paths.root), tokenizer=str(paths.root),
                          kv_cache_mb=32)
+    cases = [(p, {"temperature": 0}) for p in PROMPTS]
+    cases.append((PROMPTS[0], {"temperature": 1.0, "seed": 7}))
+    drafted = accepted = 0
     with gateway_cluster(config, verifier, model, tok, GEMMA) as client:
-        for prompt in PROMPTS:
+        for prompt, sampling in cases:
             out = {}
             for method in ("none", "draft_model"):
                 r = client.post("/v1/chat/completions", json={
-                    "model": GEMMA, "max_tokens": 24, "temperature": 0,
+                    "model": GEMMA, "max_tokens": 24, **sampling,
                     "messages": [{"role": "user", "content": prompt}],
                     "speculation": {"method": method, "num_speculative_tokens": 4}})
                 assert r.status_code == 200, r.text
                 out[method] = r.json()
             texts = {m: b["choices"][0]["message"]["content"] for m, b in out.items()}
-            assert texts["draft_model"] == texts["none"]
+            assert texts["draft_model"] == texts["none"], sampling
             spec = out["draft_model"]["speculation"]
-            assert spec["drafted_tokens"] > 0 and spec["accepted_tokens"] > 0, spec
+            drafted += spec["drafted_tokens"]
+            accepted += spec["accepted_tokens"]
+    # (summed: on a loaded machine one request's drafts may all come too late to be used)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
 
 
 def test_q_is_the_drafts_distribution_over_the_shared_tokens(gemma, target_paths, bridged):
