@@ -4,7 +4,9 @@ plain decoding, greedy, one session at a time, in one run (interleaved per promp
 The verifier's engine and a real DraftWorker (the bridged proposer, on its own forward thread)
 share one process, linked without gRPC (tools/bench/inproc.py), as the engine tests run them.
 Reports tokens/s, acceptance (accepted / drafted), tokens per round, whether the text equals
-plain decoding's, and the time the draft worker spent re-encoding text (TextBridge).
+plain decoding's, the time the draft worker spent re-encoding text (TextBridge), and, along
+plain's text, how often the draft's greedy token is the target's (k = 1 acceptance free of
+the verifier's timing decisions) with the cost of a draft step against a target step.
 
     OMP_NUM_THREADS=1 python benchmarks/cross_tokenizer.py [--prompts 6] [--tokens 64] [--k 4]
 """
@@ -22,7 +24,7 @@ from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths, fetch_model, generation_eos_ids, resolve_model
 from tandem.sampling_params import SamplingParams
-from tandem.spec import Method
+from tandem.spec import DraftRequest, Method
 from tandem.spec.cost import CostModel
 from tools.bench.inproc import OnePool, WorkerLink
 from verify_service.engine import Engine, EngineConfig
@@ -61,6 +63,19 @@ async def _generate(model, proposer, prompt, method, max_new, k, eos) -> tuple:
     return tokens, seconds, last.drafted_total, last.accepted_total, last.rounds
 
 
+def _agreement(proposer: BridgedProposer, prompt: list[int], tokens: list[int]) -> tuple:
+    """Along plain greedy text: (positions where the bridged draft's greedy proposal is the
+    target's token, positions, seconds drafting): k = 1 acceptance, without timing effects."""
+    hits, start = 0, time.perf_counter()
+    for i, want in enumerate(tokens):
+        ids = prompt + tokens[:i]
+        req = DraftRequest(key="agree", token_ids=ids, num_committed=len(ids), max_tokens=1)
+        (res,) = proposer.propose([req])
+        hits += bool(res.tokens) and res.tokens[0].token_id == want
+    proposer.release("agree")
+    return hits, len(tokens), time.perf_counter() - start
+
+
 def _timed_bridge(proposer: BridgedProposer) -> list[float]:
     """Accumulates the seconds the bridge spends turning target ids into draft ids."""
     spent, inner = [0.0], proposer.bridge.draft_ids
@@ -90,7 +105,7 @@ def main() -> None:
     bridge_s = _timed_bridge(proposer)
     eos = generation_eos_ids(target)
     tot = {m: [0, 0.0, 0, 0, 0] for m in (Method.NONE, Method.DRAFT_MODEL)}
-    same = 0
+    same, agree = 0, [0, 0, 0.0]
     prompts = PROMPTS[:args.prompts]
     for text in prompts:
         ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
@@ -103,6 +118,8 @@ def main() -> None:
             for i, v in enumerate((len(tokens), s, d, a, r)):
                 tot[method][i] += v
         same += out[Method.NONE] == out[Method.DRAFT_MODEL]
+        for i, v in enumerate(_agreement(proposer, ids, out[Method.NONE])):
+            agree[i] += v
     plain, spec = tot[Method.NONE], tot[Method.DRAFT_MODEL]
     plain_tps, spec_tps = plain[0] / plain[1], spec[0] / spec[1]
     print(f"gemma3-270m target, SmolLM2-135M-Instruct draft ({proposer.bridge.vocab.size} "
@@ -112,6 +129,10 @@ def main() -> None:
     print(f"bridged draft: {spec_tps:.2f} tokens/s ({spec_tps / plain_tps:.2f}x), "
           f"acceptance {spec[3] / max(spec[2], 1):.2f} ({spec[3]}/{spec[2]}), "
           f"{spec[0] / max(spec[4], 1):.2f} tokens a round")
+    print(f"along plain's text the draft's greedy token is the target's at "
+          f"{agree[0]}/{agree[1]} positions ({agree[0] / max(agree[1], 1):.2f}); a draft "
+          f"step (bridge included) {1e3 * agree[2] / max(agree[1], 1):.1f} ms, a plain "
+          f"target step {1e3 * plain[1] / max(plain[0], 1):.1f} ms")
     print(f"text identical to plain: {same}/{len(prompts)}; re-encoding took "
           f"{1e3 * bridge_s[0]:.1f} ms of the draft worker's {spec[1]:.1f} s")
 
