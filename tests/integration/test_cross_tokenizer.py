@@ -66,7 +66,7 @@ def test_text_through_grpc_equals_plain(gemma, target_paths):
             out = {}
             for method in ("none", "draft_model"):
                 r = client.post("/v1/chat/completions", json={
-                    "model": GEMMA, "max_tokens": 24, **sampling,
+                    "model": GEMMA, "max_tokens": 16, **sampling,
                     "messages": [{"role": "user", "content": prompt}],
                     "speculation": {"method": method, "num_speculative_tokens": 4}})
                 assert r.status_code == 200, r.text
