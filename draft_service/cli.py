@@ -18,8 +18,9 @@ from tandem.tls import add_tls_flags, tls_from_args
 _FLAGS = (
     ("host", str, "address to bind (0.0.0.0 in a container)"),
     ("port", int, "port to bind, 0 = any free port"),
-    ("tokenizer", str, "with no draft model: checkpoint dir whose tokenizer.json names the "
-                       "token ids (default: the cached default target)"),
+    ("tokenizer", str, "the target's checkpoint dir, whose tokenizer.json names the token "
+                       "ids (default: the draft model's, else the cached default target); a "
+                       "draft model of another tokenizer then drafts the tokens both share"),
     ("threads", int, "torch CPU threads"),
     ("max_sessions", int, "sessions held at once, over all streams"),
     ("max_run_ahead", int, "default draft tokens outstanding per session"),

@@ -24,12 +24,13 @@ from grpc_reflection.v1alpha import reflection
 
 from draft_service.config import DraftConfig
 from draft_service.limits import Limits
+from draft_service.proposers.bridged import BridgedProposer
 from draft_service.proposers.draft_model import DraftModelProposer
 from draft_service.proposers.eagle import EagleProposer
 from draft_service.proposers.layer_skip import LayerSkipProposer
 from draft_service.proposers.mtp import MtpProposer
 from draft_service.server import SERVICE_NAME, DraftServicer
-from draft_service.token_space import token_space, tokenizer_root
+from draft_service.token_space import bridge_target, token_space, tokenizer_root
 from draft_service.worker import DraftWorker
 from tandem import redis_conn, telemetry
 from tandem.device import Placement, place
@@ -94,7 +95,12 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
     at = place(config.device, config.dtype, config.block_size)
     log.info("draft models on %s", at)
     kv_bytes = config.kv_cache_mb << 20
-    if config.model is not None:
+    target = bridge_target(config)
+    if target is not None:  # a draft of another tokenizer drafts in the target's ids
+        model = BridgedProposer.load(resolve_model(config.model), target, kv_bytes,
+                                     at.block_size, at.dtype, at.device)
+        proposers[Method.DRAFT_MODEL] = model
+    elif config.model is not None:
         model = DraftModelProposer.load(resolve_model(config.model), kv_bytes, at.block_size,
                                         at.dtype, at.device)
         proposers[Method.DRAFT_MODEL] = model

@@ -13,12 +13,26 @@ from tandem.models import ModelError, ModelPaths, default_target_dir, resolve_mo
 log = logging.getLogger(__name__)
 
 
+def bridge_target(config: DraftConfig) -> ModelPaths | None:
+    """The target whose ids a draft model of another tokenizer drafts in (proposers/
+    bridged.py): --tokenizer's checkpoint when its tokenizer.json differs from the draft
+    model's; None when the draft model's ids are the target's (or there is no draft model)."""
+    if config.model is None or not config.tokenizer:
+        return None
+    target = ModelPaths(Path(config.tokenizer))
+    if tokenizer_hash(target) == tokenizer_hash(resolve_model(config.model)):
+        return None
+    return target
+
+
 def token_space(config: DraftConfig, proposer) -> tuple[str, str, int]:
     """(model_id, tokenizer_hash, vocab_size) that Info advertises; `proposer`: the draft
     model (or the layer-skip target) when the worker has one."""
     if proposer is not None:  # a draft model, else the layer-skip target
         paths = resolve_model(config.model if config.model is not None else config.layer_skip)
-        return paths.root.name, tokenizer_hash(paths), proposer.vocab_size
+        target = bridge_target(config)  # a bridged draft pairs with its target's verifiers
+        tok_hash = tokenizer_hash(paths if target is None else target)
+        return paths.root.name, tok_hash, proposer.vocab_size
     if config.eagle is not None and not config.tokenizer:  # the head ships its tokenizer
         root = Path(config.eagle)
         with contextlib.suppress(OSError, ValueError, KeyError, ModelError):
@@ -42,6 +56,9 @@ def token_space(config: DraftConfig, proposer) -> tuple[str, str, int]:
 
 def tokenizer_root(config: DraftConfig) -> Path:
     """The checkpoint directory that names the drafts' token ids."""
+    target = bridge_target(config)
+    if target is not None:
+        return target.root
     for name in (config.model, config.layer_skip):
         if name is not None:
             return resolve_model(name).root

@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--port", "TANDEM_GATEWAY_PORT", 8000, int, help="gateway HTTP port")
     add_flag(up, "--model", "TANDEM_MODEL", "", help="target model (default: the shipped target)")
     add_flag(up, "--draft-model", "TANDEM_DRAFT_MODEL", "",
-             help="draft model (default: the shipped draft)")
+             help="draft model (default: the shipped draft); with --model, one of another "
+                  "tokenizer drafts only the tokens both vocabularies share")
     add_flag(up, "--threads", "TANDEM_THREADS", 1, int, help="torch threads per worker process")
     add_device_flags(up, "TANDEM_UP")  # passed to the verifier and draft processes
     up.add_argument("--demo", default="", metavar="PROMPT",

@@ -168,11 +168,12 @@ class Cluster:
 
     def _draft_args(self) -> list[str]:
         """A draft worker's model flags. The shipped draft and head belong to the default
-        target: for another target without a draft of its own, the workers draft by token
-        history alone, naming the target's tokenizer so that its verifiers pair with them."""
+        target: for another target the workers name the target's tokenizer so that its
+        verifiers pair with them, and draft by token history alone, or with --draft-model
+        (bridged when its tokenizer is another: draft_service/proposers/bridged.py)."""
         cfg = self.config
-        if cfg.model and cfg.model not in ("default", DEFAULT_TARGET) and not cfg.draft_model:
-            return ["--model", "none", "--eagle", cfg.eagle or "none",
+        if cfg.model and cfg.model not in ("default", DEFAULT_TARGET):
+            return ["--model", cfg.draft_model or "none", "--eagle", cfg.eagle or "none",
                     "--tokenizer", str(resolve_model(cfg.model).root)]
         return (["--model", cfg.draft_model] if cfg.draft_model else []) + (
             ["--eagle", cfg.eagle] if cfg.eagle else [])

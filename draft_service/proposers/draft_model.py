@@ -35,6 +35,10 @@ class DraftModelProposer:
         self.vocab_size = runner.model.cfg.vocab_size
         self.max_context_length = runner.model.cfg.max_position_embeddings
         self._cached: dict[Hashable, list[int]] = {}  # tokens whose KV is in the cache
+        # A draft with another tokenizer (proposers/bridged.py): its logits rows in the
+        # target's ids ([rows, draft vocab] -> [rows, target vocab]) before masking and
+        # sampling, so q and the drafts are the target's ids; None = the same ids.
+        self.to_target = None
 
     @classmethod
     def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16,
@@ -75,9 +79,11 @@ class DraftModelProposer:
             batch = [requests[i] for i in rows]
             for req in batch:
                 self._mark_cached(req)
+            if self.to_target is not None:
+                logits = self.to_target(logits)
             # structured output: only what the grammar allows, q renormalised over it
             logits = mask_drafts(logits, [r.mask for r in batch])
-            for i, tok in zip(rows, sample_drafts(logits, batch, self.vocab_size)):
+            for i, tok in zip(rows, sample_drafts(logits, batch, logits.shape[1])):
                 results[i] = DraftResult([tok])
         return results  # type: ignore[return-value]
 
