@@ -111,6 +111,27 @@ def test_tp_worker_flags_give_one_spec_per_local_rank(monkeypatch):
         specs_from(build_parser().parse_args(["tp-worker"]))
 
 
+def test_tp_worker_takes_its_ranks_from_the_node_index(monkeypatch):
+    """Under a LeaderWorkerSet a worker pod knows its index (LWS_WORKER_INDEX), not its rank:
+    `--node-index` makes the first rank index * local ranks."""
+    from tools.cli import build_parser
+    from verify_service.tp_cli import specs_from
+
+    def ranks(*flags: str) -> list[int]:
+        args = build_parser().parse_args(["tp-worker", "--master", "leader:29500",
+                                          "--device", "cpu", *flags])
+        return [s.rank for s in specs_from(args)]
+
+    assert ranks("--tensor-parallel-size", "12", "--local-ranks", "4",
+                 "--node-index", "2") == [8, 9, 10, 11]
+    monkeypatch.setenv("TANDEM_TP_WORKER_NODE_INDEX", "1")
+    assert ranks("--tensor-parallel-size", "8", "--local-ranks", "4") == [4, 5, 6, 7]
+    monkeypatch.delenv("TANDEM_TP_WORKER_NODE_INDEX")
+    for bad in (["--node-index", "0"], ["--node-index", "2"], ["--first-rank", "0"]):
+        with pytest.raises(SystemExit):
+            ranks("--tensor-parallel-size", "8", "--local-ranks", "4", *bad)
+
+
 def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     """Chunked prefill of two sequences, a batched verify chain, a token tree, a tree path's
     KV move and decodes: every output (logits and hidden states) in order."""
