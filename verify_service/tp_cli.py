@@ -34,6 +34,9 @@ def register(sub) -> None:
     add_flag(p, "--local-ranks", f"{ENV}_LOCAL_RANKS", 1, int,
              help="ranks on this node (one GPU each: cuda:0..)")
     add_flag(p, "--master", f"{ENV}_MASTER", "", help="rank 0's host:port (required)")
+    add_flag(p, "--ready-file", f"{ENV}_READY_FILE", "",
+             help="a file this process writes once its rank has joined the group and loaded "
+                  "its shard (a readiness probe's `test -f`); none by default")
     add_flag(p, "--threads", f"{ENV}_THREADS", 0, int, help="torch CPU threads per rank")
     add_flag(p, "--tensor-parallel-timeout-s", f"{ENV}_TIMEOUT_S", 60.0, float,
              help="collective timeout (as rank 0's)")
@@ -64,7 +67,8 @@ def specs_from(args: argparse.Namespace) -> list:
     at = place(args.device, args.dtype)
     return [WorkerSpec(first + i, args.tensor_parallel_size, f"tcp://{args.master}",
                        args.model, at.dtype, at.device.type, args.batch_invariant, args.threads,
-                       args.tensor_parallel_timeout_s, local_rank=i)
+                       args.tensor_parallel_timeout_s, local_rank=i,
+                       ready_file=args.ready_file if i == 0 else "")
             for i in range(args.local_ranks)]
 
 

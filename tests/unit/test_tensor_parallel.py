@@ -258,22 +258,29 @@ def test_a_dead_leader_takes_its_workers_down(tiny):
     assert _gone(worker)
 
 
-def test_a_rank_from_another_node_joins_by_tp_worker(tiny):
+def test_a_rank_from_another_node_joins_by_tp_worker(tiny, tmp_path):
     """`tandem tp-worker` (a separate process, as on another node) is rank 1 of a group whose
-    rank 0 runs with local_ranks=1 and a master address: the same logits as TP=1."""
+    rank 0 runs with local_ranks=1 and a master address: the same logits as TP=1. Its
+    --ready-file (a LeaderWorkerSet worker's readiness probe) appears once it has joined."""
     from verify_service.tp_worker import free_port
 
     master = f"127.0.0.1:{free_port()}"
+    ready = tmp_path / "ready"
     worker = subprocess.Popen(
         [sys.executable, "-c", "import sys; from tools.cli import main; sys.exit(main())",
-         "tp-worker", "--model", str(tiny), "--tensor-parallel-size", "2", "--first-rank",
-         "1", "--master", master, "--threads", "1", "--device", "cpu", "--dtype", "float32",
-         "--tensor-parallel-timeout-s", "30"])
+         "tp-worker", "--model", str(tiny), "--tensor-parallel-size", "2", "--node-index", "1",
+         "--master", master, "--threads", "1", "--device", "cpu", "--dtype", "float32",
+         "--tensor-parallel-timeout-s", "30", "--ready-file", str(ready)])
     try:
+        assert not ready.exists()
         leader = start_leader(str(tiny), 2, "float32", threads=1, timeout_s=30,
                               local_ranks=1, master=master)
         assert leader.procs == []  # nothing spawned here
         try:
+            deadline = time.monotonic() + 20
+            while not ready.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert ready.read_text() == "rank 1\n"
             budget = BLOCKS * BLOCK * kv_bytes_per_token(leader.model)
             got = _steps(leader.make_runner(budget, BLOCK, keep_features=True))
         finally:
