@@ -15,7 +15,9 @@ only the gateway reach verifiers and only verifiers reach drafts, termination gr
 the drain (the gateway's longer than a request), readiness that follows the drain, secrets only
 from Secrets, a durable authenticated Redis in production, dual-stack addresses, zone spreading,
 one log level, and the OpenTelemetry wiring. Negative tests render deliberately broken overlays
-and require the checks to catch them.
+and require the checks to catch them. A LeaderWorkerSet (the multi-node tensor-parallel
+verifier) counts as two workloads, its leader and worker pod templates (lws_views);
+test_lws_manifests.py checks what only such a verifier needs.
 
 Needs `kubectl` (skipped cleanly without it) and the dev extra (kubernetes-validate, PyYAML).
 Offline; a few seconds.
