@@ -2,7 +2,8 @@
 
 Rank 0 is `tandem verifier --tensor-parallel-size N --tensor-parallel-local-ranks L
 --tensor-parallel-master HOST:PORT`; each other node runs `tandem tp-worker` with the same
-model, size and master, and its first rank (under a LeaderWorkerSet: LWS_WORKER_INDEX * L).
+model, size and master, and its first rank: --first-rank, or --node-index (under a
+LeaderWorkerSet `--node-index=$(LWS_WORKER_INDEX)`, so the first rank is LWS_WORKER_INDEX * L).
 It runs its first rank in this process and spawns the others; it exits non-zero when the group
 fails (a dead rank anywhere, within the collective timeout).
 """
@@ -26,9 +27,16 @@ def register(sub) -> None:
              help="ranks in the whole group")
     add_flag(p, "--first-rank", f"{ENV}_FIRST_RANK", 1, int,
              help="the first of this node's ranks")
+    add_flag(p, "--node-index", f"{ENV}_NODE_INDEX", None, int,
+             help="this node's index in the group (rank 0's node is 0; under a LeaderWorkerSet "
+                  "$(LWS_WORKER_INDEX)): the first rank is node index * --local-ranks, "
+                  "instead of --first-rank")
     add_flag(p, "--local-ranks", f"{ENV}_LOCAL_RANKS", 1, int,
              help="ranks on this node (one GPU each: cuda:0..)")
     add_flag(p, "--master", f"{ENV}_MASTER", "", help="rank 0's host:port (required)")
+    add_flag(p, "--ready-file", f"{ENV}_READY_FILE", "",
+             help="a file this process writes once its rank has joined the group and loaded "
+                  "its shard (a readiness probe's `test -f`); none by default")
     add_flag(p, "--threads", f"{ENV}_THREADS", 0, int, help="torch CPU threads per rank")
     add_flag(p, "--tensor-parallel-timeout-s", f"{ENV}_TIMEOUT_S", 60.0, float,
              help="collective timeout (as rank 0's)")
@@ -48,10 +56,19 @@ def specs_from(args: argparse.Namespace) -> list:
     if not args.master:
         raise SystemExit("tandem tp-worker: --master HOST:PORT (rank 0's) is required")
     split_host_port(args.master)
+    first = args.first_rank if args.node_index is None else args.node_index * args.local_ranks
+    if args.node_index is not None and args.node_index < 1:
+        raise SystemExit(f"tandem tp-worker: --node-index {args.node_index}: node 0 is rank 0's "
+                         "(`tandem verifier`); workers are 1..")
+    if first < 1 or first + args.local_ranks > args.tensor_parallel_size:
+        raise SystemExit(f"tandem tp-worker: ranks {first}..{first + args.local_ranks - 1} are "
+                         f"not within 1..{args.tensor_parallel_size - 1} (--tensor-parallel-size "
+                         f"{args.tensor_parallel_size})")
     at = place(args.device, args.dtype)
-    return [WorkerSpec(args.first_rank + i, args.tensor_parallel_size, f"tcp://{args.master}",
+    return [WorkerSpec(first + i, args.tensor_parallel_size, f"tcp://{args.master}",
                        args.model, at.dtype, at.device.type, args.batch_invariant, args.threads,
-                       args.tensor_parallel_timeout_s, local_rank=i)
+                       args.tensor_parallel_timeout_s, local_rank=i,
+                       ready_file=args.ready_file if i == 0 else "")
             for i in range(args.local_ranks)]
 
 

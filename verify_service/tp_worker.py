@@ -11,6 +11,7 @@ import logging
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class WorkerSpec:
     threads: int = 0  # torch CPU threads, 0 = torch's default
     timeout_s: float = 60.0  # collective timeout: a dead peer is noticed within it
     local_rank: int = -1  # this rank's GPU on its node (cuda:<local_rank>); -1: the rank
+    ready_file: str = ""  # written once this rank has joined and loaded its shard (a probe)
 
     def __post_init__(self):
         if not 0 < self.rank < self.world_size:
@@ -85,6 +87,8 @@ def worker_main(spec: WorkerSpec) -> None:
         model = TPLlamaModel.load(resolve_model(spec.model), group, spec.dtype,
                                   batch_invariant=spec.batch_invariant,
                                   device=spec.torch_device())
+        if spec.ready_file:
+            Path(spec.ready_file).write_text(f"rank {spec.rank}\n")
         follow(model, Control(group, pg))
     except Exception:
         log.exception("rank %d: the tensor-parallel group failed", spec.rank)

@@ -15,7 +15,9 @@ only the gateway reach verifiers and only verifiers reach drafts, termination gr
 the drain (the gateway's longer than a request), readiness that follows the drain, secrets only
 from Secrets, a durable authenticated Redis in production, dual-stack addresses, zone spreading,
 one log level, and the OpenTelemetry wiring. Negative tests render deliberately broken overlays
-and require the checks to catch them.
+and require the checks to catch them. A LeaderWorkerSet (the multi-node tensor-parallel
+verifier) counts as two workloads, its leader and worker pod templates (lws_views);
+test_lws_manifests.py checks what only such a verifier needs.
 
 Needs `kubectl` (skipped cleanly without it) and the dev extra (kubernetes-validate, PyYAML).
 Offline; a few seconds.
@@ -89,6 +91,11 @@ API_KEYS_SECRET = "tandem-api-keys"  # key `keys`: the gateway's TANDEM_API_KEYS
 LOGICAL_IMAGES = {"gateway": "tandem-gateway-image", "verifier": "tandem-worker-image",
                   "draft": "tandem-worker-image"}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+# A verifier bigger than a node is a LeaderWorkerSet (overlays/prod-gpu-multinode): the checks
+# see each of its pod templates as a workload of its own (lws_views).
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_LABEL = "leaderworkerset.sigs.k8s.io/"  # the labels its controller puts on every pod
+SCALABLE_KINDS = ("Deployment", "LeaderWorkerSet")  # what an autoscaler may target
 
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir()
                   if (p / "kustomization.yaml").is_file())
@@ -169,7 +176,8 @@ def docs(target) -> list[Doc]:
 # ----------------------------------------------------------------------------------- helpers
 
 def name_of(doc: Doc) -> str:
-    return f"{doc['kind']}/{doc['metadata']['name']}"
+    part = f" ({doc['lwsPart']}Template)" if "lwsPart" in doc else ""
+    return f"{doc['kind']}/{doc['metadata']['name']}{part}"
 
 
 def of_kind(docs: Iterable[Doc], kind: str) -> list[Doc]:
@@ -182,8 +190,50 @@ def find(docs: Iterable[Doc], kind: str, name: str) -> Doc | None:
 
 
 def workloads(docs: Iterable[Doc]) -> list[Doc]:
-    """Deployments and StatefulSets (the in-cluster Redis is a StatefulSet in production)."""
-    return [d for d in docs if d.get("kind") in WORKLOAD_KINDS]
+    """Deployments and StatefulSets (the in-cluster Redis is a StatefulSet in production), and
+    each LeaderWorkerSet's two pod templates (lws_views)."""
+    out = []
+    for d in docs:
+        if d.get("kind") in WORKLOAD_KINDS:
+            out.append(d)
+        elif d.get("kind") == "LeaderWorkerSet" and d.get("apiVersion") == LWS_API:
+            out += lws_views(d)
+    return out
+
+
+def lws_views(lws: Doc) -> list[Doc]:
+    """A LeaderWorkerSet's leader and worker pod templates, each shaped as a Deployment
+    (`spec.template`) whose pods carry the labels the LWS controller adds: the set's name and
+    the worker index (0: the leader; 1: stands for every worker). `lwsPart` says which and
+    `lws` is the set itself. A missing template is the other one, as in the API."""
+    lwt = (lws.get("spec") or {}).get("leaderWorkerTemplate") or {}
+    worker = lwt.get("workerTemplate") or {}
+    views = []
+    for part, template, index in (("leader", lwt.get("leaderTemplate") or worker, "0"),
+                                  ("worker", worker, "1")):
+        template = json.loads(json.dumps(template))
+        labels = template.setdefault("metadata", {}).setdefault("labels", {})
+        labels.update({LWS_LABEL + "name": lws["metadata"]["name"],
+                       LWS_LABEL + "worker-index": index, LWS_LABEL + "group-index": "0"})
+        template.setdefault("spec", {}).setdefault("containers", [])
+        views.append({"apiVersion": LWS_API, "kind": "LeaderWorkerSet",
+                      "metadata": lws["metadata"], "spec": {"template": template},
+                      "lwsPart": part, "lws": lws})
+    return views
+
+
+def probed_port(dep: Doc, container: Doc) -> int | None:
+    """The port a tandem worker's probes check: its gRPC --port; for a LeaderWorkerSet's
+    leader under startupPolicy LeaderReady, rank 0's rendezvous port instead (the set creates
+    the workers only once the leader is Ready, and the gRPC port opens only after every rank
+    joined: a probe on it would wait for workers that wait for it)."""
+    flags = parse_flags((container.get("args") or [])[1:])
+    if dep.get("lwsPart") == "leader" and \
+            dep["lws"]["spec"].get("startupPolicy") == "LeaderReady":
+        master = flags.get("tensor-parallel-master", "")
+        port = master.rpartition(":")[2]
+        return int(port) if port.isdigit() else None
+    return int(flags["port"]) if flags.get("port", "").isdigit() else None
 
 
 def pod_spec(deploy: Doc) -> Doc:
@@ -445,8 +495,43 @@ POD_MONITOR_SCHEMA = crd_schema("monitoring.coreos.com/v1", "PodMonitor", {
                     "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
                     "scrapeTimeout": {"type": "string"},
                     "scheme": {"enum": ["http", "https"]}}}}}})
+_INT_OR_STRING = {"anyOf": [{"type": "integer", "minimum": 0},
+                            {"type": "string", "pattern": "^[0-9]+%?$"}]}
+# LeaderWorkerSet (leaderworkerset.x-k8s.io/v1, LWS 0.6+): the fields of its CRD, strictly; the
+# pod templates are Kubernetes' own PodTemplateSpec, checked against the bundled definitions.
+LEADER_WORKER_SET_SCHEMA = crd_schema(LWS_API, "LeaderWorkerSet", {
+    "type": "object",
+    "required": ["leaderWorkerTemplate"],
+    "additionalProperties": False,
+    "properties": {
+        "replicas": {"type": "integer", "minimum": 0},
+        "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+        "rolloutStrategy": {
+            "type": "object", "additionalProperties": False,
+            "properties": {
+                "type": {"enum": ["RollingUpdate"]},
+                "rollingUpdateConfiguration": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"partition": {"type": "integer", "minimum": 0},
+                                   "maxUnavailable": _INT_OR_STRING,
+                                   "maxSurge": _INT_OR_STRING}}}},
+        "networkConfig": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"subdomainPolicy": {"enum": ["Shared", "UniquePerReplica"]}}},
+        "leaderWorkerTemplate": {
+            "type": "object", "required": ["workerTemplate"], "additionalProperties": False,
+            "properties": {
+                "leaderTemplate": {"$ref": _DEFS + "io.k8s.api.core.v1.PodTemplateSpec"},
+                "workerTemplate": {"$ref": _DEFS + "io.k8s.api.core.v1.PodTemplateSpec"},
+                "size": {"type": "integer", "minimum": 1},
+                "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "None", "Default"]},
+                "subGroupPolicy": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"subGroupSize": {"type": "integer", "minimum": 1},
+                                   "type": {"enum": ["LeaderWorker", "LeaderExcluded"]}}}}}}})
 CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT_SCHEMA,
-               ("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_SCHEMA}
+               ("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_SCHEMA,
+               (LWS_API, "LeaderWorkerSet"): LEADER_WORKER_SET_SCHEMA}
 # The label kube-prometheus-stack's Prometheus selects PodMonitors by (podMonitorSelector).
 POD_MONITOR_SELECTOR_LABEL = "release"
 
@@ -527,10 +612,14 @@ def check_ports(docs: list[Doc]) -> list[str]:
         declared = {p["containerPort"] for p in c.get("ports", [])}
         if port not in declared:
             problems.append(f"{where}: --port {port} is not a containerPort {sorted(declared)}")
+        probed = probed_port(dep, c)
+        if probed not in declared:
+            problems.append(f"{where}: its probes' port {probed} is not a containerPort")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            if probe in c and probe_port(c[probe], c) != port:
-                problems.append(f"{where}: {probe} port {probe_port(c[probe], c)} != --port "
-                                f"{port}")
+            if probe in c and probe_port(c[probe], c) != probed:
+                problems.append(f"{where}: {probe} port {probe_port(c[probe], c)} != "
+                                f"{'--port' if probed == port else 'the rendezvous port'} "
+                                f"{probed}")
         # every role serves /metrics on a port of its own (the gateway: off its public API)
         metrics_port = port
         if "metrics-port" not in flags:
@@ -641,11 +730,14 @@ def check_autoscalers(docs: list[Doc]) -> list[str]:
     targeted: dict[str, list[str]] = {}
     for doc in scalers:
         ref = doc["spec"]["scaleTargetRef"]
-        target = find(docs, ref.get("kind", "Deployment"), ref["name"])
-        if ref.get("kind", "Deployment") != "Deployment" or target is None or \
-                namespace_of(target) != namespace_of(doc):
+        kind = ref.get("kind", "Deployment")
+        target = find(docs, kind, ref["name"])
+        api = {"Deployment": "apps/v1", "LeaderWorkerSet": LWS_API}.get(kind)
+        if kind not in SCALABLE_KINDS or target is None or \
+                namespace_of(target) != namespace_of(doc) or \
+                ref.get("apiVersion", api) != api:
             problems.append(f"{name_of(doc)}: scaleTargetRef {ref.get('kind')}/{ref['name']} "
-                            "is not a Deployment in this render")
+                            f"is not a {' or '.join(SCALABLE_KINDS)} in this render")
             continue
         targeted.setdefault(ref["name"], []).append(name_of(doc))
         names, more = _autoscaler_metrics(doc)
@@ -681,8 +773,8 @@ def check_autoscalers(docs: list[Doc]) -> list[str]:
             problems.append(f"{name_of(doc)}: pools need explicit scaleUp and scaleDown behavior")
     for name, owners in targeted.items():
         if len(owners) > 1:
-            problems.append(f"Deployment/{name} has {len(owners)} autoscalers {owners}: they "
-                            "would fight")
+            problems.append(f"{name} has {len(owners)} autoscalers {owners}: they would "
+                            "fight")
     for role in WORKER_ROLES:
         if role in roles and roles[role]["metadata"]["name"] not in targeted:
             problems.append(f"the {role} pool has no autoscaler of its own")
@@ -890,7 +982,12 @@ def check_readiness(docs: list[Doc]) -> list[str]:
             continue
         tls = env_var(c, "TANDEM_TLS_CERT") is not None
         grpc = probe.get("grpc")
-        if grpc is not None:
+        if probed_port(dep, c) != port:  # a LeaderWorkerSet's leader under LeaderReady
+            if probe_port(probe, c) != probed_port(dep, c) or "tcpSocket" not in probe:
+                problems.append(f"{where}: under startupPolicy LeaderReady, a TCP check of the "
+                                f"rendezvous port {probed_port(dep, c)} (the gRPC port opens "
+                                "only once the workers the leader's readiness admits joined)")
+        elif grpc is not None:
             if grpc.get("service") != HEALTH_SERVICES[role]:
                 problems.append(f"{where}: gRPC health must ask for {HEALTH_SERVICES[role]!r} "
                                 f"(NOT_SERVING while draining), not {grpc.get('service')!r}")

@@ -18,10 +18,11 @@ from test_manifests import (
     container_env,
     name_of,
     namespace_of,
-    parse_flags,
     pod_spec,
+    probed_port,
     render,
     render_broken,
+    resolve_port,
     services_selecting,
     tandem_containers,
 )
@@ -84,12 +85,12 @@ def check_tls(docs) -> list[str]:
             continue
         if env.get("TANDEM_TLS_CLIENT_AUTH", "").lower() not in ("true", "1", "yes", "on"):
             problems.append(f"{name_of(dep)}: a worker must require client certificates")
-        port = int(parse_flags(c["args"][1:])["port"])
+        port = probed_port(dep, c)  # the gRPC port (an LWS leader: the rendezvous port)
         for probe in PROBES:
             handler = c.get(probe) or {}
             if "grpc" in handler:  # kubelet gRPC probes speak plaintext only
                 problems.append(f"{name_of(dep)}: {probe} is a gRPC probe on a TLS port")
-            elif (handler.get("tcpSocket") or {}).get("port") not in (port, "grpc"):
+            elif resolve_port((handler.get("tcpSocket") or {}).get("port"), c) != port:
                 problems.append(f"{name_of(dep)}: {probe} must check the TLS port {port}")
     return problems
 

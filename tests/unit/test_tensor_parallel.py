@@ -111,6 +111,27 @@ def test_tp_worker_flags_give_one_spec_per_local_rank(monkeypatch):
         specs_from(build_parser().parse_args(["tp-worker"]))
 
 
+def test_tp_worker_takes_its_ranks_from_the_node_index(monkeypatch):
+    """Under a LeaderWorkerSet a worker pod knows its index (LWS_WORKER_INDEX), not its rank:
+    `--node-index` makes the first rank index * local ranks."""
+    from tools.cli import build_parser
+    from verify_service.tp_cli import specs_from
+
+    def ranks(*flags: str) -> list[int]:
+        args = build_parser().parse_args(["tp-worker", "--master", "leader:29500",
+                                          "--device", "cpu", *flags])
+        return [s.rank for s in specs_from(args)]
+
+    assert ranks("--tensor-parallel-size", "12", "--local-ranks", "4",
+                 "--node-index", "2") == [8, 9, 10, 11]
+    monkeypatch.setenv("TANDEM_TP_WORKER_NODE_INDEX", "1")
+    assert ranks("--tensor-parallel-size", "8", "--local-ranks", "4") == [4, 5, 6, 7]
+    monkeypatch.delenv("TANDEM_TP_WORKER_NODE_INDEX")
+    for bad in (["--node-index", "0"], ["--node-index", "2"], ["--first-rank", "0"]):
+        with pytest.raises(SystemExit):
+            ranks("--tensor-parallel-size", "8", "--local-ranks", "4", *bad)
+
+
 def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     """Chunked prefill of two sequences, a batched verify chain, a token tree, a tree path's
     KV move and decodes: every output (logits and hidden states) in order."""
@@ -237,22 +258,29 @@ def test_a_dead_leader_takes_its_workers_down(tiny):
     assert _gone(worker)
 
 
-def test_a_rank_from_another_node_joins_by_tp_worker(tiny):
+def test_a_rank_from_another_node_joins_by_tp_worker(tiny, tmp_path):
     """`tandem tp-worker` (a separate process, as on another node) is rank 1 of a group whose
-    rank 0 runs with local_ranks=1 and a master address: the same logits as TP=1."""
+    rank 0 runs with local_ranks=1 and a master address: the same logits as TP=1. Its
+    --ready-file (a LeaderWorkerSet worker's readiness probe) appears once it has joined."""
     from verify_service.tp_worker import free_port
 
     master = f"127.0.0.1:{free_port()}"
+    ready = tmp_path / "ready"
     worker = subprocess.Popen(
         [sys.executable, "-c", "import sys; from tools.cli import main; sys.exit(main())",
-         "tp-worker", "--model", str(tiny), "--tensor-parallel-size", "2", "--first-rank",
-         "1", "--master", master, "--threads", "1", "--device", "cpu", "--dtype", "float32",
-         "--tensor-parallel-timeout-s", "30"])
+         "tp-worker", "--model", str(tiny), "--tensor-parallel-size", "2", "--node-index", "1",
+         "--master", master, "--threads", "1", "--device", "cpu", "--dtype", "float32",
+         "--tensor-parallel-timeout-s", "30", "--ready-file", str(ready)])
     try:
+        assert not ready.exists()
         leader = start_leader(str(tiny), 2, "float32", threads=1, timeout_s=30,
                               local_ranks=1, master=master)
         assert leader.procs == []  # nothing spawned here
         try:
+            deadline = time.monotonic() + 20
+            while not ready.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert ready.read_text() == "rank 1\n"
             budget = BLOCKS * BLOCK * kv_bytes_per_token(leader.model)
             got = _steps(leader.make_runner(budget, BLOCK, keep_features=True))
         finally:
