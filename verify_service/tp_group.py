@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from tandem.device import place
 from tandem.engine.checkpoint import LlamaConfig
-from tandem.engine.tp import Control, check_shardable, init_group
+from tandem.engine.tp import Control, all_loaded, check_shardable, init_group
 from tandem.engine.tp_llama import TPLlamaModel
 from tandem.engine.tp_runner import TPLeaderRunner
 from tandem.models import ModelPaths, read_hf_config, resolve_model
@@ -88,10 +88,12 @@ def start_leader(model: str, world_size: int, dtype: str, device: str = "cpu",
 
         torch.cuda.set_device(0)
     try:
-        group, pg = init_group(0, world_size, init, backend_for(device), timeout_s)
-        control = Control(group, pg, heartbeat_s=timeout_s / 4)
+        group, pg, loading = init_group(0, world_size, init, backend_for(device), timeout_s)
+        control = Control(group, pg)
         shard = TPLlamaModel.load(paths, group, dtype, batch_invariant=batch_invariant,
                                   device="cuda:0" if device == "cuda" else "cpu")
+        all_loaded(loading)  # no step or ping before every worker can receive it
+        control.start_heartbeat(timeout_s / 4)
     except BaseException:
         for p in procs:
             p.terminate()

@@ -70,7 +70,7 @@ def worker_main(spec: WorkerSpec) -> None:
     import torch
     import torch.distributed as dist
 
-    from tandem.engine.tp import Control, init_group
+    from tandem.engine.tp import Control, all_loaded, init_group
     from tandem.engine.tp_llama import TPLlamaModel
     from tandem.engine.tp_runner import follow
     from tandem.models import resolve_model
@@ -81,14 +81,15 @@ def worker_main(spec: WorkerSpec) -> None:
         torch.set_num_threads(spec.threads)
     if spec.device == "cuda":
         torch.cuda.set_device(spec.torch_device())
-    group, pg = init_group(spec.rank, spec.world_size, spec.init_method, spec.backend,
-                           spec.timeout_s)
+    group, pg, loading = init_group(spec.rank, spec.world_size, spec.init_method,
+                                    spec.backend, spec.timeout_s)
     try:
         model = TPLlamaModel.load(resolve_model(spec.model), group, spec.dtype,
                                   batch_invariant=spec.batch_invariant,
                                   device=spec.torch_device())
         if spec.ready_file:
             Path(spec.ready_file).write_text(f"rank {spec.rank}\n")
+        all_loaded(loading)
         follow(model, Control(group, pg))
     except Exception:
         log.exception("rank %d: the tensor-parallel group failed", spec.rank)

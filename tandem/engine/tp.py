@@ -157,8 +157,15 @@ class Control:
         self.on_failure = on_failure
         self._last = time.monotonic()
         self._stop = threading.Event()
-        if heartbeat_s > 0 and group.rank == 0:
-            threading.Thread(target=self._beat, args=(heartbeat_s,), daemon=True,
+        if heartbeat_s > 0:
+            self.start_heartbeat(heartbeat_s)
+
+    def start_heartbeat(self, every_s: float) -> None:
+        """Rank 0: ping the workers whenever it has sent nothing for `every_s` (only once
+        every rank has loaded: a ping waits for each worker to receive it)."""
+        if self.group.rank == 0:
+            self._last = time.monotonic()
+            threading.Thread(target=self._beat, args=(every_s,), daemon=True,
                              name="tp-heartbeat").start()
 
     def send(self, message: tuple) -> None:
@@ -201,11 +208,25 @@ class Control:
         self._stop.set()
 
 
+# Loading a shard can take minutes (a large checkpoint off network storage), far beyond a
+# step's collective timeout: the ranks meet once loaded, on a gloo group of their own with
+# this long a timeout, and rank 0's heartbeat starts only then.
+LOAD_TIMEOUT_S = 1800.0
+
+
 def init_group(rank: int, world_size: int, init_method: str, backend: str,
-               timeout_s: float) -> tuple[TPGroup, object]:
-    """Join the process group; returns this rank's TPGroup and the gloo control group."""
+               timeout_s: float) -> tuple[TPGroup, object, object]:
+    """Join the process group; returns this rank's TPGroup, the gloo control group and the
+    group the ranks meet on once loaded (all_loaded)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return TPGroup(rank, world_size), control or dist.group.WORLD
+    loading = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+        seconds=max(timeout_s, LOAD_TIMEOUT_S)))
+    return TPGroup(rank, world_size), control or dist.group.WORLD, loading
+
+
+def all_loaded(loading) -> None:
+    """Wait until every rank has loaded its shard (the loading group init_group made)."""
+    dist.barrier(group=loading)

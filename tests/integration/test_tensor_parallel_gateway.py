@@ -1,6 +1,7 @@
 """The whole stack over a tensor-parallel verifier: gateway (HTTP), Redis, a draft worker
-drafting with EAGLE from the hidden states the verifier ships, and the verifier at TP=3 (the
-default target's 3 KV heads), against the same stack at TP=1: the same greedy text."""
+(a draft model, and EAGLE from the hidden states the verifier ships), and the verifier at
+TP=3 (the default target's 3 KV heads) with its own n-gram, suffix and Medusa drafts, against
+the same stack at TP=1: the same greedy text for every method, and seeded sampling too."""
 import pytest
 from inproc import gateway_cluster
 
@@ -11,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "SmolLM2-135M-Instruct"
 ASK = [{"role": "user", "content": "Name three rivers and the seas they flow into."}]
-METHODS = ("none", "eagle", "auto")
+METHODS = ("none", "ngram", "suffix", "draft_model", "eagle", "medusa", "auto")
 
 
 def _texts(target_paths, eagle_dir, tokenizer, model, **tp) -> dict[str, tuple[str, int]]:
@@ -22,10 +23,11 @@ def _texts(target_paths, eagle_dir, tokenizer, model, **tp) -> dict[str, tuple[s
     draft = DraftConfig(port=0, model=str(target_paths.root), eagle=str(eagle_dir))
     out = {}
     with gateway_cluster(draft, verifier, model, tokenizer, MODEL) as client:
-        for method in METHODS:
+        for method, sampling in [(m, {"temperature": 0}) for m in METHODS] + [
+                ("sampled", {"temperature": 0.8, "seed": 11})]:
             r = client.post("/v1/chat/completions", json={
-                "model": MODEL, "max_tokens": 24, "temperature": 0, "messages": ASK,
-                "speculation": {"method": method}})
+                "model": MODEL, "max_tokens": 24, "messages": ASK, **sampling,
+                "speculation": {"method": "none" if method == "sampled" else method}})
             assert r.status_code == 200, r.text
             body = r.json()
             out[method] = (body["choices"][0]["message"]["content"],
