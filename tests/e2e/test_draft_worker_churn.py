@@ -24,6 +24,9 @@ LEAN = {"TANDEM_VERIFIER_CALIBRATE_REPS": "0", "TANDEM_VERIFIER_KV_CACHE_MB": "6
         "TANDEM_VERIFIER_HISTORY_DRAFTS": "worker"}
 ASKS = [PROMPTS[1], PROMPTS[3]]  # lists the target copies: long answers, drafts that land
 TOKENS = 256
+# Drafts resume within this long of the worker's return: a few re-link attempts, not the
+# session's life. (4 s failed about 1 run in 4 with 8 sessions on this loaded 2-core host.)
+RECOVERY_S = 8.0
 
 
 def ask(url: str, prompt: str, method: str, events: list | None = None) -> str:
@@ -82,12 +85,15 @@ def test_sessions_survive_a_killed_and_a_drained_worker(target_paths):
             t.join(timeout=240)
         assert texts == [plain[ASKS[i % 2]] for i in range(8)]  # nothing changed
         # The sessions the kill left without drafts (a run of rounds with none before the
-        # worker was back) draft again within 4 s of its return.
+        # worker was back) draft again within RECOVERY_S of its return.
         orphans = [ev for ev in events if _dry_run(ev, killed, back) >= 5]
         assert orphans, "the kill cost no session its drafts"
         for ev in orphans:
-            if ev[-1][0] > back + 4:
-                assert sum(e["drafted"] for at, e in ev if back < at <= back + 4) > 0
+            if ev[-1][0] > back + RECOVERY_S:
+                after = [round(at - back, 2) for at, e in ev if at > back and e["drafted"]]
+                assert sum(e["drafted"] for at, e in ev if back < at <= back + RECOVERY_S), (
+                    f"first drafts {after[:3]} s after the worker was back; rounds after "
+                    f"{[round(at - back, 2) for at, _ in ev if at > back][:8]}")
     finally:
         stop.set()
         cluster.stop()
