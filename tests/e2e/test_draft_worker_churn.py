@@ -25,7 +25,7 @@ LEAN = {"TANDEM_VERIFIER_CALIBRATE_REPS": "0", "TANDEM_VERIFIER_KV_CACHE_MB": "6
 ASKS = [PROMPTS[1], PROMPTS[3]]  # lists the target copies: long answers, drafts that land
 TOKENS = 256
 # Drafts resume within this long of the worker's return: a few re-link attempts, not the
-# session's life. (4 s failed about 1 run in 4 with 8 sessions on this loaded 2-core host.)
+# session's life. (4 s failed 3 of 9 runs with 8 sessions on this loaded 2-core host.)
 RECOVERY_S = 8.0
 
 
