@@ -5,10 +5,9 @@ distribution restricted to the shared tokens; and at T=1 the verifier's rejectio
 the bridged draft's real samples emits tokens distributed as the target's p (chi-square)."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from chi_square import critical, pearson
 from inproc import gateway_cluster
 
 from draft_service.config import DraftConfig
@@ -153,25 +152,8 @@ def test_verifying_bridged_drafts_gives_the_targets_distribution(gemma, bridged)
     for r in reqs:
         bridged.release(r.key)
     counts = {t: emitted.count(t) for t in set(emitted)}
-    stat, dof = _pearson(counts, {t: float(v) for t, v in enumerate(p.tolist()) if v > 0})
-    assert dof >= 3 and stat < _critical(dof), (stat, dof, counts)
-
-
-def _critical(dof: int) -> float:
-    """Chi-square's 0.1% critical value (Wilson-Hilferty; within 1% from 3 degrees on)."""
-    z = 3.09  # the normal's 99.9% point
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
-def _pearson(counts: dict[int, int], expected: dict[int, float]) -> tuple[float, int]:
-    """(statistic, degrees of freedom); outcomes expected fewer than 5 times pooled."""
-    n = sum(counts.values())
-    big = [t for t, p in expected.items() if p * n >= 5]
-    obs = [counts.get(t, 0) for t in big] + [n - sum(counts.get(t, 0) for t in big)]
-    exp = [expected[t] * n for t in big] + [n * (1 - sum(expected[t] for t in big))]
-    if exp[-1] < 1:
-        obs, exp = obs[:-1], exp[:-1]
-    return sum((o - e) ** 2 / e for o, e in zip(obs, exp)), max(1, len(obs) - 1)
+    stat, dof = pearson(counts, {t: float(v) for t, v in enumerate(p.tolist()) if v > 0})
+    assert dof >= 3 and stat < critical(dof), (stat, dof, counts)
 
 
 def test_a_same_tokenizer_draft_is_not_bridged(target_paths):

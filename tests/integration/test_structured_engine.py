@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from chi_square import chi_square
 from inproc import run_sessions
 
 from kernels.sampling import logits_to_probs
@@ -40,24 +41,6 @@ class ForbiddenFirst:
 
     def release(self, key):
         pass
-
-
-# Chi-square's 0.1% critical values by degrees of freedom.
-_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12,
-         9: 27.88, 10: 29.59}
-
-
-def chi_square(counts: dict[int, int], expected: dict[int, float]) -> tuple[float, float]:
-    """(Pearson's statistic, its 0.1% critical value); outcomes expected fewer than 5 times
-    are pooled into one."""
-    n = sum(counts.values())
-    big = [t for t, p in expected.items() if p * n >= 5]
-    obs = [counts.get(t, 0) for t in big] + [n - sum(counts.get(t, 0) for t in big)]
-    exp = [expected[t] * n for t in big] + [n * (1 - sum(expected[t] for t in big))]
-    if exp[-1] < 1:
-        obs, exp = obs[:-1], exp[:-1]
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    return stat, _CRIT[max(1, len(obs) - 1)]
 
 
 def masked_probs(target_model, grammar_compiler, spec, ids: list[int], committed: list[int]):
