@@ -39,7 +39,7 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
                  stop=(), batch=64, medusa=None, max_spec_tokens=4, cost=None, logprobs=None,
                  rounds=None, prefill_chunk_tokens=0, tree=None, features_cached=False,
                  forwarded=None, step_cost=None, history=None, kv_window=0, block_size=16,
-                 num_blocks=512, grammar=None):
+                 num_blocks=512, grammar=None, make_runner=None):
     """Generate every prompt through the engine with `method`'s proposer in a DraftWorker
     (or the engine's own Medusa heads): (token lists, drafted, accepted, link). `logprobs`
     asks for them; `rounds`, a list, receives every RoundOutput per prompt; `tree` is
@@ -48,9 +48,12 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
     token count of every target forward; step_cost: the batch plan's curve (None: no plan);
     history: the engine's own HistoryDrafts (ngram / suffix drafted in its step); kv_window:
     SchedulerConfig.kv_window (KV blocks past a sliding window released as it goes);
-    grammar: (GrammarSpec, GrammarCompiler): every session follows that grammar."""
+    grammar: (GrammarSpec, GrammarCompiler): every session follows that grammar;
+    make_runner(num_blocks, block_size): the target's runner (a tensor-parallel leader's)."""
     async def main():
-        runner = ModelRunner(target_model, num_blocks, block_size, keep_features=features_cached)
+        runner = (make_runner(num_blocks, block_size) if make_runner is not None else
+                  ModelRunner(target_model, num_blocks, block_size,
+                              keep_features=features_cached))
         if forwarded is not None:
             forward = runner.forward
             runner.forward = lambda chunks, **kw: (
