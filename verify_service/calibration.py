@@ -5,6 +5,8 @@ plan) starts from these times and the rounds keep it current afterwards.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 from tandem.device import synchronize
@@ -44,3 +46,18 @@ def calibrate(runner: ModelRunner, token_counts=CALIBRATION_COUNTS, reps: int = 
             synchronize(runner.device)  # a GPU forward returns before it is done
             times[q].append((time.perf_counter() - t0) * 1e3)
     return {q: sorted(ts[1:])[len(ts[1:]) // 2] for q, ts in times.items()}
+
+
+async def timed_curve(runner: ModelRunner, max_spec_tokens: int, reps: int
+                      ) -> tuple[dict[int, float], tuple[int, ...]]:
+    """(ms of a forward by its tokens, {} when reps is 0; the token counts one session's
+    rounds run): the cost curves' start, timed off the event loop."""
+    calibrated, solo = {}, calibration_counts(max_spec_tokens)
+    if reps:
+        counts = tuple(sorted({*solo, *STEP_CALIBRATION_COUNTS}))
+        calibrated = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: calibrate(runner, counts, reps=reps))
+        logging.getLogger(__name__).info("verify cost by tokens per forward (ms): %s",
+                                         {q: round(ms, 1) for q, ms in calibrated.items()})
+    return calibrated, solo
+

@@ -36,7 +36,7 @@ from tandem.spec.cost import CostModel, StepCost
 from tandem.telemetry import VerifierMetrics
 from tandem.tls import add_port
 from tandem.v1 import common_pb2, verify_pb2_grpc
-from verify_service.calibration import STEP_CALIBRATION_COUNTS, calibrate, calibration_counts
+from verify_service.calibration import timed_curve
 from verify_service.config import VerifierConfig
 from verify_service.draft_link import DraftPool
 from verify_service.engine import Engine, EngineConfig
@@ -184,7 +184,8 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     # a graph replays rank 0's forward alone, without its workers' steps: never under TP
     graphs = None if tp else graph_decoder(config.cuda_graphs, runner, config.gpu_check_result)
     executor = Executor(runner, medusa, graphs)
-    calibrated, solo = await _calibrate(runner, config)
+    calibrated, solo = await timed_curve(runner, config.max_spec_tokens,
+                                         config.calibrate_reps)
     # with graphs, the cache's last block is theirs (padding rows write there)
     blocks = BlockManager(runner.num_blocks - (graphs is not None), runner.block_size)
     scheduler = Scheduler(blocks, sched_cfg,
@@ -204,20 +205,6 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
         if config.history_drafts == "verifier" else None)
     return Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics,
                   history), metrics
-
-
-async def _calibrate(runner: ModelRunner, config: VerifierConfig
-                     ) -> tuple[dict[int, float], tuple[int, ...]]:
-    """(ms of a forward by its tokens, {} when calibrate_reps is 0; the token counts one
-    session's rounds run): the cost curves' start, timed off the event loop."""
-    calibrated, solo = {}, calibration_counts(config.max_spec_tokens)
-    if config.calibrate_reps:
-        counts = tuple(sorted({*solo, *STEP_CALIBRATION_COUNTS}))
-        calibrated = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: calibrate(runner, counts, reps=config.calibrate_reps))
-        log.info("verify cost by tokens per forward (ms): %s",
-                 {q: round(ms, 1) for q, ms in calibrated.items()})
-    return calibrated, solo
 
 
 def _wire_drafts(engine: Engine, config: VerifierConfig, model: LlamaModel, discover,

@@ -144,7 +144,7 @@ class LlamaModel:
     def _layer(self, w, i: int) -> LayerWeights:
         cfg, p = self.cfg, f"layers.{i}."
         qkv_names = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-        norm = self._norm_weight
+        norm, sandwich = self._norm_weight, cfg.sandwich_norms
         return LayerWeights(
             input_norm=norm(w, p + "input_layernorm.weight"),
             qkv=torch.cat([w(n + ".weight") for n in qkv_names]),
@@ -156,10 +156,8 @@ class LlamaModel:
             o_bias=w(p + "self_attn.o_proj.bias") if cfg.o_bias else None,
             q_norm=norm(w, p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
             k_norm=norm(w, p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
-            pre_ff_norm=norm(w, p + "pre_feedforward_layernorm.weight")
-            if cfg.sandwich_norms else None,
-            post_ff_norm=norm(w, p + "post_feedforward_layernorm.weight")
-            if cfg.sandwich_norms else None,
+            pre_ff_norm=norm(w, p + "pre_feedforward_layernorm.weight") if sandwich else None,
+            post_ff_norm=norm(w, p + "post_feedforward_layernorm.weight") if sandwich else None,
         )
 
     @classmethod
@@ -181,11 +179,8 @@ class LlamaModel:
         return view
 
     def tune_kernels(self) -> None:
-        """Measure the faster matmul layout per weight shape and row count (tandem.engine.linear);
-        in batch-invariant mode, the row count from which the BLAS is invariant instead.
-
-        Call after torch.set_num_threads: the answer depends on the thread count.
-        """
+        """Measure the faster matmul layout per weight shape and row count (tandem.engine.linear;
+        batch-invariant: the rows from which the BLAS is invariant). After set_num_threads."""
         groups = [[getattr(layer, name) for layer in self.layers]
                   for name in LayerWeights.PROJECTIONS]
         if not self.batch_invariant:
