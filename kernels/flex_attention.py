@@ -19,7 +19,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import AttentionMetadata
+from kernels.paged_attention import AttentionMetadata, per_group
 
 KV_MULTIPLE = 128  # keys padded to this on CUDA
 # (meta, block mask) of the last few layouts: every layer of a forward shares its layout's
@@ -99,10 +99,7 @@ def flex_paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """kernels.paged_attention.paged_attention's contract (trees included) on FlexAttention."""
     if meta.groups:
-        out = torch.empty_like(query)
-        for rows, group in meta.groups:
-            out[rows] = flex_paged_attention(query[rows], key_cache, value_cache, group, scale)
-        return out
+        return per_group(flex_paged_attention, query, key_cache, value_cache, meta, scale)
     _, heads, dim = query.shape
     kvh = key_cache.shape[2]
     if heads % kvh:

@@ -168,7 +168,7 @@ def _mask(
     return mask
 
 
-def _per_group(attend, query, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+def per_group(attend, query, key_cache, value_cache, meta: AttentionMetadata, scale: float):
     """`attend` over each group of a mixed batch apart, scattered back into the flat rows."""
     out = torch.empty_like(query)
     for rows, group in meta.groups:
@@ -207,7 +207,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new queries over its cached keys (GQA aware)."""
     if meta.groups:
-        return _per_group(paged_attention, query, key_cache, value_cache, meta, scale)
+        return per_group(paged_attention, query, key_cache, value_cache, meta, scale)
     _, heads, dim = query.shape
     kvh = key_cache.shape[2]
     if heads % kvh:
@@ -245,7 +245,7 @@ def row_attention(
     a prefill or beside a longer sequence; one row at a time it cannot. Slower (a call per
     row): the price of `--batch-invariant`."""
     if meta.groups:  # a mixed batch's masks live in its groups
-        return _per_group(row_attention, query, key_cache, value_cache, meta, scale)
+        return per_group(row_attention, query, key_cache, value_cache, meta, scale)
     _, heads, dim = query.shape
     kvh = key_cache.shape[2]
     flat_k, flat_v = key_cache.view(-1, kvh, dim), value_cache.view(-1, kvh, dim)
