@@ -125,12 +125,28 @@ def keyed_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def exp_noise(rows: int, vocab: int, generator: torch.Generator | None = None,
+              device: torch.device | str = "cpu") -> torch.Tensor:  # [rows, vocab] float32
+    """Exp(1) race noise, clamped away from 0 (0/0 would be NaN, which argmax takes).
+
+    On the CPU drawn as -log(1 - U) from float64 uniforms: 3-4x faster than
+    `Tensor.exponential_` there (0.34 against 1.13 ms per 49k-token row, one thread), which
+    made a sampled round's noise cost almost half its forward, and finer-grained than float32.
+    A generator (a seeded position) always draws on the CPU, so its stream is the same on
+    every device."""
+    if generator is None and torch.device(device).type != "cpu":
+        noise = torch.empty(rows, vocab, dtype=torch.float32, device=device).exponential_()
+    else:
+        u = torch.rand(rows, vocab, dtype=torch.float64, generator=generator)
+        noise = u.neg_().log1p_().neg_().to(device=device, dtype=torch.float32)
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
 def position_noise(generator: torch.Generator, vocab: int) -> torch.Tensor:  # [vocab] float32
     """The Exp(1) race noise of one seeded position (its generator keyed by keyed_seed), as
     `sample` draws it for that row. A draft worker that draws the same noise for the same
     position proposes the token the verifier will sample whenever its q ranks like p there."""
-    noise = torch.empty(vocab, dtype=torch.float32).exponential_(generator=generator)
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    return exp_noise(1, vocab, generator)[0]
 
 
 def sample(
@@ -143,20 +159,23 @@ def sample(
     probability p_i / sum(p), so this is exact and needs no cumsum/searchsorted per row.
     """
     _check_2d("probs", probs)
-    noise = torch.empty_like(probs, dtype=torch.float32).exponential_()
-    if generators is not None:
-        if len(generators) != probs.shape[0]:
-            raise ValueError(
-                f"generators has {len(generators)} entries, probs has {probs.shape[0]} rows"
-            )
-        # A seeded row redraws its own noise from its own generator, so its token does not
-        # depend on what else is in the batch. Generators stay on the CPU (one stream per
-        # seed, whatever the device): the noise is drawn there and copied over.
-        for row, gen in enumerate(generators):
-            if gen is not None:
-                noise[row] = position_noise(gen, probs.shape[1]).to(noise.device)
-    # Exp(1) can return exactly 0: 0/0 would be NaN, which argmax treats as the maximum.
-    noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    rows, vocab = probs.shape
+    if generators is not None and len(generators) != rows:
+        raise ValueError(f"generators has {len(generators)} entries, probs has {rows} rows")
+    gens = list(generators) if generators is not None else [None] * rows
+    # A seeded row draws its own noise from its own generator, so its token does not depend
+    # on what else is in the batch (and only the unseeded rows share one draw).
+    free = [row for row, gen in enumerate(gens) if gen is None]
+    noise = torch.empty(rows, vocab, dtype=torch.float32, device=probs.device)
+    if free:
+        drawn = exp_noise(len(free), vocab, device=probs.device)
+        if len(free) == rows:
+            noise = drawn
+        else:
+            noise[free] = drawn
+    for row, gen in enumerate(gens):
+        if gen is not None:
+            noise[row] = position_noise(gen, vocab).to(noise.device)
     return (probs.float() / noise).argmax(dim=-1)
 
 

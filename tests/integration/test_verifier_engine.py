@@ -168,6 +168,9 @@ def test_commits_ask_for_as_many_drafts_as_the_next_round_uses(target_model, tok
 
 def test_stochastic_sessions_carry_the_bonus_row(target_model, tokenizer, reference):
     """Sampling sessions whose next draft is waiting skip the bonus and keep run-ahead."""
+    # Unseeded sampling draws from the global RNG: fixed here, since whether any round keeps
+    # all its drafts (1-8 of ~50 rounds over seeds 0-7) depends on the draws.
+    torch.manual_seed(0)
     results, engine, rounds = run_engine(target_model, tokenizer, reference,
                                          sampling=SamplingParams(temperature=0.3),
                                          cost=PinnedCost())
