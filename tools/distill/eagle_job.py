@@ -26,6 +26,7 @@ from tools.distill.eagle import (
     make_head,
     train,
 )
+from tools.distill.learning_curve import curve_point, extend
 from tools.distill.pipeline import _TOKENIZER_FILES
 
 
@@ -101,10 +102,11 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     data_stats = {"sequences": len(seqs), "positions": tokens,
                   "generated_tokens": sum(len(s.ids) - s.gen_start for s in seqs)}
     extra = {"data": {**asdict(job.data), **data_stats}, "progress": stats}
-    old_card = job.out_dir / EAGLE_CARD
+    old_card, old = job.out_dir / EAGLE_CARD, None
     if job.resume and old_card.exists():  # every command that trained these weights
         old = json.loads(old_card.read_text())
         extra["earlier_commands"] = [*old.get("earlier_commands", []), old.get("command", "?")]
+    extra["learning_curve"] = extend(old, curve_point(stats, job.train.batch_tokens, tokens))
     head.export(job.out_dir, read_hf_config(paths), card(paths, job.train, command, extra))
     for name in _TOKENIZER_FILES:
         if (paths.root / name).exists():

@@ -1,0 +1,32 @@
+"""The EAGLE head's learning curve: one point per training run, kept across --resume."""
+import json
+
+import pytest
+
+from tools.distill.learning_curve import CARD, DEFAULT_HEAD, curve_point, extend, main
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_run_adds_its_point_after_the_resumed_ones():
+    stats = {"steps": 10, "top1_step1": 0.4, "top1_step2": 0.3, "train_wall_s": 60.0,
+             "heldout_chat": {"top1_step1": 0.33}}
+    point = curve_point(stats, batch_tokens=4096, data_positions=1000)
+    assert point["train_positions"] == 40960 and point["heldout_chat_top1"] == 0.33
+    assert extend(None, point) == [point]
+    assert extend({"learning_curve": [{"train_positions": 1}]}, point)[1] == point
+    assert "heldout_chat_top1" not in curve_point({"steps": 1}, 8, 8)
+
+
+def test_the_shipped_head_plots_its_curve(tmp_path, capsys):
+    points = json.loads((DEFAULT_HEAD / CARD).read_text())["learning_curve"]
+    assert [p["train_positions"] for p in points] == sorted(p["train_positions"] for p in points)
+    out = tmp_path / "curve.png"
+    assert main([str(DEFAULT_HEAD), "--out", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    assert len(capsys.readouterr().out.splitlines()) == len(points) + 1
+
+
+def test_a_directory_without_a_card_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path)])
