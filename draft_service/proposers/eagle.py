@@ -10,6 +10,7 @@ and sent with that q, so verification stays exact.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from tandem.engine.eagle import EagleHead
 from tandem.grammar.masks import mask_drafts
 from tandem.models import ModelError, ModelPaths
 from tandem.spec import DraftRequest, DraftResult, ErrorCode, Method
+
+log = logging.getLogger(__name__)
 
 
 def cache_blocks(head: EagleHead, kv_cache_bytes: int, block_size: int) -> int:
@@ -81,6 +84,9 @@ class EagleProposer:
 
         if is_eagle3(paths.root):
             head = load_eagle3(paths.root, target, device=device)
+            log.info("%s: EAGLE-3 head, %d draft tokens; its verifiers need "
+                     "--eagle-feature-layers %s", paths.root, len(head.model.vocab_map),
+                     ",".join(map(str, head.layer_ids)) if head.layer_ids else "eagle3")
         elif is_published_eagle(paths.root):
             if target is None:
                 raise ModelError(f"{paths.root} is a published EAGLE-1/2 head: it drafts with "

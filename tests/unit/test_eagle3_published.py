@@ -160,3 +160,26 @@ def test_a_feature_width_mismatch_is_a_clear_error():
     store = FeatureStore(3 * H)
     with pytest.raises(SessionFailure, match="--eagle-feature-layers"):
         store.put(Features(0, H, np.zeros((2, H), np.float16).tobytes()))
+
+
+def test_the_verifier_flag_is_checked_and_refuses_medusa_beside_it(monkeypatch):
+    from tools.cli import build_parser
+    from verify_service.config import VerifierConfig
+    from verify_service.features import feature_layers
+
+    for good in ("final", "eagle3", "1,3,4"):
+        assert VerifierConfig(eagle_feature_layers=good).eagle_feature_layers == good
+    with pytest.raises(ValueError, match="eagle_feature_layers must be final, eagle3"):
+        VerifierConfig(eagle_feature_layers="middle")
+    monkeypatch.setenv("TANDEM_VERIFIER_EAGLE_FEATURE_LAYERS", "eagle3")
+    assert build_parser().parse_args(["verifier"]).eagle_feature_layers == "eagle3"
+
+    class Model:
+        class cfg:  # noqa: N801
+            num_layers = LAYERS
+
+    assert feature_layers("eagle3", Model, None) == (2, 3, 3)
+    with pytest.raises(ModelError, match="--medusa off"):
+        feature_layers("eagle3", Model, object())
+    with pytest.raises(ModelError, match=r"ids in \[0, 5\]"):
+        feature_layers("1,3,9", Model, None)
