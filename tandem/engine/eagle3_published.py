@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tandem.engine.checkpoint import LlamaConfig, load_tensors
+from tandem.engine.eagle import EAGLE_CARD
 from tandem.engine.eagle3 import Eagle3Head
 from tandem.engine.eagle_published import _read_weights
 from tandem.models import ModelError, ModelPaths, read_hf_config
@@ -52,6 +53,8 @@ def is_eagle3(root: Path) -> bool:
     """A head directory in the published EAGLE-3 layout: its config says so (an Eagle3
     architecture, a draft vocabulary, layer ids) or its tensors have a `midlayer`."""
     root = Path(root)
+    if (root / EAGLE_CARD).is_file():  # Tandem's own format
+        return False
     try:
         cfg = json.loads((root / "config.json").read_text())
     except (OSError, ValueError):

@@ -271,9 +271,10 @@ class LlamaModel:
         h = self._embed(input_ids)  # [num_tokens, hidden]
         if self.cfg.embed_scale != 1.0:  # Gemma: the scale cast to the weights' dtype first
             h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
-        streams = {}  # layer -> the residual stream entering it
+        streams = {}  # layer -> the residual stream entering it, for the layers asked only
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_cache)):
-            streams[i] = h
+            if with_hidden and i in feature_layers:
+                streams[i] = h
             window = self.cfg.window(i)
             c, s = local if window and local is not None else (cos, sin)
             h = self.decoder_layer(h, layer, c, s, meta, k_cache, v_cache, window, positions)
