@@ -220,9 +220,12 @@ def _wire_drafts(engine: Engine, config: VerifierConfig, model: LlamaModel, disc
                                        engine.drafts.on_reply, engine.drafts.on_link_broken,
                                        pinned=pinned, tls=config.tls,
                                        # an EAGLE re-open carries every position's features
+                                       # (EAGLE-3's: three layers wide)
                                        max_message_bytes=max_message_bytes(
                                            model.cfg.max_position_embeddings,
-                                           model.cfg.hidden_size))
+                                           model.cfg.hidden_size * (
+                                               1 if config.eagle_feature_layers == "final"
+                                               else 3)))
     if colocated is not None:
         engine.drafts.local = dict(colocated.addresses)
     return remote
