@@ -183,3 +183,24 @@ def test_the_verifier_flag_is_checked_and_refuses_medusa_beside_it(monkeypatch):
         feature_layers("eagle3", Model, object())
     with pytest.raises(ModelError, match=r"ids in \[0, 5\]"):
         feature_layers("1,3,9", Model, None)
+
+
+def test_the_verifier_keeps_what_its_flag_names_and_refuses_layers_it_lacks(target):
+    import asyncio
+
+    from verify_service.config import VerifierConfig
+    from verify_service.main import _build_engine
+
+    model = LlamaModel.load(target)
+
+    def build(spec):
+        config = VerifierConfig(model=str(target.root), kv_cache_mb=1, calibrate_reps=0,
+                                block_size=16, medusa="off", eagle_feature_layers=spec)
+        engine, _ = asyncio.run(_build_engine(config, model, target))
+        return engine.executor.runner
+
+    runner = build("eagle3")
+    assert runner.feature_layers == (2, 3, 3) and runner.features.shape[1] == 3 * H
+    assert build("final").features.shape[1] == H
+    with pytest.raises(ModelError, match=r"eagle-feature-layers 1,3,6: .*ids in \[0, 5\]"):
+        build("1,3,6")
