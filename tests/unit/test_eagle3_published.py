@@ -204,3 +204,22 @@ def test_the_verifier_keeps_what_its_flag_names_and_refuses_layers_it_lacks(targ
     assert build("final").features.shape[1] == H
     with pytest.raises(ModelError, match=r"eagle-feature-layers 1,3,6: .*ids in \[0, 5\]"):
         build("1,3,6")
+
+
+def test_a_padded_decode_step_keeps_the_same_three_layer_features(target):
+    """CUDA graphs' padded decode (run eagerly here) returns and keeps the runner's rows."""
+    from tandem.engine.cuda_graphs import GraphDecoder
+
+    model, layers = LlamaModel.load(target), parse_feature_layers("eagle3", LAYERS)
+    runners = [ModelRunner(model, 16, 16, keep_features=True, feature_layers=layers)
+               for _ in range(2)]
+    graphs = GraphDecoder(runners[1], scratch_block=15, capture=False)
+    ids = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    out = []
+    for r, fwd in zip(runners, (runners[0].forward, graphs.forward)):
+        r.forward([SeqChunk(ids[:8], 0, [0])])
+        out.append((fwd([SeqChunk(ids[8:], 8, [0])], with_hidden=True)[1],
+                    r.features_at([0], 0, 9).float()))
+    assert graphs.replays == 0 and graphs.fallbacks == 0 and out[0][0].shape == (1, 3 * H)
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
