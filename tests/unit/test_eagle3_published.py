@@ -223,3 +223,17 @@ def test_a_padded_decode_step_keeps_the_same_three_layer_features(target):
     assert graphs.replays == 0 and graphs.fallbacks == 0 and out[0][0].shape == (1, 3 * H)
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_tandem_up_starts_verifiers_with_the_head_s_layers(tmp_path, target):
+    from tools.launcher import Cluster, ClusterConfig
+
+    def args(eagle):
+        return Cluster(ClusterConfig(model=str(target.root), eagle=str(eagle)),
+                       log=lambda *_: None)._eagle3_args()[0]
+
+    named = write_head(tmp_path / "named", head_weights(),
+                       eagle_aux_hidden_state_layer_ids=[1, 2, 4])
+    assert args(named) == ["--eagle-feature-layers", "1,2,4", "--medusa", "off"]
+    assert args(write_head(tmp_path / "default", head_weights()))[1] == "eagle3"
+    assert args(tmp_path / "absent") == []
