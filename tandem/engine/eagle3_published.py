@@ -98,6 +98,10 @@ def load_eagle3(root: Path, target: ModelPaths | None = None, dtype=torch.float3
     none (and is checked against the head's widths)."""
     root = Path(root)
     config = json.loads((root / "config.json").read_text())
+    for unknown in ("norm_before_residual", "target_hidden_size"):  # variants not served
+        if config.get(unknown) not in (None, False, config.get("hidden_size")):
+            raise ModelError(f"{root}: EAGLE-3 config field {unknown} = "
+                             f"{config[unknown]!r} is not supported")
     cfg = LlamaConfig.from_hf({**config, "tie_word_embeddings": False})
     if cfg.num_layers != 1:
         raise ModelError(f"{root}: an EAGLE-3 head has one decoder layer, its config says "

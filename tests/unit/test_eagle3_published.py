@@ -109,6 +109,9 @@ def test_missing_unknown_and_misfit_tensors_are_named(tmp_path, target):
     write_head(tmp_path / "b", w)
     with pytest.raises(ModelError, match=r"fc.weight has shape \(32, 64\)"):
         load_eagle3(tmp_path / "b", target)
+    write_head(tmp_path / "c", head_weights(), norm_before_residual=True)
+    with pytest.raises(ModelError, match="norm_before_residual = True is not supported"):
+        load_eagle3(tmp_path / "c", target)
 
 
 def test_d2t_and_t2d_are_checked(tmp_path, target):
