@@ -85,7 +85,9 @@ class FeatureStore:
         problem = f.problem()
         if problem is None and f.hidden_size != self.hidden_size:
             problem = (f"features.hidden_size is {f.hidden_size}, this worker's head reads "
-                       f"{self.hidden_size}")
+                       f"{self.hidden_size} (an EAGLE-3 head reads three target layers: the "
+                       "verifier's --eagle-feature-layers must be eagle3 or the head's layer "
+                       "ids for it, final for other heads)")
         if problem is not None:
             raise SessionFailure(ErrorCode.INVALID_ARGUMENT, problem)
         if f.start_position > self.rows:

@@ -16,6 +16,7 @@ import time
 import urllib.request
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -153,7 +154,7 @@ class Cluster:
         for i in range(cfg.num_verifiers):
             port, mport = free_port(host), free_port(host)
             extra = ["--model", cfg.model] if cfg.model else []
-            extra += ["--metrics-port", str(mport)]
+            extra += ["--metrics-port", str(mport), *self._eagle3_args()[0]]
             self._start_worker(f"verifier-{i}", ["verifier", "--port", str(port), *common,
                                                  *extra], port, mport)
         extra = ["--model", cfg.model] if cfg.model else []
@@ -176,7 +177,23 @@ class Cluster:
             return ["--model", cfg.draft_model or "none", "--eagle", cfg.eagle or "none",
                     "--tokenizer", str(resolve_model(cfg.model).root)]
         return (["--model", cfg.draft_model] if cfg.draft_model else []) + (
-            ["--eagle", cfg.eagle] if cfg.eagle else [])
+            ["--eagle", cfg.eagle] if cfg.eagle else []) + self._eagle3_args()[1]
+
+    def _eagle3_args(self) -> tuple[list[str], list[str]]:
+        """(verifier, draft worker) flags for a published EAGLE-3 head (--eagle): the
+        verifiers ship its three layers (and so run no Medusa heads); the workers name the
+        target, whose embedding it may need."""
+        from tandem.engine.eagle3_published import is_eagle3, layer_ids_of
+
+        eagle = self.config.eagle
+        if not eagle or eagle == "none" or not is_eagle3(Path(eagle)):
+            return [], []
+        ids = layer_ids_of(json.loads((Path(eagle) / "config.json").read_text()))
+        layers = ",".join(map(str, ids)) if ids else "eagle3"
+        target = str(resolve_model(self.config.model or DEFAULT_TARGET).root)
+        return (["--eagle-feature-layers", layers, "--medusa", "off"],
+                ["--tokenizer", target] if self.config.model in ("", "default",
+                                                                 DEFAULT_TARGET) else [])
 
     def _start_worker(self, name: str, args: list[str], port: int, metrics_port: int) -> None:
         host = _dialable(self.config.worker_host)

@@ -107,6 +107,12 @@ def register(sub, colocate=None) -> None:
              help="serve speculation.method=medusa with these heads: auto (heads saved or "
                   "shipped with the model; see `tandem distill --method medusa`), off, or a "
                   "directory with medusa.json")
+    add_flag(p, "--eagle-feature-layers", "TANDEM_VERIFIER_EAGLE_FEATURE_LAYERS",
+             _DEFAULTS.eagle_feature_layers,
+             help="features shipped to EAGLE draft workers: final (the final normed hidden "
+                  "state: EAGLE-1/2 and Tandem heads), eagle3 (an EAGLE-3 head's default "
+                  "layers) or i,j,k (the outputs of target layers i, j, k, as the head's "
+                  "eagle_aux_hidden_state_layer_ids names them) [%(default)s]")
     add_flag(p, "--draft-shape", "TANDEM_VERIFIER_DRAFT_SHAPE", _DEFAULTS.draft_shape,
              choices=DRAFT_SHAPES,
              help="drafts of medusa and eagle sessions whose request does not choose "

@@ -69,6 +69,11 @@ class VerifierConfig:
     # Medusa heads run inside the engine step: "auto" (heads saved or shipped with the
     # model), "off", or a directory holding medusa.json + medusa.safetensors.
     medusa: str = "auto"
+    # What the verifier ships EAGLE draft workers as features: "final" (the final normed
+    # hidden state: Tandem's and EAGLE-1/2 heads), "eagle3" (the residual streams entering
+    # layers 2, N/2, N-3) or "i,j,k" (the outputs of those layers, as an EAGLE-3 head's
+    # eagle_aux_hidden_state_layer_ids names them); tandem/engine/eagle3.py.
+    eagle_feature_layers: str = "final"
     # The drafts of a tree-capable method (medusa, eagle) when the request does not say:
     # "tree" (several candidates per position, verified in one forward), "chain", or "auto":
     # Medusa's trees, and EAGLE's on a GPU only (see tree_methods).
@@ -125,6 +130,11 @@ class VerifierConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be 'auto', 'off' or a path, got {value!r}")
+        spec = self.eagle_feature_layers
+        if spec not in ("final", "eagle3") and not all(
+                p.strip().isdigit() for p in spec.split(",")):
+            raise ValueError(f"eagle_feature_layers must be final, eagle3 or three "
+                             f"comma-separated layer ids, got {spec!r}")
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape must be one of {', '.join(DRAFT_SHAPES)}, got "
                              f"{self.draft_shape!r}")

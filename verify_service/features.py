@@ -7,9 +7,23 @@ from dataclasses import replace
 
 import torch
 
+from tandem.engine.eagle3 import parse_feature_layers
 from tandem.engine.model_runner import ModelRunner
+from tandem.models import ModelError
 from tandem.spec import Features
 from verify_service.step import RoundOutcome, StepInput
+
+
+def feature_layers(spec: str, model, medusa) -> tuple[int, ...]:
+    """The runner's feature_layers for --eagle-feature-layers `spec` (ModelError for layers
+    the target does not have); Medusa heads, which read the final hidden state, refuse any
+    other features."""
+    layers = parse_feature_layers(spec, model.cfg.num_layers)
+    if layers and medusa is not None:
+        raise ModelError(f"Medusa heads read the final hidden state, which "
+                         f"--eagle-feature-layers {spec} replaces: pass --medusa off or "
+                         "--eagle-feature-layers final")
+    return layers
 
 
 def kept_hidden(s: StepInput, path: list[int] | None, hidden: torch.Tensor | None,

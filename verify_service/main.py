@@ -41,6 +41,7 @@ from verify_service.config import VerifierConfig
 from verify_service.draft_link import DraftPool
 from verify_service.engine import Engine, EngineConfig
 from verify_service.executor import Executor
+from verify_service.features import feature_layers
 from verify_service.history import HistoryDrafts
 from verify_service.scheduler import Scheduler, SchedulerConfig
 from verify_service.server import SERVICE_NAME, VerifyServicer
@@ -170,14 +171,15 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
                         tp: TPLeader | None = None) -> tuple[Engine, VerifierMetrics]:
     """The verify path over the target: its KV cache, Medusa heads if configured, the
     executor, the cost curves (timed now unless calibrate_reps is 0), scheduler, engine."""
+    medusa = load_for(model, paths, config.medusa)
     runner = (tp.make_runner if tp else functools.partial(ModelRunner.with_memory, model))(
-        config.kv_cache_mb << 20, config.block_size, keep_features=True)
+        config.kv_cache_mb << 20, config.block_size, keep_features=True,
+        feature_layers=feature_layers(config.eagle_feature_layers, model, medusa))
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs, features_cached=True,
                                 prefill_chunk_tokens=config.prefill_chunk_tokens,
                                 max_spec_tokens=config.max_spec_tokens,
                                 max_model_len=model.cfg.max_position_embeddings,
                                 kv_window=model.cfg.kv_window)
-    medusa = load_for(model, paths, config.medusa)
     if medusa is not None:
         log.info("medusa: %d heads, a tree of %d nodes", medusa.cfg.num_heads,
                  len(medusa.cfg.choices))
@@ -218,9 +220,12 @@ def _wire_drafts(engine: Engine, config: VerifierConfig, model: LlamaModel, disc
                                        engine.drafts.on_reply, engine.drafts.on_link_broken,
                                        pinned=pinned, tls=config.tls,
                                        # an EAGLE re-open carries every position's features
+                                       # (EAGLE-3's: three layers wide)
                                        max_message_bytes=max_message_bytes(
                                            model.cfg.max_position_embeddings,
-                                           model.cfg.hidden_size))
+                                           model.cfg.hidden_size * (
+                                               1 if config.eagle_feature_layers == "final"
+                                               else 3)))
     if colocated is not None:
         engine.drafts.local = dict(colocated.addresses)
     return remote

@@ -30,9 +30,11 @@ class TPLeader:
     closed: bool = field(default=False)
 
     def make_runner(self, kv_cache_bytes: int, block_size: int,
-                    keep_features: bool) -> TPLeaderRunner:
+                    keep_features: bool, feature_layers: tuple[int, ...] = ()
+                    ) -> TPLeaderRunner:
         self.runner = TPLeaderRunner.with_memory(self.model, kv_cache_bytes, block_size,
-                                                 keep_features, control=self.control)
+                                                 keep_features, control=self.control,
+                                                 feature_layers=feature_layers)
         return self.runner
 
     def report_failure_to(self, failed: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:

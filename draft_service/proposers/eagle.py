@@ -10,6 +10,7 @@ and sent with that q, so verification stays exact.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from tandem.engine.eagle import EagleHead
 from tandem.grammar.masks import mask_drafts
 from tandem.models import ModelError, ModelPaths
 from tandem.spec import DraftRequest, DraftResult, ErrorCode, Method
+
+log = logging.getLogger(__name__)
 
 
 def cache_blocks(head: EagleHead, kv_cache_bytes: int, block_size: int) -> int:
@@ -58,7 +61,7 @@ class EagleProposer:
             raise ValueError("num_blocks and block_size must be >= 1")
         cfg = head.cfg
         self.head = head
-        self.feature_size = cfg.hidden_size
+        self.feature_size = head.feature_size  # the target features' width (EAGLE-3: 3x)
         self.vocab_size = cfg.vocab_size
         self.max_context_length = cfg.max_position_embeddings
         self.block_size = block_size
@@ -73,11 +76,18 @@ class EagleProposer:
     def load(cls, paths: ModelPaths, kv_cache_bytes: int, block_size: int = 16,
              draft_vocab: int = 0, device="cpu", target: ModelPaths | None = None
              ) -> EagleProposer:
-        """Tandem's own head format, or a published EAGLE-1/2 head over `target` (whose
-        embeddings and LM head it uses)."""
+        """Tandem's own head format, a published EAGLE-3 head (its own LM head over a draft
+        vocabulary; the target's embedding unless it ships one) or a published EAGLE-1/2 head
+        over `target` (whose embeddings and LM head it uses)."""
+        from tandem.engine.eagle3_published import is_eagle3, load_eagle3
         from tandem.engine.eagle_published import is_published_eagle, load_published
 
-        if is_published_eagle(paths.root):
+        if is_eagle3(paths.root):
+            head = load_eagle3(paths.root, target, device=device)
+            log.info("%s: EAGLE-3 head, %d draft tokens; its verifiers need "
+                     "--eagle-feature-layers %s", paths.root, len(head.model.vocab_map),
+                     ",".join(map(str, head.layer_ids)) if head.layer_ids else "eagle3")
+        elif is_published_eagle(paths.root):
             if target is None:
                 raise ModelError(f"{paths.root} is a published EAGLE-1/2 head: it drafts with "
                                  "the target's LM head, so pass the target checkpoint "
@@ -117,7 +127,7 @@ class EagleProposer:
         chains = [w for w in work if not w.req.tree]
         if chains:
             feats = torch.stack([self._next_feature(w) for w in chains])  # [B, hidden]
-            logits = self.head.model.logits(feats.to(self.head.model.dtype))  # [B, vocab]
+            logits = self.head.draft_logits(feats)  # [B, vocab]
             logits = mask_drafts(logits, [w.req.mask for w in chains])  # structured output
             for w, tok in zip(chains, sample_drafts(logits, [w.req for w in chains],
                                                    self.vocab_size)):
@@ -163,8 +173,8 @@ class EagleProposer:
             else:
                 self.blocks.allocate(w.req.key, new)
             if w.nxt <= w.m:
-                # the verifier's features arrive on the CPU (from the wire)
-                feats.append(w.req.features[w.nxt - 1:end].to(self.device))
+                # the verifier's features arrive on the CPU (from the wire); EAGLE-3's fc
+                feats.append(self.head.project(w.req.features[w.nxt - 1:end].to(self.device)))
             else:
                 feats.append(st.pred[w.nxt - 1][None])
             ids.extend(new)
@@ -190,7 +200,8 @@ class EagleProposer:
             w.nxt = end + 1
 
     def _next_feature(self, w: _Work) -> torch.Tensor:  # [hidden]
-        """Feature of the last token's position: the target's if known, else predicted."""
-        if w.m > w.last:
+        """Feature of the last token's position: the target's if known and the head's LM head
+        reads it (not EAGLE-3's), else predicted."""
+        if w.m > w.last and self.head.reads_target_head:
             return w.req.features[w.last].to(self.device)
         return self._state[w.req.key].pred[w.last]

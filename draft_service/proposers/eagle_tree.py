@@ -66,9 +66,8 @@ class Tree:
 def grow(proposer, trees: list[Tree], branch: int = BRANCH, width: int = WIDTH,
          max_depth: int = MAX_DEPTH) -> list[DraftResult]:
     """Draft each session's tree (one result per tree, in order)."""
-    head = proposer.head.model
     roots = torch.stack([t.root for t in trees])  # [B, hidden]
-    _add_children(trees, [-1] * len(trees), head.logits(roots.to(head.dtype)), branch)
+    _add_children(trees, [-1] * len(trees), proposer.head.draft_logits(roots), branch)
     for depth in range(1, min(max_depth, max(t.size for t in trees))):
         frontier = [_frontier(t, depth, width) for t in trees]
         active = [(t, f) for t, f in zip(trees, frontier) if f and depth < t.size]

@@ -161,7 +161,8 @@ class _Slot:
         m.mask.copy_(mask[:, None, None])
         m.slot_mapping.copy_(slot_mapping)
         self.logits, self.hidden = r.model.forward(self.ids, self.positions, m, r.kv_cache,
-                                                   self.logit_rows, with_hidden=True)
+                                                   self.logit_rows, with_hidden=True,
+                                                   feature_layers=r.feature_layers)
         if r.features is not None:
             r.features.index_copy_(0, m.slot_mapping, self.hidden.to(torch.float16))
 

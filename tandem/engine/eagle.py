@@ -54,6 +54,15 @@ class EagleHead:
         # no norm follows the layer.
         self.fc_bias: torch.Tensor | None = None
         self.out_norm = True
+        self.feature_size = hidden  # the width of the target's features it reads
+
+    reads_target_head = True  # a target feature is the LM head's input: drafts the target's
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:  # [n, hidden]
+        return features  # the head reads the target's features as they are
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
+        return self.model.logits(h.to(self.model.dtype))
 
     def fuse_inputs(
         self,

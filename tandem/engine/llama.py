@@ -7,7 +7,7 @@ overhead and memory traffic, so fewer, larger matmuls are faster.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -18,33 +18,11 @@ from kernels.masked_attention import masked_attention
 from kernels.paged_attention import AttentionMetadata, row_attention, write_kv
 from tandem.engine.checkpoint import LlamaConfig, load_tensors
 from tandem.engine.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab
+from tandem.engine.layer_weights import LayerWeights
 from tandem.engine.linear import LinearRouter, measure_invariant_rows
 from tandem.engine.quant import Int8Weight, compute_dtype
 from tandem.engine.rope import rope_inv_freq
 from tandem.models import ModelError, ModelPaths, read_hf_config
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor | None  # [hidden]; None: the published EAGLE-1/2 head's layer
-    # The four projections are float tensors, or Int8Weight under --dtype int8.
-    qkv: torch.Tensor | Int8Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    o: torch.Tensor | Int8Weight  # [hidden, heads * head_dim]
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor | Int8Weight  # [2 * intermediate, hidden]
-    down: torch.Tensor | Int8Weight  # [hidden, intermediate]
-    o_bias: torch.Tensor | None = None  # [hidden]
-    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
-    k_norm: torch.Tensor | None = None  # [head_dim]
-    pre_ff_norm: torch.Tensor | None = None  # [hidden] (Gemma: around the MLP)
-    post_ff_norm: torch.Tensor | None = None  # [hidden]
-
-    PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-    def quantize_int8(self) -> None:
-        for name in self.PROJECTIONS:
-            setattr(self, name, Int8Weight.quantize(getattr(self, name)))
 
 
 class LlamaModel:
@@ -212,11 +190,13 @@ class LlamaModel:
         v_cache: torch.Tensor,
         window: int = 0,  # a sliding layer's window (0: the whole context)
         positions: torch.Tensor | None = None,  # [num_tokens] int64, needed with a window
+        x: torch.Tensor | None = None,  # attention's input if not h normed (EAGLE-3's head)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         cfg = self.cfg
         n, hd = h.shape[0], cfg.head_dim
         q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        x = h if layer.input_norm is None else self._rms_norm(h, layer.input_norm)
+        if x is None:
+            x = h if layer.input_norm is None else self._rms_norm(h, layer.input_norm)
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q, k = q.view(n, cfg.num_heads, hd), k.view(n, cfg.num_kv_heads, hd)
@@ -278,10 +258,12 @@ class LlamaModel:
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key, value) caches
         logits_indices: torch.Tensor,  # [num_logits] int64, rows whose logits are returned
         with_hidden: bool = False,
+        feature_layers: tuple[int, ...] = (),
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [num_logits, vocab] float32; with_hidden also returns the final normed
-        hidden state (the LM head's input, the "feature" EAGLE drafts from) of every token,
-        [num_tokens, hidden]."""
+        """Logits [num_logits, vocab] float32; with_hidden also returns every token's features
+        (what EAGLE drafts from): its final normed hidden state [num_tokens, hidden], or with
+        `feature_layers` the residual streams entering those layers (num_layers: the last
+        one's output), concatenated in that order, [num_tokens, len(feature_layers) * hidden]."""
         cos, sin = self.rope_at(positions)
         local = self.rope_at(positions, self.local_rope) if self.local_rope else None
         if self._input_map is not None:
@@ -289,10 +271,17 @@ class LlamaModel:
         h = self._embed(input_ids)  # [num_tokens, hidden]
         if self.cfg.embed_scale != 1.0:  # Gemma: the scale cast to the weights' dtype first
             h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+        streams = {}  # layer -> the residual stream entering it, for the layers asked only
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_cache)):
+            if with_hidden and i in feature_layers:
+                streams[i] = h
             window = self.cfg.window(i)
             c, s = local if window and local is not None else (cos, sin)
             h = self.decoder_layer(h, layer, c, s, meta, k_cache, v_cache, window, positions)
+        if with_hidden and feature_layers:
+            streams[len(self.layers)] = h
+            feats = torch.cat([streams[i] for i in feature_layers], -1)
+            return self.logits(self._rms_norm(h[logits_indices], self.final_norm)), feats
         if with_hidden:
             h = self._rms_norm(h, self.final_norm)
             return self.logits(h[logits_indices]), h

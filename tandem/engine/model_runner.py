@@ -64,7 +64,7 @@ class ModelRunner:
     """A target model plus its paged KV cache of `num_blocks` blocks of `block_size` tokens."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
-                 keep_features: bool = False):
+                 keep_features: bool = False, feature_layers: tuple[int, ...] = ()):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
@@ -80,8 +80,11 @@ class ModelRunner:
         # keep_features: every computed token's final hidden state too, slot for slot beside
         # its KV, float16 (about 1/40 of the KV's bytes on SmolLM2). EAGLE drafts from them,
         # so a prompt served from the prefix cache, or computed in chunks, still has every
-        # position's features. [num_blocks * block_size, hidden]
-        self.features = (torch.zeros(num_blocks * block_size, cfg.hidden_size,
+        # position's features. [num_blocks * block_size, hidden]; with feature_layers (an
+        # EAGLE-3 head's) the residual streams entering those layers instead, each hidden wide.
+        self.feature_layers = tuple(feature_layers)
+        width = cfg.hidden_size * max(1, len(self.feature_layers))
+        self.features = (torch.zeros(num_blocks * block_size, width,
                                      dtype=torch.float16, device=model.device)
                          if keep_features else None)
 
@@ -91,17 +94,17 @@ class ModelRunner:
 
     @classmethod
     def with_memory(cls, model: LlamaModel, kv_cache_bytes: int, block_size: int = 16,
-                    keep_features: bool = False):
+                    keep_features: bool = False, feature_layers: tuple[int, ...] = ()):
         """Size the cache from a memory budget in bytes (the KV's; features come on top)."""
         num_blocks = kv_cache_bytes // (kv_bytes_per_token(model) * block_size)
         if num_blocks < 1:
             raise ValueError(f"kv cache budget {kv_cache_bytes} B is smaller than one block")
-        return cls(model, int(num_blocks), block_size, keep_features)
+        return cls(model, int(num_blocks), block_size, keep_features, feature_layers)
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], with_hidden: bool = False):
         """Logits [sum(num_logits), vocab] float32, in chunk order. with_hidden: also the
-        final normed hidden state of every new token, [sum(len(token_ids)), hidden]."""
+        features of every new token (LlamaModel.forward), [sum(len(token_ids)), width]."""
         if not chunks:
             raise ValueError("forward needs at least one SeqChunk")
         max_pos = self.model.cfg.max_position_embeddings
@@ -134,7 +137,8 @@ class ModelRunner:
         keep = self.features is not None
         self._before_model(chunks, with_hidden or keep)
         out = self.model.forward(on_device(ids), on_device(positions), meta, self.kv_cache,
-                                 on_device(logit_rows), with_hidden=with_hidden or keep)
+                                 on_device(logit_rows), with_hidden=with_hidden or keep,
+                                 feature_layers=self.feature_layers)
         if not keep:
             return out
         logits, hidden = out  # a tree's rows too: slots stay consecutive, as its KV's

@@ -21,22 +21,26 @@ class TPLeaderRunner(ModelRunner):
     """Rank 0's runner; the workers' runners are built from the "setup" message it sends."""
 
     def __init__(self, model: TPLlamaModel, control: Control, num_blocks: int,
-                 block_size: int = 16, keep_features: bool = False):
-        super().__init__(model, num_blocks, block_size, keep_features)
+                 block_size: int = 16, keep_features: bool = False,
+                 feature_layers: tuple[int, ...] = ()):
+        # feature_layers: rank 0's own (every rank holds the same residual stream; the
+        # workers keep no features)
+        super().__init__(model, num_blocks, block_size, keep_features, feature_layers)
         self.control = control
         with control.lock:
             control.send(("setup", num_blocks, block_size))
 
     @classmethod
     def with_memory(cls, model: TPLlamaModel, kv_cache_bytes: int, block_size: int = 16,
-                    keep_features: bool = False, control: Control | None = None):
+                    keep_features: bool = False, control: Control | None = None,
+                    feature_layers: tuple[int, ...] = ()):
         """Size the cache from each rank's KV budget in bytes (its own heads' KV)."""
         if control is None:
             raise ValueError("a tensor-parallel leader runner needs its Control")
         num_blocks = kv_cache_bytes // (kv_bytes_per_token(model) * block_size)
         if num_blocks < 1:
             raise ValueError(f"kv cache budget {kv_cache_bytes} B is smaller than one block")
-        return cls(model, control, int(num_blocks), block_size, keep_features)
+        return cls(model, control, int(num_blocks), block_size, keep_features, feature_layers)
 
     def forward(self, chunks: list[SeqChunk], with_hidden: bool = False):
         with self.control.lock:  # the heartbeat never lands between a step's messages

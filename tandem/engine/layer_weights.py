@@ -1,0 +1,31 @@
+"""The weights of one decoder layer as the forward reads them (tandem.engine.llama)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.quant import Int8Weight
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor | None  # [hidden]; None: the published EAGLE-1/2 head's layer
+    # The four projections are float tensors, or Int8Weight under --dtype int8.
+    qkv: torch.Tensor | Int8Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
+    o: torch.Tensor | Int8Weight  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor | Int8Weight  # [2 * intermediate, hidden]
+    down: torch.Tensor | Int8Weight  # [hidden, intermediate]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    pre_ff_norm: torch.Tensor | None = None  # [hidden] (Gemma: around the MLP)
+    post_ff_norm: torch.Tensor | None = None  # [hidden]
+
+    PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+    def quantize_int8(self) -> None:
+        for name in self.PROJECTIONS:
+            setattr(self, name, Int8Weight.quantize(getattr(self, name)))
