@@ -9,16 +9,16 @@
 
 One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
 drafted in the verifier's own step, or by the draft worker over the draft link). In each, every
-prompt is asked once per arm (none, ngram, suffix, medusa, eagle, draft_model, auto; where the
-worker drafts, none, ngram and suffix), by category, and two chat prompts beside them, the
-arms' order rotating prompt by prompt so drift hits all alike; later reps ask none, suffix and
-auto again; greedy (or seeded sampling: the same text whatever the
-method), non-streaming. Each arm is its own tenant (an API key each), so suffix caches are
-the arm's own. Rep 0 is every prompt's first ask (the arm's cache holds only other prompts'
-answers); later reps are repeats, where suffix and auto also draft from their own earlier
-answer. Speed is completion tokens over the request's
-wall time; speedup is each arm's total tokens/s over plain's in the same cluster. Copy
-share: the fraction of the plain answer's 12-character spans that occur in the prompt.
+prompt is asked once per arm (none, ngram, suffix, medusa, eagle, draft_model, auto, and
+layer_skip when named in --arms; where the worker drafts, none, ngram and suffix), by category,
+and two chat prompts beside them, the arms' order rotating prompt by prompt so drift hits all
+alike; later reps ask none, suffix and auto again; greedy (or seeded sampling: the same text
+whatever the method), non-streaming. Each arm is its own tenant (an API key each), so suffix
+caches are the arm's own. Rep 0 is every prompt's first ask (the arm's cache holds only other
+prompts' answers); later reps are repeats, where suffix and auto also draft from their own
+earlier answer. Speed is completion tokens over the request's wall time; speedup is each arm's
+total tokens/s over plain's in the same cluster. Copy share: the fraction of the plain answer's
+12-character spans that occur in the prompt.
 """
 from __future__ import annotations
 
@@ -31,7 +31,15 @@ from pathlib import Path
 import httpx
 
 from tools.bench.copy_prompts import PROMPTS
-from tools.bench.copy_report import ARMS, REPEAT_ARMS, WORKER_ARMS, markdown, summarise, write_docs
+from tools.bench.copy_report import (
+    ARMS,
+    OPT_IN_ARMS,
+    REPEAT_ARMS,
+    WORKER_ARMS,
+    markdown,
+    summarise,
+    write_docs,
+)
 from tools.launcher import Cluster, ClusterConfig, free_port
 
 
@@ -68,7 +76,7 @@ def run_place(place: str, reps: int, tokens: int, temperature: float,
     # The worker-drafting cluster is there for ngram and suffix only: auto and the model
     # methods draft the same way in both clusters.
     arms = ARMS if place == "verifier" else WORKER_ARMS
-    arms = tuple(a for a in arms if not only or a in only or a == "none")
+    arms = tuple(a for a in arms if a == "none" or (a in only if only else a not in OPT_IN_ARMS))
     cluster = Cluster(ClusterConfig(gateway_port=free_port(), model=model), log=print,
                       env={"TANDEM_VERIFIER_HISTORY_DRAFTS": place,
                            "TANDEM_API_KEYS": ",".join(key_of(a, j) for a in ARMS
@@ -153,7 +161,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/copy_heavy.json")
     ap.add_argument("--docs", default="", help="also write DOCS/benchmarks-copy.md and a plot")
     ap.add_argument("--arms", default="", help="only these methods beside plain, comma "
-                    "separated (default: all of " + ", ".join(ARMS[1:]) + ")")
+                    "separated (default: all of " +
+                    ", ".join(a for a in ARMS[1:] if a not in OPT_IN_ARMS) + "; " +
+                    ", ".join(OPT_IN_ARMS) + " only when named)")
     ap.add_argument("--model", default="", help="target (default: the default target)")
     ap.add_argument("--first-reps", type=int, default=1, help="independent first asks per "
                     "prompt and arm, each pass as fresh tenants (default 1)")
