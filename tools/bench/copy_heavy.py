@@ -72,7 +72,8 @@ def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.
 
 
 def run_place(place: str, reps: int, tokens: int, temperature: float,
-              only: tuple[str, ...] = (), model: str = "", first_reps: int = 1) -> dict:
+              only: tuple[str, ...] = (), model: str = "", first_reps: int = 1,
+              picks: tuple[int, ...] = ()) -> dict:
     # The worker-drafting cluster is there for ngram and suffix only: auto and the model
     # methods draft the same way in both clusters.
     arms = ARMS if place == "verifier" else WORKER_ARMS
@@ -94,6 +95,8 @@ def run_place(place: str, reps: int, tokens: int, temperature: float,
             # Repeats only where a cache can help (and plain, their baseline).
             asked = arms if rep == 0 else [a for a in arms if a in REPEAT_ARMS]
             for i, prompt in enumerate(PROMPTS):
+                if picks and i not in picks:  # --prompts: a subset
+                    continue
                 k = (i + rep + first_pass) % len(asked)
                 for arm in asked[k:] + asked[:k]:
                     res = ask(cluster.gateway_url, prompt, arm, tokens, temperature, first_pass,
@@ -132,18 +135,19 @@ def verify_curve(counts=(1, 2, 3, 4, 6, 8, 12, 16, 17), model: str = "") -> dict
 def run_workload(tokens: int = 256, reps: int = 2, places=("verifier", "worker"),
                  temperature: float = 0.0, out: Path = Path("results/copy_heavy.json"),
                  docs: Path | None = None, arms: tuple[str, ...] = (), model: str = "",
-                 first_reps: int = 1) -> dict:
+                 first_reps: int = 1, picks: tuple[int, ...] = ()) -> dict:
     """One cluster per place, every prompt and arm; table printed, JSON (and docs) written."""
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "tokens": tokens, "reps": reps,
               "temperature": temperature, "model": model or "default", "first_reps": first_reps,
+              "prompts": list(picks),
               "verify_ms": verify_curve(model=model), "places": {}}
     for place in places:
         result["places"][place] = run_place(place, reps, tokens, temperature, arms, model,
-                                            first_reps)
+                                            first_reps, picks)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))  # first: the table must not lose the run
     table = markdown(result)
     print(table)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     if docs is not None:
         write_docs(result, table, docs)
@@ -167,10 +171,13 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="", help="target (default: the default target)")
     ap.add_argument("--first-reps", type=int, default=1, help="independent first asks per "
                     "prompt and arm, each pass as fresh tenants (default 1)")
+    ap.add_argument("--prompts", default="", help="only these prompts, comma-separated indices "
+                    f"into the {len(PROMPTS)} (default: all)")
     args = ap.parse_args(argv)
     run_workload(args.tokens, args.reps, tuple(args.history.split(",")), args.temperature,
                  Path(args.out), Path(args.docs) if args.docs else None,
-                 tuple(a for a in args.arms.split(",") if a), args.model, args.first_reps)
+                 tuple(a for a in args.arms.split(",") if a), args.model, args.first_reps,
+                 tuple(int(i) for i in args.prompts.split(",") if i))
 
 
 def rerender(path: str, docs: str) -> None:
