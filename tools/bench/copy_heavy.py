@@ -4,7 +4,7 @@
   python benchmarks/copy_heavy.py [--tokens 256] [--reps 2] [--history verifier,worker]
                                   [--temperature 0] [--out results/copy_heavy.json]
                                   [--arms ngram,suffix,auto] [--first-reps 2]
-                                  [--model gemma3-270m]
+                                  [--model gemma3-270m] [--prompts 0,3,12]
                                   [--docs docs]  # writes docs/benchmarks-copy.md + a plot
 
 One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
