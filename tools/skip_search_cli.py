@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tandem.device import place
     from tandem.engine.llama import LlamaModel
-    from tandem.models import resolve_model
+    from tandem.models import generation_eos_ids, resolve_model
     from tools.distill.acceptance import load_prompts
     from tools.distill.corpus import Prompt, encode_prompt
     from tools.skip_search import SearchConfig, search, summary
@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = [encode_prompt(tok, Prompt("chat", t, "search")) for t in texts]
     torch.set_num_threads(args.threads)
     model = LlamaModel.load(paths, at.dtype, device=at.device)
-    stop = tuple(t for t in [tok.eos_token_id] if t is not None)
+    # Every end-of-reply id (Gemma 3 ends a turn with <end_of_turn>, not only <eos>)
+    stop = tuple(dict.fromkeys(generation_eos_ids(paths) + tuple(
+        t for t in [tok.eos_token_id] if t is not None)))
     print(f"searching {cfg.trials} skip sets of {model.cfg.num_layers} layers on "
           f"{min(len(prompts), cfg.num_prompts)} prompts, target on {at}", file=sys.stderr)
     results = search(model, prompts, stop, cfg)

@@ -78,3 +78,38 @@ def test_leviathan_bound_and_ceiling_use_the_measured_verify_cost():
         r["spec"]["rounds"] = 5
     lines = c.bound_table({"verify_ms": {"1": 10.0, "4": 20.0}, "places": {"v": place}})
     assert any(line.startswith("| v | auto | 0.80 | 2.0 |") for line in lines), lines
+
+
+def test_layer_skip_is_an_opt_in_arm_and_a_subset_of_prompts_renders(monkeypatch):
+    from tools.bench import copy_heavy
+
+    asked = []
+    monkeypatch.setattr(copy_heavy, "Cluster", _FakeCluster)
+    monkeypatch.setattr(copy_heavy, "served_model", lambda url: "m")
+
+    def ask(url, prompt, arm, *a, **kw):
+        if prompt in c.PROMPTS:  # not the warm-up
+            asked.append((c.PROMPTS.index(prompt), arm))
+        return {"text": prompt[-60:], "wall_s": 1.0, "tokens": 60, "spec": {}}
+
+    monkeypatch.setattr(copy_heavy, "ask", ask)
+    copy_heavy.run_place("verifier", 1, 60, 0.0)
+    assert "layer_skip" not in {arm for _, arm in asked}  # not by default
+    asked.clear()
+    place = copy_heavy.run_place("verifier", 1, 60, 0.0, ("layer_skip",), picks=(3, 12))
+    assert sorted(set(asked)) == [(i, a) for i in (3, 12) for a in ("layer_skip", "none")]
+    table = c.markdown({"places": {"verifier": place}})
+    assert "| layer_skip |" in table.splitlines()[0] and "**chat** (1 prompts)" in table
+
+
+class _FakeCluster:
+    gateway_url = "http://fake"
+
+    def __init__(self, *a, **kw):
+        pass
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass

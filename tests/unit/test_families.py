@@ -42,10 +42,11 @@ FAMILIES = {
 }
 
 
-def make_checkpoint(path, family):
+def make_checkpoint(path, family, **overrides):
     cfg_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**BASE, **extra))
+    model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**{**BASE, **overrides},
+                                                                  **extra))
     model = model.float().eval()
     with torch.no_grad():  # HF initialises biases and norms to constants, which hides bugs
         for name, p in model.named_parameters():
@@ -182,12 +183,29 @@ def test_llama3_rope_matches_transformers_at_the_published_settings(name, rope):
     assert torch.allclose(rope_inv_freq(ours), want.float(), rtol=1e-6, atol=0), name
 
 
-def test_a_layer_skip_view_keeps_each_kept_layers_window(tmp_path):
+@pytest.mark.parametrize("skip", [(1,), (2,), (1, 3, 4)])
+def test_a_gemma3_layer_skip_view_is_transformers_without_those_layers(tmp_path, skip):
+    """Each kept layer keeps its own window and RoPE base (local on sliding layers, linear
+    scaling on global ones), q/k norms and post-norms: equal to transformers' Gemma 3 with
+    those layers deleted, in a prompt longer than the window."""
+    import copy
+
     from tandem.engine.layer_skip import SkipSet, skip_view
 
-    make_checkpoint(tmp_path, "gemma3")  # sliding, sliding, full, sliding
-    view = skip_view(LlamaModel.load(resolve_model(tmp_path)), SkipSet(4, (1,)))
-    assert [view.cfg.window(i) for i in range(3)] == [10, 0, 10]
-    runner = ModelRunner(view, num_blocks=16, block_size=4)
-    ids = list(range(1, 30))
-    assert runner.forward([SeqChunk(ids, 0, list(range(8)), num_logits=1)]).isfinite().all()
+    hf = make_checkpoint(tmp_path, "gemma3", num_hidden_layers=6)  # s s F s s F
+    kept = [i for i in range(6) if i not in skip]
+    view = skip_view(LlamaModel.load(resolve_model(tmp_path)), SkipSet(6, skip))
+    assert [view.cfg.window(j) for j in range(len(kept))] == \
+        [10 if i % 3 != 2 else 0 for i in kept]
+    pruned = copy.deepcopy(hf)
+    pruned.model.layers = torch.nn.ModuleList([pruned.model.layers[i] for i in kept])
+    pruned.config.layer_types = [hf.config.layer_types[i] for i in kept]
+    pruned.config.num_hidden_layers = len(kept)
+    ids = [(7 * i + 3) % 101 for i in range(29)]
+    with torch.no_grad():
+        want = pruned(torch.tensor([ids]), use_cache=False).logits[0]
+        full = hf(torch.tensor([ids]), use_cache=False).logits[0]
+    got = ModelRunner(view, num_blocks=16, block_size=4).forward(
+        [SeqChunk(ids, 0, list(range(8)), num_logits=len(ids))])
+    assert (got - want).abs().max().item() < 2e-4
+    assert (got - full).abs().max().item() > 1e-2  # the layers really are gone

@@ -4,21 +4,21 @@
   python benchmarks/copy_heavy.py [--tokens 256] [--reps 2] [--history verifier,worker]
                                   [--temperature 0] [--out results/copy_heavy.json]
                                   [--arms ngram,suffix,auto] [--first-reps 2]
-                                  [--model gemma3-270m]
+                                  [--model gemma3-270m] [--prompts 0,3,12]
                                   [--docs docs]  # writes docs/benchmarks-copy.md + a plot
 
 One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
 drafted in the verifier's own step, or by the draft worker over the draft link). In each, every
-prompt is asked once per arm (none, ngram, suffix, medusa, eagle, draft_model, auto; where the
-worker drafts, none, ngram and suffix), by category, and two chat prompts beside them, the
-arms' order rotating prompt by prompt so drift hits all alike; later reps ask none, suffix and
-auto again; greedy (or seeded sampling: the same text whatever the
-method), non-streaming. Each arm is its own tenant (an API key each), so suffix caches are
-the arm's own. Rep 0 is every prompt's first ask (the arm's cache holds only other prompts'
-answers); later reps are repeats, where suffix and auto also draft from their own earlier
-answer. Speed is completion tokens over the request's
-wall time; speedup is each arm's total tokens/s over plain's in the same cluster. Copy
-share: the fraction of the plain answer's 12-character spans that occur in the prompt.
+prompt is asked once per arm (none, ngram, suffix, medusa, eagle, draft_model, auto, and
+layer_skip when named in --arms; where the worker drafts, none, ngram and suffix), by category,
+and two chat prompts beside them, the arms' order rotating prompt by prompt so drift hits all
+alike; later reps ask none, suffix and auto again; greedy (or seeded sampling: the same text
+whatever the method), non-streaming. Each arm is its own tenant (an API key each), so suffix
+caches are the arm's own. Rep 0 is every prompt's first ask (the arm's cache holds only other
+prompts' answers); later reps are repeats, where suffix and auto also draft from their own
+earlier answer. Speed is completion tokens over the request's wall time; speedup is each arm's
+total tokens/s over plain's in the same cluster. Copy share: the fraction of the plain answer's
+12-character spans that occur in the prompt.
 """
 from __future__ import annotations
 
@@ -31,7 +31,15 @@ from pathlib import Path
 import httpx
 
 from tools.bench.copy_prompts import PROMPTS
-from tools.bench.copy_report import ARMS, REPEAT_ARMS, WORKER_ARMS, markdown, summarise, write_docs
+from tools.bench.copy_report import (
+    ARMS,
+    OPT_IN_ARMS,
+    REPEAT_ARMS,
+    WORKER_ARMS,
+    markdown,
+    summarise,
+    write_docs,
+)
 from tools.launcher import Cluster, ClusterConfig, free_port
 
 
@@ -64,11 +72,12 @@ def ask(url: str, prompt: str, method: str, tokens: int, temperature: float = 0.
 
 
 def run_place(place: str, reps: int, tokens: int, temperature: float,
-              only: tuple[str, ...] = (), model: str = "", first_reps: int = 1) -> dict:
+              only: tuple[str, ...] = (), model: str = "", first_reps: int = 1,
+              picks: tuple[int, ...] = ()) -> dict:
     # The worker-drafting cluster is there for ngram and suffix only: auto and the model
     # methods draft the same way in both clusters.
     arms = ARMS if place == "verifier" else WORKER_ARMS
-    arms = tuple(a for a in arms if not only or a in only or a == "none")
+    arms = tuple(a for a in arms if a == "none" or (a in only if only else a not in OPT_IN_ARMS))
     cluster = Cluster(ClusterConfig(gateway_port=free_port(), model=model), log=print,
                       env={"TANDEM_VERIFIER_HISTORY_DRAFTS": place,
                            "TANDEM_API_KEYS": ",".join(key_of(a, j) for a in ARMS
@@ -86,6 +95,8 @@ def run_place(place: str, reps: int, tokens: int, temperature: float,
             # Repeats only where a cache can help (and plain, their baseline).
             asked = arms if rep == 0 else [a for a in arms if a in REPEAT_ARMS]
             for i, prompt in enumerate(PROMPTS):
+                if picks and i not in picks:  # --prompts: a subset
+                    continue
                 k = (i + rep + first_pass) % len(asked)
                 for arm in asked[k:] + asked[:k]:
                     res = ask(cluster.gateway_url, prompt, arm, tokens, temperature, first_pass,
@@ -124,18 +135,19 @@ def verify_curve(counts=(1, 2, 3, 4, 6, 8, 12, 16, 17), model: str = "") -> dict
 def run_workload(tokens: int = 256, reps: int = 2, places=("verifier", "worker"),
                  temperature: float = 0.0, out: Path = Path("results/copy_heavy.json"),
                  docs: Path | None = None, arms: tuple[str, ...] = (), model: str = "",
-                 first_reps: int = 1) -> dict:
+                 first_reps: int = 1, picks: tuple[int, ...] = ()) -> dict:
     """One cluster per place, every prompt and arm; table printed, JSON (and docs) written."""
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "tokens": tokens, "reps": reps,
               "temperature": temperature, "model": model or "default", "first_reps": first_reps,
+              "prompts": list(picks),
               "verify_ms": verify_curve(model=model), "places": {}}
     for place in places:
         result["places"][place] = run_place(place, reps, tokens, temperature, arms, model,
-                                            first_reps)
+                                            first_reps, picks)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))  # first: the table must not lose the run
     table = markdown(result)
     print(table)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     if docs is not None:
         write_docs(result, table, docs)
@@ -153,14 +165,19 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/copy_heavy.json")
     ap.add_argument("--docs", default="", help="also write DOCS/benchmarks-copy.md and a plot")
     ap.add_argument("--arms", default="", help="only these methods beside plain, comma "
-                    "separated (default: all of " + ", ".join(ARMS[1:]) + ")")
+                    "separated (default: all of " +
+                    ", ".join(a for a in ARMS[1:] if a not in OPT_IN_ARMS) + "; " +
+                    ", ".join(OPT_IN_ARMS) + " only when named)")
     ap.add_argument("--model", default="", help="target (default: the default target)")
     ap.add_argument("--first-reps", type=int, default=1, help="independent first asks per "
                     "prompt and arm, each pass as fresh tenants (default 1)")
+    ap.add_argument("--prompts", default="", help="only these prompts, comma-separated indices "
+                    f"into the {len(PROMPTS)} (default: all)")
     args = ap.parse_args(argv)
     run_workload(args.tokens, args.reps, tuple(args.history.split(",")), args.temperature,
                  Path(args.out), Path(args.docs) if args.docs else None,
-                 tuple(a for a in args.arms.split(",") if a), args.model, args.first_reps)
+                 tuple(a for a in args.arms.split(",") if a), args.model, args.first_reps,
+                 tuple(int(i) for i in args.prompts.split(",") if i))
 
 
 def rerender(path: str, docs: str) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tools.bench.copy_prompts import CATEGORIES, CHAT, PROMPTS
 
-ARMS = ("none", "ngram", "suffix", "medusa", "eagle", "draft_model", "auto")
+ARMS = ("none", "ngram", "suffix", "medusa", "eagle", "draft_model", "auto", "layer_skip")
+OPT_IN_ARMS = ("layer_skip",)  # asked only when named in --arms (it rarely pays on a CPU)
 WORKER_ARMS = ("none", "ngram", "suffix")  # where the draft worker does the token-history drafts
 REPEAT_ARMS = ("none", "suffix", "auto")  # asked again: their caches hold the first answer
 
