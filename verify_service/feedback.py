@@ -57,7 +57,11 @@ def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
     if s.num_drafts:
         seq.late_rounds = 0
     source = seq.draft_source if seq.local_drafts else None
-    if reach is not None and source is not None:  # drafted here: that source's correction
+    if source is not None and source is seq.params.auto_draft:  # auto's draft worker chain
+        if s.num_drafts:
+            seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts, accepted)
+            seq.drafted_from.add(source)
+    elif reach is not None and source is not None:  # drafted here: that source's correction
         seq.source_scale[source] = update_tree_scale(seq.source_scale.get(source, 1.0),
                                                      sum(reach[:s.num_drafts]), accepted)
         seq.drafted_from.add(source)
@@ -66,7 +70,7 @@ def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
                                            accepted)
     elif s.num_drafts:
         seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts, accepted)
-    elif s.wanted and linked(seq):  # no draft came in time: a round lost
+    elif s.wanted and linked(seq) and not seq.local_drafts:  # no draft came in time
         seq.late_rounds += 1
         seq.acceptance_ema = update_acceptance(seq.acceptance_ema, 1, 0)
 
