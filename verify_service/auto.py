@@ -105,18 +105,18 @@ def pick(scheduler: Scheduler, seq: Sequence, asked: int = 0) -> None:
     """Take the proposal that promises the most tokens per ms into the session's drafts
     (the only one, for a single-source session); the others are dropped. An auto session's
     worker chain competes when some of it arrived (`asked`: the run-ahead its link was asked
-    for; asked and none came counts as a late round)."""
+    for; waited for and none came is a late round)."""
     proposals, seq.proposals = seq.proposals, {}
     seq.draft_source = None
-    seq.history_misses = 0 if any(m in proposals for m in HISTORY_SOURCES) else \
-        seq.history_misses + 1
+    matched = any(m in proposals for m in HISTORY_SOURCES)
+    seq.history_misses = 0 if matched else seq.history_misses + 1
     k_max = scheduler.k_max(seq)
     if seq.remote and seq.params.auto_draft is not None:
         drafts = seq.remote[:k_max]
         proposals[seq.params.auto_draft] = Proposal(list(drafts), None,
                                                     remote_reach(seq, len(drafts)))
         seq.late_rounds = 0
-    elif asked:
+    elif asked and not matched:  # waited for (verify_service/waits.py), and none came
         seq.late_rounds += 1
     if not proposals or seq.finished:
         return

@@ -80,6 +80,8 @@ def test_nothing_arrived_is_a_late_round_and_nothing_is_taken():
     auto.pick(sched, seq, asked=5)
     assert seq.drafts == [] and seq.late_rounds == 1
     auto.pick(sched, seq, asked=0)  # paused: not asked, not late
+    _history(seq, Method.SUFFIX, [0.9])
+    auto.pick(sched, seq, asked=5)  # the history matched: not waited for, not late
     assert seq.late_rounds == 1
     _remote(seq, 2)
     auto.pick(sched, seq, asked=5)
