@@ -76,7 +76,8 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
     history matches or its drafts are verified, nor before it missed HEADS_AFTER_MISSES
     rounds (the worker then drafts nothing: the link costs a commit message); else the chain
     that pays for its verify cost plus its expected wait (first_ms to the first draft, gap_ms
-    per further one), and one more that may match the bonus token; a probe now and then."""
+    per further one), and one more that may match the bonus token; a probe now and then.
+    Called after the round was recorded: `probing(seq)` is the next round's."""
     remote = seq.params.auto_draft
     if remote is None or seq.finished or seq.draft_source in HISTORY_SOURCES or (
             seq.history_misses < HEADS_AFTER_MISSES and seq.draft_source is not remote):
@@ -84,8 +85,8 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
     k_max = scheduler.k_max(seq)
     k = _paying_chain(seq.scaled_reach(remote, remote_reach(seq, k_max)), scheduler.cost,
                       first_ms, gap_ms)
-    if k == 0 and k_max and probing(seq, 1):  # estimates move: ask for one now and then
-        k = 1
+    if k == 0 and k_max and probing(seq):  # estimates move: ask for one now and then (not
+        k = 1  # waited for: verify_service/waits.py)
     return k + 1 if k else 0
 
 

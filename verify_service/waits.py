@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from verify_service.drafts import DraftSide
 from verify_service.history import HISTORY_SOURCES
-from verify_service.scheduler import Scheduler
+from verify_service.scheduler import Scheduler, probing
 from verify_service.sequence import Sequence
 
 # After this many rounds in a row without the drafts it wanted, a session is no longer waited
@@ -16,10 +16,10 @@ def missing(seq: Sequence, scheduler: Scheduler, drafts: DraftSide) -> int:
     """Draft tokens the session's next round could use that have not arrived. An auto
     session waits only for its draft worker's chain, only when it asked for one
     (verify_service/auto.py) and only in a round its token history has nothing for: what
-    it would not use is never waited for."""
+    it would not use is never waited for, nor a probe's (its chain did not pay its wait)."""
     if seq.local_drafts:
         asked = drafts.asked(seq)
-        if not asked or any(m in seq.proposals for m in HISTORY_SOURCES):
+        if not asked or probing(seq) or any(m in seq.proposals for m in HISTORY_SOURCES):
             return 0
         return asked - 1 - len(seq.remote)  # the one past k is for the bonus token
     if seq.tree_complete:

@@ -118,7 +118,7 @@ def test_a_slow_or_poor_worker_is_not_asked_except_for_a_probe():
     assert auto.remote_run_ahead(sched, seq, 200.0, 50.0) == 0  # the wait costs more
     seq.acceptance_ema = 0.05
     assert auto.remote_run_ahead(sched, seq, 5.0, 1.0) == 0
-    seq.stats.rounds = EXPLORE_EVERY - 2  # the next round is a probe
+    seq.stats.rounds = EXPLORE_EVERY - 1  # the next round is a probe (rounds recorded)
     assert auto.remote_run_ahead(sched, seq, 5.0, 1.0) == 2
     _, plain = _setup(auto_draft=None)
     plain.history_misses = 5
@@ -198,6 +198,9 @@ def test_the_draft_side_files_the_workers_tokens_apart_and_waits_only_when_usefu
         assert missing(seq, sched, side) == 0  # paused: nothing to wait for
         side.commit(seq, seq.num_tokens, [], run_ahead=3)
         assert missing(seq, sched, side) == 2
+        seq.stats.rounds = EXPLORE_EVERY - 1
+        assert missing(seq, sched, side) == 0  # a probe's chain is taken if it is there
+        seq.stats.rounds = 0
         side.on_reply(link, Reply(seq.seq_id, seq.epoch, seq.num_tokens, DraftToken(7, *Q)))
         assert seq.drafts == [] and [d.token_id for d in seq.remote] == [7]
         assert missing(seq, sched, side) == 1
