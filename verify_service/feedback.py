@@ -25,12 +25,13 @@ def observe_cost(scheduler: Scheduler, scheduled: list[ScheduledSeq], wait_ms: f
     Single-session rounds feed the cost model: the whole round, drafting wait and
     sampling included, is what k really costs. Except a draft worker's tree: it is drafted
     only after the commit, so its wait is the session's own (Sequence.tree_wait_ms, which
-    choose_tree_size adds), not a cost of verifying q tokens that chains would share."""
+    choose_tree_size adds), not a cost of verifying q tokens that chains would share; nor
+    an auto session's wait for its draft worker (auto.remote_run_ahead adds it)."""
     if not any(x.is_prefill for x in scheduled):  # the batch plan's curve: whole steps
         scheduler.step_cost.observe(sum(len(x.token_ids) for x in scheduled),
                                     wait_ms + timings.forward_ms + timings.rejection_ms)
     s = scheduled[0]
-    if drafted_tree(s.seq):
+    if drafted_tree(s.seq) or s.seq.local_drafts:  # auto prices its worker's wait itself
         wait_ms = 0.0
     # Keyed by the tokens the forward really ran: a carried round runs only its drafts
     # (none at all when it samples straight from the carried row). A round whose drafts
