@@ -210,3 +210,30 @@ def test_the_draft_side_files_the_workers_tokens_apart_and_waits_only_when_usefu
         assert seq.remote == [] and not side.linked(seq)
 
     asyncio.run(main())
+
+
+def test_auto_draft_method_on_the_wire():
+    from gateway.plan import GenerationPlan
+    from gateway.verifier import build_request
+    from tandem.v1 import common_pb2
+    from verify_service.server import params_from_proto
+
+    info = common_pb2.WorkerInfo(max_speculative_tokens=16, vocab_size=100,
+                                 max_context_length=64)
+    plan = GenerationPlan(session_id="s", prompt_token_ids=(1, 2), sampling=SamplingParams(),
+                          max_new_tokens=4, stop_token_ids=(), ignore_eos=False,
+                          method=Method.AUTO, num_speculative_tokens=0)
+    plain = build_request(plan, [], "")
+    assert plain.speculation.auto_draft_method == common_pb2.SPECULATION_METHOD_UNSPECIFIED
+    assert params_from_proto(plain, info, Method.NONE).auto_draft is None
+    linked = build_request(plan, [], "10.0.0.1:1", Method.EAGLE)
+    assert linked.speculation.auto_draft_method == common_pb2.SPECULATION_METHOD_EAGLE
+    assert params_from_proto(linked, info, Method.NONE).auto_draft is Method.EAGLE
+    for method, auto_draft in ((Method.AUTO, Method.SUFFIX), (Method.DRAFT_MODEL, Method.EAGLE)):
+        bad = build_request(plan, [], "")
+        bad.speculation.method, bad.speculation.auto_draft_method = method, auto_draft
+        with pytest.raises(InvalidArgument):
+            params_from_proto(bad, info, Method.NONE)
+    bad.speculation.method, bad.speculation.auto_draft_method = Method.AUTO, 99
+    with pytest.raises(InvalidArgument):
+        params_from_proto(bad, info, Method.NONE)
