@@ -21,7 +21,8 @@ def missing(seq: Sequence, scheduler: Scheduler, drafts: DraftSide) -> int:
         asked = drafts.asked(seq)
         if not asked or probing(seq) or any(m in seq.proposals for m in HISTORY_SOURCES):
             return 0
-        return asked - 1 - len(seq.remote)  # the one past k is for the bonus token
+        # the one past k is for the bonus token (unless the run-ahead cap took it)
+        return max(1, asked - 1) - len(seq.remote)
     if seq.tree_complete:
         return 0
     return scheduler.desired_k(seq) - len(seq.drafts)
