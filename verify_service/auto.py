@@ -13,8 +13,10 @@ Proposers:
   gateway), that worker's chain (Sequence.remote, apart from the others' drafts): the link
   gets every commit but is asked for drafts (run-ahead > 0) only on the same terms as the
   heads, and only as many as pay for their verify cost plus their expected wait
-  (remote_run_ahead); paused (run-ahead 0) otherwise. Only drafts that arrived within the
-  step's wait bound compete.
+  (remote_run_ahead); paused (run-ahead 0) otherwise, with a probe now and then that is
+  never waited for. Only drafts that arrived within the step's wait bound compete
+  (verify_service/waits.py: none is waited for in a round the history proposes); a worker
+  fault only empties the chain (speculation fails open).
 
 Proposals are compared by expected tokens per ms of verify cost, each at its best size
 (tandem.spec.cost.best_rate): every node's estimated reach times the session's correction for
