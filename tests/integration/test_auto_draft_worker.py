@@ -89,6 +89,19 @@ def test_auto_verifies_the_workers_drafts_where_the_history_has_nothing(
         assert asks[0] == 0 and any(asks)
 
 
+def test_a_worker_that_vanishes_leaves_auto_its_own_proposals(target_model, tokenizer,
+                                                               recorded):
+    prompts = [chat(tokenizer, "Name three rivers.")]
+    eos = (tokenizer.eos_token_id,)
+    plain, _, _, _ = run_sessions(target_model, NO_WORKER, Method.NONE, prompts, GREEDY, 32,
+                                  stop=eos)
+    proposers = {Method.DRAFT_MODEL: DraftModelProposer(ModelRunner(target_model, 256, 16))}
+    got, _, _, link = run_sessions(
+        target_model, proposers, Method.AUTO, prompts, GREEDY, 32, stop=eos, die_after=3,
+        history=HistoryDrafts(8), cost=DearVerify(), auto_draft=Method.DRAFT_MODEL)
+    assert got == plain and not link.alive  # the link broke mid-session: same text
+
+
 def test_the_worker_stays_paused_while_the_history_matches(target_model, tokenizer, recorded):
     text = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor "
             "jugs. How vexingly quick daft zebras jump.")
