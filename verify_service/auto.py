@@ -32,13 +32,15 @@ from __future__ import annotations
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import CostModel, best_rate, choose_tree_size
 from verify_service.history import HISTORY_SOURCES
-from verify_service.scheduler import Scheduler, probing
+from verify_service.scheduler import EXPLORE_EVERY, Scheduler, probing
 from verify_service.sequence import Proposal, Sequence
 
 # Rounds in a row the token history must find nothing before the heads are asked: on copy
 # work a miss is usually one round between two matches, and a heads' pass then (3-4 ms on
 # this CPU, a sixth of a round) is wasted when the next round matches again.
 HEADS_AFTER_MISSES = 2
+# Rounds between probes of a draft worker whose wait alone outweighs what it could bring.
+REMEASURE_EVERY = 8 * EXPLORE_EVERY
 # What a grammar-forced draft is expected to reach: the grammar allows it alone, but the
 # target may spell the same text in other tokens (`{"` or `{` then `"`).
 FORCED_REACH = 0.95
@@ -78,7 +80,10 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
     history matches or its drafts are verified, nor before it missed HEADS_AFTER_MISSES
     rounds (the worker then drafts nothing: the link costs a commit message); else the chain
     that pays for its verify cost plus its expected wait (first_ms to the first draft, gap_ms
-    per further one), and one more that may match the bonus token; a probe now and then.
+    per further one), and one more that may match the bonus token. When none pays, a probe
+    now and then, for the acceptance estimate, only where perfect drafts would pay for their
+    wait; rarer still for the wait estimate: a probe makes the worker catch up on what it
+    skipped while paused, which on a host it shares with the verifier costs the verifier.
     Called after the round was recorded: `probing(seq)` is the next round's."""
     remote = seq.params.auto_draft
     if remote is None or seq.finished or seq.draft_source in HISTORY_SOURCES or (
@@ -87,8 +92,10 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
     k_max = scheduler.k_max(seq)
     k = _paying_chain(seq.scaled_reach(remote, remote_reach(seq, k_max)), scheduler.cost,
                       first_ms, gap_ms)
-    if k == 0 and k_max and probing(seq):  # estimates move: ask for one now and then (not
-        k = 1  # waited for: verify_service/waits.py)
+    if k == 0 and k_max and probing(seq) and (
+            _paying_chain([1.0] * k_max, scheduler.cost, first_ms, gap_ms)
+            or seq.stats.rounds % REMEASURE_EVERY == EXPLORE_EVERY - 1):
+        k = 1  # a probe (never waited for: verify_service/waits.py)
     return k + 1 if k else 0
 
 

@@ -120,6 +120,10 @@ def test_a_slow_or_poor_worker_is_not_asked_except_for_a_probe():
     assert auto.remote_run_ahead(sched, seq, 5.0, 1.0) == 0
     seq.stats.rounds = EXPLORE_EVERY - 1  # the next round is a probe (rounds recorded)
     assert auto.remote_run_ahead(sched, seq, 5.0, 1.0) == 2
+    seq.stats.rounds += EXPLORE_EVERY  # a probe, but even perfect drafts would not pay
+    assert auto.remote_run_ahead(sched, seq, 200.0, 50.0) == 0  # for waiting on them
+    seq.stats.rounds = auto.REMEASURE_EVERY + EXPLORE_EVERY - 1  # ... except rarely
+    assert auto.remote_run_ahead(sched, seq, 200.0, 50.0) == 2
     _, plain = _setup(auto_draft=None)
     plain.history_misses = 5
     assert auto.remote_run_ahead(sched, plain, 0.0, 0.0) == 0  # no worker linked
