@@ -10,10 +10,11 @@ Proposers:
   held, or one that just broke off, is usually there again next round, and the heads' pass
   would be wasted; a stretch without one is where the heads earn their few ms;
 - for auto linked to a draft worker's model method (GenerateParams.auto_draft, chosen by the
-  gateway), that worker's chain (Sequence.remote, apart from the others' drafts): the link
-  gets every commit but is asked for drafts (run-ahead > 0) only on the same terms as the
-  heads, and only as many as pay for their verify cost plus their expected wait
-  (remote_run_ahead); paused (run-ahead 0) otherwise, with a probe now and then that is
+  gateway), that worker's chain (Sequence.remote, apart from the others' drafts): asked for
+  drafts (run-ahead > 0) only on the same terms as the heads, and only as many as pay for
+  their verify cost plus their expected wait (remote_run_ahead); the link opens with the
+  first ask (until then it costs nothing), then gets every commit, paused (run-ahead 0)
+  while the worker is not asked, with a probe now and then that is
   never waited for. Only drafts that arrived within the step's wait bound compete
   (verify_service/waits.py: none is waited for in a round the history proposes); a worker
   fault only empties the chain (speculation fails open).
@@ -32,15 +33,15 @@ from __future__ import annotations
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import CostModel, best_rate, choose_tree_size
 from verify_service.history import HISTORY_SOURCES
-from verify_service.scheduler import EXPLORE_EVERY, Scheduler, probing
+from verify_service.scheduler import EXPLORE_EVERY, Scheduler
 from verify_service.sequence import Proposal, Sequence
 
 # Rounds in a row the token history must find nothing before the heads are asked: on copy
 # work a miss is usually one round between two matches, and a heads' pass then (3-4 ms on
 # this CPU, a sixth of a round) is wasted when the next round matches again.
 HEADS_AFTER_MISSES = 2
-# Rounds between probes of a draft worker whose wait alone outweighs what it could bring.
-REMEASURE_EVERY = 8 * EXPLORE_EVERY
+# Rounds between probes of a draft worker whose chain does not pay.
+PROBE_EVERY = 8 * EXPLORE_EVERY
 # What a grammar-forced draft is expected to reach: the grammar allows it alone, but the
 # target may spell the same text in other tokens (`{"` or `{` then `"`).
 FORCED_REACH = 0.95
@@ -81,10 +82,10 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
     rounds (the worker then drafts nothing: the link costs a commit message); else the chain
     that pays for its verify cost plus its expected wait (first_ms to the first draft, gap_ms
     per further one), and one more that may match the bonus token. When none pays, a probe
-    now and then, for the acceptance estimate, only where perfect drafts would pay for their
-    wait; rarer still for the wait estimate: a probe makes the worker catch up on what it
-    skipped while paused, which on a host it shares with the verifier costs the verifier.
-    Called after the round was recorded: `probing(seq)` is the next round's."""
+    now and then (PROBE_EVERY rounds, rarer than the scheduler's: a probe makes the worker
+    catch up on what it skipped, which on a host it shares with the verifier costs the
+    verifier), so that the estimates can move.
+    Called after the round was recorded: stats.rounds counts the next round."""
     remote = seq.params.auto_draft
     if remote is None or seq.finished or seq.draft_source in HISTORY_SOURCES or (
             seq.history_misses < HEADS_AFTER_MISSES and seq.draft_source is not remote):
@@ -92,9 +93,7 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
     k_max = scheduler.k_max(seq)
     k = _paying_chain(seq.scaled_reach(remote, remote_reach(seq, k_max)), scheduler.cost,
                       first_ms, gap_ms)
-    if k == 0 and k_max and probing(seq) and (
-            _paying_chain([1.0] * k_max, scheduler.cost, first_ms, gap_ms)
-            or seq.stats.rounds % REMEASURE_EVERY == EXPLORE_EVERY - 1):
+    if k == 0 and k_max and seq.stats.rounds % PROBE_EVERY == EXPLORE_EVERY - 1:
         k = 1  # a probe (never waited for: verify_service/waits.py)
     return k + 1 if k else 0
 

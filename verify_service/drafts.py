@@ -88,15 +88,23 @@ class DraftSide:
         return seq.seq_id in self.links
 
     def asked(self, seq: Sequence) -> int:
-        """The run-ahead the session's last commit asked its link for (0: paused, or none)."""
-        return self._run_ahead.get(seq.seq_id, 0) if seq.seq_id in self.links else 0
+        """The run-ahead the session's last commit asked its link (or the one it is opening)
+        for; 0: paused, or no link."""
+        return self._run_ahead.get(seq.seq_id, 0) if self.coming(seq) else 0
+
+    def coming(self, seq: Sequence) -> bool:
+        """Whether drafts may come: a link, or one being opened."""
+        return seq.seq_id in self.links or seq.seq_id in self._attaching
 
     # ---- out: open / commit / close ----------------------------------------------------------
     def attach(self, seq: Sequence) -> None:
-        """Open a draft stream for seq in the background, if it may still have one."""
+        """Open a draft stream for seq in the background, if it may still have one; an auto
+        session's only once a commit asked its worker for drafts (verify_service/auto.py):
+        until then it costs the worker nothing, and the Open brings it in sync."""
         if (self.pool is not None and seq.speculating and not seq.finished
                 and not seq.params.method.in_verifier
-                and (not seq.local_drafts or seq.params.auto_draft is not None)
+                and (not seq.local_drafts or seq.params.auto_draft is not None
+                     and self._run_ahead.get(seq.seq_id, 0) > 0)
                 and seq.draft_attaches_left > 0 and seq.seq_id not in self._attaching
                 and self._clock() >= seq.next_attach_at):
             self._attaching.add(seq.seq_id)
@@ -134,6 +142,8 @@ class DraftSide:
                        grammar=p.grammar, grammar_start=len(p.prompt)))
         if run_ahead == 0:  # a session at k = 0: Open cannot say "none yet", a commit can
             link.send(Commit(seq.seq_id, seq.epoch, seq.num_tokens, [], 0, None))
+        elif seq.local_drafts:  # auto opens when it asks: its first draft is timed from here
+            self._asked_at[seq.seq_id] = time.perf_counter()
 
     def commit(self, seq: Sequence, start: int, tokens: list[int],
                features: Features | None = None, run_ahead: int | None = None) -> None:

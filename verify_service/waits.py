@@ -36,7 +36,8 @@ def draft_wait_limit_ms(running: list[Sequence], scheduler: Scheduler, drafts: D
     limit_ms, waiting, d = 0.0, 0, drafts
     for seq in running:
         n = missing(seq, scheduler, d)
-        if not d.linked(seq) or n <= 0 or seq.late_rounds >= LATE_ROUNDS_NO_WAIT:
+        linked = d.linked(seq) or seq.local_drafts and d.coming(seq)  # (auto opens on asking)
+        if not linked or n <= 0 or seq.late_rounds >= LATE_ROUNDS_NO_WAIT:
             continue  # (drafts of a session that stopped being waited for still count)
         waiting += 1  # the first draft after a commit takes longer than the next ones
         if seq.params.tree and not seq.local_drafts:  # a tree comes at once, when drafted

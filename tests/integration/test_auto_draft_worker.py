@@ -1,7 +1,7 @@
 """auto linked to a real draft worker's model method (GenerateParams.auto_draft): where the
 token history has nothing (chat without repetition) auto verifies the worker's drafts, with
 the plain text (greedy) and the target's distribution (sampled); while the history matches
-the worker is paused (run-ahead 0) but still gets every commit."""
+the worker is not asked (the link opens with the first ask, then gets every commit)."""
 import random
 
 import inproc
@@ -85,8 +85,7 @@ def test_auto_verifies_the_workers_drafts_where_the_history_has_nothing(
     remote = [r for r in recorded if r[0] is Method.DRAFT_MODEL]
     assert remote and link.proposals > 0  # rounds verified the worker's drafts
     assert sum(a for _, _, a in remote) >= 0.8 * sum(n for _, n, _ in remote)  # the target's own
-    for asks in Recording.asks.values():  # asked only after the history missed twice
-        assert asks[0] == 0 and any(asks)
+    assert Recording.asks and all(any(a) for a in Recording.asks.values())
 
 
 def test_a_worker_that_vanishes_leaves_auto_its_own_proposals(target_model, tokenizer,
@@ -102,7 +101,7 @@ def test_a_worker_that_vanishes_leaves_auto_its_own_proposals(target_model, toke
     assert got == plain and not link.alive  # the link broke mid-session: same text
 
 
-def test_the_worker_stays_paused_while_the_history_matches(target_model, tokenizer, recorded):
+def test_the_worker_is_not_asked_while_the_history_matches(target_model, tokenizer, recorded):
     text = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor "
             "jugs. How vexingly quick daft zebras jump.")
     prompt = chat(tokenizer, f"Repeat this text exactly, word for word:\n\n{text}")
@@ -117,9 +116,7 @@ def test_the_worker_stays_paused_while_the_history_matches(target_model, tokeniz
     assert got == plain
     history = [r for r in recorded if r[0] in (Method.SUFFIX, Method.NGRAM)]
     assert history and sum(a for _, _, a in history) > 10  # the copy was drafted from history
-    (asks,) = Recording.asks.values()
-    assert len(asks) >= len(recorded)  # every round's commit went to the worker
-    assert asks.count(0) >= 0.7 * len(asks)  # ... paused, mostly: the history matched
+    assert not Recording.asks  # never even linked: its worker was never asked for drafts
 
 
 class SkewedDraft:

@@ -118,12 +118,10 @@ def test_a_slow_or_poor_worker_is_not_asked_except_for_a_probe():
     assert auto.remote_run_ahead(sched, seq, 200.0, 50.0) == 0  # the wait costs more
     seq.acceptance_ema = 0.05
     assert auto.remote_run_ahead(sched, seq, 5.0, 1.0) == 0
-    seq.stats.rounds = EXPLORE_EVERY - 1  # the next round is a probe (rounds recorded)
-    assert auto.remote_run_ahead(sched, seq, 5.0, 1.0) == 2
-    seq.stats.rounds += EXPLORE_EVERY  # a probe, but even perfect drafts would not pay
-    assert auto.remote_run_ahead(sched, seq, 200.0, 50.0) == 0  # for waiting on them
-    seq.stats.rounds = auto.REMEASURE_EVERY + EXPLORE_EVERY - 1  # ... except rarely
+    seq.stats.rounds = auto.PROBE_EVERY + EXPLORE_EVERY - 1  # the next round is a probe
     assert auto.remote_run_ahead(sched, seq, 200.0, 50.0) == 2
+    seq.stats.rounds += EXPLORE_EVERY  # the scheduler's probe, not the worker's: rarer
+    assert auto.remote_run_ahead(sched, seq, 200.0, 50.0) == 0
     _, plain = _setup(auto_draft=None)
     plain.history_misses = 5
     assert auto.remote_run_ahead(sched, plain, 0.0, 0.0) == 0  # no worker linked
@@ -194,14 +192,20 @@ def test_the_draft_side_files_the_workers_tokens_apart_and_waits_only_when_usefu
         sched, seq = _setup(temperature=1.0)
         side = DraftSide({seq.seq_id: seq}, 100, 4, 8, Pool(Link()))
         side.attach(seq)
+        side.commit(seq, seq.num_tokens, [], run_ahead=0)
+        await asyncio.sleep(0)
+        assert not side.linked(seq)  # not linked until its worker is asked for drafts
+        side.commit(seq, seq.num_tokens, [], run_ahead=3)
         await asyncio.sleep(0)
         link = side.links[seq.seq_id]
-        opened, paused = link.sent
+        (opened,) = link.sent
         assert isinstance(opened, Open) and opened.method is Method.DRAFT_MODEL
-        assert not opened.tree and isinstance(paused, Commit) and paused.max_run_ahead == 0
+        assert not opened.tree and opened.max_run_ahead == 3
+        assert missing(seq, sched, side) == 2
+        side.commit(seq, seq.num_tokens, [], run_ahead=0)  # paused: still told every commit
+        assert isinstance(link.sent[-1], Commit) and link.sent[-1].max_run_ahead == 0
         assert missing(seq, sched, side) == 0  # paused: nothing to wait for
         side.commit(seq, seq.num_tokens, [], run_ahead=3)
-        assert missing(seq, sched, side) == 2
         seq.stats.rounds = EXPLORE_EVERY - 1
         assert missing(seq, sched, side) == 0  # a probe's chain is taken if it is there
         seq.stats.rounds = 0
