@@ -50,7 +50,8 @@ class GatewayConfig:
     # Default speculation method: the first of these that is served (auto: by every verifier;
     # the others: by a live draft worker). auto takes each round's best token-history proposal
     # and drafts nothing where none matches (docs/benchmarks-copy.md); the model drafts after
-    # it are in the measured order (docs/benchmarks.md: draft_model 0.85x, eagle 0.83x).
+    # it are in the measured order (docs/benchmarks.md: draft_model 0.85x, eagle 0.83x), and
+    # the first of them served is also auto's draft worker (gateway/plan.auto_draft_method).
     method_preference: tuple[str, ...] = ("auto", "draft_model", "eagle")
     request_timeout_s: float = 600.0
     # After SIGTERM: how long open streams may run on before uvicorn cancels them.

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, rate_limited, unavailable
 from gateway.logprobs import TokenLogprobs
-from gateway.plan import GenerationPlan
+from gateway.plan import GenerationPlan, auto_draft_method
 from gateway.routing import Assignment, Router
 from gateway.schemas import speculation_stats
 from gateway.sessions import SessionStore
@@ -93,6 +93,7 @@ class _Failover:
         self._last_round = (0, 0)
         self.round_logprobs: tuple[TokenLogprobs, ...] = ()  # of the last round's ids
         self.last_round: RoundEvent | None = None
+        self._auto_draft: Method | None = None  # auto: its draft worker's method (if any)
 
     def stats(self, used: int | None = None) -> dict:
         """Speculation stats over the tokens the client got: `used` of the committed ones
@@ -110,14 +111,13 @@ class _Failover:
         deadline = loop.time() + cfg.request_timeout_s
         excluded: list[str] = []
         last: VerifierLost | None = None
-        # auto drafts in the verifier's own step: no draft worker to assign
-        need_draft = self.plan.method not in (Method.NONE, Method.AUTO)
         for attempt in range(cfg.max_attempts):
             if loop.time() >= deadline:
                 raise APIError(504, "request timed out", code="timeout")
-            assignment = await self.deps.router.assign(self.plan.affinity_key, exclude=excluded,
-                                                       need_draft=need_draft,
-                                                       method=self.plan.method.api_name)
+            draft_method = await self._draft_method()
+            assignment = await self.deps.router.assign(
+                self.plan.affinity_key, exclude=excluded, need_draft=draft_method is not None,
+                method=draft_method.api_name if draft_method else "")
             if assignment is None:
                 break
             address = assignment.verifier.address
@@ -148,6 +148,16 @@ class _Failover:
         reason = f" (last error: {last})" if last else ""
         raise unavailable(f"no verifier available{reason}")
 
+    async def _draft_method(self) -> Method | None:
+        """The method of the draft worker to assign: the plan's; for auto (which drafts in
+        the verifier's own step) the model method it may also take drafts from, if served."""
+        method = self.plan.method
+        if method is Method.AUTO:
+            self._auto_draft = await auto_draft_method(self.deps.router,
+                                                       self.deps.config.method_preference)
+            return self._auto_draft
+        return None if method is Method.NONE else method
+
     async def _resume_from(self) -> list[int]:
         """The committed tokens as the session record has them (the in-memory copy if
         Redis lost writes: those are exactly what the client was shown)."""
@@ -169,7 +179,8 @@ class _Failover:
         await _safe("assign", deps.store.assign(plan.session_id, verifier=addr, draft=draft_addr,
                                                 status="resuming" if attempt else "running"))
         await deps.router.remember(plan.affinity_key, addr)
-        call = deps.channels.generate(addr, plan, committed, draft_addr, timeout)
+        call = deps.channels.generate(addr, plan, committed, draft_addr, timeout,
+                                      auto_draft=self._auto_draft if draft_addr else None)
         deps.router.acquire(addr, *([draft_addr] if draft_addr else []))
         try:
             while not self.finish_reason:

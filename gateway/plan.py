@@ -133,17 +133,36 @@ async def _method(spec: schemas.SpeculationOptions, router: Router,
     none."""
     if spec.method:
         return Method.parse(spec.method)  # cannot fail: the schema allows only API names
-    served = {Method.AUTO.api_name}
-    for d in await router.drafts():
-        served.update(d.methods or _LEGACY_METHODS)
+    served = {Method.AUTO.api_name, *await _served(router)}
     for name in preference:
         if name in served:
             return Method.parse(name)
     return Method.NONE
 
 
+async def auto_draft_method(router: Router, preference: tuple[str, ...]) -> Method | None:
+    """The model method whose draft worker an auto session is also linked to: the first of
+    `preference` that auto may take drafts from (AUTO_DRAFTS) and a live draft worker
+    serves; None (auto drafts in the verifier alone) when there is none."""
+    served = await _served(router)
+    for name in preference:
+        if name in AUTO_DRAFTS and name in served:
+            return Method.parse(name)
+    return None
+
+
+async def _served(router: Router) -> set[str]:
+    """The methods the live draft workers serve."""
+    served: set[str] = set()
+    for d in await router.drafts():
+        served.update(d.methods or _LEGACY_METHODS)
+    return served
+
+
 # What a draft worker that does not advertise its methods serves.
 _LEGACY_METHODS = ("draft_model", "ngram")
+# The draft workers' model methods auto may take drafts from (verify_service/auto.py).
+AUTO_DRAFTS = ("draft_model", "eagle")
 
 
 def resolve_max_tokens(req: schemas.CompletionRequest | schemas.ChatCompletionRequest,

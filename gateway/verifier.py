@@ -20,6 +20,7 @@ from gateway.logprobs import TokenLogprobs
 from gateway.plan import GenerationPlan
 from tandem.grpc_limits import message_options
 from tandem.registry import WorkerRecord
+from tandem.spec.methods import Method
 from tandem.tls import open_channel
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 
@@ -108,8 +109,9 @@ _DRAFT_SHAPES = {None: verify_pb2.DRAFT_SHAPE_UNSPECIFIED, "chain": verify_pb2.D
                  "tree": verify_pb2.DRAFT_SHAPE_TREE}
 
 
-def build_request(plan: GenerationPlan, committed: Sequence[int],
-                  draft_address: str) -> verify_pb2.GenerateRequest:
+def build_request(plan: GenerationPlan, committed: Sequence[int], draft_address: str,
+                  auto_draft: Method | None = None) -> verify_pb2.GenerateRequest:
+    """auto_draft: for an auto session linked to a draft worker, that worker's method."""
     sampling = common_pb2.SamplingParams(temperature=plan.sampling.temperature,
                                          top_k=plan.sampling.top_k, top_p=plan.sampling.top_p)
     if plan.sampling.seed is not None:
@@ -127,7 +129,8 @@ def build_request(plan: GenerationPlan, committed: Sequence[int],
         speculation=verify_pb2.SpeculationConfig(
             method=int(plan.method), num_speculative_tokens=plan.num_speculative_tokens,
             draft_address=draft_address, tenant=plan.tenant, typical_acceptance=typical,
-            draft_shape=_DRAFT_SHAPES[plan.draft_shape]),
+            draft_shape=_DRAFT_SHAPES[plan.draft_shape],
+            auto_draft_method=int(auto_draft) if auto_draft is not None else 0),
         logprobs=plan.logprobs is not None, top_logprobs=plan.logprobs or 0,
         grammar=None if plan.grammar is None else common_pb2.Grammar(
             kind=int(plan.grammar.kind), source=plan.grammar.source))
@@ -181,10 +184,12 @@ class ChannelPool:
         return verify_pb2_grpc.VerifyServiceStub(self._channels[address])
 
     def generate(self, address: str, plan: GenerationPlan, committed: Sequence[int],
-                 draft_address: str, timeout: float) -> GenerateCall:
+                 draft_address: str, timeout: float,
+                 auto_draft: Method | None = None) -> GenerateCall:
         """Start Generate on `address`, resuming after `committed` tokens."""
-        call = self.stub(address).Generate(build_request(plan, committed, draft_address),
-                                           timeout=timeout, metadata=plan.trace_metadata or None)
+        call = self.stub(address).Generate(
+            build_request(plan, committed, draft_address, auto_draft), timeout=timeout,
+            metadata=plan.trace_metadata or None)
         return GenerateCall(call, self._config.stall_timeout_s)
 
     async def describe_verifier(self, address: str) -> WorkerRecord:

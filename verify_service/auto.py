@@ -1,34 +1,47 @@
 """Which proposal a session drafted in the verifier verifies each round; for
 `speculation.method = "auto"`, the best of several.
 
-Proposers, none behind a network hop:
+Proposers:
 - the token history (suffix decoding and n-gram lookup, verify_service/history.py), asked
   every round over the committed tokens;
 - for auto, the Medusa heads when this verifier has them: they run after a step on the row
   that gave the round's last token (verify_service/features.py), only once the history has
   missed a few rounds in a row and not after a round that verified its drafts: a match that
   held, or one that just broke off, is usually there again next round, and the heads' pass
-  would be wasted; a stretch without one is where the heads earn their few ms.
+  would be wasted; a stretch without one is where the heads earn their few ms;
+- for auto linked to a draft worker's model method (GenerateParams.auto_draft, chosen by the
+  gateway), that worker's chain (Sequence.remote, apart from the others' drafts): asked for
+  drafts (run-ahead > 0) only on the same terms as the heads, and only as many as pay for
+  their verify cost plus their expected wait (remote_run_ahead); the link opens with the
+  first ask (until then it costs nothing), then gets every commit, paused (run-ahead 0)
+  while the worker is not asked, with a probe now and then that is
+  never waited for. Only drafts that arrived within the step's wait bound compete
+  (verify_service/waits.py: none is waited for in a round the history proposes); a worker
+  fault only empties the chain (speculation fails open).
 
 Proposals are compared by expected tokens per ms of verify cost, each at its best size
 (tandem.spec.cost.best_rate): every node's estimated reach times the session's correction for
 that source (Sequence.source_scale, learnt from its own rounds), so a proposer that keeps
-over-promising loses the next comparisons.
+over-promising loses the next comparisons. A worker's chain is estimated as draft-worker
+chains are: its k-th token reaches with the session's measured acceptance of that worker's
+drafts (Sequence.acceptance_ema) to the k-th power.
 
 Pure Python, like the scheduler.
 """
 from __future__ import annotations
 
 from tandem.spec import DraftToken, Method
-from tandem.spec.cost import best_rate, choose_tree_size
+from tandem.spec.cost import CostModel, best_rate, choose_tree_size
 from verify_service.history import HISTORY_SOURCES
-from verify_service.scheduler import Scheduler
+from verify_service.scheduler import EXPLORE_EVERY, Scheduler
 from verify_service.sequence import Proposal, Sequence
 
 # Rounds in a row the token history must find nothing before the heads are asked: on copy
 # work a miss is usually one round between two matches, and a heads' pass then (3-4 ms on
 # this CPU, a sixth of a round) is wasted when the next round matches again.
 HEADS_AFTER_MISSES = 2
+# Rounds between probes of a draft worker whose chain does not pay.
+PROBE_EVERY = 8 * EXPLORE_EVERY
 # What a grammar-forced draft is expected to reach: the grammar allows it alone, but the
 # target may spell the same text in other tokens (`{"` or `{` then `"`).
 FORCED_REACH = 0.95
@@ -56,16 +69,66 @@ def head_nodes(scheduler: Scheduler, seq: Sequence, heads_ms: float = 0.0) -> in
                             scheduler.k_max(seq), scheduler.cost, heads_ms)
 
 
-def pick(scheduler: Scheduler, seq: Sequence) -> None:
+def remote_reach(seq: Sequence, n: int) -> list[float]:
+    """A draft worker's chain of n: its k-th token reaches with the session's measured
+    acceptance of that worker's drafts to the k-th power (before source_scale)."""
+    return [seq.acceptance_ema ** (i + 1) for i in range(n)]
+
+
+def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
+                     gap_ms: float) -> int:
+    """Drafts to ask an auto session's draft worker for, for its next round: none while the
+    history matches or its drafts are verified, nor before it missed HEADS_AFTER_MISSES
+    rounds (the worker then drafts nothing: the link costs a commit message); else the chain
+    that pays for its verify cost plus its expected wait (first_ms to the first draft, gap_ms
+    per further one), and one more that may match the bonus token. When none pays, a probe
+    now and then (PROBE_EVERY rounds, rarer than the scheduler's: a probe makes the worker
+    catch up on what it skipped, which on a host it shares with the verifier costs the
+    verifier), so that the estimates can move.
+    Called after the round was recorded: stats.rounds counts the next round."""
+    remote = seq.params.auto_draft
+    if remote is None or seq.finished or seq.draft_source in HISTORY_SOURCES or (
+            seq.history_misses < HEADS_AFTER_MISSES and seq.draft_source is not remote):
+        return 0
+    k_max = scheduler.k_max(seq)
+    k = _paying_chain(seq.scaled_reach(remote, remote_reach(seq, k_max)), scheduler.cost,
+                      first_ms, gap_ms)
+    if k == 0 and k_max and seq.stats.rounds % PROBE_EVERY == EXPLORE_EVERY - 1:
+        k = 1  # a probe (never waited for: verify_service/waits.py)
+    return k + 1 if k else 0
+
+
+def _paying_chain(reach: list[float], cost: CostModel, first_ms: float, gap_ms: float) -> int:
+    """The chain size with the most expected tokens per ms, its drafting wait included; 0
+    when plain decoding's rate is better."""
+    best_n, best, gain = 0, 1.0 / cost.cost(1), 1.0
+    for n, r in enumerate(reach, 1):
+        gain += r
+        rate = gain / (cost.cost(n + 1) + first_ms + (n - 1) * gap_ms)
+        if rate > best * 1.001:
+            best_n, best = n, rate
+    return best_n
+
+
+def pick(scheduler: Scheduler, seq: Sequence, asked: int = 0) -> None:
     """Take the proposal that promises the most tokens per ms into the session's drafts
-    (the only one, for a single-source session); the others are dropped."""
+    (the only one, for a single-source session); the others are dropped. An auto session's
+    worker chain competes when some of it arrived (`asked`: the run-ahead its link was asked
+    for; waited for and none came is a late round)."""
     proposals, seq.proposals = seq.proposals, {}
     seq.draft_source = None
-    seq.history_misses = 0 if any(m in proposals for m in HISTORY_SOURCES) else \
-        seq.history_misses + 1
+    matched = any(m in proposals for m in HISTORY_SOURCES)
+    seq.history_misses = 0 if matched else seq.history_misses + 1
+    k_max = scheduler.k_max(seq)
+    if seq.remote and seq.params.auto_draft is not None:
+        drafts = seq.remote[:k_max]
+        proposals[seq.params.auto_draft] = Proposal(list(drafts), None,
+                                                    remote_reach(seq, len(drafts)))
+        seq.late_rounds = 0
+    elif asked and not matched:  # waited for (verify_service/waits.py), and none came
+        seq.late_rounds += 1
     if not proposals or seq.finished:
         return
-    k_max = scheduler.k_max(seq)
     source = max(proposals, key=lambda m: best_rate(
         seq.scaled_reach(m, proposals[m].reach), k_max, scheduler.cost))
     chosen = proposals[source]

@@ -87,11 +87,24 @@ class DraftSide:
     def linked(self, seq: Sequence) -> bool:
         return seq.seq_id in self.links
 
+    def asked(self, seq: Sequence) -> int:
+        """The run-ahead the session's last commit asked its link (or the one it is opening)
+        for; 0: paused, or no link."""
+        return self._run_ahead.get(seq.seq_id, 0) if self.coming(seq) else 0
+
+    def coming(self, seq: Sequence) -> bool:
+        """Whether drafts may come: a link, or one being opened."""
+        return seq.seq_id in self.links or seq.seq_id in self._attaching
+
     # ---- out: open / commit / close ----------------------------------------------------------
     def attach(self, seq: Sequence) -> None:
-        """Open a draft stream for seq in the background, if it may still have one."""
+        """Open a draft stream for seq in the background, if it may still have one; an auto
+        session's only once a commit asked its worker for drafts (verify_service/auto.py):
+        until then it costs the worker nothing, and the Open brings it in sync."""
         if (self.pool is not None and seq.speculating and not seq.finished
-                and not seq.params.method.in_verifier and not seq.local_drafts
+                and not seq.params.method.in_verifier
+                and (not seq.local_drafts or seq.params.auto_draft is not None
+                     and self._run_ahead.get(seq.seq_id, 0) > 0)
                 and seq.draft_attaches_left > 0 and seq.seq_id not in self._attaching
                 and self._clock() >= seq.next_attach_at):
             self._attaching.add(seq.seq_id)
@@ -100,7 +113,7 @@ class DraftSide:
     async def _attach(self, seq: Sequence) -> None:
         try:
             # A method this process serves itself goes to its own worker first.
-            link = await self.pool.get(self.local.get(seq.params.method)
+            link = await self.pool.get(self.local.get(seq.link_method)
                                        or seq.params.draft_address)
         finally:
             self._attaching.discard(seq.seq_id)
@@ -114,18 +127,23 @@ class DraftSide:
         seq.attach_misses = 0
         seq.draft_attaches_left -= 1  # given back by the stream's first draft (on_reply)
         self.links[seq.seq_id] = link
-        seq.clear_drafts()
+        seq.drop_link_drafts()
         seq.late_rounds = 0  # a new stream gets waited for again
         p, s = seq.params, seq.params.sampling
         run_ahead = self._run_ahead.get(seq.seq_id)  # the last commit's ask, if any
+        if run_ahead is None and seq.local_drafts:
+            run_ahead = 0  # auto: no drafts until its history misses (verify_service/auto.py)
         link.send(Open(session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                       method=p.method, max_run_ahead=run_ahead or self.max_run_ahead,
+                       method=seq.link_method, max_run_ahead=run_ahead or self.max_run_ahead,
                        top_n=self.top_n, trace_context=p.trace_context,
-                       features=seq.all_features(), tenant=p.tenant, tree=p.tree,
+                       features=seq.all_features(), tenant=p.tenant,
+                       tree=bool(p.tree) and not seq.local_drafts,  # auto's worker: chains
                        grammar=p.grammar, grammar_start=len(p.prompt)))
         if run_ahead == 0:  # a session at k = 0: Open cannot say "none yet", a commit can
             link.send(Commit(seq.seq_id, seq.epoch, seq.num_tokens, [], 0, None))
+        elif seq.local_drafts:  # auto opens when it asks: its first draft is timed from here
+            self._asked_at[seq.seq_id] = time.perf_counter()
 
     def commit(self, seq: Sequence, start: int, tokens: list[int],
                features: Features | None = None, run_ahead: int | None = None) -> None:
@@ -168,10 +186,10 @@ class DraftSide:
             self._detach(seq, close=True)
             return
         if reply.tree is None:
-            if len(seq.drafts) >= self.max_run_ahead:  # more than any limit it was given
+            if len(seq.link_drafts) >= self.max_run_ahead:  # more than any limit it was given
                 self._detach(seq, close=True)
                 return
-            seq.drafts.append(token)
+            seq.link_drafts.append(token)
         else:
             seq.add_node(token, reply.tree.parent, reply.tree.path_prob, reply.tree.last)
         seq.draft_attaches_left = DRAFT_ATTACHES  # this stream works
@@ -187,7 +205,7 @@ class DraftSide:
 
     def _checked(self, seq: Sequence, p: Proposal) -> DraftToken | None:
         """The proposal's token if it is well formed and where it belongs, else None."""
-        if seq.params.tree != (p.tree is not None):
+        if (bool(seq.params.tree) and not seq.local_drafts) != (p.tree is not None):
             return None  # a chain token for a tree session, or a tree node for a chain one
         if p.tree is None:
             if p.position != seq.next_draft_position():
@@ -229,7 +247,7 @@ class DraftSide:
         link = self.links.pop(seq.seq_id)
         if close:
             link.send(Close(seq.seq_id))
-        seq.clear_drafts()
+        seq.drop_link_drafts()
         seq.epoch += 1
 
     def on_link_broken(self, link: Link) -> None:
@@ -240,7 +258,7 @@ class DraftSide:
                 del self.links[seq_id]
                 seq = self.sessions.get(seq_id)
                 if seq is not None:
-                    seq.clear_drafts()
+                    seq.drop_link_drafts()
                     seq.epoch += 1
 
     async def close(self) -> None:

@@ -29,11 +29,9 @@ from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import GenerateParams, Sequence
 from verify_service.sessions import RoundOutput, SessionTable
 from verify_service.step import RoundOutcome, StepInput, StepTimings
+from verify_service.waits import draft_wait_limit_ms
 
 log = logging.getLogger(__name__)
-# After this many rounds in a row without the drafts it wanted, a session is no longer waited
-# for (a draft worker that is partitioned or overloaded); drafts that do come are still used.
-_LATE_ROUNDS_NO_WAIT = 2
 
 
 @dataclass(frozen=True)
@@ -100,8 +98,9 @@ class Engine:
 
     async def step(self) -> None:
         """One round for every running session."""
-        wait_ms = await self._wait_for_drafts()  # 1. drafts: bounded wait for arrivals
-        self._draft_locally()  # ... and the token-history ones made here, at no wait
+        local = self._draft_locally()  # 1. drafts: the token-history ones made here, ...
+        wait_ms = await self._wait_for_drafts()  # ... a bounded wait for arrivals, ...
+        self._pick(local)  # ... and each local session's pick among its proposals
         sched = self.scheduler.schedule()  # 2. schedule: batch, k per session, preemption
         for seq in sched.preempted:  # its draft session restarts after re-admission
             self.drafts.commit(seq, seq.num_tokens, [])
@@ -128,15 +127,19 @@ class Engine:
             else:
                 self._apply(s, outcome, wait_ms, timings)
 
-    def _draft_locally(self) -> None:
-        if self.history is not None:
-            seqs = [s for s in self.scheduler.running if s.local_drafts
-                    and not s.drafts and not s.prefill_left and not s.finished]
-            self.history.fill(seqs, self.scheduler.k_max)
-            for seq in seqs:  # one proposal each (auto: the best of several)
-                auto.pick(self.scheduler, seq)
-                if self.config.forced_drafts:
-                    auto.grammar_forced(seq, self.scheduler.k_max(seq))
+    def _draft_locally(self) -> list[Sequence]:
+        if self.history is None:
+            return []
+        seqs = [s for s in self.scheduler.running if s.local_drafts
+                and not s.drafts and not s.prefill_left and not s.finished]
+        self.history.fill(seqs, self.scheduler.k_max)
+        return seqs
+
+    def _pick(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:  # one proposal each (auto: the best of several)
+            auto.pick(self.scheduler, seq, self.drafts.asked(seq))
+            if self.config.forced_drafts:
+                auto.grammar_forced(seq, self.scheduler.k_max(seq))
 
     async def _execute(self, inputs: list[StepInput]):
         return await asyncio.get_running_loop().run_in_executor(
@@ -176,25 +179,9 @@ class Engine:
             except asyncio.TimeoutError:
                 return (time.perf_counter() - start) * 1e3
 
-    def _draft_wait_limit_ms(self) -> float:
-        """How long this step may wait for drafts: what the slowest session needs, scaled by
-        the share of the batch that is waiting, since everyone else waits for nothing (one
-        session's late drafts cost seven others 1/8 of its allowance, not all of it)."""
-        limit_ms, waiting, running = 0.0, 0, self.scheduler.running
-        d = self.drafts
-        for seq in running:
-            missing = (0 if seq.tree_complete else
-                       self.scheduler.desired_k(seq) - len(seq.drafts))
-            if not d.linked(seq) or missing <= 0 or seq.late_rounds >= _LATE_ROUNDS_NO_WAIT:
-                continue  # (drafts of a session that stopped being waited for still count)
-            waiting += 1  # the first draft after a commit takes longer than the next ones
-            if seq.params.tree:  # a tree comes at once, after its own drafting time
-                expected = max(seq.tree_wait_ms, d.first.ms)
-            else:
-                expected = (missing * d.arrival.ms if seq.drafts else
-                            d.first.ms + (missing - 1) * d.arrival.ms)
-            limit_ms = max(limit_ms, min(self.config.max_draft_wait_ms, 1.5 * expected))
-        return limit_ms * waiting / len(running) if running else 0.0
+    def _draft_wait_limit_ms(self) -> float:  # verify_service/waits.py
+        return draft_wait_limit_ms(self.scheduler.running, self.scheduler, self.drafts,
+                                   self.config.max_draft_wait_ms)
 
     def _step_input(self, s: ScheduledSeq) -> StepInput:
         seq = s.seq
@@ -206,7 +193,7 @@ class Engine:
             seq.seq_id)), drafts, seq.params.sampling,
             carried=self.table.carried.get(seq.seq_id) if seq.carried else None,
             sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
-            want_features=seq.params.method.needs_features, partial=s.partial,
+            want_features=seq.needs_features, partial=s.partial,
             prefill=s.is_prefill and not s.partial,
             # The heads cost a few ms: only the nodes the next round may verify.
             propose_tree=self._head_nodes(s), propose_chain=not seq.params.tree,
@@ -232,7 +219,7 @@ class Engine:
                 and not seq.params.tree  # a tree's nodes beyond k are not the next draft
                 and seq.params.logprobs is None  # a carried row has no logits to report
                 and seq.grammar is None  # masks are made per round, from the root
-                and self.drafts.linked(seq)
+                and self.drafts.linked(seq) and not seq.local_drafts  # (auto: afresh)
                 and len(seq.output) + k < seq.params.max_new_tokens)
 
     def _apply(self, s: ScheduledSeq, outcome: RoundOutcome, wait_ms: float,
@@ -275,6 +262,9 @@ class Engine:
         """Drafts worth having ready for the session's next round: its k, plus one that may
         match the bonus token; none while its speculation is off (k = 0) until a probe round.
         Drafting more only burns the draft worker's time (on a shared host, the verifier's)."""
+        if seq.local_drafts:  # auto's draft worker: only when its chain may be picked
+            return auto.remote_run_ahead(self.scheduler, seq, self.drafts.first.ms,
+                                         self.drafts.arrival.ms)
         k = self.scheduler.desired_k(seq)
         if seq.params.tree and k:  # a whole tree: the verifier sizes it once it arrives
             return self.scheduler.k_max(seq)

@@ -25,12 +25,13 @@ def observe_cost(scheduler: Scheduler, scheduled: list[ScheduledSeq], wait_ms: f
     Single-session rounds feed the cost model: the whole round, drafting wait and
     sampling included, is what k really costs. Except a draft worker's tree: it is drafted
     only after the commit, so its wait is the session's own (Sequence.tree_wait_ms, which
-    choose_tree_size adds), not a cost of verifying q tokens that chains would share."""
+    choose_tree_size adds), not a cost of verifying q tokens that chains would share; nor
+    an auto session's wait for its draft worker (auto.remote_run_ahead adds it)."""
     if not any(x.is_prefill for x in scheduled):  # the batch plan's curve: whole steps
         scheduler.step_cost.observe(sum(len(x.token_ids) for x in scheduled),
                                     wait_ms + timings.forward_ms + timings.rejection_ms)
     s = scheduled[0]
-    if drafted_tree(s.seq):
+    if drafted_tree(s.seq) or s.seq.local_drafts:  # auto prices its worker's wait itself
         wait_ms = 0.0
     # Keyed by the tokens the forward really ran: a carried round runs only its drafts
     # (none at all when it samples straight from the carried row). A round whose drafts
@@ -57,7 +58,11 @@ def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
     if s.num_drafts:
         seq.late_rounds = 0
     source = seq.draft_source if seq.local_drafts else None
-    if reach is not None and source is not None:  # drafted here: that source's correction
+    if source is not None and source is seq.params.auto_draft:  # auto's draft worker chain
+        if s.num_drafts:
+            seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts, accepted)
+            seq.drafted_from.add(source)
+    elif reach is not None and source is not None:  # drafted here: that source's correction
         seq.source_scale[source] = update_tree_scale(seq.source_scale.get(source, 1.0),
                                                      sum(reach[:s.num_drafts]), accepted)
         seq.drafted_from.add(source)
@@ -66,7 +71,7 @@ def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
                                            accepted)
     elif s.num_drafts:
         seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts, accepted)
-    elif s.wanted and linked(seq):  # no draft came in time: a round lost
+    elif s.wanted and linked(seq) and not seq.local_drafts:  # no draft came in time
         seq.late_rounds += 1
         seq.acceptance_ema = update_acceptance(seq.acceptance_ema, 1, 0)
 

@@ -264,7 +264,7 @@ class Scheduler:
             tokens = seq.tokens
             # EAGLE sessions need the target's hidden state of every position: cache hits
             # and chunks only where the runner keeps every cached token's features.
-            use_cache = self.config.features_cached or not seq.params.method.needs_features
+            use_cache = self.config.features_cached or not seq.needs_features
             chunked = use_cache and self.config.prefill_chunk_tokens > 0
             busy = have_work or bool(out)
             if busy and (budget < 1 if chunked else len(tokens) > budget):

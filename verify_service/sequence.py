@@ -18,9 +18,10 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Features, Method
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
-
-
 DRAFT_ATTACHES = 3
+# The draft workers' methods whose drafts an auto session may take beside its own (model
+# drafts: what the verifier cannot draft itself).
+AUTO_DRAFT_METHODS = frozenset({Method.DRAFT_MODEL, Method.EAGLE})
 
 
 class SeqStatus(enum.Enum):
@@ -52,6 +53,9 @@ class GenerateParams:
     # (the servicer always decides, from the request and the server's --draft-shape).
     tree: bool | None = None
     grammar: GrammarSpec | None = None  # structured output: the text follows it
+    # auto only: the model method of the draft worker at draft_address whose drafts auto may
+    # also take (verify_service/auto.py); None: auto drafts in the verifier alone.
+    auto_draft: Method | None = None
 
     def __post_init__(self):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -87,6 +91,10 @@ class GenerateParams:
             if self.method is not Method.MEDUSA:
                 raise InvalidArgument("typical_acceptance applies to the medusa method only, "
                                       f"not {self.method.api_name}")
+        if self.auto_draft is not None and (self.method is not Method.AUTO or
+                                            self.auto_draft not in AUTO_DRAFT_METHODS):
+            raise InvalidArgument(f"auto_draft_method {self.auto_draft!r} needs method auto "
+                                  f"and draft_model or eagle, not {self.method.api_name}")
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,9 @@ class Sequence:
     source_scale: dict[Method, float] = field(default_factory=dict)
     drafted_from: set[Method] = field(default_factory=set)
     history_misses: int = 0  # rounds in a row the token history proposed nothing
+    # auto linked to a draft worker (params.auto_draft): the worker's chain, contiguous from
+    # num_tokens, kept apart from `drafts` until auto.pick copies it there as a proposal.
+    remote: list[DraftToken] = field(default_factory=list)
     # Chunked prefill: tokens whose KV is still to be computed (their slots are allocated);
     # 0 = prefilled, decoding. A session is not sampled until its last chunk.
     prefill_left: int = 0
@@ -177,8 +188,26 @@ class Sequence:
     def speculating(self) -> bool:
         return self.params.method is not Method.NONE
 
+    @property
+    def link_method(self) -> Method:
+        """The method a draft link of this session drafts (auto: its worker's model method)."""
+        return self.params.auto_draft or self.params.method
+
+    @property
+    def needs_features(self) -> bool:
+        """Whether the target's hidden states go with its commits (EAGLE, MTP; auto linked
+        to an EAGLE worker)."""
+        return self.link_method.needs_features
+
+    @property
+    def link_drafts(self) -> list[DraftToken]:  # an auto session's own buffer, or drafts
+        return self.remote if self.local_drafts else self.drafts
+
     def next_draft_position(self) -> int:
-        return self.num_tokens + len(self.drafts)
+        return self.num_tokens + len(self.link_drafts)
+
+    def drop_link_drafts(self) -> None:  # what the draft link sent (stream opened or broken)
+        self.remote.clear() if self.local_drafts else self.clear_drafts()
 
     def commit(self, accepted: list[int], next_token: int | None) -> list[int]:
         """Append a round's tokens, cut at a stop token or the length limit; returns them.
@@ -200,7 +229,10 @@ class Sequence:
                 new, self.finish_reason = new[:budget], "length"
         self.output.extend(new)
         k = len(accepted)
-        if self.params.tree or self.params.method.in_verifier or self.local_drafts:
+        if self.local_drafts and self.params.auto_draft is not None:
+            self.clear_drafts(remote=False)  # drafted afresh each round; the worker's chain
+            self._advance_remote(new)  # goes on if it holds what was committed
+        elif self.params.tree or self.params.method.in_verifier or self.local_drafts:
             self.clear_drafts()  # a tree (any in-verifier draft) is drafted afresh each round,
             self.epoch += 1  # in a new epoch: late nodes of this one are dropped
         elif next_token is None:
@@ -212,13 +244,22 @@ class Sequence:
             self.drafts = []
         return new
 
+    def _advance_remote(self, new: list[int]) -> None:
+        """The worker's chain after a commit of `new`: its rest when it began with them
+        (the worker's run-ahead goes on, same epoch), else void in a new epoch."""
+        held = [d.token_id for d in self.remote[:len(new)]] == new
+        self.remote, self.epoch = (self.remote[len(new):], self.epoch) if held else \
+            ([], self.epoch + 1)
+
     def scaled_reach(self, source: Method | None, reach) -> list[float]:
         """A source's per-node reach estimates corrected by what this session measured of it
         (source_scale; 1 for a source it has not drafted from)."""
         scale = self.source_scale.get(source, 1.0)
         return [min(1.0, r * scale) for r in reach]
 
-    def clear_drafts(self) -> None:
+    def clear_drafts(self, remote: bool = True) -> None:
+        if remote:  # (auto) the worker's chain too
+            self.remote.clear()
         if self.draft_reach:
             self.last_reach = tuple(self.draft_reach)
         self.drafts, self.draft_parents = [], None

@@ -89,7 +89,9 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
             (spec.typical_acceptance.posterior_threshold, spec.typical_acceptance.posterior_alpha)
             if spec.HasField("typical_acceptance") else None),
         logprobs=req.top_logprobs if req.logprobs else None,
-        tree=_tree(spec.draft_shape, method, tree_methods), grammar=_grammar(req))
+        tree=_tree(spec.draft_shape, method, tree_methods), grammar=_grammar(req),
+        auto_draft=(Method.from_wire(spec.auto_draft_method)
+                    if spec.auto_draft_method != Method.UNSPECIFIED else None))
 
 
 def _grammar(req: verify_pb2.GenerateRequest) -> GrammarSpec | None:

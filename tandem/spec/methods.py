@@ -21,7 +21,8 @@ class Method(enum.IntEnum):
     MTP = 6  # the target checkpoint's own multi-token-prediction module (draft worker)
     LAYER_SKIP = 7  # the target minus a searched set of layers (in the verifier's process)
     MEDUSA = 8  # heads on the target's last hidden state proposing a tree (in the verifier)
-    # Each round the best proposal made in the verifier: suffix or ngram, else Medusa heads.
+    # Each round the best proposal by tokens per ms: suffix or ngram made in the verifier, else
+    # Medusa heads, else (linked by the gateway to a draft_model / eagle worker) its drafts.
     AUTO = 9
 
     @property

@@ -39,20 +39,22 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SpeculationConfig(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "draft_address", "tenant", "typical_acceptance", "draft_shape")
+    __slots__ = ("method", "num_speculative_tokens", "draft_address", "tenant", "typical_acceptance", "draft_shape", "auto_draft_method")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TYPICAL_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    AUTO_DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
     method: _common_pb2.SpeculationMethod
     num_speculative_tokens: int
     draft_address: str
     tenant: str
     typical_acceptance: TypicalAcceptance
     draft_shape: DraftShape
-    def __init__(self, method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_address: _Optional[str] = ..., tenant: _Optional[str] = ..., typical_acceptance: _Optional[_Union[TypicalAcceptance, _Mapping]] = ..., draft_shape: _Optional[_Union[DraftShape, str]] = ...) -> None: ...
+    auto_draft_method: _common_pb2.SpeculationMethod
+    def __init__(self, method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_address: _Optional[str] = ..., tenant: _Optional[str] = ..., typical_acceptance: _Optional[_Union[TypicalAcceptance, _Mapping]] = ..., draft_shape: _Optional[_Union[DraftShape, str]] = ..., auto_draft_method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ...) -> None: ...
 
 class TypicalAcceptance(_message.Message):
     __slots__ = ("posterior_threshold", "posterior_alpha")

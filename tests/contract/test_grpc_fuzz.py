@@ -74,6 +74,10 @@ def refusal(req: verify_pb2.GenerateRequest) -> str | None:
         (typical and not (0 < t.posterior_threshold <= 1 and 0 <= t.posterior_alpha <= 1),
          "typical"),
         (typical and spec.method != common_pb2.SPECULATION_METHOD_MEDUSA, "typical method"),
+        (spec.auto_draft_method and not (
+            spec.method == common_pb2.SPECULATION_METHOD_AUTO and spec.auto_draft_method in (
+                common_pb2.SPECULATION_METHOD_DRAFT_MODEL, common_pb2.SPECULATION_METHOD_EAGLE)),
+         "auto_draft_method"),
     ]
     return next((why for bad, why in checks if bad), None)
 

@@ -1,0 +1,49 @@
+"""How long a step may wait for draft tokens that are on their way (verify_service/engine.py
+asks before each step). Pure Python, like the scheduler."""
+from __future__ import annotations
+
+from verify_service.drafts import DraftSide
+from verify_service.history import HISTORY_SOURCES
+from verify_service.scheduler import Scheduler, probing
+from verify_service.sequence import Sequence
+
+# After this many rounds in a row without the drafts it wanted, a session is no longer waited
+# for (a draft worker that is partitioned or overloaded); drafts that do come are still used.
+LATE_ROUNDS_NO_WAIT = 2
+
+
+def missing(seq: Sequence, scheduler: Scheduler, drafts: DraftSide) -> int:
+    """Draft tokens the session's next round could use that have not arrived. An auto
+    session waits only for its draft worker's chain, only when it asked for one
+    (verify_service/auto.py) and only in a round its token history has nothing for: what
+    it would not use is never waited for, nor a probe's (its chain did not pay its wait)."""
+    if seq.local_drafts:
+        asked = drafts.asked(seq)
+        if not asked or probing(seq) or any(m in seq.proposals for m in HISTORY_SOURCES):
+            return 0
+        # the one past k is for the bonus token (unless the run-ahead cap took it)
+        return max(1, asked - 1) - len(seq.remote)
+    if seq.tree_complete:
+        return 0
+    return scheduler.desired_k(seq) - len(seq.drafts)
+
+
+def draft_wait_limit_ms(running: list[Sequence], scheduler: Scheduler, drafts: DraftSide,
+                        max_wait_ms: float) -> float:
+    """How long this step may wait for drafts: what the slowest session needs, scaled by
+    the share of the batch that is waiting, since everyone else waits for nothing (one
+    session's late drafts cost seven others 1/8 of its allowance, not all of it)."""
+    limit_ms, waiting, d = 0.0, 0, drafts
+    for seq in running:
+        n = missing(seq, scheduler, d)
+        linked = d.linked(seq) or seq.local_drafts and d.coming(seq)  # (auto opens on asking)
+        if not linked or n <= 0 or seq.late_rounds >= LATE_ROUNDS_NO_WAIT:
+            continue  # (drafts of a session that stopped being waited for still count)
+        waiting += 1  # the first draft after a commit takes longer than the next ones
+        if seq.params.tree and not seq.local_drafts:  # a tree comes at once, when drafted
+            expected = max(seq.tree_wait_ms, d.first.ms)
+        else:
+            have = len(seq.link_drafts)
+            expected = n * d.arrival.ms if have else d.first.ms + (n - 1) * d.arrival.ms
+        limit_ms = max(limit_ms, min(max_wait_ms, 1.5 * expected))
+    return limit_ms * waiting / len(running) if running else 0.0
