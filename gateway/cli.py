@@ -57,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
              ",".join(d.method_preference),
              help="default speculation method: the first of these (comma list) that is served "
                   "(auto by every verifier, the others by a live draft worker) [%(default)s]")
+    add_flag(p, "--auto-model-drafts", "TANDEM_GATEWAY_AUTO_MODEL_DRAFTS", d.auto_model_drafts,
+             boolean, nargs="?", const=True, metavar="on|off",
+             help="auto sessions may also take the model drafts of the preferred draft "
+                  "worker (off where the worker shares the verifier's compute)")
     add_flag(p, "--request-timeout", "TANDEM_GATEWAY_REQUEST_TIMEOUT", d.request_timeout_s,
              float, "seconds per request")
     add_flag(p, "--shutdown-grace-s", "TANDEM_GATEWAY_SHUTDOWN_GRACE_S", None, float,
@@ -113,6 +117,7 @@ def build_config(args, redis_url: str, model_root) -> GatewayConfig:
         default_speculative_tokens=args.default_speculative_tokens,
         max_speculative_tokens=args.max_speculative_tokens,
         method_preference=tuple(csv(args.method_preference)),
+        auto_model_drafts=args.auto_model_drafts,
         request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.request_timeout if grace is None else grace,
         # flags replace the environment's list rather than adding to it

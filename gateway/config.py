@@ -53,6 +53,11 @@ class GatewayConfig:
     # it are in the measured order (docs/benchmarks.md: draft_model 0.85x, eagle 0.83x), and
     # the first of them served is also auto's draft worker (gateway/plan.auto_draft_method).
     method_preference: tuple[str, ...] = ("auto", "draft_model", "eagle")
+    # Whether auto sessions also link that draft worker. Off where it shares the verifier's
+    # cores or device (`tandem up`'s one-host cluster): each ask makes it catch up on that
+    # compute, auto / best single on chat 0.97 with it against 1.00 without on this 2-core
+    # CPU, while its drafts never paid there (docs/benchmarks-copy-runs.md).
+    auto_model_drafts: bool = True
     request_timeout_s: float = 600.0
     # After SIGTERM: how long open streams may run on before uvicorn cancels them.
     shutdown_grace_s: float = 600.0

@@ -153,6 +153,8 @@ class _Failover:
         the verifier's own step) the model method it may also take drafts from, if served."""
         method = self.plan.method
         if method is Method.AUTO:
+            if not self.deps.config.auto_model_drafts:
+                return None
             self._auto_draft = await auto_draft_method(self.deps.router,
                                                        self.deps.config.method_preference)
             return self._auto_draft

@@ -160,6 +160,9 @@ class Cluster:
         extra = ["--model", cfg.model] if cfg.model else []
         proc = self._spawn("gateway", ["gateway", "--host", cfg.gateway_host, "--port",
                                        str(cfg.gateway_port), "--redis-url", self.redis_url,
+                                       # One host: its draft workers share the verifier's
+                                       # compute (gateway.config.auto_model_drafts).
+                                       "--auto-model-drafts", "off",
                                        *tls_args(cfg.tls, serves=False), *extra])
         self._wait(f"gateway ({self.gateway_url})", proc,
                    lambda: http_healthy(self.gateway_url + "/health"))

@@ -109,3 +109,10 @@ def test_a_worker_that_does_not_advertise_serves_draft_model():
         return await auto_draft_method(router, ("auto", "eagle", "draft_model"))
 
     assert asyncio.run(go()) == common_pb2.SPECULATION_METHOD_DRAFT_MODEL
+
+
+def test_auto_model_drafts_off_links_no_worker(redis_proc, tokenizer, verifier):
+    """`--auto-model-drafts off` (tandem up's one-host cluster): auto as before the fallback."""
+    spec = ask(redis_proc, tokenizer, verifier, [draft("10.0.0.2:2", "draft_model")],
+               auto_model_drafts=False)
+    assert spec.method == AUTO and spec.draft_address == "" and not spec.auto_draft_method
