@@ -16,7 +16,9 @@ alike; later reps ask none, suffix and auto again; greedy (or seeded sampling: t
 whatever the method), non-streaming. Each arm is its own tenant (an API key each), so suffix
 caches are the arm's own. Rep 0 is every prompt's first ask (the arm's cache holds only other
 prompts' answers); later reps are repeats, where suffix and auto also draft from their own
-earlier answer. Speed is completion tokens over the request's wall time; speedup is each arm's
+earlier answer. Before its arms, each prompt is asked for one plain token, so every arm finds
+its KV in the verifier's prefix cache (the arm asked first would otherwise pay the prefill the
+others skip). Speed is completion tokens over the request's wall time; speedup is each arm's
 total tokens/s over plain's in the same cluster. Copy share: the fraction of the plain answer's
 12-character spans that occur in the prompt.
 """
@@ -98,6 +100,9 @@ def run_place(place: str, reps: int, tokens: int, temperature: float,
                 if picks and i not in picks:  # --prompts: a subset
                     continue
                 k = (i + rep + first_pass) % len(asked)
+                # The prompt's KV into the verifier's prefix cache first (one plain token):
+                # otherwise the arm asked first pays the prefill that every later arm skips.
+                ask(cluster.gateway_url, prompt, "none", 1, temperature, first_pass, name)
                 for arm in asked[k:] + asked[:k]:
                     res = ask(cluster.gateway_url, prompt, arm, tokens, temperature, first_pass,
                               name)
