@@ -17,7 +17,7 @@ then extended backwards (vectorised over occurrences) to measure each match's le
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -100,46 +100,48 @@ def speculate(log: TokenLog, context: Sequence[int], max_tokens: int, *, max_mat
     limit = min(max_tokens, max(1, math.ceil(spec_factor * best)))
     cols = pos[:, None] + np.arange(limit)  # [n, limit]
     rows = np.where(cols < log.length, log.buf[np.minimum(cols, len(log.buf) - 1)], _SEP)
-    alive = np.ones(len(pos), dtype=bool)
+    tokens, probs = _vote(rows.tolist(), min_prob)
+    return Speculation(tokens, sum(probs), best, tuple(probs))
+
+
+def _vote(rows: list[list[int]], min_prob: float) -> tuple[list[int], list[float]]:
+    """Follow the most frequent next token among the rows (the continuations of the longest
+    matches, oldest first) that agree so far; each token's probability is the product of its
+    vote shares. In plain Python: the rows are few and short, where numpy's per-call overhead
+    made this loop most of a lookup (0.6 ms, a few % of a copy round)."""
     tokens: list[int] = []
     probs: list[float] = []
-    prob, score = 1.0, 0.0
-    for j in range(limit):
-        col = rows[alive, j]
-        votes = col[col != _SEP]
-        if len(votes) == 0:
+    prob = 1.0
+    for j in range(len(rows[0]) if rows else 0):
+        col = [row[j] for row in rows]
+        counts = Counter(v for v in col if v != _SEP)
+        if not counts:
             break
-        values, counts = np.unique(votes, return_counts=True)
-        top = counts.max()
-        tied = values[counts == top]
+        top = max(counts.values())
+        tied = [v for v, c in counts.items() if c == top]
         # Ties go to the most recent occurrence's token: recent text predicts better.
-        token = int(tied[0]) if len(tied) == 1 else int(col[np.isin(col, tied)][-1])
+        token = tied[0] if len(tied) == 1 else next(v for v in reversed(col) if v in tied)
         prob *= top / len(col)  # sequences that ended here vote for stopping
         if prob < min_prob:
             break
         tokens.append(token)
         probs.append(prob)
-        score += prob
-        alive &= rows[:, j] == token
-    return Speculation(tokens, score, best, tuple(probs))
+        rows = [row for row in rows if row[j] == token]
+    return tokens, probs
 
 
 def _match_lengths(log: TokenLog, context: Sequence[int], pos: np.ndarray, max_match: int,
                    live_start: int) -> np.ndarray:
-    """[n] how many tokens before each position in pos agree with context's tail."""
+    """[n] how many tokens before each position in pos agree with context's tail (at least
+    the anchor, which the index already matched), all depths compared at once."""
     a = log.anchor
     depth = min(max_match, len(context))
-    match = np.full(len(pos), a, dtype=np.int64)
-    tail = np.asarray(context[-depth:], dtype=np.int64)[::-1]  # tail[i] = context[-1 - i]
-    alive = np.ones(len(pos), dtype=bool)
-    for i in range(a, depth):
-        idx = pos - 1 - i
-        ok = alive & (idx >= live_start) & (log.buf[np.maximum(idx, 0)] == tail[i])
-        if not ok.any():
-            break
-        match += ok
-        alive = ok
-    return match
+    if depth <= a:
+        return np.full(len(pos), a, dtype=np.int64)
+    tail = np.asarray(context[-depth:], dtype=np.int64)[::-1][a:]  # [depth - a] context[-1 - i]
+    idx = pos[:, None] - 1 - np.arange(a, depth)  # [n, depth - a]
+    ok = (idx >= live_start) & (log.buf[np.maximum(idx, 0)] == tail)
+    return a + np.cumprod(ok, axis=1).sum(axis=1)
 
 
 class SequenceCache:
