@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tandem.spec.cost import update_acceptance, update_tree_scale
+from tandem.spec.cost import update_acceptance, update_source_scale, update_tree_scale
 from verify_service.scheduler import ScheduledSeq, Scheduler
 from verify_service.sequence import Sequence
 
@@ -63,8 +63,9 @@ def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
             seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts, accepted)
             seq.drafted_from.add(source)
     elif reach is not None and source is not None:  # drafted here: that source's correction
-        seq.source_scale[source] = update_tree_scale(seq.source_scale.get(source, 1.0),
-                                                     sum(reach[:s.num_drafts]), accepted)
+        scale = seq.source_scale.get(source, 1.0)  # reach is scaled by it: undo that
+        seq.source_evidence[source], seq.source_scale[source] = update_source_scale(
+            seq.source_evidence.get(source), scale, sum(reach[:s.num_drafts]) / scale, accepted)
         seq.drafted_from.add(source)
     elif reach is not None:  # sized node by node: correct the nodes' estimates
         seq.tree_scale = update_tree_scale(seq.tree_scale, sum(reach[:s.num_drafts]),

@@ -148,11 +148,13 @@ class Sequence:
     local_drafts: bool = False
     # This round's proposals by source (suffix, ngram; Medusa heads for auto) before
     # verify_service/auto.py picks one into drafts; the source of the current drafts; each
-    # source's correction to its reach estimates (accepted / expected, an EMA); the sources
-    # whose drafts this session verified.
+    # source's correction to its reach estimates (accepted / expected) and the decayed sums
+    # it is the ratio of (tandem.spec.cost.update_source_scale); the sources whose drafts
+    # this session verified.
     proposals: dict[Method, Proposal] = field(default_factory=dict)
     draft_source: Method | None = None
     source_scale: dict[Method, float] = field(default_factory=dict)
+    source_evidence: dict[Method, tuple[float, float]] = field(default_factory=dict)
     drafted_from: set[Method] = field(default_factory=set)
     history_misses: int = 0  # rounds in a row the token history proposed nothing
     # auto linked to a draft worker (params.auto_draft): the worker's chain, contiguous from

@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 DEFAULT_RELATIVE_COST = {1: 1.0, 2: 1.04, 3: 1.41, 4: 1.38, 5: 1.64, 6: 1.91, 7: 2.0, 8: 2.1,
                          9: 2.6, 12: 2.7, 16: 2.9}
 _EMA = 0.2
+# A proposer's per-session correction (update_source_scale): how fast old rounds fade, and
+# how many expected tokens the starting scale counts as.
+SCALE_DECAY = 0.1
+SCALE_PRIOR_WEIGHT = 2.0
 # A measured size not seen again within this many observations of any size is forgotten (back
 # to its prior): one noisy episode must not price a size out for good, since a size priced
 # out is never run, so never measured again.
@@ -243,6 +247,22 @@ def update_tree_scale(scale: float, expected: float, accepted: int) -> float:
         return scale
     sample = scale * accepted / expected
     return min(4.0, max(0.05, (1 - _EMA) * scale + _EMA * sample))
+
+
+def update_source_scale(evidence: tuple[float, float] | None, scale: float, expected: float,
+                        accepted: int) -> tuple[tuple[float, float], float]:
+    """A proposer's correction in one session (accepted / expected of its drafts) as a ratio of
+    decayed sums, not an EMA of per-round ratios: a round that expected 0.04 tokens (a
+    one-token n-gram match on chat, at a low scale) and got 2 weighs 0.04 tokens of evidence
+    rather than multiplying the scale by 50, which kept chat drafting at a loss. evidence:
+    (accepted, expected) so far, None at the session's first round (then `scale`, its prior,
+    counts as SCALE_PRIOR_WEIGHT expected tokens); expected: this round's drafts' unscaled
+    reach. Returns the new evidence and scale (bounded as update_tree_scale's)."""
+    acc, exp = evidence if evidence is not None else (SCALE_PRIOR_WEIGHT * scale,
+                                                      SCALE_PRIOR_WEIGHT)
+    acc = (1 - SCALE_DECAY) * acc + accepted
+    exp = (1 - SCALE_DECAY) * exp + max(0.0, expected)
+    return (acc, exp), min(4.0, max(0.05, acc / exp)) if exp > 0 else scale
 
 
 def update_acceptance(ema: float, drafted: int, accepted: int) -> float:

@@ -51,6 +51,8 @@ PEOPLE = [("Alice Smith", "Boston", 34), ("Bob Jones", "Denver", 41),
           ("Grace Hall", "Portland", 31), ("Henry Clark", "Phoenix", 60)]
 _STEP_LINES = "\n".join(f"{i + 1}. {s}" for i, s in enumerate(STEPS))
 _FRUIT_LINES = "\n".join(f"- {f}" for f in FRUIT)
+_TABLE = "| name | city | age |\n|---|---|---|\n" + "\n".join(f"| {n} | {c} | {a} |"
+                                                         for n, c, a in PEOPLE)
 
 # (category, prompt); the categories of the issue's copy-heavy work, then chat, where little
 # is copied: auto must not lose there either.
@@ -87,6 +89,11 @@ TASKS = [
                      "hall if it rains. Best wishes, Ann.'"),
     ("chat", "Write three paragraphs about why the sky is blue."),
     ("chat", "Give five tips for staying focused while studying, with two sentences each."),
+    # Added after the first runs (so the indices above stay), for more copy-rich answers at
+    # T = 0.7, where this model paraphrases most of the tasks above: it still copies these.
+    ("repeat / quote", "Repeat this list exactly, one item per line:\n"
+                       + "\n".join(f"- {s}" for s in STEPS)),
+    ("repeat / quote", f"Copy this table exactly:\n\n{_TABLE}"),
 ]
 PROMPTS = [prompt for _, prompt in TASKS]
 CATEGORIES = [category for category, _ in TASKS]
