@@ -31,7 +31,7 @@ Pure Python, like the scheduler.
 from __future__ import annotations
 
 from tandem.spec import DraftToken, Method
-from tandem.spec.cost import CostModel, best_rate, choose_tree_size
+from tandem.spec.cost import best_rate, choose_tree_size
 from verify_service.history import HISTORY_SOURCES
 from verify_service.scheduler import EXPLORE_EVERY, Scheduler
 from verify_service.sequence import Proposal, Sequence
@@ -91,23 +91,11 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
             seq.history_misses < HEADS_AFTER_MISSES and seq.draft_source is not remote):
         return 0
     k_max = scheduler.k_max(seq)
-    k = _paying_chain(seq.scaled_reach(remote, remote_reach(seq, k_max)), scheduler.cost,
-                      first_ms, gap_ms)
+    k = choose_tree_size(seq.scaled_reach(remote, remote_reach(seq, k_max)), k_max,
+                         scheduler.cost, first_ms, gap_ms)  # a chain: one gap per draft
     if k == 0 and k_max and seq.stats.rounds % PROBE_EVERY == EXPLORE_EVERY - 1:
         k = 1  # a probe (never waited for: verify_service/waits.py)
     return k + 1 if k else 0
-
-
-def _paying_chain(reach: list[float], cost: CostModel, first_ms: float, gap_ms: float) -> int:
-    """The chain size with the most expected tokens per ms, its drafting wait included; 0
-    when plain decoding's rate is better."""
-    best_n, best, gain = 0, 1.0 / cost.cost(1), 1.0
-    for n, r in enumerate(reach, 1):
-        gain += r
-        rate = gain / (cost.cost(n + 1) + first_ms + (n - 1) * gap_ms)
-        if rate > best * 1.001:
-            best_n, best = n, rate
-    return best_n
 
 
 def pick(scheduler: Scheduler, seq: Sequence, asked: int = 0) -> None:

@@ -216,25 +216,27 @@ def choose_k(alpha: float, k_max: int, cost: CostModel) -> int:
 
 
 def choose_tree_size(reach: list[float] | tuple[float, ...], n_max: int,
-                     cost: CostModel, draft_ms: float = 0.0) -> int:
+                     cost: CostModel, draft_ms: float = 0.0, gap_ms: float = 0.0) -> int:
     """How many nodes of a tree to verify: argmax_n (1 + sum(reach[:n])) / cost(n + 1) over
     0..n_max, where reach[i] estimates the chance node i (parents first) is accepted;
     draft_ms is what a round with any nodes also waits for them (a tree drafted after the
-    last commit), which plain decoding (n = 0) does not."""
-    return _best_size(reach, n_max, cost, draft_ms)[0]
+    last commit), which plain decoding (n = 0) does not, and gap_ms what it waits per node
+    after the first (a chain a draft worker drafts one token at a time)."""
+    return _best_size(reach, n_max, cost, draft_ms, gap_ms)[0]
 
 
 def best_rate(reach: list[float] | tuple[float, ...], n_max: int, cost: CostModel) -> float:
     """Expected tokens per ms of a proposal with these per-node reaches, verified at its best
     size (choose_tree_size): how `auto` compares proposals from different proposers."""
-    return _best_size(reach, n_max, cost, 0.0)[1]
+    return _best_size(reach, n_max, cost, 0.0, 0.0)[1]
 
 
-def _best_size(reach, n_max: int, cost: CostModel, draft_ms: float) -> tuple[int, float]:
+def _best_size(reach, n_max: int, cost: CostModel, draft_ms: float,
+               gap_ms: float) -> tuple[int, float]:
     best_n, best, gain = 0, 1.0 / cost.cost(1), 1.0
     for n in range(1, min(n_max, len(reach)) + 1):
         gain += reach[n - 1]
-        rate = gain / (cost.cost(n + 1) + draft_ms)
+        rate = gain / (cost.cost(n + 1) + draft_ms + (n - 1) * gap_ms)
         if rate > best * 1.001:  # prefer the smaller round on near-ties
             best_n, best = n, rate
     return best_n, best

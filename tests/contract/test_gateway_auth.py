@@ -19,19 +19,12 @@ from test_gateway import MODEL, FakeVerifier, LoopThread, continue_text, make_ap
 from gateway.app import create_app
 from gateway.auth import ApiKey, digest_of, load_keys_file, match_key, parse_keys_file
 from gateway.config import GatewayConfig
-from tandem.redis_server import start_redis
 
 pytestmark = pytest.mark.contract
 
 SECRET = "sk-alpha-0123456789"
 REPLY = "Hi there"  # what the fake verifier says
 BODY = {"model": MODEL, "prompt": "x", "max_tokens": 5}
-
-
-@pytest.fixture(scope="module")
-def redis_proc():
-    with start_redis() as proc:
-        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -17,19 +17,12 @@ from test_gateway import MODEL, FakeVerifier, LoopThread, continue_text, make_ap
 
 from gateway.plan import auto_draft_method
 from gateway.routing import Router
-from tandem.redis_server import start_redis
 from tandem.registry import WorkerRecord, WorkerRegistry
 from tandem.v1 import common_pb2
 
 pytestmark = pytest.mark.contract
 
 AUTO = common_pb2.SPECULATION_METHOD_AUTO
-
-
-@pytest.fixture(scope="module")
-def redis_proc():
-    with start_redis() as proc:
-        yield proc
 
 
 @pytest.fixture(scope="module")

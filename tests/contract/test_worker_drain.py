@@ -22,7 +22,6 @@ from draft_service.config import DraftConfig
 from draft_service.main import serve
 from draft_service.server import SERVICE_NAME
 from tandem.netaddr import has_ipv6_loopback, join_host_port, split_host_port
-from tandem.redis_server import start_redis
 from tandem.registration import Registration
 from tandem.registry import WorkerRegistry
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -30,12 +29,6 @@ from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 pytestmark = pytest.mark.contract
 NGRAM = common_pb2.SPECULATION_METHOD_NGRAM
 PROMPT = [10, 11, 12, 13, 14, 15, 10, 11, 12]  # n-gram lookup proposes 13, 14, 15, ...
-
-
-@pytest.fixture(scope="module")
-def redis_proc():
-    with start_redis() as proc:
-        yield proc
 
 
 
