@@ -218,6 +218,11 @@ def test_quick_flags_build_the_quick_config():
     assert short.concurrency_methods == ("none", "suffix") and short.concurrency == (1, 4, 8)
     with pytest.raises(ValueError, match="concurrency methods"):
         config_from_args(parser.parse_args(["bench", "--concurrency-methods", "none,bogus"]))
+    greedy = config_from_args(parser.parse_args(["bench", "--temperatures", "0",
+                                                 "--peer-temperatures", "0",
+                                                 "--round-temperatures", ""]))
+    assert greedy.temperatures == greedy.peer_temperatures == (0.0,)
+    assert greedy.round_temperatures == ()
 
 
 def test_breakdown_by_k_groups_rounds_and_counts_tokens():

@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "Tandem (its cost model picks each round's k up to this: the verifier's "
                    "default cap) and the transformers peers (default %(default)s)")
     p.add_argument("--temperatures", type=_floats, help="Tandem temperatures (default 0,0.7)")
+    p.add_argument("--peer-temperatures", type=_floats, help="temperatures of the transformers "
+                   "peers (default 0,0.7; --quick 0)")
     p.add_argument("--round-temperatures", type=_floats, help="temperatures of the direct "
                    "verifier runs that give per-round stats (default 0,0.7; --quick 0)")
     p.add_argument("--concurrency", type=_ints, help="concurrent sessions to run "
@@ -97,9 +99,9 @@ def config_from_args(args):
                  "threads": args.threads, "peers": not args.no_peers,
                  "device": args.device, "dtype": args.dtype,
                  "prompt_ids": args.prompts or ()}
-    for name in ("max_tokens", "temperatures", "round_temperatures", "concurrency",
-                 "concurrency_methods", "shape_methods", "per_category", "peer_threads",
-                 "seed"):
+    for name in ("max_tokens", "temperatures", "peer_temperatures", "round_temperatures",
+                 "concurrency", "concurrency_methods", "shape_methods", "per_category",
+                 "peer_threads", "seed"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     return quick_config(**overrides) if args.quick else BenchConfig(**overrides)
