@@ -248,7 +248,7 @@ def update_tree_scale(scale: float, expected: float, accepted: int) -> float:
     if expected <= 0:
         return scale
     sample = scale * accepted / expected
-    return min(4.0, max(0.05, (1 - _EMA) * scale + _EMA * sample))
+    return _bounded((1 - _EMA) * scale + _EMA * sample)
 
 
 def update_source_scale(evidence: tuple[float, float] | None, scale: float, expected: float,
@@ -264,7 +264,13 @@ def update_source_scale(evidence: tuple[float, float] | None, scale: float, expe
                                                       SCALE_PRIOR_WEIGHT)
     acc = (1 - SCALE_DECAY) * acc + accepted
     exp = (1 - SCALE_DECAY) * exp + max(0.0, expected)
-    return (acc, exp), min(4.0, max(0.05, acc / exp)) if exp > 0 else scale
+    return (acc, exp), _bounded(acc / exp) if exp > 0 else scale
+
+
+def _bounded(scale: float) -> float:
+    """A correction kept within [0.05, 4]: one lucky or unlucky stretch cannot switch a
+    proposer off for good or blow its estimates up."""
+    return min(4.0, max(0.05, scale))
 
 
 def update_acceptance(ema: float, drafted: int, accepted: int) -> float:
