@@ -2,10 +2,12 @@
 prompts, through the gateway, with the verifier's Medusa heads on and off (auto may pick
 them when the token history has nothing).
 
-  python benchmarks/auto_chat.py [--reps 2] [--tokens 200] [--out results/auto-chat.json]
+  python benchmarks/auto_chat.py [--reps 2] [--tokens 200] [--temperature 0]
+                                 [--medusa on,off] [--out results/auto-chat.json]
 
 Each arm and rep is its own tenant (first asks only: no suffix cache holds the answer), arms
-rotate prompt by prompt, greedy, non-streaming. Speed is completion tokens over wall time,
+rotate prompt by prompt, non-streaming; greedy unless --temperature (then each ask is seeded,
+the same seed for every arm). Speed is completion tokens over wall time,
 against plain in the same cluster.
 """
 from __future__ import annotations
@@ -29,8 +31,9 @@ CHAT = ["Write three paragraphs about why the sky is blue.",
 ARMS = ("none", "suffix", "ngram", "auto")
 
 
-def ask(url: str, model: str, prompt: str, method: str, key: str, tokens: int) -> dict:
-    body = {"model": model, "max_tokens": tokens, "temperature": 0,
+def ask(url: str, model: str, prompt: str, method: str, key: str, tokens: int,
+        temperature: float = 0.0, seed: int = 0) -> dict:
+    body = {"model": model, "max_tokens": tokens, "temperature": temperature, "seed": seed,
             "messages": [{"role": "user", "content": prompt}], "speculation": {"method": method}}
     t0 = time.perf_counter()
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600,
@@ -41,7 +44,7 @@ def ask(url: str, model: str, prompt: str, method: str, key: str, tokens: int) -
             "spec": out.get("speculation") or {}, "text": out["choices"][0]["message"]["content"]}
 
 
-def run(medusa: bool, reps: int, tokens: int) -> dict:
+def run(medusa: bool, reps: int, tokens: int, temperature: float = 0.0) -> dict:
     keys = [f"chat-{a}-{r}" for a in ARMS for r in range(reps)]
     env = {"TANDEM_API_KEYS": ",".join(keys), **({} if medusa else
                                                  {"TANDEM_VERIFIER_MEDUSA": "off"})}
@@ -57,7 +60,8 @@ def run(medusa: bool, reps: int, tokens: int) -> dict:
             for i, prompt in enumerate(CHAT):
                 k = (i + rep) % len(ARMS)
                 for arm in ARMS[k:] + ARMS[:k]:
-                    res = ask(url, model, prompt, arm, f"chat-{arm}-{rep}", tokens)
+                    res = ask(url, model, prompt, arm, f"chat-{arm}-{rep}", tokens,
+                              temperature, seed=100 * rep + i)
                     rows.append({"rep": rep, "prompt": i, "arm": arm, **res})
                     print(f"medusa={medusa} rep {rep} prompt {i} {arm}: "
                           f"{res['tokens'] / res['wall_s']:.1f} tok/s", flush=True)
@@ -76,12 +80,17 @@ def main(argv=None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=2, help="first asks per prompt and arm")
     ap.add_argument("--tokens", type=int, default=200, help="max new tokens per ask")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every ask (default 0: greedy)")
+    ap.add_argument("--medusa", default="on,off",
+                    help="the verifier's Medusa heads in the runs: on, off or on,off")
     ap.add_argument("--out", default="results/auto-chat.json")
     args = ap.parse_args(argv)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "reps": args.reps}
-    for medusa in (True, False):
-        res = result[f"medusa_{'on' if medusa else 'off'}"] = run(medusa, args.reps,
-                                                                   args.tokens)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "reps": args.reps,
+              "temperature": args.temperature}
+    for medusa in [m.strip() == "on" for m in args.medusa.split(",")]:
+        res = result[f"medusa_{'on' if medusa else 'off'}"] = run(
+            medusa, args.reps, args.tokens, args.temperature)
         best = max(v for a, v in res["speedup"].items() if a not in ("none", "auto"))
         print(f"medusa {'on' if medusa else 'off'}: " + ", ".join(
             f"{a} {v:.3f}x" for a, v in res["speedup"].items())

@@ -41,6 +41,12 @@ class Link(Protocol):
     def send(self, control: Control) -> None: ...
 
 
+def _alive(link: Link) -> bool:
+    """A link that broke drops what it is sent: a session must not stay on it (a script
+    without the flag never breaks)."""
+    return getattr(link, "alive", True)
+
+
 class Latency:
     """A smoothed latency (ms) that climbs slowly and falls fast: one slow sample (or a slow
     spell of a faulty link) must not make every later round wait on drafts, and once the
@@ -119,7 +125,11 @@ class DraftSide:
             self._attaching.discard(seq.seq_id)
         if seq.finished or seq.seq_id not in self.sessions:
             return
-        if link is None:  # no worker now (restarting, draining): look again later, for free
+        if link is None or not _alive(link):
+            # No worker now (restarting, draining), or the link broke while this session
+            # waited for it (its on_link_broken ran before the session was on it, so
+            # keeping it would leave the session on a dead link for good): look again later,
+            # for free.
             seq.attach_misses += 1
             seq.next_attach_at = self._clock() + min(
                 MAX_ATTACH_BACKOFF_S, ATTACH_BACKOFF_S * 2 ** (seq.attach_misses - 1))
@@ -154,6 +164,9 @@ class DraftSide:
         if run_ahead is not None:  # also what a re-attach's Open asks for
             run_ahead = self._run_ahead[seq.seq_id] = min(run_ahead, self.max_run_ahead)
         link = self.links.get(seq.seq_id)
+        if link is not None and not _alive(link):  # broke without telling (see _attach)
+            self._detach(seq, close=False)
+            link = None
         if link is None:
             self.attach(seq)
         else:
