@@ -31,6 +31,10 @@ from verify_service.sequence import DRAFT_ATTACHES, Sequence
 log = logging.getLogger(__name__)
 # After a try that found no draft worker, a session looks again after this, doubling per miss.
 ATTACH_BACKOFF_S, MAX_ATTACH_BACKOFF_S = 0.25, 1.0
+# A session whose re-attach budget (DRAFT_ATTACHES streams that never drafted for it) is spent
+# rests this long, then gets one more: under churn a session must not lose drafting for good,
+# and a stream that keeps failing it is tried only this often.
+ATTACH_REST_S = 5.0
 
 
 class Link(Protocol):
@@ -107,11 +111,13 @@ class DraftSide:
         """Open a draft stream for seq in the background, if it may still have one; an auto
         session's only once a commit asked its worker for drafts (verify_service/auto.py):
         until then it costs the worker nothing, and the Open brings it in sync."""
+        if seq.draft_attaches_left <= 0:  # spent: rest, then one more try (ATTACH_REST_S)
+            seq.draft_attaches_left, seq.next_attach_at = 1, self._clock() + ATTACH_REST_S
         if (self.pool is not None and seq.speculating and not seq.finished
                 and not seq.params.method.in_verifier
                 and (not seq.local_drafts or seq.params.auto_draft is not None
                      and self._run_ahead.get(seq.seq_id, 0) > 0)
-                and seq.draft_attaches_left > 0 and seq.seq_id not in self._attaching
+                and seq.seq_id not in self._attaching
                 and self._clock() >= seq.next_attach_at):
             self._attaching.add(seq.seq_id)
             asyncio.get_running_loop().create_task(self._attach(seq))
@@ -196,6 +202,9 @@ class DraftSide:
             return
         token = self._checked(seq, reply)
         if token is None:  # malformed or out of order: resynchronise this session only
+            log.info("draft %s sent %s a proposal out of place (position %d, expected %d) or "
+                     "malformed: re-attaching", link.address, seq.seq_id, reply.position,
+                     seq.next_draft_position())
             self._detach(seq, close=True)
             return
         if reply.tree is None:

@@ -1,13 +1,14 @@
 """A session never stays on a dead draft link: one that broke while the session waited for it
 (its break was reported before the session was on it), or one that broke without a report
-reaching this session. Either way the next commit looks for a link again."""
+reaching this session. Either way the next commit looks for a link again. And a session whose
+re-attach budget is spent rests, then tries again, rather than never drafting again."""
 import asyncio
 
 import pytest
 from test_verifier_logic import params
 
 from tandem.spec import Commit, Open
-from verify_service.drafts import DraftSide
+from verify_service.drafts import ATTACH_REST_S, DraftSide
 from verify_service.sequence import DRAFT_ATTACHES, Sequence
 
 pytestmark = pytest.mark.unit
@@ -67,5 +68,33 @@ def test_a_commit_on_a_link_that_died_silently_reattaches():
         assert isinstance(opened, Open) and opened.epoch == epoch + 1  # old drafts fail it
         side.commit(seq, seq.num_tokens, [8], run_ahead=2)
         assert isinstance(new.sent[-1], Commit)
+
+    asyncio.run(main())
+
+
+def test_a_spent_attach_budget_rests_then_tries_again():
+    async def main():
+        now = [0.0]
+        seq = Sequence(params())
+        links = [Link() for _ in range(DRAFT_ATTACHES + 1)]
+        pool = Pool(*links)
+        side = DraftSide({seq.seq_id: seq}, 100, 4, 8, pool, clock=lambda: now[0])
+        for link in links[:DRAFT_ATTACHES]:  # streams that open, then fail it before a draft
+            side.attach(seq)
+            await asyncio.sleep(0)
+            assert side.links[seq.seq_id] is link
+            side.on_link_broken(link)
+        assert seq.draft_attaches_left == 0
+        side.attach(seq)
+        await asyncio.sleep(0)
+        assert pool.gets == DRAFT_ATTACHES and not side.linked(seq)  # resting
+        now[0] += ATTACH_REST_S - 0.1
+        side.attach(seq)
+        await asyncio.sleep(0)
+        assert pool.gets == DRAFT_ATTACHES
+        now[0] += 0.2  # rested: one more try
+        side.attach(seq)
+        await asyncio.sleep(0)
+        assert side.links[seq.seq_id] is links[-1] and seq.draft_attaches_left == 0
 
     asyncio.run(main())
