@@ -169,5 +169,8 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_gemm", &int8_gemm, "x @ W.T for packed weight-only int8 W, few rows of x");
+  // Without the GIL: the product touches no Python object, and holding it stalled the rest of
+  // the process for every GEMM (a colocated layer-skip draft worker, the event loop's gRPC).
+  m.def("int8_gemm", &int8_gemm, "x @ W.T for packed weight-only int8 W, few rows of x",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
