@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -61,10 +62,31 @@ class ClusterConfig:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, below the kernel's ephemeral range: one the kernel hands out (bind to
+    port 0) is in that range, where an outgoing connection can take it before the server
+    binds it (a gateway failed to start so on a busy host)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+        with socket.socket(family) as s:
+            try:
+                s.bind((host.strip("[]"), port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket(family) as s:  # all tried were taken: any the kernel gives
         s.bind((host.strip("[]"), 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _dialable(host: str) -> str:
