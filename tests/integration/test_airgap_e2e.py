@@ -46,7 +46,8 @@ def _bundle(tmp_path: Path, target: Path) -> Path:
     manifest = json.loads((out / "files" / "manifest.json").read_text())
     weights = next(f for f in manifest["files"] if f["name"] == "model.safetensors")
     assert len(weights["parts"]) >= 5  # ~6.4 MB of tiny target in 1 MiB parts
-    assert {"airgap_train.py", "bundle.json", "README.txt"} <= {p.name for p in files}
+    assert {"airgap_train.py", "airgap_parts.py", "airgap_head.py", "airgap_fit.py",
+            "bundle.json", "README.txt"} <= {p.name for p in files}
     return out
 
 

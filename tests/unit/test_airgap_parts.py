@@ -14,8 +14,9 @@ import torch
 from kernels.paged_attention import build_attention_metadata
 from tandem.engine.eagle import EagleHead
 from tandem.models import ModelError, ModelPaths
+from tools.distill import airgap_parts as parts
 from tools.distill import airgap_train as script
-from tools.distill.airgap import BundleConfig, unbundle
+from tools.distill.airgap import SCRIPTS, BundleConfig, unbundle
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +27,7 @@ def _packed(tmp_path: Path, part_bytes: int = 1000) -> tuple[Path, dict, bytes]:
     big = bytes(range(256)) * 13  # 3328 bytes: 4 parts
     (src / "big.bin").write_bytes(big)
     (src / "small.json").write_text('{"a": 1}')
-    manifest = script.pack([src / "big.bin", src / "small.json"], tmp_path / "packed",
+    manifest = parts.pack([src / "big.bin", src / "small.json"], tmp_path / "packed",
                            part_bytes)
     return tmp_path / "packed", manifest, big
 
@@ -34,15 +35,15 @@ def _packed(tmp_path: Path, part_bytes: int = 1000) -> tuple[Path, dict, bytes]:
 def test_pack_splits_and_unpack_reassembles(tmp_path):
     packed, manifest, big = _packed(tmp_path)
     sizes = {p.name: p.stat().st_size for p in packed.iterdir()}
-    assert max(v for k, v in sizes.items() if k != script.MANIFEST) <= 1000
+    assert max(v for k, v in sizes.items() if k != parts.MANIFEST) <= 1000
     assert [p["size"] for p in manifest["files"][0]["parts"]] == [1000, 1000, 1000, 328]
     assert "parts" not in manifest["files"][1]  # small files travel whole
-    names = script.unpack(packed, tmp_path / "out", log=lambda m: None)
+    names = parts.unpack(packed, tmp_path / "out", log=lambda m: None)
     assert names == ["big.bin", "small.json"]
     assert (tmp_path / "out" / "big.bin").read_bytes() == big
     # A rerun keeps a file that is already whole and right.
     before = (tmp_path / "out" / "big.bin").stat().st_mtime_ns
-    script.unpack(packed, tmp_path / "out", log=lambda m: None)
+    parts.unpack(packed, tmp_path / "out", log=lambda m: None)
     assert (tmp_path / "out" / "big.bin").stat().st_mtime_ns == before
 
 
@@ -52,9 +53,9 @@ def test_a_corrupt_part_is_refused_with_a_clear_message(tmp_path):
     data = bytearray(part.read_bytes())
     data[7] ^= 0xFF
     part.write_bytes(bytes(data))
-    with pytest.raises(script.BundleError, match=r"big\.bin\.part002: corrupt .*sha256.*"
+    with pytest.raises(parts.BundleError, match=r"big\.bin\.part002: corrupt .*sha256.*"
                        r"copy this file again"):
-        script.unpack(packed, tmp_path / "out", log=lambda m: None)
+        parts.unpack(packed, tmp_path / "out", log=lambda m: None)
     assert not (tmp_path / "out" / "big.bin").exists()  # nothing half-written is left
     assert not list((tmp_path / "out").glob("*.tmp"))
 
@@ -62,13 +63,13 @@ def test_a_corrupt_part_is_refused_with_a_clear_message(tmp_path):
 def test_a_missing_or_truncated_part_is_refused(tmp_path):
     packed, _, _ = _packed(tmp_path)
     (packed / "big.bin.part003").write_bytes(b"short")
-    with pytest.raises(script.BundleError, match="part003: corrupt"):
-        script.unpack(packed, tmp_path / "a", log=lambda m: None)
+    with pytest.raises(parts.BundleError, match="part003: corrupt"):
+        parts.unpack(packed, tmp_path / "a", log=lambda m: None)
     (packed / "big.bin.part003").unlink()
-    with pytest.raises(script.BundleError, match="part003: missing"):
-        script.unpack(packed, tmp_path / "b", log=lambda m: None)
-    with pytest.raises(script.BundleError, match="cannot read"):
-        script.unpack(tmp_path / "nowhere", tmp_path / "c", log=lambda m: None)
+    with pytest.raises(parts.BundleError, match="part003: missing"):
+        parts.unpack(packed, tmp_path / "b", log=lambda m: None)
+    with pytest.raises(parts.BundleError, match="cannot read"):
+        parts.unpack(tmp_path / "nowhere", tmp_path / "c", log=lambda m: None)
 
 
 def test_unbundle_refuses_a_corrupt_return_through_the_cli(tmp_path, capsys):
@@ -83,14 +84,17 @@ def test_unbundle_refuses_a_corrupt_return_through_the_cli(tmp_path, capsys):
 
 
 def test_the_script_imports_only_torch_transformers_safetensors_and_the_stdlib():
-    tree = ast.parse(Path(script.__file__).read_text())
+    siblings = {p.stem for p in SCRIPTS}
+    assert siblings == {"airgap_train", "airgap_parts", "airgap_head", "airgap_fit"}
     tops = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            tops |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            tops.add((node.module or "").split(".")[0])
-    assert tops - set(sys.stdlib_module_names) == {"torch", "transformers", "safetensors"}
+    for path in SCRIPTS:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                tops |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                tops.add((node.module or "").split(".")[0])
+    assert tops - set(sys.stdlib_module_names) - siblings == {"torch", "transformers",
+                                                               "safetensors"}
 
 
 def test_configs_refuse_oversized_parts():

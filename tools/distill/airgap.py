@@ -22,7 +22,10 @@ from pathlib import Path
 
 from tandem.models import DEFAULT_TARGET, ModelError
 
-SCRIPT = Path(__file__).with_name("airgap_train.py")
+# The stand-alone script and the sibling modules it imports (torch, transformers, safetensors
+# and the standard library only), copied into every bundle.
+SCRIPTS = tuple(Path(__file__).with_name(f"airgap_{n}.py") for n in ("train", "parts", "head",
+                                                                       "fit"))
 MAX_UPLOAD_MIB = 64
 
 
@@ -119,7 +122,7 @@ def bundle(cfg: BundleConfig, log=print, command: str = "") -> Path:
     from transformers import AutoTokenizer
 
     from tandem.models import resolve_model
-    from tools.distill.airgap_train import pack
+    from tools.distill.airgap_parts import pack
     from tools.distill.pipeline import _TOKENIZER_FILES
 
     out = Path(cfg.out)
@@ -141,7 +144,8 @@ def bundle(cfg: BundleConfig, log=print, command: str = "") -> Path:
         pack(files, out / "files", cfg.part_bytes)
     spec["created_by"] = command
     (out / "bundle.json").write_text(json.dumps(spec, indent=1))
-    shutil.copyfile(SCRIPT, out / SCRIPT.name)
+    for script in SCRIPTS:
+        shutil.copyfile(script, out / script.name)
     (out / "README.txt").write_text(_readme(cfg))
     too_big = [p for p in out.rglob("*") if p.is_file() and p.stat().st_size > cfg.part_bytes]
     if too_big:  # bundle.json (the rotary table) or the script itself
@@ -167,7 +171,7 @@ def unbundle(returned: Path, out: Path, log=print) -> Path:
     draft worker will (a clear error if it would not)."""
     from tandem.engine.eagle import EagleHead
     from tandem.models import ModelPaths
-    from tools.distill.airgap_train import BundleError, unpack
+    from tools.distill.airgap_parts import BundleError, unpack
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
