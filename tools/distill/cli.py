@@ -104,6 +104,11 @@ def _add_distill(sub) -> None:
                    help="token loss weight against the feature regression [%(default)s]")
     g.add_argument("--step2-weight", type=float, default=e.step2_weight,
                    help="weight of the second draft step's losses, 0 = off [%(default)s]")
+    g.add_argument("--prompt-mix", choices=("chat", "self"), default="chat",
+                   help="chat: task x subject grid; self: requests the target writes itself "
+                        "(Magpie) [%(default)s]")
+    g.add_argument("--init-head", type=Path, default=None,
+                   help="start from this exported head (its vocabulary too), not the target")
     g.add_argument("--heldout-prompts", type=int, default=40,
                    help="after training, score the head on the target's greedy answers to "
                         "this many held-out chat prompts, as served (0 = not) [%(default)s]")
@@ -172,7 +177,8 @@ def _cmd_eagle(args) -> int:
     data = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
                       max_new_tokens=args.max_new_tokens, top_k=args.teacher_top_k,
                       sampled_every=args.sampled_every, temperature=args.gen_temperature,
-                      seed=args.seed, dtype=args.dtype, mix="chat", features=True,
+                      seed=args.seed, dtype=args.dtype, mix=getattr(args, "prompt_mix", "chat"),
+                      features=True,
                       kv_cache_mb=max(1024, args.gen_batch * 48))
     job_args = dict(target=args.target, out_dir=args.out,
                     data_dir=args.data_dir or args.out.with_name(args.out.name + ".data"),
@@ -196,7 +202,8 @@ def _cmd_eagle(args) -> int:
                            epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
                            cls_weight=args.cls_weight, step2_weight=args.step2_weight,
                            checkpoint_min=args.checkpoint_minutes, seed=args.seed)
-    print(run_eagle(EagleJob(**job_args, train=cfg, heldout_prompts=args.heldout_prompts),
+    print(run_eagle(EagleJob(**job_args, train=cfg, heldout_prompts=args.heldout_prompts,
+                             init_head=getattr(args, "init_head", None)),
                     log=lambda m: print(m, file=sys.stderr)))
     return 0
 

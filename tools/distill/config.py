@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tandem.sampling_params import SamplingParams
 
 GEN_DTYPES = ("auto", "bfloat16", "float32", "float16")  # the target's while generating
+PROMPT_MIXES = ("corpus", "chat", "self")
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,9 @@ class DataConfig:
     # fp32 on 98.8% of positions (KL 6e-4 nats), so the teacher barely changes. "auto" is the
     # device's (tandem.device: float32 on the cpu, bfloat16 on a GPU), resolved by `placed`.
     dtype: str = "bfloat16"
-    mix: str = "corpus"  # prompt set: "corpus" (Austen / code / questions) or "chat"
+    # prompt set: "corpus" (Austen / code / questions), "chat" (task x subject grid) or
+    # "self" (requests the target writes itself, tools.distill.self_prompts)
+    mix: str = "corpus"
     # Also keep the target's final normed hidden state of every position (fp16), for EAGLE
     # heads: they come out of the generating forwards for free.
     features: bool = False
@@ -36,6 +39,9 @@ class DataConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.mix not in PROMPT_MIXES:
+            raise ValueError(f"the prompt mix must be one of {', '.join(PROMPT_MIXES)}, got "
+                             f"{self.mix!r}")
         if self.dtype not in GEN_DTYPES:
             raise ValueError(f"the data's dtype must be one of {', '.join(GEN_DTYPES)}, got "
                              f"{self.dtype!r}")

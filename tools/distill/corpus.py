@@ -197,8 +197,8 @@ def build_prompts(n: int, seed: int, chat_fraction: float = 0.85,
         raise ValueError(f"need n >= 1 and chat_fraction in [0, 1], got {n}, {chat_fraction}")
     if mix == "chat":
         return chat_prompts(n, seed)
-    if mix != "corpus":
-        raise ValueError(f"prompt mix must be 'corpus' or 'chat', got {mix!r}")
+    if mix != "corpus":  # "self" needs the target: tools.distill.self_prompts
+        raise ValueError(f"prompt mix must be 'corpus' or 'chat' here, got {mix!r}")
     rng = random.Random(seed)
     prose, code = austen_paragraphs(), stdlib_snippets(seed=seed)
     prompts = []

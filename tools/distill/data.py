@@ -130,7 +130,7 @@ def generate_dataset(target_root: Path, tokenizer, runner, cfg: DataConfig, data
     """Generate every missing shard of the prompt set into data_dir (resumable). With
     part=(i, n), only shards s with s % n == i: n processes can fill one cache together."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    prompts = _load_or_build_prompts(data_dir, cfg)
+    prompts = _load_or_build_prompts(data_dir, cfg, runner, tokenizer, deadline)
     stop = tuple(t for t in [tokenizer.eos_token_id] if t is not None)
     gen = _RecordingGenerator(runner, cfg.top_k, cfg.features)
     num_shards = -(-len(prompts) // cfg.batch_size)
@@ -154,14 +154,25 @@ def _shard_path(data_dir: Path, shard: int) -> Path:
     return data_dir / f"shard-{shard:05d}.safetensors"
 
 
-def _load_or_build_prompts(data_dir: Path, cfg: DataConfig) -> list[Prompt]:
-    """The prompt set is written once; a resumed run must see the very same prompts."""
+def _load_or_build_prompts(data_dir: Path, cfg: DataConfig, runner=None, tokenizer=None,
+                           deadline: float | None = None) -> list[Prompt]:
+    """The prompt set is written once; a resumed run must see the very same prompts. The
+    "self" mix is sampled from the target first (its own resumable cache)."""
     path = data_dir / "prompts.jsonl"
     if path.exists():
         prompts = [Prompt(**json.loads(line)) for line in path.read_text().splitlines()]
         if len(prompts) >= cfg.num_prompts:
             return prompts[:cfg.num_prompts]
-    prompts = build_prompts(cfg.num_prompts, cfg.seed, mix=cfg.mix)
+    if cfg.mix == "self":
+        from tandem.engine.generate import LocalGenerator
+        from tools.distill.self_prompts import self_prompts
+
+        prompts = self_prompts(LocalGenerator(runner), tokenizer, cfg.num_prompts, cfg.seed,
+                               data_dir / "self_prompts.jsonl", cfg.batch_size, deadline)
+        if len(prompts) < cfg.num_prompts:  # out of time: answer the whole batches so far
+            return prompts[:len(prompts) // cfg.batch_size * cfg.batch_size]
+    else:
+        prompts = build_prompts(cfg.num_prompts, cfg.seed, mix=cfg.mix)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(p.__dict__) + "\n" for p in prompts))
     tmp.rename(path)

@@ -26,6 +26,7 @@ from tools.distill.eagle import (
     make_head,
     train,
 )
+from tools.distill.eagle_head import EagleTrainHead
 from tools.distill.learning_curve import curve_point, extend
 from tools.distill.pipeline import _TOKENIZER_FILES
 
@@ -46,6 +47,9 @@ class EagleJob:
     # templates and subjects with the training set, these prompts do not.
     heldout_prompts: int = 40
     heldout_new_tokens: int = 48
+    # Fine-tune this exported head (weights and vocabulary) instead of starting from the
+    # target's last layer: new data then adds to what earlier data taught.
+    init_head: Path | None = None
 
     def __post_init__(self):
         if not self.data.features:
@@ -55,6 +59,9 @@ class EagleJob:
         if self.heldout_prompts < 0 or self.heldout_new_tokens < 1:
             raise ValueError("need --heldout-prompts >= 0 and heldout_new_tokens >= 1")
         check_device_spec(self.device)
+        if self.init_head is not None and not (Path(self.init_head) / EAGLE_CARD).is_file():
+            raise ValueError(f"--init-head {self.init_head}: no {EAGLE_CARD} there (not an "
+                             "exported Tandem EAGLE head)")
 
 
 def run_eagle(job: EagleJob, log=print) -> Path:
@@ -77,7 +84,8 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     val, train_seqs = seqs[:n_val], seqs[n_val:]
     special = tuple(t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id,
                                 tokenizer.pad_token_id) if t is not None)
-    head = make_head(paths, train_seqs, job.train, special).to(at.device)  # seeded on the CPU
+    head = (EagleTrainHead.from_export(job.init_head).train() if job.init_head else
+            make_head(paths, train_seqs, job.train, special)).to(at.device)  # seeded on the CPU
     tokens = sum(len(s.features) for s in train_seqs)
     log(f"eagle: {len(train_seqs)} train / {len(val)} held-out sequences, {tokens} positions; "
         f"vocabulary {len(head.vocab.target_ids)}")
@@ -102,17 +110,29 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     data_stats = {"sequences": len(seqs), "positions": tokens,
                   "generated_tokens": sum(len(s.ids) - s.gen_start for s in seqs)}
     extra = {"data": {**asdict(job.data), **data_stats}, "progress": stats}
-    old_card, old = job.out_dir / EAGLE_CARD, None
-    if job.resume and old_card.exists():  # every command that trained these weights
-        old = json.loads(old_card.read_text())
+    old = _earlier_card(job)
+    if old is not None:  # every command that trained these weights
         extra["earlier_commands"] = [*old.get("earlier_commands", []), old.get("command", "?")]
-    extra["learning_curve"] = extend(old, curve_point(stats, job.train.batch_tokens, tokens))
+    point = curve_point(stats, job.train.batch_tokens, tokens)
+    if job.init_head:  # this run's steps count from the fine-tune's start
+        init = json.loads((Path(job.init_head) / EAGLE_CARD).read_text())
+        point["train_positions"] += (init.get("learning_curve") or [{}])[-1].get(
+            "train_positions", 0)
+    extra["learning_curve"] = extend(old, point)
     head.export(job.out_dir, read_hf_config(paths), card(paths, job.train, command, extra))
     for name in _TOKENIZER_FILES:
         if (paths.root / name).exists():
             shutil.copy(paths.root / name, job.out_dir / name)
     log(f"eagle: head written to {job.out_dir}")
     return job.out_dir
+
+
+def _earlier_card(job: EagleJob) -> dict | None:
+    """The card of the weights this run started from: OUT's when resumed, else --init-head's."""
+    for ok, root in ((job.resume, job.out_dir), (job.init_head is not None, job.init_head)):
+        if ok and (Path(root) / EAGLE_CARD).exists():
+            return json.loads((Path(root) / EAGLE_CARD).read_text())
+    return None
 
 
 def threads(n: int) -> None:
