@@ -65,7 +65,7 @@ def test_resumes_from_its_cache_with_new_draws(tokenizer, tmp_path):
 
 def test_a_target_that_never_ends_its_turn_is_refused(tokenizer, tmp_path):
     gen = ScriptedGen(tokenizer, [[None, None]] * MAX_IDLE_BATCHES)
-    with pytest.raises(ValueError, match="no usable request"):
+    with pytest.raises(ValueError, match="no usable request from the target"):
         self_prompts(gen, tokenizer, 5, 0, tmp_path / "self.jsonl", batch=2)
 
 

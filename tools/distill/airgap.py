@@ -25,7 +25,7 @@ from tandem.models import DEFAULT_TARGET, ModelError
 # The stand-alone script and the sibling modules it imports (torch, transformers, safetensors
 # and the standard library only), copied into every bundle.
 SCRIPTS = tuple(Path(__file__).with_name(f"airgap_{n}.py") for n in ("train", "parts", "head",
-                                                                       "fit"))
+                                                                       "fit", "prompts"))
 MAX_UPLOAD_MIB = 64
 
 
@@ -36,7 +36,9 @@ class BundleConfig:
     minutes: float = 10.0  # the script's default budget (generation + training)
     part_mib: float = 60.0  # every bundle file is at most this large
     prompts: int = 12000  # the chat set has about 12,000 distinct prompts
-    mix: str = "chat"  # tools.distill.corpus.build_prompts: "chat" or "corpus"
+    # tools.distill.corpus.build_prompts' "chat" or "corpus", or "self": the script samples
+    # the requests from the target first (tools/distill/airgap_prompts.py)
+    mix: str = "chat"
     max_new_tokens: int = 160
     val_fraction: float = 0.04  # prompts (conversations) held out for validation
     seed: int = 0
@@ -46,8 +48,8 @@ class BundleConfig:
             raise ValueError(f"--part-mib must be in (0, {MAX_UPLOAD_MIB}], got {self.part_mib}")
         if self.minutes <= 0 or self.prompts < 2 or self.max_new_tokens < 1:
             raise ValueError("need --minutes > 0, --prompts >= 2 and --max-new-tokens >= 1")
-        if self.mix not in ("chat", "corpus"):
-            raise ValueError(f"--mix must be chat or corpus, got {self.mix!r}")
+        if self.mix not in ("chat", "corpus", "self"):
+            raise ValueError(f"--mix must be chat, corpus or self, got {self.mix!r}")
         if not 0 < self.val_fraction <= 0.5:
             raise ValueError(f"--val-fraction must be in (0, 0.5], got {self.val_fraction}")
 
@@ -75,17 +77,37 @@ def _geometry(cfg) -> dict:
             "tie": cfg.tie_word_embeddings}
 
 
+def _val_every(cfg: BundleConfig) -> int:
+    return max(2, round(1 / cfg.val_fraction))
+
+
+def _self_prompts_spec(tokenizer, cfg: BundleConfig) -> dict:
+    """What the script needs to sample the requests itself (mix "self")."""
+    from tools.distill.config import DataConfig
+    from tools.distill.self_prompts import heldout_keys, query_prefix, turn_end_ids
+
+    return {"prefix": query_prefix(tokenizer), "stop_ids": turn_end_ids(tokenizer),
+            "count": cfg.prompts, "batch": min(64, cfg.prompts), "seed": cfg.seed,
+            "val_every": _val_every(cfg), "max_ids": DataConfig.max_prompt_tokens,
+            "heldout_keys": sorted(heldout_keys())}
+
+
 def _write_prompts(tokenizer, cfg: BundleConfig, path: Path, log) -> int:
     """prompts.jsonl, pre-tokenized as tandem distill encodes them; every k-th prompt
-    (k = 1 / val_fraction) is held out, so that any prefix a short run answers has some."""
+    (k = 1 / val_fraction) is held out, so that any prefix a short run answers has some.
+    Mix "self" writes none: the script samples them."""
     from tqdm import tqdm
 
     from tools.distill.config import DataConfig
     from tools.distill.corpus import build_prompts, encode_prompt
 
+    if cfg.mix == "self":
+        path.write_text("")
+        log(f"bundle: the script samples {cfg.prompts} requests from the target")
+        return 0
     prompts = build_prompts(cfg.prompts, cfg.seed, mix=cfg.mix)
     random.Random(cfg.seed).shuffle(prompts)
-    every = max(2, round(1 / cfg.val_fraction))
+    every = _val_every(cfg)
     n_val = -(-len(prompts) // every)
     with open(path, "w") as f:
         for i, p in enumerate(tqdm(prompts, desc="tokenize prompts", file=sys.stderr)):
@@ -132,6 +154,8 @@ def bundle(cfg: BundleConfig, log=print, command: str = "") -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
     tok_files = [n for n in _TOKENIZER_FILES if (paths.root / n).is_file()]
     spec = _spec(paths, tokenizer, cfg, tok_files)
+    if cfg.mix == "self":
+        spec["self_prompts"] = _self_prompts_spec(tokenizer, cfg)
     weights = sorted(paths.root.glob("*.safetensors")) + \
         sorted(paths.root.glob("*.safetensors.index.json"))
     out.mkdir(parents=True, exist_ok=True)
@@ -203,8 +227,9 @@ def register(distill_parser) -> None:
                    help=f"largest bundle file, at most {MAX_UPLOAD_MIB} [%(default)s]")
     b.add_argument("--prompts", type=int, default=d.prompts,
                    help="prompts (the chat mix has about 12,000 distinct) [%(default)s]")
-    b.add_argument("--mix", choices=("chat", "corpus"), default=d.mix,
-                   help="prompt set (tools/distill/corpus.py) [%(default)s]")
+    b.add_argument("--mix", choices=("chat", "corpus", "self"), default=d.mix,
+                   help="prompt set (tools/distill/corpus.py), or self: requests the target "
+                        "writes itself, sampled on the CUDA machine [%(default)s]")
     b.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     b.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="prompts held out for validation [%(default)s]")

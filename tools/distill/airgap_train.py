@@ -6,7 +6,7 @@ Run it inside the directory `tandem distill bundle` wrote (no network, no tandem
     python airgap_train.py --device cuda --minutes 10 --out OUT
 
 1. reassembles the target and the prompts from files/ (parts + manifest), checking every
-   sha256;
+   sha256 (a `--mix self` bundle has none: the target writes its own requests first);
 2. generates the target's answers to the prompts (batched; every third batch sampled at
    temperature 0.7, the rest greedy), then runs the target teacher-forced over prompt + answer
    to record its final normed hidden state at every position and its top-K log-probs at
@@ -36,10 +36,12 @@ try:  # imported as tools.distill.airgap_train (tandem's side, tests)
     from .airgap_fit import evaluate, train
     from .airgap_head import TOP_K, Head, load_seqs, make_head
     from .airgap_parts import BundleError, Progress, log, pack, unpack
+    from .airgap_prompts import requests_for_run
 except ImportError:  # run from the bundle: its sibling files
     from airgap_fit import evaluate, train
     from airgap_head import TOP_K, Head, load_seqs, make_head
     from airgap_parts import BundleError, Progress, log, pack, unpack
+    from airgap_prompts import requests_for_run
 
 TEMPERATURE, SAMPLED_EVERY = 0.7, 3
 
@@ -207,6 +209,9 @@ def run(cfg: Config, command: str) -> Path:
     clock = json.loads(clock_path.read_text()) if clock_path.exists() else {"gen_s": 0.0}
     model = load_target(inp, cfg.device)
     with torch.inference_mode():
+        if "self_prompts" in spec:  # the bundle carries no prompts: the target writes them
+            prompts = requests_for_run(model, inp, spec, cfg.out, cfg.gen_fraction * 60 *
+                                       cfg.minutes, clock, log)
         generate(model, prompts, spec, cfg, clock)
     del model
     seqs = load_seqs(cfg.out / "data")
@@ -220,7 +225,8 @@ def run(cfg: Config, command: str) -> Path:
         f"positions), {len(val)} held-out conversations; vocabulary {len(head.vocab)}")
     stats = train(head, train_seqs, cfg, 60 * cfg.minutes - clock["gen_s"])
     figures = {
-        "target": spec["target"]["name"], "device": _device_name(cfg.device),
+        "target": spec["target"]["name"], "device": torch.cuda.get_device_name(
+            cfg.device) if cfg.device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "minutes": {
             "budget": cfg.minutes, "generate": round(clock["gen_s"] / 60, 2),
             "train": round(stats["train_s"] / 60, 2),
@@ -236,10 +242,6 @@ def run(cfg: Config, command: str) -> Path:
         "heldout_by_conversation": evaluate(head, val, cfg) if val else "no held-out answers"}
     log(f"figures: {json.dumps(figures)}")
     return export(head, inp, spec, cfg, command, figures)
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
 
 
 def export(head: Head, inp: Path, spec: dict, cfg: Config, command: str, figures: dict) -> Path:

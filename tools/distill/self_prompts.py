@@ -10,49 +10,55 @@ resumes; the hand-written held-out prompts are never kept (their figure stays he
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Protocol
 
 from tandem.sampling_params import SamplingParams
+from tools.distill.airgap_prompts import (
+    MAX_IDLE_BATCHES,
+    MAX_TOKENS,
+    TEMPERATURE,
+    TOP_P,
+    finished,
+    keep,
+    key,
+)
 from tools.distill.corpus import Prompt
 
-# Sampled as Magpie samples: the full distribution, so rare requests appear too.
-TEMPERATURE = 1.0
-TOP_P = 0.95
-MAX_TOKENS = 128  # a request cut off here is dropped, not kept half-written
-_MIN_WORDS = 3
-MAX_IDLE_BATCHES = 4  # a target that never ends the user's turn is not an instruct model
+__all__ = ["MAX_IDLE_BATCHES", "query_prefix", "self_prompts", "turn_end_ids"]
+
+
+_MARKER = "\x00MAGPIE\x00"
+
+
+def _around_marker(tokenizer) -> tuple[str, str]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False)
+    if _MARKER not in text:
+        raise ValueError("the target's chat template does not render the user's message")
+    before, after = text.split(_MARKER, 1)
+    return before, after
 
 
 def query_prefix(tokenizer) -> list[int]:
     """The template's tokens up to the user's first word: system turn, then `user` opened."""
-    marker = "\x00MAGPIE\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    if marker not in text:
-        raise ValueError("the target's chat template does not render the user's message")
-    return tokenizer(text.split(marker)[0], add_special_tokens=False).input_ids
+    return tokenizer(_around_marker(tokenizer)[0], add_special_tokens=False).input_ids
 
 
-def _key(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
+def turn_end_ids(tokenizer) -> list[int]:
+    """What ends a user's request: the special token the template writes right after it
+    (<|im_end|>, <|eot_id|>, [/INST] ...), and end of sequence."""
+    after = tokenizer(_around_marker(tokenizer)[1], add_special_tokens=False).input_ids
+    ids = [after[0]] if after and after[0] in set(tokenizer.all_special_ids) else []
+    return list(dict.fromkeys(ids + ([tokenizer.eos_token_id]
+                                     if tokenizer.eos_token_id is not None else [])))
 
 
 def heldout_keys() -> set[str]:
     from tools.distill.acceptance import load_prompts
 
-    return {_key(p) for p in load_prompts(None)}
-
-
-def keep(text: str, seen: set[str]) -> bool:
-    """A finished, non-trivial request not seen before (nor among the held-out prompts)."""
-    k = _key(text)
-    if len(k.split()) < _MIN_WORDS or k in seen:
-        return False
-    seen.add(k)
-    return True
+    return {key(p) for p in load_prompts(None)}
 
 
 class Generator(Protocol):
@@ -66,25 +72,25 @@ def self_prompts(gen: Generator, tokenizer, n: int, seed: int, path: Path, batch
     resumed) in `path`; fewer if the deadline passes first."""
     have = [Prompt(**json.loads(x)) for x in path.read_text().splitlines()] \
         if path.exists() else []
-    seen = heldout_keys() | {_key(p.text) for p in have}
+    seen = heldout_keys() | {key(p.text) for p in have}
     prefix, idle = query_prefix(tokenizer), 0
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    stop = tuple(t for t in (end, tokenizer.eos_token_id) if isinstance(t, int) and t >= 0)
+    stop = tuple(turn_end_ids(tokenizer))
+    if not stop:
+        raise ValueError("the target's tokenizer names no token that ends a user's turn")
     start, at_start = time.perf_counter(), len(have)
     while len(have) < n and (deadline is None or time.time() < deadline):
         # Keyed by what the cache holds, so a resumed run draws new requests, not old ones.
         params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P,
                                 seed=seed * 1_000_003 + len(have) * 1009 + idle * batch)
         outs = gen.generate([prefix] * batch, params, MAX_TOKENS, stop)
-        new = [Prompt("chat", text, "self") for out in outs
-               if out and out[-1] in stop
-               and keep(text := tokenizer.decode(out[:-1]).strip(), seen)]
+        new = [Prompt("chat", text, "self") for req in finished(outs, set(stop))
+               if req is not None and keep(text := tokenizer.decode(req).strip(), seen)]
         with path.open("a") as f:  # whole lines only: a cut run loses one batch at most
             f.write("".join(json.dumps(p.__dict__) + "\n" for p in new))
         have += new
         idle = 0 if new else idle + 1
         if idle >= MAX_IDLE_BATCHES:
-            raise ValueError(f"the target wrote no usable request in {idle} batches of {batch}"
+            raise ValueError(f"no usable request from the target in {idle} batches of {batch}"
                              " (none ended its turn within "
                              f"{MAX_TOKENS} tokens): use --prompt-mix chat with this target")
         rate = (len(have) - at_start) / max(time.perf_counter() - start, 1e-9)
