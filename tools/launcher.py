@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.device import check_device_spec, check_dtype_spec
 from tandem.models import DEFAULT_TARGET, resolve_model
-from tandem.netaddr import join_host_port
+from tandem.netaddr import free_port, join_host_port
 from tandem.tls import TlsConfig, open_sync_channel, tls_args
 
 STARTUP_TIMEOUT_S = 180.0
@@ -59,34 +57,6 @@ class ClusterConfig:
         """--device / --dtype for a verifier's or draft worker's command line."""
         return ([] if self.device == "auto" else ["--device", self.device]) + \
             ([] if self.dtype == "auto" else ["--dtype", self.dtype])
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, below the kernel's ephemeral range: one the kernel hands out (bind to
-    port 0) is in that range, where an outgoing connection can take it before the server
-    binds it (a gateway failed to start so on a busy host)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    low = _ephemeral_low()
-    rng = random.SystemRandom()
-    for _ in range(64):
-        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 else 0
-        with socket.socket(family) as s:
-            try:
-                s.bind((host.strip("[]"), port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    with socket.socket(family) as s:  # all tried were taken: any the kernel gives
-        s.bind((host.strip("[]"), 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def _dialable(host: str) -> str:

@@ -13,8 +13,8 @@ from tandem.engine.tp import Control, all_loaded, check_shardable, init_group
 from tandem.engine.tp_llama import TPLlamaModel
 from tandem.engine.tp_runner import TPLeaderRunner
 from tandem.models import ModelPaths, read_hf_config, resolve_model
-from tandem.netaddr import join_host_port
-from verify_service.tp_worker import WorkerSpec, backend_for, free_port, spawn_workers
+from tandem.netaddr import free_port, join_host_port
+from verify_service.tp_worker import WorkerSpec, backend_for, spawn_workers
 
 log = logging.getLogger(__name__)
 

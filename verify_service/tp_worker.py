@@ -8,7 +8,6 @@ next wait within the collective timeout and exits non-zero: nothing hangs.
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,12 +56,6 @@ class WorkerSpec:
 
 def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def worker_main(spec: WorkerSpec) -> None:

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from tools.launcher import _ephemeral_low, free_port
+from tandem.netaddr import _ephemeral_low, free_port
 
 pytestmark = pytest.mark.unit
 
@@ -30,6 +30,6 @@ def test_a_taken_port_is_never_returned(monkeypatch):
             def randrange(self, low, high):
                 return self.ports.pop(0)
 
-        monkeypatch.setattr("tools.launcher._ephemeral_low", lambda: taken + 1)
-        monkeypatch.setattr("tools.launcher.random.SystemRandom", Draws)
+        monkeypatch.setattr("tandem.netaddr._ephemeral_low", lambda: taken + 1)
+        monkeypatch.setattr("tandem.netaddr.random.SystemRandom", Draws)
         assert free_port() == taken - 1

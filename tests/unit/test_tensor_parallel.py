@@ -262,7 +262,7 @@ def test_a_rank_from_another_node_joins_by_tp_worker(tiny, tmp_path):
     """`tandem tp-worker` (a separate process, as on another node) is rank 1 of a group whose
     rank 0 runs with local_ranks=1 and a master address: the same logits as TP=1. Its
     --ready-file (a LeaderWorkerSet worker's readiness probe) appears once it has joined."""
-    from verify_service.tp_worker import free_port
+    from tandem.netaddr import free_port
 
     master = f"127.0.0.1:{free_port()}"
     ready = tmp_path / "ready"
