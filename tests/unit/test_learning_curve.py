@@ -16,6 +16,9 @@ def test_a_run_adds_its_point_after_the_resumed_ones():
     assert extend(None, point) == [point]
     assert extend({"learning_curve": [{"train_positions": 1}]}, point)[1] == point
     assert "heldout_chat_top1" not in curve_point({"steps": 1}, 8, 8)
+    # The point names the prompt set its validation split came from.
+    assert point["prompt_mix"] == "chat"
+    assert curve_point(stats, 4096, 1000, prompt_mix="self")["prompt_mix"] == "self"
 
 
 def test_the_shipped_head_plots_its_curve(tmp_path, capsys):

@@ -113,7 +113,7 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     old = _earlier_card(job)
     if old is not None:  # every command that trained these weights
         extra["earlier_commands"] = [*old.get("earlier_commands", []), old.get("command", "?")]
-    point = curve_point(stats, job.train.batch_tokens, tokens)
+    point = curve_point(stats, job.train.batch_tokens, tokens, job.data.mix)
     if job.init_head:  # this run's steps count from the fine-tune's start
         init = json.loads((Path(job.init_head) / EAGLE_CARD).read_text())
         point["train_positions"] += (init.get("learning_curve") or [{}])[-1].get(

@@ -19,10 +19,12 @@ DEFAULT_HEAD = Path("draft_service/weights/smollm2-135m-eagle")
 CARD = "tandem_eagle.json"
 
 
-def curve_point(stats: dict, batch_tokens: int, data_positions: int) -> dict:
-    """One run's point from the trainer's stats (tools.distill.eagle.train's result)."""
+def curve_point(stats: dict, batch_tokens: int, data_positions: int,
+                prompt_mix: str = "chat") -> dict:
+    """One run's point from the trainer's stats (tools.distill.eagle.train's result);
+    `prompt_mix` names the prompt set its data and validation split came from."""
     point = {"train_positions": int(stats.get("steps", 0)) * batch_tokens,
-             "data_positions": data_positions,
+             "data_positions": data_positions, "prompt_mix": prompt_mix,
              "top1_step1": stats.get("top1_step1"), "top1_step2": stats.get("top1_step2"),
              "train_wall_s": stats.get("train_wall_s")}
     chat = stats.get("heldout_chat") or {}
@@ -44,12 +46,19 @@ def plot(points: list[dict], out: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     x = [p["train_positions"] / 1e6 for p in points]
-    for key, label, style in (("top1_step1", "validation split, draft step 1", "o-"),
-                              ("top1_step2", "validation split, draft step 2", "s--"),
-                              ("heldout_chat_top1", "hand-written held-out chat, step 1", "D")):
-        pts = [(xi, p[key]) for xi, p in zip(x, points) if p.get(key) is not None]
-        if pts:
-            ax.plot(*zip(*pts), style, label=label)
+    # A validation split belongs to its data's prompt set: one series per set, so a run on
+    # new prompts does not read as a drop of the old split's figure.
+    for mix in dict.fromkeys(p.get("prompt_mix", "chat") for p in points):
+        for key, step, style in (("top1_step1", 1, "o-"), ("top1_step2", 2, "s--")):
+            pts = [(xi, p[key]) for xi, p in zip(x, points)
+                   if p.get(key) is not None and p.get("prompt_mix", "chat") == mix]
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"validation split ({mix} prompts), "
+                                                  f"draft step {step}")
+    pts = [(xi, p["heldout_chat_top1"]) for xi, p in zip(x, points)
+           if p.get("heldout_chat_top1") is not None]
+    if pts:
+        ax.plot(*zip(*pts), "D-", color="k", label="hand-written held-out chat, step 1")
     ax.set_xscale("log")
     ax.set_xlabel("training positions processed (millions, log scale)")
     ax.set_ylabel("top-1 agreement with the target")
