@@ -53,3 +53,12 @@ def test_init_head_must_be_an_exported_head(tmp_path, capsys):
     assert main(["distill", "--method", "eagle", "--out", str(tmp_path / "o"),
                  "--init-head", str(tmp_path)]) != 0
     assert "not an exported Tandem EAGLE head" in capsys.readouterr().err
+
+
+def test_init_head_of_another_target_is_refused(tmp_path, target_paths, eagle_dir, capsys):
+    target = _tiny_target(tmp_path / "target", target_paths)  # same tokenizer, width 32
+    assert main(["distill", "--method", "eagle", "--target", str(target), "--out",
+                 str(tmp_path / "o"), "--data-dir", str(tmp_path / "d"), "--num-prompts", "4",
+                 "--gen-batch", "4", "--max-new-tokens", "4", "--heldout-prompts", "0",
+                 "--init-head", str(eagle_dir)]) != 0
+    assert "was trained for another target" in capsys.readouterr().err

@@ -84,6 +84,8 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     val, train_seqs = seqs[:n_val], seqs[n_val:]
     special = tuple(t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id,
                                 tokenizer.pad_token_id) if t is not None)
+    if job.init_head:
+        _check_init_head(Path(job.init_head), paths)
     head = (EagleTrainHead.from_export(job.init_head).train() if job.init_head else
             make_head(paths, train_seqs, job.train, special)).to(at.device)  # seeded on the CPU
     tokens = sum(len(s.features) for s in train_seqs)
@@ -125,6 +127,19 @@ def run_eagle(job: EagleJob, log=print) -> Path:
             shutil.copy(paths.root / name, job.out_dir / name)
     log(f"eagle: head written to {job.out_dir}")
     return job.out_dir
+
+
+def _check_init_head(root: Path, paths) -> None:
+    """A head to fine-tune must read this target's features and speak its tokenizer."""
+    from tandem.models import ModelPaths, tokenizer_hash
+
+    want = json.loads((root / EAGLE_CARD).read_text()).get("target", {}).get("tokenizer_sha256")
+    head_hidden = read_hf_config(ModelPaths(root)).get("hidden_size")
+    target_hidden = read_hf_config(paths).get("hidden_size")
+    if want != tokenizer_hash(paths) or head_hidden != target_hidden:
+        raise ValueError(f"--init-head {root} was trained for another target (tokenizer "
+                         f"{str(want)[:12]}, width {head_hidden}; this target's: "
+                         f"{tokenizer_hash(paths)[:12]}, {target_hidden})")
 
 
 def _earlier_card(job: EagleJob) -> dict | None:
