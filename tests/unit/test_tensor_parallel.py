@@ -165,9 +165,12 @@ def test_tp2_matches_tp1_every_forward(tiny, dtype):
         leader.close()
     assert [p.exitcode for p in leader.procs] == [0]
     assert leader.model.cfg.num_kv_heads == 1  # rank 0 holds half the KV cache
-    for g, e in zip(got, expected):
+    for i, (g, e) in enumerate(zip(got, expected)):
         assert g.shape == e.shape
-        torch.testing.assert_close(g, e, atol=ATOL, rtol=0)
+        # The kept features are stored in fp16: values within ATOL before rounding can land
+        # one fp16 step (2^-10 relative) apart after it (seen with int8 on some hosts).
+        rtol = 2 ** -10 if i == len(got) - 1 else 0
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=rtol)
     assert torch.equal(got[0].argmax(-1), expected[0].argmax(-1))
 
 
