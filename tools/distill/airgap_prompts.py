@@ -36,6 +36,11 @@ def keep(text: str, seen: set[str]) -> bool:
     return True
 
 
+def draw_seed(seed: int, have: int, idle: int, batch: int) -> int:
+    """A batch's seed, keyed by the requests cached so far: a resumed run draws new ones."""
+    return seed * 1_000_003 + have * 1009 + idle * batch
+
+
 def finished(rows: list[list[int]], stop: set[int]) -> list[list[int] | None]:
     """Each row up to its first stop token, or None where no stop token came (cut off)."""
     out = []
@@ -55,7 +60,7 @@ def sample_requests(model, tokenizer, spec: dict, out: Path, budget_s: float, lo
     stop, batch, t0, idle = set(sp["stop_ids"]), sp["batch"], time.perf_counter(), 0
     prefix = torch.tensor([sp["prefix"]] * batch, device=model.device)
     while len(have) < sp["count"] and time.perf_counter() - t0 < budget_s:
-        torch.manual_seed(sp["seed"] * 1_000_003 + len(have) * 1009 + idle * batch)
+        torch.manual_seed(draw_seed(sp["seed"], len(have), idle, batch))
         rows = model.generate(input_ids=prefix, attention_mask=torch.ones_like(prefix),
                               do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, top_k=0,
                               max_new_tokens=MAX_TOKENS, pad_token_id=spec["pad_id"],

@@ -21,6 +21,7 @@ from tools.distill.airgap_prompts import (
     MAX_TOKENS,
     TEMPERATURE,
     TOP_P,
+    draw_seed,
     finished,
     keep,
     key,
@@ -79,9 +80,8 @@ def self_prompts(gen: Generator, tokenizer, n: int, seed: int, path: Path, batch
         raise ValueError("the target's tokenizer names no token that ends a user's turn")
     start, at_start = time.perf_counter(), len(have)
     while len(have) < n and (deadline is None or time.time() < deadline):
-        # Keyed by what the cache holds, so a resumed run draws new requests, not old ones.
         params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P,
-                                seed=seed * 1_000_003 + len(have) * 1009 + idle * batch)
+                                seed=draw_seed(seed, len(have), idle, batch))
         outs = gen.generate([prefix] * batch, params, MAX_TOKENS, stop)
         new = [Prompt("chat", text, "self") for req in finished(outs, set(stop))
                if req is not None and keep(text := tokenizer.decode(req).strip(), seen)]
