@@ -25,11 +25,11 @@ PROMPTS = ["Say hello.", "What is two plus two?", "Name a colour.", "Continue: o
            "Explain rain.", "Write one word.", "Count to five.", "What is a cat?"]
 
 
-def _tiny_target(root: Path, target_paths, architectures=None) -> Path:
+def _tiny_target(root: Path, target_paths, architectures=None, layers: int = 2) -> Path:
     root.mkdir(parents=True)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
     model = transformers.AutoModelForCausalLM.from_config(cfg)

@@ -61,10 +61,11 @@ def _add_distill(sub) -> None:
                            "HF-format draft directory with a model card."))
     p.add_argument("--target", default=os.environ.get("TANDEM_MODEL", DEFAULT_TARGET),
                    help="target: default name or HF checkpoint dir [default %(default)s]")
-    p.add_argument("--method", choices=("draft_model", "eagle", "medusa"),
+    p.add_argument("--method", choices=("draft_model", "eagle", "eagle3", "medusa"),
                    default="draft_model",
-                   help="what to train: an independent draft model, an EAGLE head or Medusa "
-                   "heads on the target's features [%(default)s]")
+                   help="what to train: an independent draft model, an EAGLE head, an EAGLE-3 "
+                   "head (three target layers, published layout) or Medusa heads on the "
+                   "target's features [%(default)s]")
     p.add_argument("--out", type=Path, default=None,
                    help="output draft directory (required unless bundle/unbundle)")
     p.add_argument("--data-dir", type=Path, default=None,
@@ -104,6 +105,10 @@ def _add_distill(sub) -> None:
                    help="token loss weight against the feature regression [%(default)s]")
     g.add_argument("--step2-weight", type=float, default=e.step2_weight,
                    help="weight of the second draft step's losses, 0 = off [%(default)s]")
+    g.add_argument("--ttt-steps", type=int, default=e.ttt_steps,
+                   help="eagle3: draft steps of the training-time test [%(default)s]")
+    g.add_argument("--ttt-decay", type=float, default=e.ttt_decay,
+                   help="eagle3: step j's loss weighted DECAY**j [%(default)s]")
     g.add_argument("--prompt-mix", choices=("chat", "self"), default="chat",
                    help="chat: task x subject grid; self: requests the target writes itself "
                         "(Magpie) [%(default)s]")
@@ -143,7 +148,7 @@ def _cmd_distill(args) -> int:
     args.device, args.dtype = str(at.device), at.dtype
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.method in ("eagle", "medusa"):
+    if args.method in ("eagle", "eagle3", "medusa"):
         return _cmd_eagle(args)
     data = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch,
                       max_new_tokens=args.max_new_tokens, top_k=args.teacher_top_k,
@@ -201,9 +206,11 @@ def _cmd_eagle(args) -> int:
     cfg = EagleTrainConfig(vocab=args.eagle_vocab, time_budget_min=args.time_budget,
                            epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
                            cls_weight=args.cls_weight, step2_weight=args.step2_weight,
-                           checkpoint_min=args.checkpoint_minutes, seed=args.seed)
+                           checkpoint_min=args.checkpoint_minutes, seed=args.seed,
+                           ttt_steps=args.ttt_steps, ttt_decay=args.ttt_decay)
     print(run_eagle(EagleJob(**job_args, train=cfg, heldout_prompts=args.heldout_prompts,
-                             init_head=getattr(args, "init_head", None)),
+                             init_head=getattr(args, "init_head", None),
+                             eagle3=args.method == "eagle3"),
                     log=lambda m: print(m, file=sys.stderr)))
     return 0
 

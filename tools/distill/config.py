@@ -120,8 +120,14 @@ class EagleTrainConfig:
     val_fraction: float = 0.04
     checkpoint_min: float = 4.0
     seed: int = 0
+    # EAGLE-3 only: draft steps of the training-time test, step j's loss weighted decay**j.
+    ttt_steps: int = 3
+    ttt_decay: float = 0.8
 
     def __post_init__(self):
+        if not 1 <= self.ttt_steps <= 8 or not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"need 1 <= ttt_steps <= 8 and 0 < ttt_decay <= 1, got "
+                             f"{self.ttt_steps}, {self.ttt_decay}")
         if self.vocab < 16 or self.batch_tokens < 64 or self.lr <= 0 or self.epochs <= 0:
             raise ValueError("need vocab >= 16, batch_tokens >= 64, lr > 0, epochs > 0")
         if not 0 <= self.val_fraction < 1 or self.checkpoint_min <= 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,10 +38,21 @@ class FeatureSeq:
     topk_logprobs: torch.Tensor  # [G, K] fp16
 
 
-def load_feature_seqs(data_dir: Path) -> list[FeatureSeq]:
+def aux_path(shard: Path) -> Path:
+    """Where the EAGLE-3 pass keeps a shard's three-layer features (tools.distill.eagle3)."""
+    return shard.with_name("aux-" + shard.name)
+
+
+def load_feature_seqs(data_dir: Path, aux: bool = False) -> list[FeatureSeq]:
+    """The cached conversations with their features: the final normed hidden state, or with
+    aux=True the three-layer EAGLE-3 features (shards without them are left out)."""
     out = []
     for path in sorted(Path(data_dir).glob("shard-*.safetensors")):
         t = load_file(str(path))
+        if aux:
+            if not aux_path(path).exists():
+                continue
+            t["features"] = load_file(str(aux_path(path)))["features"]
         if "features" not in t:
             continue  # a cache generated without features
         po, go = t["prompt_offsets"].tolist(), t["gen_offsets"].tolist()
@@ -87,22 +99,32 @@ def _collate(seqs: list[FeatureSeq], vocab: DraftVocab, input_map: torch.Tensor)
     """Entries t = 1..T-1 of each sequence, right-padded to one length."""
     n = max(len(s.features) - 1 for s in seqs)
     b, h = len(seqs), seqs[0].features.shape[1]
-    k = seqs[0].topk_ids.shape[1]
-    ids = torch.zeros(b, n, dtype=torch.int64)
     feats = torch.zeros(b, n, h)
     target = torch.zeros(b, n, h)
     reg_mask = torch.zeros(b, n)
+    for i, s in enumerate(seqs):
+        m = len(s.features) - 1  # entries 1..T-1 sit at rows 0..m-1
+        feats[i, :m] = s.features[:m].float()
+        target[i, :m] = s.features[1:m + 1].float()
+        reg_mask[i, :m] = 1
+    ids, cls_mask, t_rows, t_probs = teacher_rows(seqs, vocab, input_map, n)
+    return ids, feats, target, reg_mask, cls_mask, t_rows, t_probs
+
+
+def teacher_rows(seqs: list[FeatureSeq], vocab: DraftVocab, input_map: torch.Tensor, n: int):
+    """Per row (entry t = 1..T-1 of each sequence, n rows): its token t [B, n], which rows
+    have a teacher [B, n], and the teacher's top-K as draft rows and probabilities [B, n, K]
+    (0 for tokens outside the draft vocabulary)."""
+    b, k = len(seqs), seqs[0].topk_ids.shape[1]
+    ids = torch.zeros(b, n, dtype=torch.int64)
     cls_mask = torch.zeros(b, n)
     t_rows = torch.zeros(b, n, k, dtype=torch.int64)
     t_probs = torch.zeros(b, n, k)
     kept = torch.zeros(vocab.target_vocab_size, dtype=torch.bool)
     kept[list(vocab.target_ids)] = True
     for i, s in enumerate(seqs):
-        m = len(s.features) - 1  # entries 1..T-1 sit at rows 0..m-1
+        m = len(s.features) - 1
         ids[i, :m] = s.ids[1:m + 1]
-        feats[i, :m] = s.features[:m].float()
-        target[i, :m] = s.features[1:m + 1].float()
-        reg_mask[i, :m] = 1
         first = max(s.gen_start - 1, 1)  # entry t predicts token t+1: generated from P-1 on
         j0 = first + 1 - s.gen_start  # its teacher row
         rows = slice(first - 1, m)
@@ -110,7 +132,7 @@ def _collate(seqs: list[FeatureSeq], vocab: DraftVocab, input_map: torch.Tensor)
         t_rows[i, rows] = input_map[g]
         t_probs[i, rows] = s.topk_logprobs[j0:j0 + m - first + 1].float().exp() * kept[g]
         cls_mask[i, rows] = 1
-    return ids, feats, target, reg_mask, cls_mask, t_rows, t_probs
+    return ids, cls_mask, t_rows, t_probs
 
 
 def _losses(head: EagleTrainHead, pred, target, reg_mask, cls_mask, t_rows, t_probs):
@@ -188,8 +210,9 @@ def make_head(target: ModelPaths, seqs: list[FeatureSeq], cfg: EagleTrainConfig,
     return head
 
 
-def card(target: ModelPaths, cfg: EagleTrainConfig, command: str, stats: dict) -> dict:
-    return {"format": "tandem-eagle/1", "target": {"name": target.root.name,
+def card(target: ModelPaths, cfg: EagleTrainConfig, command: str, stats: dict,
+         fmt: str = "tandem-eagle/1") -> dict:
+    return {"format": fmt, "target": {"name": target.root.name,
             "tokenizer_sha256": tokenizer_hash(target)}, "command": command,
             "train": asdict(cfg), **stats}
 
@@ -203,8 +226,23 @@ def lr_at(step: int, total: int, cfg: EagleTrainConfig, time_frac: float = 0.0) 
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train(head: EagleTrainHead, train_seqs, val_seqs, cfg: EagleTrainConfig, ckpt: Path,
-          resume: bool, log=print, progress=None) -> dict:
+@dataclass(frozen=True)
+class Recipe:
+    """What `train` needs of a head family: its batches, losses, total loss and held-out
+    figures (EAGLE-1's here, EAGLE-3's in tools.distill.eagle3)."""
+    collate: Callable  # (seqs, vocab, input_map) -> a batch (a tuple of CPU tensors)
+    losses: Callable  # (head, batch, cfg) -> {name: scalar tensor}
+    total: Callable  # (losses, cfg) -> the loss to minimise
+    evaluate: Callable  # (head, seqs, cfg) -> {figure: float}
+    shown: tuple[str, ...]  # losses on the progress bar
+
+
+EAGLE1 = Recipe(_collate, lambda head, batch, cfg: step_losses(head, batch, cfg.step2_weight),
+                _total, evaluate, ("reg", "cls", "cls2"))
+
+
+def train(head, train_seqs, val_seqs, cfg: EagleTrainConfig, ckpt: Path, resume: bool,
+          log=print, progress=None, recipe: Recipe = EAGLE1) -> dict:
     """Train within the time budget; checkpoint (model + optimiser + step) to `ckpt`. The head
     trains where it is (move it first: the optimizer's state follows its parameters); batches
     are built on the CPU and moved there, checkpoints are written from CPU copies."""
@@ -223,7 +261,7 @@ def train(head: EagleTrainHead, train_seqs, val_seqs, cfg: EagleTrainConfig, ckp
         opt.load_state_dict(state["opt"])
         step, wall = state["step"], state["wall"]
         log(f"eagle: resumed at step {step} ({wall / 60:.1f} min trained)")
-    input_map = head.input_map.cpu()  # _collate maps on the CPU (the resumed head's map)
+    input_map = head.vocab.input_map()  # batches map on the CPU (the resumed head's vocab)
     start, last_ckpt = time.perf_counter() - wall, time.perf_counter()
     epoch_batches: list = []
     while step < total and (not cfg.time_budget_min
@@ -231,26 +269,25 @@ def train(head: EagleTrainHead, train_seqs, val_seqs, cfg: EagleTrainConfig, ckp
         if not epoch_batches:
             epoch_batches = _batches(train_seqs, cfg.batch_tokens, random.Random(cfg.seed + step))
         idx = epoch_batches.pop()
-        batch = _to(_collate([train_seqs[i] for i in idx], head.vocab, input_map), device)
+        batch = _to(recipe.collate([train_seqs[i] for i in idx], head.vocab, input_map), device)
         elapsed = time.perf_counter() - start
         budget = 60 * cfg.time_budget_min
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, cfg, elapsed / budget if budget else 0.0)
-        losses = step_losses(head, batch, cfg.step2_weight)
+        losses = recipe.losses(head, batch, cfg)
         opt.zero_grad(set_to_none=True)
-        _total(losses, cfg).backward()
+        recipe.total(losses, cfg).backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         step += 1
         if progress is not None:
-            progress(step, total, {k: v.item() for k, v in losses.items()
-                                   if k in ("reg", "cls", "cls2")})
+            progress(step, total, {k: v.item() for k, v in losses.items() if k in recipe.shown})
         if time.perf_counter() - last_ckpt > 60 * cfg.checkpoint_min:
             _save(ckpt, head, opt, step, time.perf_counter() - start)
             last_ckpt = time.perf_counter()
     wall = time.perf_counter() - start
     _save(ckpt, head, opt, step, wall)
-    metrics = evaluate(head, val_seqs, cfg) if val_seqs else {}
+    metrics = recipe.evaluate(head, val_seqs, cfg) if val_seqs else {}
     log(f"eagle: {step} steps in {wall / 60:.1f} min; held-out {metrics}")
     return {"steps": step, "total_steps": total, "train_wall_s": round(wall, 1), **metrics}
 

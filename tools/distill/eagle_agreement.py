@@ -66,10 +66,11 @@ def trained_top1(head_dir: Path, seqs: list[FeatureSeq], cfg: EagleTrainConfig) 
 
 
 def heldout_agreement(runner, tokenizer, head: EagleTrainHead, cfg: EagleTrainConfig,
-                      prompts: int, new_tokens: int) -> dict:
-    """The trainer's validation on the target's greedy answers to the held-out chat prompts
-    (draft_service/data/heldout_prompts.jsonl, never in any training set): the figure the
-    served proposer reproduces (benchmarks/eagle_agreement.py)."""
+                      prompts: int, new_tokens: int, evaluate=evaluate) -> dict:
+    """The trainer's validation (`evaluate`, EAGLE-1's unless given) on the target's greedy
+    answers to the held-out chat prompts (draft_service/data/heldout_prompts.jsonl, never in
+    any training set), with the runner's features: the figure the served proposer
+    reproduces (benchmarks/eagle_agreement.py)."""
     texts = load_prompts(None)[:prompts]
     ids = [encode_prompt(tokenizer, Prompt("chat", t, "heldout"), 256) for t in texts]
     seqs = record_answers(runner, tokenizer, ids, [GREEDY] * len(ids), new_tokens)

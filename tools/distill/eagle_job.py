@@ -16,16 +16,20 @@ import torch
 
 from tandem.device import check_device_spec
 from tandem.engine.eagle import EAGLE_CARD
+from tandem.engine.eagle3 import capture_layers, default_layer_ids
 from tandem.models import read_hf_config, resolve_model
 from tools.distill.config import DataConfig
 from tools.distill.data import generate_dataset, placed, target_runner
 from tools.distill.eagle import (
+    EAGLE1,
     EagleTrainConfig,
     card,
     load_feature_seqs,
     make_head,
     train,
 )
+from tools.distill.eagle3 import EAGLE3, aux_features, aux_runner, make_head3
+from tools.distill.eagle3_head import EAGLE3_CARD
 from tools.distill.eagle_head import EagleTrainHead
 from tools.distill.learning_curve import curve_point, extend
 from tools.distill.pipeline import _TOKENIZER_FILES
@@ -50,6 +54,9 @@ class EagleJob:
     # Fine-tune this exported head (weights and vocabulary) instead of starting from the
     # target's last layer: new data then adds to what earlier data taught.
     init_head: Path | None = None
+    # An EAGLE-3 head (tools.distill.eagle3): three-layer features added to the same cache
+    # by a teacher-forced pass, the training-time test, the published EAGLE-3 layout.
+    eagle3: bool = False
 
     def __post_init__(self):
         if not self.data.features:
@@ -59,6 +66,9 @@ class EagleJob:
         if self.heldout_prompts < 0 or self.heldout_new_tokens < 1:
             raise ValueError("need --heldout-prompts >= 0 and heldout_new_tokens >= 1")
         check_device_spec(self.device)
+        if self.eagle3 and self.init_head is not None:
+            raise ValueError("--init-head fine-tunes Tandem EAGLE-1 heads (--method eagle), "
+                             "not --method eagle3")
         if self.init_head is not None and not (Path(self.init_head) / EAGLE_CARD).is_file():
             raise ValueError(f"--init-head {self.init_head}: no {EAGLE_CARD} there (not an "
                              "exported Tandem EAGLE head)")
@@ -71,12 +81,17 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     at, data = placed(job.data, job.device)
     job = replace(job, data=data)
     paths = resolve_model(job.target)
+    if job.eagle3:  # before any generation: a target too shallow for three layers
+        n = int(read_hf_config(paths).get("num_hidden_layers", 0))
+        capture_layers(default_layer_ids(n), n)
     tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
     deadline = time.time() + 60 * job.gen_minutes if job.gen_minutes else None
     runner = target_runner(paths, job.data, at)
     generate_dataset(paths.root, tokenizer, runner, job.data, job.data_dir, log, deadline)
+    if job.eagle3:
+        aux_features(aux_runner(runner.model, job.data.kv_cache_mb), job.data_dir, log=log)
     del runner
-    seqs = load_feature_seqs(job.data_dir)
+    seqs = load_feature_seqs(job.data_dir, aux=job.eagle3)
     if len(seqs) < 2:
         raise ValueError(f"only {len(seqs)} sequences with features in {job.data_dir}")
     random.Random(job.train.seed).shuffle(seqs)
@@ -87,7 +102,8 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     if job.init_head:
         _check_init_head(Path(job.init_head), paths)
     head = (EagleTrainHead.from_export(job.init_head).train() if job.init_head else
-            make_head(paths, train_seqs, job.train, special)).to(at.device)  # seeded on the CPU
+            (make_head3 if job.eagle3 else make_head)(paths, train_seqs, job.train, special)
+            ).to(at.device)  # seeded on the CPU
     tokens = sum(len(s.features) for s in train_seqs)
     log(f"eagle: {len(train_seqs)} train / {len(val)} held-out sequences, {tokens} positions; "
         f"vocabulary {len(head.vocab.target_ids)}")
@@ -98,15 +114,20 @@ def run_eagle(job: EagleJob, log=print) -> Path:
         bar.update(step - bar.n)
         bar.set_postfix({k: f"{v:.3f}" for k, v in losses.items()})
 
-    stats = train(head, train_seqs, val, job.train, job.data_dir / "eagle_train_state.pt",
-                  job.resume, log, progress)
+    recipe = EAGLE3 if job.eagle3 else EAGLE1
+    state = "eagle3_train_state.pt" if job.eagle3 else "eagle_train_state.pt"
+    stats = train(head, train_seqs, val, job.train, job.data_dir / state, job.resume, log,
+                  progress, recipe)
     bar.close()
     if job.heldout_prompts:
         from tools.distill.eagle_agreement import heldout_agreement
 
+        runner = target_runner(paths, job.data, at)
+        if job.eagle3:  # the answers' features as the verifier sends them: three layers
+            runner = aux_runner(runner.model, job.data.kv_cache_mb)
         stats["heldout_chat"] = heldout_agreement(
-            target_runner(paths, job.data, at), tokenizer, head, job.train, job.heldout_prompts,
-            job.heldout_new_tokens)
+            runner, tokenizer, head, job.train, job.heldout_prompts, job.heldout_new_tokens,
+            recipe.evaluate)
         log(f"eagle: held-out chat prompts {stats['heldout_chat']}")
     command = job.command or shlex.join(["tandem", *sys.argv[1:]])
     data_stats = {"sequences": len(seqs), "positions": tokens,
@@ -121,7 +142,8 @@ def run_eagle(job: EagleJob, log=print) -> Path:
         point["train_positions"] += (init.get("learning_curve") or [{}])[-1].get(
             "train_positions", 0)
     extra["learning_curve"] = extend(old, point)
-    head.export(job.out_dir, read_hf_config(paths), card(paths, job.train, command, extra))
+    fmt = "tandem-eagle3/1" if job.eagle3 else "tandem-eagle/1"
+    head.export(job.out_dir, read_hf_config(paths), card(paths, job.train, command, extra, fmt))
     for name in _TOKENIZER_FILES:
         if (paths.root / name).exists():
             shutil.copy(paths.root / name, job.out_dir / name)
@@ -145,8 +167,9 @@ def _check_init_head(root: Path, paths) -> None:
 def _earlier_card(job: EagleJob) -> dict | None:
     """The card of the weights this run started from: OUT's when resumed, else --init-head's."""
     for ok, root in ((job.resume, job.out_dir), (job.init_head is not None, job.init_head)):
-        if ok and (Path(root) / EAGLE_CARD).exists():
-            return json.loads((Path(root) / EAGLE_CARD).read_text())
+        name = EAGLE3_CARD if job.eagle3 and root == job.out_dir else EAGLE_CARD
+        if ok and (Path(root) / name).exists():
+            return json.loads((Path(root) / name).read_text())
     return None
 
 
