@@ -1,5 +1,6 @@
 """An EAGLE head's first-draft agreement with the target, the trainer's way and the served way,
-on the same sequences (tools.distill.eagle_agreement).
+on the same sequences (tools.distill.eagle_agreement). An EAGLE-3 head (published layout) is
+served three-layer features and scored by tools.distill.eagle3's validation.
 
   python benchmarks/eagle_agreement.py [--head DIR] [--source heldout|val|train|fresh]
       [--prompts 10] [--new-tokens 48] [--temperature T | --as-trained]
@@ -29,6 +30,7 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.proposers.eagle import EagleProposer
+from tandem.engine.eagle3_published import is_eagle3, layer_ids_of
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths, resolve_model
@@ -37,6 +39,8 @@ from tandem.spec import DraftRequest
 from tools.distill.acceptance import load_prompts
 from tools.distill.config import EagleTrainConfig
 from tools.distill.corpus import Prompt, build_prompts, encode_prompt
+from tools.distill.eagle3 import aux_runner, evaluate3
+from tools.distill.eagle3_head import EAGLE3_CARD, Eagle3TrainHead
 from tools.distill.eagle_agreement import (
     GREEDY,
     record_answers,
@@ -110,10 +114,17 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     head = ModelPaths(resolve_model(args.head).root)
-    card = json.loads((head.root / "tandem_eagle.json").read_text())
     paths = resolve_model(args.target)
+    three = is_eagle3(head.root)  # EAGLE-3: the target's three-layer features, its own vocab
+    card_file = head.root / (EAGLE3_CARD if three else "tandem_eagle.json")
+    card = json.loads(card_file.read_text()) if card_file.is_file() else {}
+    if not card and args.source != "heldout":
+        raise SystemExit(f"--source {args.source} needs the head's training card ({card_file})")
     tok = AutoTokenizer.from_pretrained(str(paths.root))
-    runner = ModelRunner.with_memory(LlamaModel.load(paths), 256 << 20)
+    model = LlamaModel.load(paths)
+    runner = (aux_runner(model, 256, layer_ids_of(json.loads(
+        (head.root / "config.json").read_text()))) if three else
+        ModelRunner.with_memory(model, 256 << 20))
     prompts, params = _prompts(args, card)
     t0 = time.perf_counter()
     seqs = record_answers(runner, tok, [encode_prompt(tok, p, 256) for p in prompts], params,
@@ -121,16 +132,17 @@ def main() -> None:
     base = {"head": args.head, "source": args.source, "prompts": len(seqs),
             "new_tokens": args.new_tokens, "temperature": args.temperature,
             "as_trained": args.as_trained}
-    cfg = EagleTrainConfig(**card["train"])
-    trained = trained_top1(head.root, seqs, cfg)
+    cfg = EagleTrainConfig(**card["train"]) if card else EagleTrainConfig()
+    trained = (evaluate3(Eagle3TrainHead.from_export(head.root, paths), seqs, cfg) if three
+               else trained_top1(head.root, seqs, cfg))
     print(json.dumps({**base, "trained": trained}), flush=True)
     variants = {"recorded-fp16": None}
     for dtype in ([] if args.single_path is None else args.single_path or ["float32"]):
         model = runner.model if dtype == "float32" else LlamaModel.load(paths, dtype)
         variants[f"single-{dtype}"] = single_path_features(
             ModelRunner.with_memory(model, 64 << 20), seqs, fp16=False)
-    for v in args.eagle_vocab:
-        prop = EagleProposer.load(head, 64 << 20, draft_vocab=v)
+    for v in [0] if three else args.eagle_vocab:  # an EAGLE-3 head has its own vocabulary
+        prop = EagleProposer.load(head, 64 << 20, draft_vocab=v, target=paths)
         for name, feats in variants.items():
             out = served_top1(prop, seqs, feats)
             print(json.dumps({**base, "eagle_vocab": v, "features": name,

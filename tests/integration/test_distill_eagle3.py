@@ -17,8 +17,11 @@ def test_eagle3_distill_trains_resumes_and_serves(tmp_path, target_paths):
     from draft_service.proposers.eagle import EagleProposer
     from tandem.spec import DraftRequest
     from tools.cli import main
+    from tools.distill.config import EagleTrainConfig
     from tools.distill.eagle import aux_path, load_feature_seqs
-    from tools.distill.eagle3_head import EAGLE3_CARD
+    from tools.distill.eagle3 import evaluate3
+    from tools.distill.eagle3_head import EAGLE3_CARD, Eagle3TrainHead
+    from tools.distill.eagle_agreement import served_top1
 
     target = _tiny_target(tmp_path / "target", target_paths, layers=8)
     out, data = tmp_path / "head", tmp_path / "data"
@@ -40,6 +43,12 @@ def test_eagle3_distill_trains_resumes_and_serves(tmp_path, target_paths):
     req = DraftRequest("k", seqs[0].ids[:6].tolist(), 6, 1, features=seqs[0].features[:5].float())
     (res,) = prop.propose([req])
     assert len(res.tokens) == 1 and 0 <= res.tokens[0].token_id < 49152
+    # One agreement figure: the trainer's validation of the written head and the proposer.
+    trained = evaluate3(Eagle3TrainHead.from_export(out, ModelPaths(target)), seqs[:3],
+                        EagleTrainConfig())
+    served = served_top1(prop, seqs[:3])
+    assert served["positions"] == trained["positions"] > 0
+    assert served["served"] == pytest.approx(trained["top1_step1"], abs=1e-4)
     aux = {p: p.stat().st_mtime_ns for p in data.glob("aux-*.safetensors")}
     assert aux and all(aux_path(s) in aux for s in data.glob("shard-*.safetensors"))
     assert main([*argv, "--resume", "--epochs", "4"]) == 0

@@ -54,6 +54,21 @@ def test_export_has_the_published_layout(exported):
     assert w["fc.weight"].shape == (head.cfg.hidden_size, 3 * head.cfg.hidden_size)
 
 
+def test_from_export_is_the_trained_module(exported):
+    target, head, out = exported
+    back = Eagle3TrainHead.from_export(out, target)
+    assert back.layer_ids == (1, 3, 4) and set(back.vocab.target_ids) == set(DRAFT_IDS)
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, VOCAB, (1, 10), generator=gen)
+    feats = torch.randn(1, 10, 3 * head.cfg.hidden_size, generator=gen)
+    with torch.no_grad():
+        a = [head.logits(o)[..., torch.tensor(head.vocab.target_ids).argsort()]
+             for o in head(ids, feats, torch.arange(10), 2)]
+        b = [back.logits(o) for o in back(ids, feats, torch.arange(10), 2)]
+    for x, y in zip(a, b):  # back's rows are sorted by target id, head's are not
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
 def test_training_time_test_drafts_what_the_proposer_serves(exported):
     target, head, out = exported
     prop = EagleProposer.load(ModelPaths(out), 8 << 20, 16, target=target)

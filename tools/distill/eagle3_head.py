@@ -22,6 +22,7 @@ from torch import nn
 from tandem.engine.checkpoint import LlamaConfig
 from tandem.engine.draft_vocab import DraftVocab
 from tandem.engine.rope import rope_inv_freq
+from tandem.models import ModelPaths
 
 EAGLE3_CARD = "tandem_eagle3.json"  # not tandem_eagle.json: that name marks Tandem's EAGLE-1
 
@@ -131,25 +132,49 @@ class Eagle3TrainHead(nn.Module):
     def logits(self, out):  # [..., h] -> [..., V_d]
         return self.lm_head(self._rms(out, self.norm))
 
+    @classmethod
+    def from_export(cls, root: Path, target: ModelPaths) -> Eagle3TrainHead:
+        """The module back from an exported head (fp16 weights, as served; the target's
+        embedding), so that the trainer's validation can score a written head."""
+        from tandem.engine.checkpoint import load_tensors
+
+        root = Path(root)
+        config = json.loads((root / "config.json").read_text())
+        cfg = LlamaConfig.from_hf({**config, "tie_word_embeddings": False})
+        t = load_tensors(ModelPaths(root))
+        ids = (torch.arange(len(t["d2t"])) + t["d2t"]).tolist()
+        vocab = DraftVocab(tuple(ids), cfg.vocab_size, 0)
+        embed = load_tensors(target)["embed_tokens.weight"]
+        head = cls(cfg, vocab, embed, t["lm_head.weight"].float(),
+                   tuple(config["eagle_aux_hidden_state_layer_ids"]), cfg.max_position_embeddings)
+        with torch.no_grad():
+            for name, p in head._named().items():
+                p.copy_(t[name].float())
+        return head.eval()
+
+    def _named(self) -> dict[str, torch.Tensor]:
+        """The layout's tensor names of this module's weights (lm_head rows in vocab order)."""
+        m = "midlayer."
+        return {"fc.weight": self.fc.weight, "norm.weight": self.norm,
+                "lm_head.weight": self.lm_head.weight,
+                m + "input_layernorm.weight": self.input_norm,
+                m + "hidden_norm.weight": self.hidden_norm,
+                m + "post_attention_layernorm.weight": self.post_norm,
+                m + "self_attn.q_proj.weight": self.q.weight,
+                m + "self_attn.k_proj.weight": self.k.weight,
+                m + "self_attn.v_proj.weight": self.v.weight,
+                m + "self_attn.o_proj.weight": self.o.weight,
+                m + "mlp.gate_proj.weight": self.gate.weight,
+                m + "mlp.up_proj.weight": self.up.weight,
+                m + "mlp.down_proj.weight": self.down.weight}
+
     def export(self, out: Path, target_hf_cfg: dict, card: dict) -> None:
         """Write the published EAGLE-3 layout (fp16, no embedding: the target lends its own)
         with draft_vocab.json-free d2t / t2d and Tandem's card beside it."""
         out.mkdir(parents=True, exist_ok=True)
         ids = torch.tensor(self.vocab.target_ids)
         order = torch.argsort(ids)  # d2t is an offset table: rows sorted by target id
-        m = "midlayer."
-        names = {"fc.weight": self.fc.weight, "norm.weight": self.norm,
-                 "lm_head.weight": self.lm_head.weight[order],
-                 m + "input_layernorm.weight": self.input_norm,
-                 m + "hidden_norm.weight": self.hidden_norm,
-                 m + "post_attention_layernorm.weight": self.post_norm,
-                 m + "self_attn.q_proj.weight": self.q.weight,
-                 m + "self_attn.k_proj.weight": self.k.weight,
-                 m + "self_attn.v_proj.weight": self.v.weight,
-                 m + "self_attn.o_proj.weight": self.o.weight,
-                 m + "mlp.gate_proj.weight": self.gate.weight,
-                 m + "mlp.up_proj.weight": self.up.weight,
-                 m + "mlp.down_proj.weight": self.down.weight}
+        names = {**self._named(), "lm_head.weight": self.lm_head.weight[order]}
         tensors = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in names.items()}
         sorted_ids = ids[order]
         tensors["d2t"] = (sorted_ids - torch.arange(len(ids))).long()
