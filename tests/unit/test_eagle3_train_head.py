@@ -27,6 +27,13 @@ SAMPLED = SamplingParams(temperature=1.0, seed=11)
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle3train")
     target = tiny_target(root / "target")
+    # A RoPE base other than the default, spelled the way transformers 5 writes it: the
+    # export must carry it (a head served with another base drafts from wrong positions).
+    cfg_path = root / "target" / "config.json"
+    hf = json.loads(cfg_path.read_text())
+    hf.pop("rope_theta", None)
+    hf["rope_parameters"] = {"rope_theta": 500.0, "rope_type": "default"}
+    cfg_path.write_text(json.dumps(hf))
     cfg = LlamaConfig.from_hf(read_hf_config(target))
     t = load_tensors(target)
     ids = tuple(reversed(DRAFT_IDS))  # rows not in target order: export must sort them

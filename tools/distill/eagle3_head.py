@@ -183,9 +183,12 @@ class Eagle3TrainHead(nn.Module):
         tensors["t2d"] = t2d
         save_file(tensors, str(out / "model.safetensors"))
         keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "vocab_size",
-                "max_position_embeddings", "hidden_act", "bos_token_id", "eos_token_id")
+                "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+                "vocab_size", "max_position_embeddings", "hidden_act", "bos_token_id",
+                "eos_token_id")
         cfg = {k: target_hf_cfg[k] for k in keep if k in target_hf_cfg}
+        # The RoPE the head trained with, spelled for runtimes that read only rope_theta.
+        cfg.setdefault("rope_theta", self.cfg.rope_theta)
         cfg.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
                    num_hidden_layers=1, draft_vocab_size=len(ids), torch_dtype="float16",
                    tie_word_embeddings=False,
