@@ -23,6 +23,7 @@ from tandem.engine.checkpoint import LlamaConfig
 from tandem.engine.draft_vocab import DraftVocab
 from tandem.engine.rope import rope_inv_freq
 from tandem.models import ModelPaths
+from tools.distill.eagle_head import EagleTrainHead, layer_tensors
 
 EAGLE3_CARD = "tandem_eagle3.json"  # not tandem_eagle.json: that name marks Tandem's EAGLE-1
 
@@ -77,13 +78,8 @@ class Eagle3TrainHead(nn.Module):
             self.fc.weight.zero_()
             self.fc.weight[:, 2 * h:].copy_(torch.eye(h))
 
-    def _rms(self, x, w):
-        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
-
-    def _rope(self, x, pos):  # x [B, heads, T, hd], pos [T]
-        cos, sin = self.cos[pos], self.sin[pos]
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+    _rms = EagleTrainHead._rms  # the same norm and RoPE tables (cfg, cos, sin)
+    _rope = EagleTrainHead._rope
 
     def _qkv(self, x, pos):  # x [B, T, 2h] -> q, k, v [B, heads, T, hd]
         b, t, _ = x.shape
@@ -154,19 +150,10 @@ class Eagle3TrainHead(nn.Module):
 
     def _named(self) -> dict[str, torch.Tensor]:
         """The layout's tensor names of this module's weights (lm_head rows in vocab order)."""
-        m = "midlayer."
         return {"fc.weight": self.fc.weight, "norm.weight": self.norm,
                 "lm_head.weight": self.lm_head.weight,
-                m + "input_layernorm.weight": self.input_norm,
-                m + "hidden_norm.weight": self.hidden_norm,
-                m + "post_attention_layernorm.weight": self.post_norm,
-                m + "self_attn.q_proj.weight": self.q.weight,
-                m + "self_attn.k_proj.weight": self.k.weight,
-                m + "self_attn.v_proj.weight": self.v.weight,
-                m + "self_attn.o_proj.weight": self.o.weight,
-                m + "mlp.gate_proj.weight": self.gate.weight,
-                m + "mlp.up_proj.weight": self.up.weight,
-                m + "mlp.down_proj.weight": self.down.weight}
+                "midlayer.hidden_norm.weight": self.hidden_norm,
+                **layer_tensors(self, "midlayer.")}
 
     def export(self, out: Path, target_hf_cfg: dict, card: dict) -> None:
         """Write the published EAGLE-3 layout (fp16, no embedding: the target lends its own)

@@ -23,6 +23,15 @@ from tandem.engine.eagle import EAGLE_CARD
 from tandem.engine.rope import rope_inv_freq
 
 
+def layer_tensors(head: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """A head's decoder-layer weights under their checkpoint names (`prefix` + HF Llama's)."""
+    return {prefix + "input_layernorm.weight": head.input_norm,
+            prefix + "post_attention_layernorm.weight": head.post_norm,
+            **{f"{prefix}self_attn.{n}_proj.weight": getattr(head, n).weight for n in "qkvo"},
+            **{f"{prefix}mlp.{n}_proj.weight": getattr(head, n).weight
+               for n in ("gate", "up", "down")}}
+
+
 class EagleTrainHead(nn.Module):
     def __init__(self, cfg: LlamaConfig, vocab: DraftVocab, embed_rows: torch.Tensor,
                  max_positions: int = 4096):
@@ -161,18 +170,9 @@ class EagleTrainHead(nn.Module):
         """Write the EagleHead checkpoint (fp16): config.json, model.safetensors,
         draft_vocab.json and the card."""
         out.mkdir(parents=True, exist_ok=True)
-        p = "model.layers.0."
         names = {"model.fc.weight": self.fc.weight, "model.norm.weight": self.norm,
                  "model.embed_tokens.weight": self.embed,
-                 p + "input_layernorm.weight": self.input_norm,
-                 p + "post_attention_layernorm.weight": self.post_norm,
-                 p + "self_attn.q_proj.weight": self.q.weight,
-                 p + "self_attn.k_proj.weight": self.k.weight,
-                 p + "self_attn.v_proj.weight": self.v.weight,
-                 p + "self_attn.o_proj.weight": self.o.weight,
-                 p + "mlp.gate_proj.weight": self.gate.weight,
-                 p + "mlp.up_proj.weight": self.up.weight,
-                 p + "mlp.down_proj.weight": self.down.weight}
+                 **layer_tensors(self, "model.layers.0.")}
         # From CPU copies, wherever the head trained: the checkpoint loads anywhere.
         tensors = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in names.items()}
         save_file(tensors, str(out / "model.safetensors"))
