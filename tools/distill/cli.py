@@ -97,12 +97,14 @@ def _add_distill(sub) -> None:
     g.add_argument("--checkpoint-minutes", type=float, default=t.checkpoint_min)
     g.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower)")
     e = EagleTrainConfig()
-    g = p.add_argument_group("eagle head (--method eagle; data: chat prompts, features kept)")
+    g = p.add_argument_group("eagle heads (--method eagle or eagle3; data: chat prompts, "
+                             "features kept)")
     g.add_argument("--eagle-vocab", type=int, default=e.vocab,
                    help="truncated output vocabulary of the head [%(default)s]")
     g.add_argument("--epochs", type=float, default=e.epochs)
     g.add_argument("--cls-weight", type=float, default=e.cls_weight,
-                   help="token loss weight against the feature regression [%(default)s]")
+                   help="eagle: token loss weight against the feature regression "
+                        "[%(default)s]")
     g.add_argument("--step2-weight", type=float, default=e.step2_weight,
                    help="weight of the second draft step's losses, 0 = off [%(default)s]")
     g.add_argument("--ttt-steps", type=int, default=e.ttt_steps,
