@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.checkpoint import LlamaConfig, load_tensors
@@ -39,7 +40,9 @@ from tools.distill.eagle3_head import Eagle3TrainHead
 
 def _conversations(shard: Path) -> list[list[int]]:
     """Each cached conversation's positions that ran (prompt + answer but its last token)."""
-    t = load_file(str(shard))
+    with safe_open(str(shard), framework="pt") as f:  # not the shard's final features
+        t = {k: f.get_tensor(k) for k in ("prompt_ids", "prompt_offsets", "gen_ids",
+                                           "gen_offsets")}
     po, go = t["prompt_offsets"].tolist(), t["gen_offsets"].tolist()
     return [t["prompt_ids"][po[i]:po[i + 1]].tolist() + t["gen_ids"][go[i]:go[i + 1] - 1].tolist()
             for i in range(len(po) - 1)]
