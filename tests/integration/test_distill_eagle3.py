@@ -61,6 +61,7 @@ def test_aux_pass_gives_the_features_the_verifier_records(tmp_path, target_paths
     streams while it generates (as the verifier does) give the same rows, position for
     position, up to fp16 rounding."""
     from tandem.engine.llama import LlamaModel
+    from tandem.engine.model_runner import ModelRunner
     from tools.distill.config import DataConfig
     from tools.distill.data import _RecordingGenerator, generate_shard
     from tools.distill.eagle import load_feature_seqs
@@ -76,7 +77,9 @@ def test_aux_pass_gives_the_features_the_verifier_records(tmp_path, target_paths
                                                     dtype="float32"), (),
                    tmp_path / "shard-00000.safetensors")
     recorded = load_feature_seqs(tmp_path)
-    assert aux_features(aux_runner(model, 16), tmp_path, max_tokens=20) > 0
+    # A KV cache of two 16-token blocks: the pass groups conversations to fit it.
+    small = ModelRunner(model, 2, 16, feature_layers=aux_runner(model, 16).feature_layers)
+    assert aux_features(small, tmp_path) == sum(len(s.ids) - 1 for s in recorded)
     forced = load_feature_seqs(tmp_path, aux=True)
     assert len(forced) == 3
     assert [s.ids.tolist() for s in forced] == [s.ids.tolist() for s in recorded]

@@ -3,8 +3,8 @@ distillation cache of `--method eagle`.
 
 Features: EAGLE-3 drafts from three residual streams of the target (low, middle, high), not
 the final hidden state the cache records while generating. `aux_features` adds them with one
-teacher-forced pass over each cached conversation (a prefill: ~10x the generation's tokens
-per second), written beside its shard (`aux-shard-*.safetensors`), resumable.
+teacher-forced pass over each cached conversation (a prefill: ~3x the generation's tokens
+per second on a 2-core CPU), written beside its shard (`aux-shard-*.safetensors`), resumable.
 
 Loss: EAGLE-3's, cross-entropy against the target's top-K distribution only (no feature
 regression), at each of `ttt_steps` draft steps of the training-time test, step j weighted
@@ -61,14 +61,8 @@ def aux_features(runner: ModelRunner, data_dir: Path, max_tokens: int = 8192,
     blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=False)
     start, done = time.perf_counter(), 0
     for n, shard in enumerate(todo):
-        rows, group, size = [], [], 0
         convs = _conversations(shard)
-        for i, ids in enumerate(convs):
-            group.append(ids)
-            size += len(ids)
-            if size >= max_tokens or i == len(convs) - 1:
-                rows.append(_prefill(runner, blocks, group))
-                group, size = [], 0
+        rows = [_prefill(runner, blocks, g) for g in _groups(convs, max_tokens, runner)]
         tmp = aux_path(shard).with_suffix(".tmp")
         save_file({"features": torch.cat(rows)}, str(tmp))
         tmp.rename(aux_path(shard))
@@ -77,6 +71,20 @@ def aux_features(runner: ModelRunner, data_dir: Path, max_tokens: int = 8192,
         log(f"eagle3: {shard.name} ({n + 1}/{len(todo)}), {rate:.0f} positions/s, "
             f"ETA {(len(todo) - n - 1) * (time.perf_counter() - start) / (n + 1) / 60:.1f} min")
     return done
+
+
+def _groups(convs: list[list[int]], max_tokens: int, runner: ModelRunner):
+    """Consecutive conversations, up to max_tokens a forward and what the KV cache holds."""
+    group, size, blocks = [], 0, 0
+    for ids in convs:
+        need = -(-len(ids) // runner.block_size)
+        if group and (size + len(ids) > max_tokens or blocks + need > runner.num_blocks):
+            yield group
+            group, size, blocks = [], 0, 0
+        group.append(ids)
+        size, blocks = size + len(ids), blocks + need
+    if group:
+        yield group
 
 
 def _prefill(runner: ModelRunner, blocks: BlockManager, group: list[list[int]]) -> torch.Tensor:
