@@ -140,7 +140,8 @@ def main() -> None:
     for dtype in ([] if args.single_path is None else args.single_path or ["float32"]):
         model = runner.model if dtype == "float32" else LlamaModel.load(paths, dtype)
         variants[f"single-{dtype}"] = single_path_features(
-            ModelRunner.with_memory(model, 64 << 20), seqs, fp16=False)
+            ModelRunner.with_memory(model, 64 << 20, feature_layers=runner.feature_layers),
+            seqs, fp16=False)  # an EAGLE-3 head's three layers too
     for v in [0] if three else args.eagle_vocab:  # an EAGLE-3 head has its own vocabulary
         prop = EagleProposer.load(head, 64 << 20, draft_vocab=v, target=paths)
         for name, feats in variants.items():
