@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_distill import _tiny_target
 
 from tandem.models import ModelPaths, tokenizer_hash
@@ -46,8 +47,9 @@ def _bundle(tmp_path: Path, target: Path) -> Path:
     manifest = json.loads((out / "files" / "manifest.json").read_text())
     weights = next(f for f in manifest["files"] if f["name"] == "model.safetensors")
     assert len(weights["parts"]) >= 5  # ~6.4 MB of tiny target in 1 MiB parts
-    assert {"airgap_train.py", "airgap_parts.py", "airgap_head.py", "airgap_fit.py",
-            "bundle.json", "README.txt"} <= {p.name for p in files}
+    assert {"airgap_train.py", "airgap_parts.py", "airgap_data.py", "airgap_head.py",
+            "airgap_head3.py", "airgap_fit.py", "bundle.json", "README.txt"} <= \
+        {p.name for p in files}
     return out
 
 
@@ -93,3 +95,51 @@ def test_bundle_train_unbundle_and_draft(tmp_path, target_paths, device):
     assert {p: p.stat().st_mtime_ns for p in (out / "data").glob("shard-*")} == shards
     again = json.loads((ret / "figures.json").read_text())
     assert again["train"]["steps"] > figures["train"]["steps"]
+
+
+def test_eagle3_bundle_trains_a_head_that_serves_what_it_measured(tmp_path, target_paths):
+    """--method eagle3: the script records three layers' outputs (the rows tandem's runner
+    sends the draft worker), trains with the training-time test, and the returned head in the
+    published EAGLE-3 layout drafts through the real proposer with the agreement the
+    script's own validation computes."""
+    from draft_service.proposers.eagle import EagleProposer
+    from tandem.engine.llama import LlamaModel
+    from tandem.engine.model_runner import SeqChunk
+    from tools.distill.airgap_fit import evaluate
+    from tools.distill.airgap_train import load_seqs, parse
+    from tools.distill.eagle3 import aux_runner
+    from tools.distill.eagle3_head import Eagle3TrainHead
+    from tools.distill.eagle_agreement import served_top1
+
+    target = _tiny_target(tmp_path / "target", target_paths, layers=8)
+    bundle, out = tmp_path / "bundle", tmp_path / "work"
+    assert main(["distill", "bundle", "--out", str(bundle), "--target", str(target),
+                 "--prompts", "16", "--minutes", "1", "--max-new-tokens", "12",
+                 "--method", "eagle3"]) == 0
+    assert json.loads((bundle / "bundle.json").read_text())["eagle3_layer_ids"] == [1, 3, 4]
+    run = _script(bundle, out, "cpu", "--epochs", "2", "--ttt-steps", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    figures = json.loads((out / "return" / "figures.json").read_text())
+    assert set(figures["heldout_by_conversation"]) >= {"top1_step1", "top1_step2"}
+
+    seqs = load_seqs(out / "data")
+    runner = aux_runner(LlamaModel.load(ModelPaths(target)), 16)
+    for s in seqs[:3]:  # the HF pass's rows are the verifier's three streams
+        ids = s.ids[:-1].tolist()
+        _, feats = runner.forward([SeqChunk(ids, 0, list(range(-(-len(ids) // 16))))],
+                                  with_hidden=True)
+        assert s.features.shape == (len(ids), 96)
+        torch.testing.assert_close(s.features.float(), feats.float(), atol=3e-3, rtol=3e-3)
+
+    head_dir = tmp_path / "head"
+    assert main(["distill", "unbundle", "--head-dir", str(out / "return"), "--out",
+                 str(head_dir), "--target", str(target)]) == 0
+    prop = EagleProposer.load(ModelPaths(head_dir), 8 << 20, target=ModelPaths(target))
+    cfg, _ = parse(["--bundle", str(bundle), "--out", str(out), "--ttt-steps", "2"])
+    trained = evaluate(Eagle3TrainHead.from_export(head_dir, ModelPaths(target)), seqs[:4], cfg)
+    served = served_top1(prop, seqs[:4])
+    assert served["positions"] == trained["positions"] > 0
+    assert served["served"] == pytest.approx(trained["top1_step1"], abs=1e-4)
+    # Another method on the same work dir is refused (its shards hold other features).
+    again = _script(bundle, out, "cpu", "--method", "eagle")
+    assert again.returncode == 2 and "started with --method eagle3" in again.stderr

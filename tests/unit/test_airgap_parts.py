@@ -85,8 +85,8 @@ def test_unbundle_refuses_a_corrupt_return_through_the_cli(tmp_path, capsys):
 
 def test_the_script_imports_only_torch_transformers_safetensors_and_the_stdlib():
     siblings = {p.stem for p in SCRIPTS}
-    assert siblings == {"airgap_train", "airgap_parts", "airgap_head", "airgap_fit",
-                        "airgap_prompts"}
+    assert siblings == {"airgap_train", "airgap_parts", "airgap_data", "airgap_head",
+                        "airgap_head3", "airgap_fit", "airgap_prompts"}
     tops = set()
     for path in SCRIPTS:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -116,12 +116,12 @@ HF = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate
 def test_the_scripts_head_exports_what_the_served_head_computes(tmp_path):
     from tandem.engine.checkpoint import LlamaConfig
     from tandem.engine.rope import rope_inv_freq
-    from tools.distill.airgap import _geometry
+    from tools.distill.airgap import geometry
 
     cfg = LlamaConfig.from_hf(HF)
     torch.manual_seed(0)
     vocab = list(range(0, 300, 3))
-    head = script.Head(_geometry(cfg), torch.randn(100, 64) * 0.5, vocab, rope_inv_freq(cfg))
+    head = script.Head(geometry(cfg), torch.randn(100, 64) * 0.5, vocab, rope_inv_freq(cfg))
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)

@@ -39,7 +39,7 @@ def exported(tmp_path_factory):
     ids = tuple(reversed(DRAFT_IDS))  # rows not in target order: export must sort them
     vocab = DraftVocab(ids, VOCAB, 0)
     head = Eagle3TrainHead(cfg, vocab, t["embed_tokens.weight"],
-                           t["lm_head.weight"][torch.tensor(ids)], (1, 3, 4), 256)
+                           t["lm_head.weight"][torch.tensor(ids)], (1, 3, 4))
     head.init_from_target(t, LAYERS - 1)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():  # away from the init, and fp16-exact as the export stores it

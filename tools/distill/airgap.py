@@ -24,8 +24,8 @@ from tandem.models import DEFAULT_TARGET, ModelError
 
 # The stand-alone script and the sibling modules it imports (torch, transformers, safetensors
 # and the standard library only), copied into every bundle.
-SCRIPTS = tuple(Path(__file__).with_name(f"airgap_{n}.py") for n in ("train", "parts", "head",
-                                                                       "fit", "prompts"))
+SCRIPTS = tuple(Path(__file__).with_name(f"airgap_{n}.py") for n in (
+    "train", "parts", "data", "head", "head3", "fit", "prompts"))
 MAX_UPLOAD_MIB = 64
 
 
@@ -42,6 +42,7 @@ class BundleConfig:
     max_new_tokens: int = 160
     val_fraction: float = 0.04  # prompts (conversations) held out for validation
     seed: int = 0
+    method: str = "eagle"  # the script's default head: eagle (EAGLE-1) or eagle3
 
     def __post_init__(self):
         if not 0 < self.part_mib <= MAX_UPLOAD_MIB:
@@ -50,6 +51,8 @@ class BundleConfig:
             raise ValueError("need --minutes > 0, --prompts >= 2 and --max-new-tokens >= 1")
         if self.mix not in ("chat", "corpus", "self"):
             raise ValueError(f"--mix must be chat, corpus or self, got {self.mix!r}")
+        if self.method not in ("eagle", "eagle3"):
+            raise ValueError(f"--method must be eagle or eagle3, got {self.method!r}")
         if not 0 < self.val_fraction <= 0.5:
             raise ValueError(f"--val-fraction must be in (0, 0.5], got {self.val_fraction}")
 
@@ -70,7 +73,8 @@ def check_plain_llama(cfg) -> None:
                          f"has {', '.join(bad)}")
 
 
-def _geometry(cfg) -> dict:
+def geometry(cfg) -> dict:
+    """The target's widths the air-gapped heads are built from (bundle.json's geometry)."""
     return {"hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim, "intermediate": cfg.intermediate_size,
             "eps": cfg.rms_norm_eps, "layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
@@ -135,8 +139,22 @@ def _spec(paths, tokenizer, cfg: BundleConfig, tok_files: list[str]) -> dict:
             "target": {"name": paths.root.name, "tokenizer_sha256": tokenizer_hash(paths)},
             "prompts": "prompts.jsonl", "tokenizer_files": tok_files,
             "stop_ids": list(dict.fromkeys(stop)), "pad_id": pad, "special_ids": special,
-            "geometry": _geometry(lcfg), "inv_freq": rope_inv_freq(lcfg).tolist(),
-            "defaults": {"minutes": cfg.minutes, "max_new_tokens": cfg.max_new_tokens}}
+            "geometry": geometry(lcfg), "inv_freq": rope_inv_freq(lcfg).tolist(),
+            "eagle3_layer_ids": _eagle3_layers(lcfg, cfg.method),
+            "defaults": {"minutes": cfg.minutes, "max_new_tokens": cfg.max_new_tokens,
+                         "method": cfg.method}}
+
+
+def _eagle3_layers(lcfg, method: str) -> list[int] | None:
+    """EAGLE-3's default layers of this target (None if it has too few for them)."""
+    from tandem.engine.eagle3 import default_layer_ids
+
+    if lcfg.num_layers < 5:
+        if method == "eagle3":
+            raise ModelError(f"--method eagle3 reads three target layers; this target has "
+                             f"{lcfg.num_layers}")
+        return None
+    return list(default_layer_ids(lcfg.num_layers))
 
 
 def bundle(cfg: BundleConfig, log=print, command: str = "") -> Path:
@@ -186,15 +204,20 @@ def _readme(cfg: BundleConfig) -> str:
             f"    python airgap_train.py --device cuda --minutes {cfg.minutes:g} --out OUT\n\n"
             "Rerun the same command if it stops: it continues. Bring back every file of "
             "OUT/return (each <= 16 MiB) and run\n\n"
-            "    tandem distill unbundle --head-dir RETURNED --out HEAD_DIR\n"
-            "    tandem draft --eagle HEAD_DIR ...\n")
+            "    tandem distill unbundle --head-dir RETURNED --out HEAD_DIR [--target TARGET]\n"
+            "    tandem up --eagle HEAD_DIR\n\n"
+            f"The script trains an {cfg.method} head unless --method says otherwise "
+            "(eagle3: three target layers, the published EAGLE-3 layout).\n")
 
 
-def unbundle(returned: Path, out: Path, log=print) -> Path:
+def unbundle(returned: Path, out: Path, log=print, target: str = DEFAULT_TARGET) -> Path:
     """Check and reassemble the returned head parts into `out`, then load the head as the
-    draft worker will (a clear error if it would not)."""
+    draft worker will (a clear error if it would not). An EAGLE-3 head embeds with `target`'s
+    embedding, so it is loaded with it (and checked to be the head's target)."""
     from tandem.engine.eagle import EagleHead
-    from tandem.models import ModelPaths
+    from tandem.engine.eagle3_published import is_eagle3, load_eagle3
+    from tandem.models import ModelPaths, resolve_model, tokenizer_hash
+    from tools.distill.airgap_head3 import EAGLE3_CARD
     from tools.distill.airgap_parts import BundleError, unpack
 
     out = Path(out)
@@ -204,9 +227,17 @@ def unbundle(returned: Path, out: Path, log=print) -> Path:
         unpack(Path(returned), out, log)
     except BundleError as exc:
         raise ModelError(str(exc)) from exc
-    head = EagleHead.load(ModelPaths(out))
-    log(f"unbundle: EAGLE head for {head.card.get('target', {}).get('name')} in {out}; "
-        f"figures {json.dumps(head.card.get('progress', {}))}")
+    if is_eagle3(out):
+        card = json.loads((out / EAGLE3_CARD).read_text())
+        paths = resolve_model(target)
+        if tokenizer_hash(paths) != card["target"]["tokenizer_sha256"]:
+            raise ModelError(f"the head was trained on {card['target']['name']}, not on "
+                             f"--target {target} (another tokenizer)")
+        load_eagle3(out, paths)
+    else:
+        card = EagleHead.load(ModelPaths(out)).card
+    log(f"unbundle: {card.get('format')} head for {card.get('target', {}).get('name')} in "
+        f"{out}; figures {json.dumps(card.get('progress', {}))}")
     return out
 
 
@@ -234,23 +265,30 @@ def register(distill_parser) -> None:
     b.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="prompts held out for validation [%(default)s]")
     b.add_argument("--seed", type=int, default=d.seed)
+    b.add_argument("--method", choices=("eagle", "eagle3"), default=d.method,
+                   help="the script's default head: EAGLE-1 on the final hidden state, or "
+                        "EAGLE-3 on three target layers (docs/eagle3_training.md) [%(default)s]")
     b.set_defaults(func=_cmd_bundle)
     u = sub.add_parser("unbundle", help="check and reassemble a returned head into a "
                        "directory for `tandem draft --eagle`")
     u.add_argument("--head-dir", type=Path, required=True,
                    help="the returned files (OUT/return of airgap_train.py)")
     u.add_argument("--out", type=Path, required=True, help="head directory (new or empty)")
+    u.add_argument("--target", default=os.environ.get("TANDEM_MODEL", d.target),
+                   help="the target an EAGLE-3 head embeds with [%(default)s]")
     u.set_defaults(func=_cmd_unbundle)
 
 
 def _cmd_bundle(args) -> int:
     cfg = BundleConfig(args.out, args.target, args.minutes, args.part_mib, args.prompts,
-                       args.mix, args.max_new_tokens, args.val_fraction, args.seed)
+                       args.mix, args.max_new_tokens, args.val_fraction, args.seed,
+                       args.method)
     command = shlex.join(["tandem", *getattr(args, "argv", sys.argv[1:])])
     print(bundle(cfg, log=lambda m: print(m, file=sys.stderr), command=command))
     return 0
 
 
 def _cmd_unbundle(args) -> int:
-    print(unbundle(args.head_dir, args.out, log=lambda m: print(m, file=sys.stderr)))
+    print(unbundle(args.head_dir, args.out, log=lambda m: print(m, file=sys.stderr),
+                   target=args.target))
     return 0

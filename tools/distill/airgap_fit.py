@@ -1,7 +1,8 @@
 """Training an air-gapped run's EAGLE head (airgap_head.py): tools/distill/eagle.py's losses
-(feature regression + token cross-entropy against the teacher's top-K, two draft steps),
-batches by padded tokens, a warm-up then cosine schedule over the time budget, and a resumable
-checkpoint. Without tandem: torch and the standard library only.
+(feature regression + token cross-entropy against the teacher's top-K, two draft steps), or
+an EAGLE-3 head's training-time test (airgap_head3.py); batches by padded tokens, a warm-up
+then cosine schedule over the time budget, and a resumable checkpoint. Without tandem: torch
+and the standard library only.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import torch.nn.functional as F
 
 try:  # imported as tools.distill.airgap_fit (tandem's side, tests)
     from .airgap_head import TOP_K, Head, Seq
+    from .airgap_head3 import Head3, collate3, step_losses3
     from .airgap_parts import Progress, log
 except ImportError:  # run from a bundle, beside airgap_train.py
     from airgap_head import TOP_K, Head, Seq
+    from airgap_head3 import Head3, collate3, step_losses3
     from airgap_parts import Progress, log
 
 if TYPE_CHECKING:
@@ -85,18 +88,28 @@ def step_losses(head: Head, batch: tuple, cfg: Config) -> tuple[torch.Tensor, di
                   "n2": n2.item()}
 
 
+def recipe(head: Head | Head3):
+    """The head's batches and losses: (collate(seqs, head, device), losses(head, batch, cfg)
+    -> (loss, {"hitj", "nj", ...}))."""
+    if isinstance(head, Head3):  # EAGLE-3: the training-time test over --ttt-steps
+        return collate3, lambda h, b, cfg: step_losses3(h, b, cfg.ttt_steps, cfg.ttt_decay)
+    return collate, step_losses
+
+
 @torch.no_grad()
-def evaluate(head: Head, seqs: list[Seq], cfg: Config) -> dict:
-    """Teacher-forced agreement with the target's top-1 token at draft steps 1 and 2."""
+def evaluate(head: Head | Head3, seqs: list[Seq], cfg: Config) -> dict:
+    """Teacher-forced agreement with the target's top-1 token at each draft step."""
     head.eval()
-    tot = {"hit1": 0.0, "n1": 0.0, "hit2": 0.0, "n2": 0.0}
+    tot, (collate_fn, losses) = {}, recipe(head)
     dev = head.fc.weight.device
     for idx in batches(seqs, cfg.batch_tokens, random.Random(0)):
-        _, got = step_losses(head, collate([seqs[i] for i in idx], head, dev), cfg)
-        tot = {k: v + got[k] for k, v in tot.items()}
+        _, got = losses(head, collate_fn([seqs[i] for i in idx], head, dev), cfg)
+        for k, v in got.items():
+            if k.startswith(("hit", "n")):
+                tot[k] = tot.get(k, 0.0) + v
     head.train()
-    return {"top1_step1": round(tot["hit1"] / max(tot["n1"], 1), 4),
-            "top1_step2": round(tot["hit2"] / max(tot["n2"], 1), 4),
+    steps = sorted(int(k[1:]) for k in tot if k.startswith("n"))
+    return {**{f"top1_step{j}": round(tot[f"hit{j}"] / max(tot[f"n{j}"], 1), 4) for j in steps},
             "positions": int(tot["n1"])}
 
 
@@ -108,7 +121,7 @@ def lr_at(step: int, total: int, cfg: Config, time_frac: float) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train(head: Head, seqs: list[Seq], cfg: Config, budget_s: float) -> dict:
+def train(head: Head | Head3, seqs: list[Seq], cfg: Config, budget_s: float) -> dict:
     """Train until the epochs or budget_s (cumulative over reruns) are spent; checkpoint
     (weights, optimiser, step, seconds) to OUT/train_state.pt every --checkpoint-min."""
     ckpt, dev = cfg.out / "train_state.pt", head.fc.weight.device
@@ -124,13 +137,14 @@ def train(head: Head, seqs: list[Seq], cfg: Config, budget_s: float) -> dict:
     total = max(1, int(len(batches(seqs, cfg.batch_tokens, random.Random(0))) * cfg.epochs))
     amp = torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda")
     bar, start, last, todo = Progress("train"), time.perf_counter() - st["train_s"], 0.0, []
+    collate_fn, losses = recipe(head)
     while st["step"] < total and time.perf_counter() - start < budget_s:
         todo = todo or batches(seqs, cfg.batch_tokens, random.Random(cfg.seed + st["step"]))
-        batch = collate([seqs[i] for i in todo.pop()], head, dev)
+        batch = collate_fn([seqs[i] for i in todo.pop()], head, dev)
         for g in opt.param_groups:
             g["lr"] = lr_at(st["step"], total, cfg, (time.perf_counter() - start) / budget_s)
         with amp:
-            loss, got = step_losses(head, batch, cfg)
+            loss, got = losses(head, batch, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

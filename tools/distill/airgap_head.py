@@ -14,6 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:  # imported as tools.distill.airgap_head (tandem's side, tests)
+    from .airgap_head3 import Head3, make_head3
+except ImportError:  # run from the bundle, beside airgap_train.py
+    from airgap_head3 import Head3, make_head3
+
 if TYPE_CHECKING:
     from airgap_train import Config
 
@@ -169,7 +174,9 @@ def build_vocab(seqs: list[Seq], size: int, target_vocab: int, always: list[int]
 
 
 def make_head(target: Path, spec: dict, train_seqs: list[Seq], cfg: Config,
-              vocab: list[int] | None) -> Head:
+              vocab: list[int] | None) -> Head | Head3:
+    """cfg.method's head, its vocabulary `vocab` (a resumed run's) or the commonest tokens
+    of the training data, started from the target's last layer."""
     from safetensors.torch import load_file
 
     t = {}
@@ -177,6 +184,8 @@ def make_head(target: Path, spec: dict, train_seqs: list[Seq], cfg: Config,
         t.update({k.removeprefix("model."): v for k, v in load_file(str(f)).items()})
     geo = spec["geometry"]
     vocab = vocab or build_vocab(train_seqs, cfg.vocab, geo["vocab_size"], spec["special_ids"])
+    if cfg.method == "eagle3":
+        return make_head3(t, spec, vocab, cfg.seed)
     rows = t["embed_tokens.weight" if geo["tie"] else "lm_head.weight"].float()
     torch.manual_seed(cfg.seed)
     head = Head(geo, rows[torch.tensor(vocab)], vocab, torch.tensor(spec["inv_freq"]))

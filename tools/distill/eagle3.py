@@ -119,7 +119,7 @@ def make_head3(target: ModelPaths, seqs: list[FeatureSeq], cfg: EagleTrainConfig
     head_w = embed if lcfg.tie_word_embeddings else tensors["lm_head.weight"].float()
     torch.manual_seed(cfg.seed)
     head = Eagle3TrainHead(lcfg, vocab, embed, head_w[torch.tensor(vocab.target_ids)],
-                           default_layer_ids(lcfg.num_layers), lcfg.max_position_embeddings)
+                           default_layer_ids(lcfg.num_layers))
     head.init_from_target(tensors, cfg.init_layer % lcfg.num_layers)
     return head
 
