@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -77,12 +78,15 @@ def _prompts(args, card: dict) -> tuple[list[Prompt], list[SamplingParams]]:
     elif args.source == "fresh":
         d = card["data"]
         n = d["sequences"]  # the generator's next prompts: the data never reached them
+        if d["mix"] == "self":
+            raise SystemExit("--source fresh rebuilds a chat or corpus prompt set; this head's "
+                             "came from the target (mix 'self'): use --source heldout")
         prompts = build_prompts(n + args.prompts, d["seed"], mix=d["mix"])
         seen = {p.text for p in prompts[:n]}
         prompts = [p for p in prompts[n:] if p.text not in seen]
         params = [GREEDY] * len(prompts)
     else:
-        ordered, params, n_val = training_split(card)
+        ordered, params, n_val = training_split(card, args.data_dir)
         pick = slice(0, n_val) if args.source == "val" else slice(n_val, None)
         prompts, params = ordered[pick][:args.prompts], params[pick][:args.prompts]
     if not args.as_trained:
@@ -98,6 +102,9 @@ def main() -> None:
     ap.add_argument("--target", default="SmolLM2-135M-Instruct")
     ap.add_argument("--source", choices=("heldout", "val", "train", "fresh"),
                     default="heldout")
+    ap.add_argument("--data-dir", type=Path, default=None,
+                    help="val/train of a head trained on self-written prompts: the run's "
+                         "--data-dir (its prompts.jsonl)")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -64,3 +64,24 @@ def test_from_export_round_trips_the_exported_weights(head_dir):
     a = EagleTrainHead.from_export(again).state_dict()
     for name, value in head.state_dict().items():
         torch.testing.assert_close(a[name], value, rtol=0, atol=0)
+
+
+def test_the_training_split_of_a_self_written_prompt_set_comes_from_its_data_dir(tmp_path):
+    """A head trained on prompts the target wrote (mix "self") cannot rebuild them from a
+    seed: its split is read from the run's prompts.jsonl, and without it the error says so."""
+    import json
+
+    from tools.distill.corpus import Prompt
+    from tools.distill.eagle_agreement import training_split
+
+    texts = [f"request {i}" for i in range(20)]
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps(Prompt("chat", t, "self").__dict__) + "\n" for t in texts))
+    card = {"data": {"mix": "self", "num_prompts": 20, "seed": 0, "sequences": 16,
+                     "batch_size": 4, "sampled_every": 3, "temperature": 0.7},
+            "train": {"seed": 1, "val_fraction": 0.25}}
+    ordered, params, n_val = training_split(card, tmp_path)
+    assert sorted(p.text for p in ordered) == sorted(texts[:16]) and n_val == 4
+    assert len(params) == 16 and sum(not p.is_greedy for p in params) == 4  # shard 2 of 0-3
+    with pytest.raises(ValueError, match="--data-dir"):
+        training_split(card, None)

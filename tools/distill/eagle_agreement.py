@@ -17,6 +17,7 @@ samples it in prefill), so the served figure is also given without it (`served_f
 """
 from __future__ import annotations
 
+import json
 import random
 import tempfile
 from dataclasses import dataclass
@@ -105,15 +106,17 @@ def served_top1(prop: EagleProposer, seqs: list[FeatureSeq], features=None) -> d
     return {"served": every.rate(), "served_from_answer": answer.rate(), "positions": every.n}
 
 
-def training_split(card: dict) -> tuple[list[Prompt], list[SamplingParams], int]:
+def training_split(card: dict, data_dir: Path | None = None
+                   ) -> tuple[list[Prompt], list[SamplingParams], int]:
     """The prompts of the head's own training run, each with the sampling it was answered
     under, rebuilt from the card: the prompt set `tandem distill` generated from, its shards
     in order (every `sampled_every`-th at temperature, seeded per shard and batch row) and
     the trainer's seeded shuffle, whose first n_val sequences were held out. Returns
     (prompts in that shuffled order, their params, n_val). Assumes every prompt of the
-    first `sequences` gave a sequence (>= 2 tokens) and no shard was missing."""
+    first `sequences` gave a sequence (>= 2 tokens) and no shard was missing. A "self" mix
+    was sampled from the target: its prompts are read from the run's `data_dir`."""
     d, t = card["data"], card["train"]
-    prompts = build_prompts(d["num_prompts"], d["seed"], mix=d["mix"])[:d["sequences"]]
+    prompts = data_prompts(d, data_dir)[:d["sequences"]]
     data = DataConfig(sampled_every=d["sampled_every"], temperature=d["temperature"],
                       seed=d["seed"])
     params = []
@@ -125,6 +128,17 @@ def training_split(card: dict) -> tuple[list[Prompt], list[SamplingParams], int]
     random.Random(t["seed"]).shuffle(order)
     n_val = max(1, int(len(order) * t["val_fraction"]))
     return [prompts[i] for i in order], [params[i] for i in order], n_val
+
+
+def data_prompts(data: dict, data_dir: Path | None) -> list[Prompt]:
+    """The prompt set a card's data section was generated from."""
+    if data["mix"] != "self":
+        return build_prompts(data["num_prompts"], data["seed"], mix=data["mix"])
+    path = Path(data_dir or ".") / "prompts.jsonl"
+    if data_dir is None or not path.is_file():
+        raise ValueError(f"the head's data came from prompts the target wrote (mix 'self'): "
+                         f"pass the run's --data-dir, which holds prompts.jsonl (not {path})")
+    return [Prompt(**json.loads(x)) for x in path.read_text().splitlines()]
 
 
 def single_path_features(runner, seqs: list[FeatureSeq], fp16: bool = False
