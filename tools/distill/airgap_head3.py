@@ -38,8 +38,7 @@ class Head3(nn.Module):
         draft LM head's start (the target's rows of `vocab`), trained."""
         super().__init__()
         h, hd, nh, nkv = geo["hidden"], geo["head_dim"], geo["heads"], geo["kv_heads"]
-        self.geo, self.draft_ids, self.layer_ids = geo, list(vocab), tuple(layer_ids)
-        self.vocab = list(vocab)  # as airgap_head.Head's (tandem's subclass: a DraftVocab)
+        self.geo, self.vocab, self.layer_ids = geo, list(vocab), tuple(layer_ids)
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.input_norm, self.hidden_norm = nn.Parameter(torch.ones(h)), nn.Parameter(torch.ones(h))
         self.post_norm, self.norm = nn.Parameter(torch.ones(h)), nn.Parameter(torch.ones(h))
@@ -53,6 +52,10 @@ class Head3(nn.Module):
             self.lm_head.weight.copy_(lm_rows)
         self.register_buffer("embed", embed.float().clone())  # [V, h] frozen
         self.register_buffer("inv_freq", inv_freq.float().clone())
+
+    @property
+    def draft_ids(self) -> list[int]:  # each draft row's target id
+        return self.vocab
 
     def layer_params(self):  # (module, name in the target's / head's decoder layer)
         return tuple(zip((self.q, self.k, self.v, self.o, self.gate, self.up, self.down), _LAYER))

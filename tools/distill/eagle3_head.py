@@ -30,6 +30,10 @@ class Eagle3TrainHead(Head3):
                          rope_inv_freq(cfg), layer_ids)
         self.cfg, self.vocab = cfg, vocab
 
+    @property
+    def draft_ids(self) -> list[int]:  # a resumed run replaces self.vocab
+        return list(self.vocab.target_ids)
+
     @classmethod
     def from_export(cls, root: Path, target: ModelPaths) -> Eagle3TrainHead:
         """The module back from an exported head (fp16 weights, as served; the target's
