@@ -201,22 +201,31 @@ def collate3(seqs: list, head: Head3, device) -> tuple:
     return tuple(x.to(device) for x in (ids, feats, cls_mask, t_rows, t_probs))
 
 
-def step_losses3(head: Head3, batch: tuple, steps: int, decay: float):
-    """The decayed sum over draft steps j of the cross-entropy against the teacher's top-K,
-    and per step the top-1 hits `hitj` over `nj` rows (step j's entry t needs a commit at
-    t - j + 1 >= 1)."""
+def ttt_terms(head: Head3, batch: tuple, steps: int) -> list[tuple]:
+    """Per draft step j: the mean cross-entropy against the teacher's top-K over its rows,
+    the top-1 hits and the rows (step j's entry t needs a commit at t - j + 1 >= 1)."""
     ids, feats, cls_mask, t_rows, t_probs = batch
     outs = head(ids, feats, torch.arange(ids.shape[1], device=ids.device), steps)
-    loss, got = 0.0, {}
+    terms = []
     for j, o in enumerate(outs, 1):
         mask = cls_mask.clone()
         mask[:, :j - 1] = 0
         logp = head.logits(o).float().log_softmax(-1)  # [B, T, V_d]
         ce = -(logp.gather(-1, t_rows) * t_probs).sum(-1)
         hit = (logp.argmax(-1) == t_rows[..., 0]) & (t_probs[..., 0] > 0)
-        loss = loss + decay ** (j - 1) * (ce * mask).sum() / mask.sum().clamp(min=1)
-        got[f"hit{j}"], got[f"n{j}"] = (hit.float() * mask).sum().item(), mask.sum().item()
-    return loss, got
+        terms.append(((ce * mask).sum() / mask.sum().clamp(min=1), (hit.float() * mask).sum(),
+                      mask.sum()))
+    return terms
+
+
+def step_losses3(head: Head3, batch: tuple, steps: int, decay: float):
+    """The loss (step j's cross-entropy weighted decay ** (j - 1)) and per step the top-1
+    hits `hitj` over `nj` rows."""
+    terms = ttt_terms(head, batch, steps)
+    got = {}
+    for j, (_, hit, n) in enumerate(terms, 1):
+        got[f"hit{j}"], got[f"n{j}"] = hit.item(), n.item()
+    return sum(decay ** j * ce for j, (ce, _, _) in enumerate(terms)), got
 
 
 def make_head3(t: dict, spec: dict, vocab: list[int], seed: int) -> Head3:

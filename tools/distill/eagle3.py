@@ -25,6 +25,7 @@ from tandem.engine.checkpoint import LlamaConfig, load_tensors
 from tandem.engine.eagle3 import capture_layers, default_layer_ids
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelPaths, read_hf_config
+from tools.distill.airgap_head3 import ttt_terms
 from tools.distill.config import EagleTrainConfig
 from tools.distill.eagle import (
     FeatureSeq,
@@ -136,18 +137,10 @@ def collate3(seqs: list[FeatureSeq], vocab, input_map: torch.Tensor):
 
 def losses3(head: Eagle3TrainHead, batch, cfg: EagleTrainConfig) -> dict:
     """Per draft step j (1-based): cross-entropy `clsj`, top-1 hits `hitj` of the teacher's
-    greedy token over `nj` rows. Step j's entry t needs a commit at t - j + 1 >= 1."""
-    ids, feats, cls_mask, t_rows, t_probs = batch
-    outs = head(ids, feats, torch.arange(ids.shape[1], device=ids.device), cfg.ttt_steps)
+    greedy token over `nj` rows (airgap_head3.ttt_terms)."""
     out = {}
-    for j, o in enumerate(outs, 1):
-        mask = cls_mask.clone()
-        mask[:, :j - 1] = 0
-        logp = head.logits(o).float().log_softmax(-1)  # [B, T, V_d]
-        ce = -(logp.gather(-1, t_rows) * t_probs).sum(-1)
-        hit = (logp.argmax(-1) == t_rows[..., 0]) & (t_probs[..., 0] > 0)
-        out[f"cls{j}"] = (ce * mask).sum() / mask.sum().clamp(min=1)
-        out[f"hit{j}"], out[f"n{j}"] = (hit.float() * mask).sum(), mask.sum()
+    for j, (ce, hit, n) in enumerate(ttt_terms(head, batch, cfg.ttt_steps), 1):
+        out[f"cls{j}"], out[f"hit{j}"], out[f"n{j}"] = ce, hit, n
     return out
 
 
