@@ -33,3 +33,21 @@ def test_the_shipped_head_plots_its_curve(tmp_path, capsys):
 def test_a_directory_without_a_card_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         main([str(tmp_path)])
+
+
+def test_an_eagle3_head_shares_the_plot_with_the_shipped_head(tmp_path, capsys):
+    head3 = tmp_path / "head3"
+    head3.mkdir()
+    curve = [{"train_positions": 1_740_800, "prompt_mix": "self", "top1_step1": 0.475,
+              "top1_step2": 0.395, "heldout_chat_top1": 0.346}]
+    (head3 / "tandem_eagle3.json").write_text(json.dumps(
+        {"format": "tandem-eagle3/1", "target": {"name": "t"}, "learning_curve": curve}))
+    out = tmp_path / "both.png"
+    assert main([str(DEFAULT_HEAD), str(head3), "--out", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()[:-1]]
+    shipped = json.loads((DEFAULT_HEAD / CARD).read_text())["learning_curve"]
+    assert len(lines) == len(shipped) + 1 and lines[-1]["head"] == str(head3)
+    (head3 / "tandem_eagle3.json").write_text(json.dumps({"format": "tandem-eagle3/1"}))
+    with pytest.raises(SystemExit):  # a card without a curve
+        main([str(head3), "--out", str(out)])
