@@ -48,16 +48,19 @@ def plot(curves: list[tuple[str, list[dict]]], out: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
-    fig, ax = plt.subplots(figsize=(7.2, 4.4))
+    fig, ax = plt.subplots(figsize=(10.5, 4.4))
     for n, (label, points) in enumerate(curves):
         _series(ax, f"{label}: " if len(curves) > 1 else "", points, f"C{3 * n}", f"C{3 * n + 1}")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())  # plain numbers, not 2x10^0
+    ax.xaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("training positions processed (millions, log scale)")
     ax.set_ylabel("top-1 agreement with the target")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
