@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 
 try:  # imported as tools.distill.airgap_fit (tandem's side, tests)
-    from .airgap_head import TOP_K, Head, Seq
-    from .airgap_head3 import Head3, collate3, step_losses3
+    from .airgap_head import Head, Seq
+    from .airgap_head3 import Head3, collate3, step_losses3, teacher_rows
     from .airgap_parts import Progress, log
 except ImportError:  # run from a bundle, beside airgap_train.py
-    from airgap_head import TOP_K, Head, Seq
-    from airgap_head3 import Head3, collate3, step_losses3
+    from airgap_head import Head, Seq
+    from airgap_head3 import Head3, collate3, step_losses3, teacher_rows
     from airgap_parts import Progress, log
 
 if TYPE_CHECKING:
@@ -42,25 +42,15 @@ def batches(seqs: list[Seq], batch_tokens: int, rng: random.Random) -> list[list
 
 
 def collate(seqs: list[Seq], head: Head, device) -> tuple:
-    """Entries t = 1..T-1 of each sequence, right-padded; the teacher rows of answer tokens."""
+    """Entries t = 1..T-1 of each sequence, right-padded: token t, feature t-1 and feature t
+    (the regression target), and teacher_rows' rows of answer tokens."""
     n, b, h = max(len(s.features) - 1 for s in seqs), len(seqs), seqs[0].features.shape[1]
-    ids, feats, target = (torch.zeros(b, n, dtype=torch.int64), torch.zeros(b, n, h),
-                          torch.zeros(b, n, h))
-    reg_mask, cls_mask = torch.zeros(b, n), torch.zeros(b, n)
-    t_rows, t_probs = torch.zeros(b, n, TOP_K, dtype=torch.int64), torch.zeros(b, n, TOP_K)
-    imap = head.input_map.cpu()
-    kept = torch.zeros(len(imap), dtype=torch.bool)
-    kept[head.vocab] = True
+    feats, target, reg_mask = torch.zeros(b, n, h), torch.zeros(b, n, h), torch.zeros(b, n)
     for i, s in enumerate(seqs):
         m = len(s.features) - 1
-        ids[i, :m], feats[i, :m] = s.ids[1:m + 1], s.features[:m].float()
-        target[i, :m], reg_mask[i, :m] = s.features[1:m + 1].float(), 1
-        first = max(s.gen_start - 1, 1)  # entry t predicts token t+1
-        j0, rows = first + 1 - s.gen_start, slice(first - 1, m)
-        g = s.topk_ids[j0:j0 + m - first + 1]
-        t_rows[i, rows] = imap[g]
-        t_probs[i, rows] = s.topk_lp[j0:j0 + m - first + 1].float().exp() * kept[g]
-        cls_mask[i, rows] = 1
+        feats[i, :m], target[i, :m] = s.features[:m].float(), s.features[1:m + 1].float()
+        reg_mask[i, :m] = 1
+    ids, cls_mask, t_rows, t_probs = teacher_rows(seqs, head.vocab, head.geo["vocab_size"], n)
     return tuple(x.to(device) for x in (ids, feats, target, reg_mask, cls_mask, t_rows, t_probs))
 
 

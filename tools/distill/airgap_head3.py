@@ -176,28 +176,37 @@ class Head3(nn.Module):
 
 
 # ---- training: batches, the training-time test's losses, the start from the target ----------
-def collate3(seqs: list, head: Head3, device) -> tuple:
-    """Entries t = 1..T-1 of each sequence (airgap_head.Seq, features [T, 3h]), right-padded:
-    token t [B, n], fused feature t-1 [B, n, 3h], which rows have a teacher [B, n] and the
-    teacher's top-K as draft rows and probabilities [B, n, K] (0 outside the vocabulary)."""
-    n, b, k = max(len(s.features) - 1 for s in seqs), len(seqs), seqs[0].topk_ids.shape[1]
-    ids, feats = torch.zeros(b, n, dtype=torch.int64), torch.zeros(b, n, seqs[0].features.shape[1])
-    cls_mask, t_rows, t_probs = torch.zeros(b, n), torch.zeros(b, n, k, dtype=torch.int64), \
-        torch.zeros(b, n, k)
-    vocab = head.geo["vocab_size"]
-    imap = torch.zeros(vocab, dtype=torch.int64)  # target id -> draft row (0 outside)
-    imap[torch.tensor(head.draft_ids)] = torch.arange(len(head.draft_ids))
-    kept = torch.zeros(vocab, dtype=torch.bool)
-    kept[head.draft_ids] = True
+def teacher_rows(seqs: list, draft_ids: list[int], vocab_size: int, n: int) -> tuple:
+    """Per row (entry t = 1..T-1 of each airgap_head.Seq, n rows): its token t [B, n], which
+    rows have a teacher [B, n], and the teacher's top-K as draft rows and probabilities
+    [B, n, K] (0 for tokens outside the draft vocabulary). Both air-gapped heads' batches."""
+    b, k = len(seqs), seqs[0].topk_ids.shape[1]
+    ids, cls_mask = torch.zeros(b, n, dtype=torch.int64), torch.zeros(b, n)
+    t_rows, t_probs = torch.zeros(b, n, k, dtype=torch.int64), torch.zeros(b, n, k)
+    imap = torch.zeros(vocab_size, dtype=torch.int64)  # target id -> draft row (0 outside)
+    imap[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
+    kept = torch.zeros(vocab_size, dtype=torch.bool)
+    kept[draft_ids] = True
     for i, s in enumerate(seqs):
         m = len(s.features) - 1
-        ids[i, :m], feats[i, :m] = s.ids[1:m + 1], s.features[:m].float()
+        ids[i, :m] = s.ids[1:m + 1]
         first = max(s.gen_start - 1, 1)  # entry t predicts token t+1: generated from P-1 on
         j0, rows = first + 1 - s.gen_start, slice(first - 1, m)
         g = s.topk_ids[j0:j0 + m - first + 1]
         t_rows[i, rows] = imap[g]
         t_probs[i, rows] = s.topk_lp[j0:j0 + m - first + 1].float().exp() * kept[g]
         cls_mask[i, rows] = 1
+    return ids, cls_mask, t_rows, t_probs
+
+
+def collate3(seqs: list, head: Head3, device) -> tuple:
+    """Entries t = 1..T-1 of each sequence (features [T, 3h]), right-padded: token t [B, n],
+    fused feature t-1 [B, n, 3h] and teacher_rows' rows."""
+    n = max(len(s.features) - 1 for s in seqs)
+    feats = torch.zeros(len(seqs), n, seqs[0].features.shape[1])
+    for i, s in enumerate(seqs):
+        feats[i, :len(s.features) - 1] = s.features[:-1].float()
+    ids, cls_mask, t_rows, t_probs = teacher_rows(seqs, head.draft_ids, head.geo["vocab_size"], n)
     return tuple(x.to(device) for x in (ids, feats, cls_mask, t_rows, t_probs))
 
 
