@@ -250,7 +250,7 @@ class DraftSide:
             if tok.token_id not in ids or probs[ids.index(tok.token_id)] <= 0:
                 return None
             if p.tree is not None and sum(q > 0 for q in probs) > 1:
-                # The sibling rule (verify_service/tree.py) is exact for one-hot candidates
+                # The sibling rule (kernels/tree_rejection.py) is exact for one-hot candidates
                 # or independent draws; a tree's q cannot say which, so only one-hot is taken.
                 return None
         return tok

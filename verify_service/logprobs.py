@@ -7,7 +7,8 @@ import torch
 from verify_service.step import StepInput, TokenLogprob
 
 
-def emitted_logprobs(inputs: list[StepInput], found, logits: torch.Tensor | None):
+def emitted_logprobs(inputs: list[StepInput], found,  # [batch] rejection.Verdict
+                     logits: torch.Tensor | None):  # [sum(num_logits), vocab] raw, or None
     """Per input, a TokenLogprob for each token the round emits (accepted drafts, then the
     recovered or bonus token), or () when not asked for. A token at depth d was sampled from
     the row of its parent: the root's row 0, then row node + 1 along the accepted path."""
@@ -15,7 +16,8 @@ def emitted_logprobs(inputs: list[StepInput], found, logits: torch.Tensor | None
     if logits is None or all(s.logprobs is None for s in inputs):
         return [()] * len(inputs)
     at = 0  # the forward's logits rows: each input's num_logits, in order
-    for s, (accepted, next_token, _carry, path) in zip(inputs, found):
+    for s, v in zip(inputs, found):
+        accepted, next_token, path = v.accepted, v.next_token, v.path
         first, at = at, at + s.num_logits
         if s.logprobs is None:
             out.append(())

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.tree_rejection import is_chain
 from tandem.engine.model_runner import SeqChunk
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Features
-from verify_service.rejection import is_chain
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ The tree sent is the `n` best-scored nodes, in score order: a child never outsco
 so parents come first and every prefix is the best tree of its size, which is how the verifier
 sizes it by its cost model (tandem.spec.cost.choose_tree_size over the scores). Nodes are
 deterministic candidates (q one-hot), which tree verification accepts exactly
-(verify_service/tree.py). Under structured output each node's children are drawn from what
+(kernels/tree_rejection.py). Under structured output each node's children are drawn from what
 the session's grammar allows after the node's path, so no branch is spent on a token the
 verifier's mask would reject.
 """

@@ -19,7 +19,7 @@ from tandem.models import ModelPaths, fetch_model, resolve_model
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
 from verify_service.config import VerifierConfig
-from verify_service.rejection import SpecDecodeMetadata, verify
+from verify_service.rejection import SamplingMetadata, SpecDecodeMetadata, verify_chains
 
 pytestmark = pytest.mark.integration
 GEMMA = "gemma3-270m"
@@ -145,9 +145,9 @@ def test_verifying_bridged_drafts_gives_the_targets_distribution(gemma, bridged)
         results = bridged.propose(reqs)
         assert all(r.error is None for r in results), results[0]
         drafts = [[r.tokens[0]] for r in results]
-        meta = SpecDecodeMetadata.build(drafts, [sampling] * len(drafts), [len(ids)] * 64,
-                                        [False] * 64)
-        out = verify(meta, p.expand(2 * len(drafts), -1))
+        spec = SpecDecodeMetadata.build(drafts, [False] * 64)
+        meta = SamplingMetadata.build([sampling] * len(drafts), [len(ids)] * 64, [2] * 64)
+        out = verify_chains(spec, meta, p.expand(2 * len(drafts), -1))
         emitted += out.output_token_ids[:, 0].tolist()
     for r in reqs:
         bridged.release(r.key)

@@ -11,6 +11,7 @@ import torch
 import transformers
 from inproc import run_sessions, target_joint_top2
 
+from kernels import tree_rejection as tree
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.medusa import MedusaConfig, MedusaHeads, find_medusa, load_for
@@ -21,7 +22,6 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
-from verify_service import tree
 from verify_service.config import VerifierConfig
 from verify_service.main import start_verifier
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from kernels import tree_rejection as tree
 from kernels.paged_attention import ancestor_mask
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.llama import LlamaModel
@@ -15,7 +16,6 @@ from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import resolve_model
 from tandem.spec import DraftToken
 from tandem.spec.cost import CostModel, choose_tree_size
-from verify_service import tree
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,5 @@
-"""Token-tree verification: which path of a draft tree the target keeps, losslessly.
+"""Token-tree rejection: which path of a draft tree the target keeps, losslessly (the tree
+counterpart of kernels/rejection.py; verify_service/rejection.py decides which one a round uses).
 
 A round's tree: drafts[j] with parents[j] (index among the drafts, -1 = child of the round's
 root, the last committed token). The target ran every node in one forward (tree attention,
@@ -20,11 +21,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kernels.sampling import sample
-from tandem.spec import DraftToken
+
+
+class DraftToken(Protocol):
+    """A draft node as the core's tandem.spec.DraftToken has it; empty q_ids: q one-hot."""
+
+    token_id: int
+    q_ids: Sequence[int]
+    q_probs: Sequence[float]
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,11 @@ class TreePath:
     accepted: list[int]  # the accepted drafts' tokens, root to leaf
     nodes: list[int]  # their indices among the drafts
     next_token: int  # recovered (below a rejection) or bonus token
+
+
+def is_chain(parents: Sequence[int] | None) -> bool:
+    """None or (-1, 0, 1, ...): each draft continues the one before (the chain case)."""
+    return parents is None or all(p == i - 1 for i, p in enumerate(parents))
 
 
 def children_of(parents: Sequence[int]) -> dict[int, list[int]]:
