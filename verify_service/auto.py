@@ -21,10 +21,10 @@ Proposers:
 
 Proposals are compared by expected tokens per ms of verify cost, each at its best size
 (tandem.spec.cost.best_rate): every node's estimated reach times the session's correction for
-that source (Sequence.source_scale, learnt from its own rounds), so a proposer that keeps
+that source (Sequence.est.source_scale, learnt from its own rounds), so a proposer that keeps
 over-promising loses the next comparisons. A worker's chain is estimated as draft-worker
 chains are: its k-th token reaches with the session's measured acceptance of that worker's
-drafts (Sequence.acceptance_ema) to the k-th power.
+drafts (Sequence.est.acceptance_ema) to the k-th power.
 
 Pure Python, like the scheduler.
 """
@@ -32,9 +32,10 @@ from __future__ import annotations
 
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import best_rate, choose_tree_size
+from verify_service.feedback import note_link_round
 from verify_service.history import HISTORY_SOURCES
 from verify_service.scheduler import EXPLORE_EVERY, Scheduler
-from verify_service.sequence import Proposal, Sequence
+from verify_service.sequence import LocalProposal, Sequence
 
 # Rounds in a row the token history must find nothing before the heads are asked: on copy
 # work a miss is usually one round between two matches, and a heads' pass then (3-4 ms on
@@ -51,14 +52,14 @@ def wants_heads(seq: Sequence, num_drafts: int) -> bool:
     """Whether an auto session's step should also run the heads for its next round: not when
     this round verifies the history's drafts, nor until the history has missed a few rounds
     in a row (see the module docstring)."""
-    return (seq.params.method is Method.AUTO and seq.history_misses >= HEADS_AFTER_MISSES
-            and not (num_drafts and seq.draft_source in HISTORY_SOURCES))
+    return (seq.params.method is Method.AUTO and seq.local.history_misses >= HEADS_AFTER_MISSES
+            and not (num_drafts and seq.local.source in HISTORY_SOURCES))
 
 
-def heads_proposal(scheduler: Scheduler, seq: Sequence, drafts, parents) -> Proposal:
+def heads_proposal(scheduler: Scheduler, seq: Sequence, drafts, parents) -> LocalProposal:
     """The heads' drafts as a proposal, with their held-out reach per node."""
     reach = scheduler.heads_reach(seq)
-    return Proposal(list(drafts), tuple(parents), [float(r) for r in reach[:len(drafts)]])
+    return LocalProposal(list(drafts), tuple(parents), [float(r) for r in reach[:len(drafts)]])
 
 
 def head_nodes(scheduler: Scheduler, seq: Sequence, heads_ms: float = 0.0) -> int:
@@ -72,7 +73,7 @@ def head_nodes(scheduler: Scheduler, seq: Sequence, heads_ms: float = 0.0) -> in
 def remote_reach(seq: Sequence, n: int) -> list[float]:
     """A draft worker's chain of n: its k-th token reaches with the session's measured
     acceptance of that worker's drafts to the k-th power (before source_scale)."""
-    return [seq.acceptance_ema ** (i + 1) for i in range(n)]
+    return [seq.est.acceptance_ema ** (i + 1) for i in range(n)]
 
 
 def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
@@ -87,8 +88,8 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
     verifier), so that the estimates can move.
     Called after the round was recorded: stats.rounds counts the next round."""
     remote = seq.params.auto_draft
-    if remote is None or seq.finished or seq.draft_source in HISTORY_SOURCES or (
-            seq.history_misses < HEADS_AFTER_MISSES and seq.draft_source is not remote):
+    if remote is None or seq.finished or seq.local.source in HISTORY_SOURCES or (
+            seq.local.history_misses < HEADS_AFTER_MISSES and seq.local.source is not remote):
         return 0
     k_max = scheduler.k_max(seq)
     k = choose_tree_size(seq.scaled_reach(remote, remote_reach(seq, k_max)), k_max,
@@ -103,25 +104,25 @@ def pick(scheduler: Scheduler, seq: Sequence, asked: int = 0) -> None:
     (the only one, for a single-source session); the others are dropped. An auto session's
     worker chain competes when some of it arrived (`asked`: the run-ahead its link was asked
     for; waited for and none came is a late round)."""
-    proposals, seq.proposals = seq.proposals, {}
-    seq.draft_source = None
+    proposals, seq.local.proposals = seq.local.proposals, {}
+    seq.local.source = None
     matched = any(m in proposals for m in HISTORY_SOURCES)
-    seq.history_misses = 0 if matched else seq.history_misses + 1
+    seq.local.history_misses = 0 if matched else seq.local.history_misses + 1
     k_max = scheduler.k_max(seq)
     if seq.remote and seq.params.auto_draft is not None:
         drafts = seq.remote[:k_max]
-        proposals[seq.params.auto_draft] = Proposal(list(drafts), None,
+        proposals[seq.params.auto_draft] = LocalProposal(list(drafts), None,
                                                     remote_reach(seq, len(drafts)))
-        seq.late_rounds = 0
+        note_link_round(seq, arrived=True)
     elif asked and not matched:  # waited for (verify_service/waits.py), and none came
-        seq.late_rounds += 1
+        note_link_round(seq, arrived=False)
     if not proposals or seq.finished:
         return
     source = max(proposals, key=lambda m: best_rate(
         seq.scaled_reach(m, proposals[m].reach), k_max, scheduler.cost))
     chosen = proposals[source]
-    seq.drafts, seq.draft_parents = list(chosen.drafts), chosen.parents
-    seq.draft_reach, seq.draft_source = list(chosen.reach), source
+    seq.take_drafts(chosen.drafts, chosen.parents, chosen.reach)
+    seq.local.source = source
 
 
 def grammar_forced(seq: Sequence, k_max: int) -> None:
@@ -131,6 +132,6 @@ def grammar_forced(seq: Sequence, k_max: int) -> None:
     forced = seq.grammar.forced[:k_max] if seq.grammar is not None else []
     if not forced or [d.token_id for d in seq.drafts[:len(forced)]] == forced:
         return
-    seq.drafts, seq.draft_parents = [DraftToken(t) for t in forced], None
-    seq.draft_reach, seq.draft_source = [FORCED_REACH ** (i + 1) for i in
-                                         range(len(forced))], None
+    seq.local.source = None
+    seq.take_drafts([DraftToken(t) for t in forced], None,
+                    [FORCED_REACH ** (i + 1) for i in range(len(forced))])

@@ -26,6 +26,7 @@ from tandem.spec import (
     Reply,
     SessionError,
 )
+from verify_service.feedback import note_link_round
 from verify_service.sequence import DRAFT_ATTACHES, Sequence
 
 log = logging.getLogger(__name__)
@@ -111,14 +112,14 @@ class DraftSide:
         """Open a draft stream for seq in the background, if it may still have one; an auto
         session's only once a commit asked its worker for drafts (verify_service/auto.py):
         until then it costs the worker nothing, and the Open brings it in sync."""
-        if seq.draft_attaches_left <= 0:  # spent: rest, then one more try (ATTACH_REST_S)
-            seq.draft_attaches_left, seq.next_attach_at = 1, self._clock() + ATTACH_REST_S
+        if seq.link.attaches_left <= 0:  # spent: rest, then one more try (ATTACH_REST_S)
+            seq.link.attaches_left, seq.link.next_attach_at = 1, self._clock() + ATTACH_REST_S
         if (self.pool is not None and seq.speculating and not seq.finished
                 and not seq.params.method.in_verifier
-                and (not seq.local_drafts or seq.params.auto_draft is not None
+                and (not seq.local.in_verifier or seq.params.auto_draft is not None
                      and self._run_ahead.get(seq.seq_id, 0) > 0)
                 and seq.seq_id not in self._attaching
-                and self._clock() >= seq.next_attach_at):
+                and self._clock() >= seq.link.next_attach_at):
             self._attaching.add(seq.seq_id)
             asyncio.get_running_loop().create_task(self._attach(seq))
 
@@ -136,29 +137,29 @@ class DraftSide:
             # waited for it (its on_link_broken ran before the session was on it, so
             # keeping it would leave the session on a dead link for good): look again later,
             # for free.
-            seq.attach_misses += 1
-            seq.next_attach_at = self._clock() + min(
-                MAX_ATTACH_BACKOFF_S, ATTACH_BACKOFF_S * 2 ** (seq.attach_misses - 1))
+            seq.link.attach_misses += 1
+            seq.link.next_attach_at = self._clock() + min(
+                MAX_ATTACH_BACKOFF_S, ATTACH_BACKOFF_S * 2 ** (seq.link.attach_misses - 1))
             return
-        seq.attach_misses = 0
-        seq.draft_attaches_left -= 1  # given back by the stream's first draft (on_reply)
+        seq.link.attach_misses = 0
+        seq.link.attaches_left -= 1  # given back by the stream's first draft (on_reply)
         self.links[seq.seq_id] = link
         seq.drop_link_drafts()
-        seq.late_rounds = 0  # a new stream gets waited for again
+        note_link_round(seq, arrived=True)  # a new stream gets waited for again
         p, s = seq.params, seq.params.sampling
         run_ahead = self._run_ahead.get(seq.seq_id)  # the last commit's ask, if any
-        if run_ahead is None and seq.local_drafts:
+        if run_ahead is None and seq.local.in_verifier:
             run_ahead = 0  # auto: no drafts until its history misses (verify_service/auto.py)
         link.send(Open(session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                        method=seq.link_method, max_run_ahead=run_ahead or self.max_run_ahead,
                        top_n=self.top_n, trace_context=p.trace_context,
-                       features=seq.all_features(), tenant=p.tenant,
-                       tree=bool(p.tree) and not seq.local_drafts,  # auto's worker: chains
+                       features=seq.link.all_features(), tenant=p.tenant,
+                       tree=bool(p.tree) and not seq.local.in_verifier,  # auto's worker: chains
                        grammar=p.grammar, grammar_start=len(p.prompt)))
         if run_ahead == 0:  # a session at k = 0: Open cannot say "none yet", a commit can
             link.send(Commit(seq.seq_id, seq.epoch, seq.num_tokens, [], 0, None))
-        elif seq.local_drafts:  # auto opens when it asks: its first draft is timed from here
+        elif seq.local.in_verifier:  # auto opens when it asks: its first draft is timed from here
             self._asked_at[seq.seq_id] = time.perf_counter()
 
     def commit(self, seq: Sequence, start: int, tokens: list[int],
@@ -167,6 +168,8 @@ class DraftSide:
         with the target's hidden states of the positions made final (EAGLE sessions) and how
         many drafts the next round can use (run_ahead: None leaves the worker's limit as is,
         0 pauses drafting)."""
+        if features is not None:  # kept first: a re-attach's Open sends the whole history
+            seq.link.keep_features(features)
         if run_ahead is not None:  # also what a re-attach's Open asks for
             run_ahead = self._run_ahead[seq.seq_id] = min(run_ahead, self.max_run_ahead)
         link = self.links.get(seq.seq_id)
@@ -214,7 +217,7 @@ class DraftSide:
             seq.link_drafts.append(token)
         else:
             seq.add_node(token, reply.tree.parent, reply.tree.path_prob, reply.tree.last)
-        seq.draft_attaches_left = DRAFT_ATTACHES  # this stream works
+        seq.link.attaches_left = DRAFT_ATTACHES  # this stream works
         now = time.perf_counter()
         asked = self._asked_at.pop(seq.seq_id, None)
         if asked is not None and now - asked < 0.5:  # the first draft since the commit
@@ -227,7 +230,7 @@ class DraftSide:
 
     def _checked(self, seq: Sequence, p: Proposal) -> DraftToken | None:
         """The proposal's token if it is well formed and where it belongs, else None."""
-        if (bool(seq.params.tree) and not seq.local_drafts) != (p.tree is not None):
+        if (bool(seq.params.tree) and not seq.local.in_verifier) != (p.tree is not None):
             return None  # a chain token for a tree session, or a tree node for a chain one
         if p.tree is None:
             if p.position != seq.next_draft_position():
@@ -270,7 +273,7 @@ class DraftSide:
         if close:
             link.send(Close(seq.seq_id))
         seq.drop_link_drafts()
-        seq.epoch += 1
+        seq.next_epoch()
 
     def on_link_broken(self, link: Link) -> None:
         if self.pool is not None:
@@ -281,7 +284,7 @@ class DraftSide:
                 seq = self.sessions.get(seq_id)
                 if seq is not None:
                     seq.drop_link_drafts()
-                    seq.epoch += 1
+                    seq.next_epoch()
 
     async def close(self) -> None:
         if self.pool is not None:

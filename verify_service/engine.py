@@ -25,8 +25,9 @@ from verify_service.drafts import DraftSide
 from verify_service.executor import Executor
 from verify_service.feedback import learn_acceptance, observe_cost, observe_tree_wait
 from verify_service.history import HistoryDrafts
+from verify_service.params import GenerateParams
 from verify_service.scheduler import ScheduledSeq, Scheduler
-from verify_service.sequence import GenerateParams, Sequence
+from verify_service.sequence import Estimates, LocalProposals, Sequence
 from verify_service.sessions import RoundOutput, SessionTable
 from verify_service.step import RoundOutcome, StepInput, StepTimings
 from verify_service.waits import draft_wait_limit_ms
@@ -67,12 +68,12 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def submit(self, params: GenerateParams, grammar=None) -> asyncio.Queue[RoundOutput]:
         """Admit a session (`grammar`: its tandem.grammar.GrammarState, structured output)."""
-        seq, queue = self.table.admit(params)
-        seq.grammar = grammar
-        seq.local_drafts = self.history is not None and self.history.serves(params.method)
-        if seq.local_drafts:
-            seq.source_scale = self.history.prior_scales(params.method,
-                                                         params.sampling.is_greedy)
+        local = self.history is not None and self.history.serves(params.method)
+        scales = self.history.prior_scales(params.method, params.sampling.is_greedy) \
+            if local else {}
+        seq, queue = self.table.admit(params, grammar=grammar,
+                                      local=LocalProposals(in_verifier=local),
+                                      est=Estimates(source_scale=scales))
         self._wakeup.set()
         self.drafts.attach(seq)
         return queue
@@ -130,8 +131,8 @@ class Engine:
     def _draft_locally(self) -> list[Sequence]:
         if self.history is None:
             return []
-        seqs = [s for s in self.scheduler.running if s.local_drafts
-                and not s.drafts and not s.prefill_left and not s.finished]
+        seqs = [s for s in self.scheduler.running if s.local.in_verifier
+                and not s.drafts and not s.sched.prefill_left and not s.finished]
         self.history.fill(seqs, self.scheduler.k_max)
         return seqs
 
@@ -191,7 +192,7 @@ class Engine:
             mask = seq.grammar.masks([d.token_id for d in drafts], s.parents)
         return StepInput(s.token_ids, s.start_pos, list(self.scheduler.blocks.block_table(
             seq.seq_id)), drafts, seq.params.sampling,
-            carried=self.table.carried.get(seq.seq_id) if seq.carried else None,
+            carried=self.table.carried.get(seq.seq_id) if seq.sched.carried else None,
             sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
             want_features=seq.needs_features, partial=s.partial,
             prefill=s.is_prefill and not s.partial,
@@ -219,7 +220,7 @@ class Engine:
                 and not seq.params.tree  # a tree's nodes beyond k are not the next draft
                 and seq.params.logprobs is None  # a carried row has no logits to report
                 and seq.grammar is None  # masks are made per round, from the root
-                and self.drafts.linked(seq) and not seq.local_drafts  # (auto: afresh)
+                and self.drafts.linked(seq) and not seq.local.in_verifier  # (auto: afresh)
                 and len(seq.output) + k < seq.params.max_new_tokens)
 
     def _apply(self, s: ScheduledSeq, outcome: RoundOutcome, wait_ms: float,
@@ -238,20 +239,18 @@ class Engine:
         new = seq.commit(accepted, next_token)  # may bump the epoch (the draft diverged)
         if seq.grammar is not None and not seq.grammar.commit(new):  # cannot happen: masked
             log.error("session %s: committed tokens the grammar forbids", seq.seq_id)
-        seq.carried = next_token is None and not seq.finished
+        self.scheduler.carry(seq, next_token is None and not seq.finished)
         self.table.keep_carried(seq, outcome.carry)
         if outcome.tree is not None and not seq.finished:  # Medusa: the next round's tree
-            if seq.local_drafts:  # auto: one of its proposals (auto.pick)
-                seq.proposals[Method.MEDUSA] = auto.heads_proposal(self.scheduler, seq,
-                                                                   *outcome.tree)
+            if seq.local.in_verifier:  # auto: one of its proposals (auto.pick)
+                seq.local.offer(Method.MEDUSA,
+                                auto.heads_proposal(self.scheduler, seq, *outcome.tree))
             else:
-                seq.drafts, seq.draft_parents = outcome.tree[0], outcome.tree[1]
+                seq.take_drafts(*outcome.tree)
         learn_acceptance(seq, s, len(accepted), reach, self.drafts.linked)
         self.table.record(seq, new, s.num_drafts, len(accepted), wait_ms, timings,
                           bonus=next_token is not None and len(accepted) == s.num_drafts,
                           logprobs=outcome.logprobs[:len(new)])
-        if outcome.features is not None:
-            seq.keep_features(outcome.features)
         if seq.finished:
             self.scheduler.finish(seq)
             self._release(seq)
@@ -262,7 +261,7 @@ class Engine:
         """Drafts worth having ready for the session's next round: its k, plus one that may
         match the bonus token; none while its speculation is off (k = 0) until a probe round.
         Drafting more only burns the draft worker's time (on a shared host, the verifier's)."""
-        if seq.local_drafts:  # auto's draft worker: only when its chain may be picked
+        if seq.local.in_verifier:  # auto's draft worker: only when its chain may be picked
             return auto.remote_run_ahead(self.scheduler, seq, self.drafts.first.ms,
                                          self.drafts.arrival.ms)
         k = self.scheduler.desired_k(seq)
@@ -271,7 +270,7 @@ class Engine:
         return k + 1 if k else 0
 
     def _release(self, seq: Sequence) -> None:
-        if seq.local_drafts:
+        if seq.local.in_verifier:
             self.history.finish(seq)
         self.drafts.release(seq)
         self.table.release(seq)

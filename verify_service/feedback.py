@@ -24,14 +24,14 @@ def observe_cost(scheduler: Scheduler, scheduled: list[ScheduledSeq], wait_ms: f
     worker's share of the cores shows up there too).
     Single-session rounds feed the cost model: the whole round, drafting wait and
     sampling included, is what k really costs. Except a draft worker's tree: it is drafted
-    only after the commit, so its wait is the session's own (Sequence.tree_wait_ms, which
+    only after the commit, so its wait is the session's own (Sequence.est.tree_wait_ms, which
     choose_tree_size adds), not a cost of verifying q tokens that chains would share; nor
     an auto session's wait for its draft worker (auto.remote_run_ahead adds it)."""
     if not any(x.is_prefill for x in scheduled):  # the batch plan's curve: whole steps
         scheduler.step_cost.observe(sum(len(x.token_ids) for x in scheduled),
                                     wait_ms + timings.forward_ms + timings.rejection_ms)
     s = scheduled[0]
-    if drafted_tree(s.seq) or s.seq.local_drafts:  # auto prices its worker's wait itself
+    if drafted_tree(s.seq) or s.seq.local.in_verifier:  # auto prices its worker's wait itself
         wait_ms = 0.0
     # Keyed by the tokens the forward really ran: a carried round runs only its drafts
     # (none at all when it samples straight from the carried row). A round whose drafts
@@ -43,10 +43,10 @@ def observe_cost(scheduler: Scheduler, scheduled: list[ScheduledSeq], wait_ms: f
 
 
 def observe_tree_wait(seq: Sequence, num_drafts: int, wait_ms: float) -> None:
-    """A drafted tree's wait, from the commit to its last node (Sequence.tree_wait_ms): call
+    """A drafted tree's wait, from the commit to its last node (Sequence.est.tree_wait_ms): call
     it before the commit clears the tree."""
     if drafted_tree(seq) and num_drafts and seq.tree_complete:
-        seq.tree_wait_ms = 0.7 * seq.tree_wait_ms + 0.3 * wait_ms
+        seq.est.tree_wait_ms = 0.7 * seq.est.tree_wait_ms + 0.3 * wait_ms
 
 
 def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
@@ -56,27 +56,34 @@ def learn_acceptance(seq: Sequence, s: ScheduledSeq, accepted: int,
     node, the scheduler's estimate of each node (Scheduler.reach); `linked` says whether the
     session has a draft stream. A round whose wanted drafts had not come counts as a miss."""
     if s.num_drafts:
-        seq.late_rounds = 0
-    source = seq.draft_source if seq.local_drafts else None
+        seq.est.late_rounds = 0
+    source = seq.local.source if seq.local.in_verifier else None
     if source is not None and source is seq.params.auto_draft:  # auto's draft worker chain
         if s.num_drafts:
-            seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts, accepted)
-            seq.drafted_from.add(source)
+            seq.est.acceptance_ema = update_acceptance(seq.est.acceptance_ema, s.num_drafts,
+                                                       accepted)
+            seq.est.drafted_from.add(source)
     elif reach is not None and source is not None:  # drafted here: that source's correction
-        scale = seq.source_scale.get(source, 1.0)  # reach is scaled by it: undo that
-        seq.source_evidence[source], seq.source_scale[source] = update_source_scale(
-            seq.source_evidence.get(source), scale, sum(reach[:s.num_drafts]) / scale, accepted)
-        seq.drafted_from.add(source)
+        scale = seq.est.source_scale.get(source, 1.0)  # reach is scaled by it: undo that
+        seq.est.source_evidence[source], seq.est.source_scale[source] = update_source_scale(
+            seq.est.source_evidence.get(source), scale, sum(reach[:s.num_drafts]) / scale, accepted)
+        seq.est.drafted_from.add(source)
     elif reach is not None:  # sized node by node: correct the nodes' estimates
-        seq.tree_scale = update_tree_scale(seq.tree_scale, sum(reach[:s.num_drafts]),
+        seq.est.tree_scale = update_tree_scale(seq.est.tree_scale, sum(reach[:s.num_drafts]),
                                            accepted)
     elif s.num_drafts:
-        seq.acceptance_ema = update_acceptance(seq.acceptance_ema, s.num_drafts, accepted)
-    elif s.wanted and linked(seq) and not seq.local_drafts:  # no draft came in time
-        seq.late_rounds += 1
-        seq.acceptance_ema = update_acceptance(seq.acceptance_ema, 1, 0)
+        seq.est.acceptance_ema = update_acceptance(seq.est.acceptance_ema, s.num_drafts, accepted)
+    elif s.wanted and linked(seq) and not seq.local.in_verifier:  # no draft came in time
+        seq.est.late_rounds += 1
+        seq.est.acceptance_ema = update_acceptance(seq.est.acceptance_ema, 1, 0)
+
+
+def note_link_round(seq: Sequence, arrived: bool) -> None:
+    """A round of a linked session: its link's drafts arrived (or a new stream opened, which
+    gets waited for again), or they were waited for and none came."""
+    seq.est.late_rounds = 0 if arrived else seq.est.late_rounds + 1
 
 
 def drafted_tree(seq: Sequence) -> bool:
     """A session whose token trees come from a draft worker, drafted after each commit."""
-    return bool(seq.params.tree) and not seq.params.method.in_verifier and not seq.local_drafts
+    return bool(seq.params.tree) and not seq.params.method.in_verifier and not seq.local.in_verifier

@@ -13,7 +13,7 @@ from tandem.history.ngram import NgramProposer
 from tandem.history.suffix import SuffixConfig, SuffixProposer
 from tandem.spec import DraftRequest, Method, Proposer
 from tandem.spec.proposer import Learner, propose_isolated
-from verify_service.sequence import Proposal, Sequence
+from verify_service.sequence import LocalProposal, Sequence
 
 HISTORY_METHODS = frozenset({Method.NGRAM, Method.SUFFIX, Method.AUTO})
 # The token-history proposers `auto` asks each round (verify_service/auto.py picks).
@@ -32,7 +32,7 @@ class HistoryDrafts:
             Method.NGRAM: NgramProposer(num_speculative_tokens=max_tokens),
             Method.SUFFIX: SuffixProposer(suffix, num_speculative_tokens=max_tokens)}
         # What finished sessions measured of each source (accepted / expected: their
-        # Sequence.source_scale), smoothed: a new session starts from it rather than from the
+        # Sequence.est.source_scale), smoothed: a new session starts from it rather than from the
         # proposers' raw estimates, which a short request has no rounds to correct. Kept apart
         # for greedy and sampled sessions: a sampled one keeps a draft only with the target's
         # probability of it, so the same proposal reaches less far.
@@ -60,12 +60,12 @@ class HistoryDrafts:
                     for seq in group]
             for seq, res in zip(group, propose_isolated(self.proposers[method], reqs)):
                 if res.error is None and res.tokens:
-                    seq.proposals[method] = Proposal(
-                        list(res.tokens), None, [float(r) for r in res.scores[:len(res.tokens)]])
+                    seq.local.offer(method, LocalProposal(
+                        list(res.tokens), None, [float(r) for r in res.scores[:len(res.tokens)]]))
 
     def prior_scales(self, method: Method, greedy: bool = True) -> dict[Method, float]:
         """The corrections a new session of `method` starts from, per source it drafts from
-        (Sequence.source_scale)."""
+        (Sequence.est.source_scale)."""
         sources = (*_sources(method), Method.MEDUSA) if method is Method.AUTO else \
             _sources(method)
         return {m: self.scale.get((m, greedy), 1.0) for m in sources}
@@ -74,8 +74,8 @@ class HistoryDrafts:
         """The session is over: forget its state; suffix decoding learns its text; its
         measured correction moves the next sessions' start."""
         method = seq.params.method
-        for source, scale in seq.source_scale.items():
-            if source in seq.drafted_from:  # a source never used says nothing new
+        for source, scale in seq.est.source_scale.items():
+            if source in seq.est.drafted_from:  # a source never used says nothing new
                 key = (source, seq.params.sampling.is_greedy)
                 self.scale[key] = 0.7 * self.scale.get(key, 1.0) + 0.3 * scale
         for m in _sources(method):

@@ -87,8 +87,8 @@ class Scheduler:
         if seq.num_tokens + 1 > self.config.max_model_len:
             raise ValueError(f"sequence of {seq.num_tokens} tokens exceeds the context "
                              f"{self.config.max_model_len}")
-        seq.arrival = next(self._arrivals)
-        seq.status = SeqStatus.WAITING
+        seq.sched.arrival = next(self._arrivals)
+        seq.sched.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
     def abort(self, seq_id: str) -> Sequence | None:
@@ -99,9 +99,9 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
-        if reason and not seq.finish_reason:
-            seq.finish_reason = reason
-        seq.status = SeqStatus.FINISHED
+        if reason:
+            seq.set_finished(reason)
+        seq.sched.status = SeqStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
@@ -123,9 +123,9 @@ class Scheduler:
         k_max = self.k_max(seq)  # under batch load sessions share max_verify_tokens
         reach = self.reach(seq, k_max)
         if reach is not None:
-            k = choose_tree_size(reach, k_max, self.cost, seq.tree_wait_ms)
+            k = choose_tree_size(reach, k_max, self.cost, seq.est.tree_wait_ms)
         else:
-            k = choose_k(seq.acceptance_ema, k_max, self.cost)
+            k = choose_k(seq.est.acceptance_ema, k_max, self.cost)
         if k == 0 and k_max and probing(seq, ahead):
             # Speculation is off for this session: probe now and then, estimates move. A tree
             # probe verifies what would pay without its drafting wait, so that its nodes'
@@ -145,18 +145,18 @@ class Scheduler:
         """Estimated chance each of the session's draft nodes (in order) is accepted, for
         sessions sized node by node (trees, and Medusa's chains); None for a draft worker's
         chain (sized by its acceptance EMA). Scaled by the session's measured correction."""
-        if seq.local_drafts:  # the proposal's own per-token estimates (none: no match)
-            return seq.scaled_reach(seq.draft_source, seq.draft_reach)
+        if seq.local.in_verifier:  # the proposal's own per-token estimates (none: no match)
+            return seq.scaled_reach(seq.local.source, seq.draft_reach)
         if seq.params.method.in_verifier:
             base = self.heads_reach(seq)
         elif seq.params.tree:  # the arrived nodes' own estimates, the last tree's for the rest
-            base = seq.last_reach or [seq.acceptance_ema ** (i + 1) for i in range(
+            base = seq.last_reach or [seq.est.acceptance_ema ** (i + 1) for i in range(
                 self.k_max(seq) if k_max is None else k_max)]
             got = seq.draft_reach
             base = got if seq.tree_complete else [*got, *base[len(got):]]
         else:
             return None
-        return [r * seq.tree_scale for r in base]
+        return [r * seq.est.tree_scale for r in base]
 
     def heads_reach(self, seq: Sequence) -> tuple[float, ...]:  # Medusa's, tree or chain
         return self.tree_reach if seq.params.tree else self.chain_reach
@@ -166,7 +166,7 @@ class Scheduler:
         pay for itself in the batch's tokens per ms, not just in its own session's (a
         compute-bound batch step grows with every row). {} for one session alone."""
         decoding = [s for s in self.running
-                    if s.status is SeqStatus.RUNNING and not s.prefill_left]
+                    if s.sched.status is SeqStatus.RUNNING and not s.sched.prefill_left]
         if len(decoding) < 2 or not self.step_cost.known:
             return {}
         gains = [self._gains(s, self._solo_k(s)) for s in decoding]
@@ -179,7 +179,7 @@ class Scheduler:
         reach = self.reach(seq) if k else None
         if reach is not None:
             return reach[:k]
-        return [seq.acceptance_ema ** (j + 1) for j in range(k)]
+        return [seq.est.acceptance_ema ** (j + 1) for j in range(k)]
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
@@ -201,23 +201,23 @@ class Scheduler:
     def _schedule_chunks(self, budget: int, have_work: bool) -> list[ScheduledSeq]:
         """The next chunk of each running session whose prefill is not done (oldest first)."""
         out = []
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status is not SeqStatus.RUNNING or not seq.prefill_left:
+        for seq in sorted(self.running, key=lambda s: s.sched.arrival):
+            if seq.sched.status is not SeqStatus.RUNNING or not seq.sched.prefill_left:
                 continue
-            n = self._chunk_size(seq.prefill_left, budget, have_work or bool(out))
+            n = self._chunk_size(seq.sched.prefill_left, budget, have_work or bool(out))
             if n == 0:
                 break
-            start = seq.num_tokens - seq.prefill_left
-            seq.prefill_left -= n
+            start = seq.num_tokens - seq.sched.prefill_left
+            seq.sched.prefill_left -= n
             out.append(ScheduledSeq(seq, seq.tokens[start:start + n], start, 0, True,
-                                    partial=seq.prefill_left > 0))
+                                    partial=seq.sched.prefill_left > 0))
             budget -= n
         return out
 
     def _schedule_running(self, preempted: list[Sequence]) -> list[ScheduledSeq]:
         out = []
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status is not SeqStatus.RUNNING or seq.prefill_left:
+        for seq in sorted(self.running, key=lambda s: s.sched.arrival):
+            if seq.sched.status is not SeqStatus.RUNNING or seq.sched.prefill_left:
                 continue  # preempted below while serving an earlier one; or prefilling
             wanted = self.desired_k(seq)
             room = self.config.max_model_len - seq.num_tokens - 1
@@ -227,10 +227,10 @@ class Scheduler:
             parents = seq.draft_parents[:k] if seq.draft_parents is not None else None
             # A carried session's last token is already in the cache: only drafts go in (none:
             # the engine samples from the carried distribution without a forward).
-            new = drafts if seq.carried else [seq.tokens[-1], *drafts]
+            new = drafts if seq.sched.carried else [seq.tokens[-1], *drafts]
             if not self._append_or_preempt(seq, new, preempted):
                 continue
-            start = seq.num_tokens - (0 if seq.carried else 1)
+            start = seq.num_tokens - (0 if seq.sched.carried else 1)
             out.append(ScheduledSeq(seq, new, start, k, False, wanted, parents))
         return out
 
@@ -240,21 +240,25 @@ class Scheduler:
                 self.blocks.append(seq.seq_id, new)
                 return True
             except NoFreeBlocksError:
-                victim = max(self.running, key=lambda s: s.arrival)  # newest goes back
+                victim = max(self.running, key=lambda s: s.sched.arrival)  # newest goes back
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     return False
 
+    def carry(self, seq: Sequence, carried: bool) -> None:
+        """Whether the session's KV holds every committed token (its bonus row carried)."""
+        seq.sched.carried = carried
+
     def _preempt(self, seq: Sequence) -> None:
         """Free its KV; it is recomputed from its committed tokens when re-admitted."""
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
-        seq.status = SeqStatus.WAITING
+        seq.sched.status = SeqStatus.WAITING
         seq.clear_drafts()
-        seq.carried = False  # the re-prefill recomputes that distribution
-        seq.prefill_left = 0
-        seq.epoch += 1
+        seq.sched.carried = False  # the re-prefill recomputes that distribution
+        seq.sched.prefill_left = 0
+        seq.next_epoch()
         self.waiting.appendleft(seq)
 
     def _schedule_prefills(self, budget: int, have_work: bool) -> list[ScheduledSeq]:
@@ -273,13 +277,13 @@ class Scheduler:
                 break
             cached = self.blocks.allocate(seq.seq_id, tokens, use_cache)
             self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
+            seq.sched.status = SeqStatus.RUNNING
             self.running.append(seq)
             remaining = len(tokens) - cached
             n = self._chunk_size(remaining, budget, busy) if chunked else remaining
-            seq.prefill_left = remaining - n
+            seq.sched.prefill_left = remaining - n
             out.append(ScheduledSeq(seq, tokens[cached:cached + n], cached, 0, True,
-                                    partial=seq.prefill_left > 0))
+                                    partial=seq.sched.prefill_left > 0))
             budget -= n
         return out
 

@@ -1,4 +1,12 @@
-"""A verifier session: committed tokens, arrived draft tokens, epoch and statistics.
+"""A verifier session: committed tokens, the round's drafts and epoch, and records that each
+have one writer (tests/unit/test_session_owners.py holds the code to it):
+
+    Sequence         its own methods (commit, the drafts, the epoch, finish)
+    .sched           Scheduling      verify_service/scheduler.py
+    .link            DraftLinkState  verify_service/drafts.py
+    .est             Estimates       verify_service/feedback.py
+    .local           LocalProposals  verify_service/auto.py (proposers offer() into it)
+    .stats           SessionStats    verify_service/sessions.py
 
 Pure Python (no torch): the scheduler and the engine loop share it on the event-loop thread.
 Invariant between rounds: the KV cache holds every committed token but the last one, which is
@@ -12,16 +20,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.errors import InvalidArgument
-from tandem.grammar.spec import GrammarSpec
-from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Features, Method
+from verify_service.params import GenerateParams
 
-MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 DRAFT_ATTACHES = 3
-# The draft workers' methods whose drafts an auto session may take beside its own (model
-# drafts: what the verifier cannot draft itself).
-AUTO_DRAFT_METHODS = frozenset({Method.DRAFT_MODEL, Method.EAGLE})
 
 
 class SeqStatus(enum.Enum):
@@ -31,74 +33,7 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
-class GenerateParams:
-    """What a Generate call asks for (validated where it enters: the servicer)."""
-
-    session_id: str
-    prompt: tuple[int, ...]
-    committed: tuple[int, ...]  # resumed after failover: already generated tokens
-    sampling: SamplingParams
-    max_new_tokens: int
-    stop_token_ids: frozenset[int]
-    method: Method = Method.NONE
-    num_speculative_tokens: int = 0  # 0 = server default
-    draft_address: str = ""
-    tenant: str = ""  # passed on to the draft worker (per-tenant suffix caches)
-    trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers for the draft's span
-    # Medusa's typical acceptance (posterior_threshold, posterior_alpha): LOSSY; None = exact.
-    typical: tuple[float, float] | None = None
-    # Return each generated token's target logprob, with this many top alternatives; None = no.
-    logprobs: int | None = None
-    # Draft token trees (medusa, eagle) instead of chains; None: medusa's trees, else chains
-    # (the servicer always decides, from the request and the server's --draft-shape).
-    tree: bool | None = None
-    grammar: GrammarSpec | None = None  # structured output: the text follows it
-    # auto only: the model method of the draft worker at draft_address whose drafts auto may
-    # also take (verify_service/auto.py); None: auto drafts in the verifier alone.
-    auto_draft: Method | None = None
-
-    def __post_init__(self):
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
-                                  f"{self.logprobs}")
-        if not self.session_id:
-            raise InvalidArgument("session_id is empty")
-        if not self.prompt:
-            raise InvalidArgument("prompt_token_ids is empty")
-        if self.max_new_tokens < 1:
-            raise InvalidArgument(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if len(self.committed) >= self.max_new_tokens:
-            raise InvalidArgument(
-                f"{len(self.committed)} committed tokens already reach max_new_tokens "
-                f"{self.max_new_tokens}"
-            )
-        if not isinstance(self.method, Method) or self.method is Method.UNSPECIFIED:
-            raise InvalidArgument(f"unknown speculation method {self.method!r}")
-        if self.num_speculative_tokens < 0:
-            raise InvalidArgument(
-                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-        if self.tree is None:
-            object.__setattr__(self, "tree", self.method is Method.MEDUSA)
-        if self.tree and not self.method.can_tree:
-            raise InvalidArgument("draft_shape tree applies to methods medusa, eagle and auto, "
-                                  f"not {self.method.api_name}")
-        if self.typical is not None:
-            threshold, alpha = self.typical
-            if not (0 < threshold <= 1 and 0 <= alpha <= 1):
-                raise InvalidArgument(
-                    "typical_acceptance needs posterior_threshold in (0, 1] and "
-                    f"posterior_alpha in [0, 1], got {threshold} and {alpha}")
-            if self.method is not Method.MEDUSA:
-                raise InvalidArgument("typical_acceptance applies to the medusa method only, "
-                                      f"not {self.method.api_name}")
-        if self.auto_draft is not None and (self.method is not Method.AUTO or
-                                            self.auto_draft not in AUTO_DRAFT_METHODS):
-            raise InvalidArgument(f"auto_draft_method {self.auto_draft!r} needs method auto "
-                                  f"and draft_model or eagle, not {self.method.api_name}")
-
-
-@dataclass(frozen=True)
-class Proposal:
+class LocalProposal:
     """One proposer's drafts for a round of a session drafted in the verifier."""
 
     drafts: list[DraftToken]
@@ -115,10 +50,82 @@ class SessionStats:
 
 
 @dataclass
+class Scheduling:
+    """Where the session stands in the batch (written by verify_service/scheduler.py)."""
+
+    status: SeqStatus = SeqStatus.WAITING
+    arrival: int = 0  # admission order, for FIFO and preemption choice
+    # Chunked prefill: tokens whose KV is still to be computed (their slots are allocated);
+    # 0 = prefilled, decoding. A session is not sampled until its last chunk.
+    prefill_left: int = 0
+    carried: bool = False  # see the module docstring
+
+
+@dataclass
+class DraftLinkState:
+    """The session's draft stream (written by verify_service/drafts.py)."""
+
+    # Draft streams this session may still open that deliver nothing (a stream that delivers
+    # a draft refills it: restarts and drains of a worker never use it up); and, after a try
+    # that found no worker at all, when it may look again (backing off, free of charge).
+    attaches_left: int = DRAFT_ATTACHES
+    attach_misses: int = 0
+    next_attach_at: float = 0.0
+    # EAGLE sessions: the target's hidden states of positions [0, n) as fp16 bytes, so a
+    # draft stream opened mid-session (re-attach) starts from the whole history.
+    features: bytearray = field(default_factory=bytearray)
+    feature_size: int = 0
+
+    def keep_features(self, f: Features) -> None:
+        """Record a round's hidden states (a recomputation after preemption overwrites)."""
+        self.feature_size = f.hidden_size
+        del self.features[f.start_position * 2 * f.hidden_size:]
+        self.features += f.data
+
+    def all_features(self) -> Features | None:
+        if not self.features:
+            return None
+        return Features(0, self.feature_size, bytes(self.features))
+
+
+@dataclass
+class Estimates:
+    """What the session measured of its drafts (written by verify_service/feedback.py)."""
+
+    acceptance_ema: float = 0.7  # prior: a fresh session is assumed to speculate well
+    late_rounds: int = 0  # rounds in a row whose wanted drafts had not arrived
+    tree_wait_ms: float = 0.0  # EMA: from the commit to a complete tree (drafted after it)
+    tree_scale: float = 1.0  # accepted / expected per tree round (EMA): corrects the estimate
+    # Each local source's correction to its reach estimates (accepted / expected) and the
+    # decayed sums it is the ratio of (tandem.spec.cost.update_source_scale); the sources
+    # whose drafts this session verified.
+    source_scale: dict[Method, float] = field(default_factory=dict)
+    source_evidence: dict[Method, tuple[float, float]] = field(default_factory=dict)
+    drafted_from: set[Method] = field(default_factory=set)
+
+
+@dataclass
+class LocalProposals:
+    """Drafts made in the verifier's own step (written by verify_service/auto.py; the history
+    and the Medusa heads offer() theirs)."""
+
+    # Drafted in the verifier from the token history (verify_service/history.py): afresh each
+    # round, sized by draft_reach; never over a draft link.
+    in_verifier: bool = False
+    # This round's proposals by source (suffix, ngram; Medusa heads for auto) before auto.pick
+    # takes one into the session's drafts; the source of the current drafts.
+    proposals: dict[Method, LocalProposal] = field(default_factory=dict)
+    source: Method | None = None
+    history_misses: int = 0  # rounds in a row the token history proposed nothing
+
+    def offer(self, method: Method, proposal: LocalProposal) -> None:
+        self.proposals[method] = proposal
+
+
+@dataclass
 class Sequence:
     params: GenerateParams
     output: list[int] = field(default_factory=list)  # committed generated tokens
-    status: SeqStatus = SeqStatus.WAITING
     epoch: int = 0
     # Checked proposals, contiguous from position num_tokens: a chain, or a tree when
     # draft_parents gives each draft's parent among them (-1 = the last committed token).
@@ -129,47 +136,18 @@ class Sequence:
     draft_reach: list[float] = field(default_factory=list)
     tree_complete: bool = False
     last_reach: tuple[float, ...] = ()
-    tree_wait_ms: float = 0.0  # EMA: from the commit to a complete tree (drafted after it)
-    tree_scale: float = 1.0  # accepted / expected per tree round (EMA): corrects the estimate
-    stats: SessionStats = field(default_factory=SessionStats)
-    finish_reason: str | None = None
-    acceptance_ema: float = 0.7  # prior: a fresh session is assumed to speculate well
-    late_rounds: int = 0  # rounds in a row whose wanted drafts had not arrived
-    arrival: int = 0  # admission order, for FIFO and preemption choice
-    # Draft streams this session may still open that deliver nothing (a stream that delivers
-    # a draft refills it: restarts and drains of a worker never use it up); and, after a try
-    # that found no worker at all, when it may look again (backing off, free of charge).
-    draft_attaches_left: int = DRAFT_ATTACHES
-    attach_misses: int = 0
-    next_attach_at: float = 0.0
-    carried: bool = False  # see the module docstring
-    # Drafted in the verifier's own step from the token history (verify_service/history.py):
-    # afresh each round, sized by draft_reach; never over a draft link.
-    local_drafts: bool = False
-    # This round's proposals by source (suffix, ngram; Medusa heads for auto) before
-    # verify_service/auto.py picks one into drafts; the source of the current drafts; each
-    # source's correction to its reach estimates (accepted / expected) and the decayed sums
-    # it is the ratio of (tandem.spec.cost.update_source_scale); the sources whose drafts
-    # this session verified.
-    proposals: dict[Method, Proposal] = field(default_factory=dict)
-    draft_source: Method | None = None
-    source_scale: dict[Method, float] = field(default_factory=dict)
-    source_evidence: dict[Method, tuple[float, float]] = field(default_factory=dict)
-    drafted_from: set[Method] = field(default_factory=set)
-    history_misses: int = 0  # rounds in a row the token history proposed nothing
     # auto linked to a draft worker (params.auto_draft): the worker's chain, contiguous from
-    # num_tokens, kept apart from `drafts` until auto.pick copies it there as a proposal.
+    # num_tokens, kept apart from `drafts` until auto.pick takes it as a proposal.
     remote: list[DraftToken] = field(default_factory=list)
-    # Chunked prefill: tokens whose KV is still to be computed (their slots are allocated);
-    # 0 = prefilled, decoding. A session is not sampled until its last chunk.
-    prefill_left: int = 0
-    # EAGLE sessions: the target's hidden states of positions [0, n) as fp16 bytes, so a
-    # draft stream opened mid-session (re-attach) starts from the whole history.
-    features: bytearray = field(default_factory=bytearray)
-    feature_size: int = 0
+    finish_reason: str | None = None
     # Structured output: a tandem.grammar.GrammarState at the committed tokens (None = free
     # text); it masks every verified position and advances only by committed tokens.
     grammar: Any = None
+    sched: Scheduling = field(default_factory=Scheduling)
+    link: DraftLinkState = field(default_factory=DraftLinkState)
+    est: Estimates = field(default_factory=Estimates)
+    local: LocalProposals = field(default_factory=LocalProposals)
+    stats: SessionStats = field(default_factory=SessionStats)
 
     def __post_init__(self):
         self.output = list(self.params.committed)
@@ -203,13 +181,13 @@ class Sequence:
 
     @property
     def link_drafts(self) -> list[DraftToken]:  # an auto session's own buffer, or drafts
-        return self.remote if self.local_drafts else self.drafts
+        return self.remote if self.local.in_verifier else self.drafts
 
     def next_draft_position(self) -> int:
         return self.num_tokens + len(self.link_drafts)
 
     def drop_link_drafts(self) -> None:  # what the draft link sent (stream opened or broken)
-        self.remote.clear() if self.local_drafts else self.clear_drafts()
+        self.remote.clear() if self.local.in_verifier else self.clear_drafts()
 
     def commit(self, accepted: list[int], next_token: int | None) -> list[int]:
         """Append a round's tokens, cut at a stop token or the length limit; returns them.
@@ -231,10 +209,10 @@ class Sequence:
                 new, self.finish_reason = new[:budget], "length"
         self.output.extend(new)
         k = len(accepted)
-        if self.local_drafts and self.params.auto_draft is not None:
+        if self.local.in_verifier and self.params.auto_draft is not None:
             self.clear_drafts(remote=False)  # drafted afresh each round; the worker's chain
             self._advance_remote(new)  # goes on if it holds what was committed
-        elif self.params.tree or self.params.method.in_verifier or self.local_drafts:
+        elif self.params.tree or self.params.method.in_verifier or self.local.in_verifier:
             self.clear_drafts()  # a tree (any in-verifier draft) is drafted afresh each round,
             self.epoch += 1  # in a new epoch: late nodes of this one are dropped
         elif next_token is None:
@@ -256,7 +234,7 @@ class Sequence:
     def scaled_reach(self, source: Method | None, reach) -> list[float]:
         """A source's per-node reach estimates corrected by what this session measured of it
         (source_scale; 1 for a source it has not drafted from)."""
-        scale = self.source_scale.get(source, 1.0)
+        scale = self.est.source_scale.get(source, 1.0)
         return [min(1.0, r * scale) for r in reach]
 
     def clear_drafts(self, remote: bool = True) -> None:
@@ -266,6 +244,22 @@ class Sequence:
             self.last_reach = tuple(self.draft_reach)
         self.drafts, self.draft_parents = [], None
         self.draft_reach, self.tree_complete = [], False
+
+    def take_drafts(self, drafts: list[DraftToken], parents: tuple[int, ...] | None,
+                    reach: list[float] | None = None) -> None:
+        """The round's drafts from a local source (auto.pick, the Medusa heads, the grammar's
+        forced tokens) in place of what was there."""
+        self.drafts, self.draft_parents = list(drafts), parents
+        if reach is not None:
+            self.draft_reach = list(reach)
+
+    def next_epoch(self) -> None:
+        """What was drafted for the current epoch is void (preempted, re-attached, link lost)."""
+        self.epoch += 1
+
+    def set_finished(self, reason: str) -> None:
+        if not self.finish_reason:
+            self.finish_reason = reason
 
     def add_node(self, token: DraftToken, parent: int, path_prob: float, last: bool) -> None:
         """Append a checked tree node (drafts.py checks parent and position first)."""
@@ -281,17 +275,6 @@ class Sequence:
         while node >= 0:
             depth, node = depth + 1, parents[node]
         return depth
-
-    def keep_features(self, f: Features) -> None:
-        """Record a round's hidden states (a recomputation after preemption overwrites)."""
-        self.feature_size = f.hidden_size
-        del self.features[f.start_position * 2 * f.hidden_size:]
-        self.features += f.data
-
-    def all_features(self) -> Features | None:
-        if not self.features:
-            return None
-        return Features(0, self.feature_size, bytes(self.features))
 
     @property
     def finished(self) -> bool:

@@ -21,7 +21,7 @@ from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.engine import Engine
-from verify_service.sequence import GenerateParams
+from verify_service.params import GenerateParams
 from verify_service.sessions import RoundOutput
 
 log = logging.getLogger(__name__)

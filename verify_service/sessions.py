@@ -14,8 +14,9 @@ import torch
 
 from tandem.errors import AlreadyExists, ResourceExhausted
 from tandem.telemetry import VerifierMetrics
+from verify_service.params import GenerateParams
 from verify_service.scheduler import Scheduler
-from verify_service.sequence import GenerateParams, Sequence
+from verify_service.sequence import Sequence
 from verify_service.step import StepTimings, TokenLogprob
 
 
@@ -49,8 +50,10 @@ class SessionTable:
         self.queues: dict[str, asyncio.Queue[RoundOutput]] = {}
         self.carried: dict[str, torch.Tensor] = {}  # [vocab] probs of carried sessions
 
-    def admit(self, params: GenerateParams) -> tuple[Sequence, asyncio.Queue[RoundOutput]]:
-        """A new session, handed to the scheduler, and the queue its rounds go to. Refused
+    def admit(self, params: GenerateParams, **records
+              ) -> tuple[Sequence, asyncio.Queue[RoundOutput]]:
+        """A new session (`records`: its Sequence's fields beside params), handed to the
+        scheduler, and the queue its rounds go to. Refused
         when the id is taken here, the verifier is full, or the cache could never hold it."""
         if params.session_id in self.sessions:
             raise AlreadyExists(f"session {params.session_id!r} is already generating here")
@@ -65,16 +68,16 @@ class SessionTable:
             raise ResourceExhausted(
                 f"the session needs {need} KV blocks, this verifier's cache has "
                 f"{blocks.num_blocks} (of {blocks.block_size} tokens)")
-        seq = Sequence(params)
+        seq = Sequence(params, **records)
         self.scheduler.add(seq)  # raises InvalidArgument if it cannot fit the context
         self.sessions[seq.seq_id] = seq
         self.queues[seq.seq_id] = queue = asyncio.Queue()
         return seq, queue
 
     def keep_carried(self, seq: Sequence, row: torch.Tensor | None) -> None:
-        """A carried session (seq.carried) keeps its round's unsampled bonus row for the
+        """A carried session (seq.sched.carried) keeps its round's unsampled bonus row for the
         next round; any other session drops what it kept."""
-        if seq.carried:
+        if seq.sched.carried:
             self.carried[seq.seq_id] = row
         else:
             self.carried.pop(seq.seq_id, None)

@@ -17,9 +17,9 @@ def missing(seq: Sequence, scheduler: Scheduler, drafts: DraftSide) -> int:
     session waits only for its draft worker's chain, only when it asked for one
     (verify_service/auto.py) and only in a round its token history has nothing for: what
     it would not use is never waited for, nor a probe's (its chain did not pay its wait)."""
-    if seq.local_drafts:
+    if seq.local.in_verifier:
         asked = drafts.asked(seq)
-        if not asked or probing(seq) or any(m in seq.proposals for m in HISTORY_SOURCES):
+        if not asked or probing(seq) or any(m in seq.local.proposals for m in HISTORY_SOURCES):
             return 0
         # the one past k is for the bonus token (unless the run-ahead cap took it)
         return max(1, asked - 1) - len(seq.remote)
@@ -36,12 +36,12 @@ def draft_wait_limit_ms(running: list[Sequence], scheduler: Scheduler, drafts: D
     limit_ms, waiting, d = 0.0, 0, drafts
     for seq in running:
         n = missing(seq, scheduler, d)
-        linked = d.linked(seq) or seq.local_drafts and d.coming(seq)  # (auto opens on asking)
-        if not linked or n <= 0 or seq.late_rounds >= LATE_ROUNDS_NO_WAIT:
+        linked = d.linked(seq) or seq.local.in_verifier and d.coming(seq)  # (auto opens on asking)
+        if not linked or n <= 0 or seq.est.late_rounds >= LATE_ROUNDS_NO_WAIT:
             continue  # (drafts of a session that stopped being waited for still count)
         waiting += 1  # the first draft after a commit takes longer than the next ones
-        if seq.params.tree and not seq.local_drafts:  # a tree comes at once, when drafted
-            expected = max(seq.tree_wait_ms, d.first.ms)
+        if seq.params.tree and not seq.local.in_verifier:  # a tree comes at once, when drafted
+            expected = max(seq.est.tree_wait_ms, d.first.ms)
         else:
             have = len(seq.link_drafts)
             expected = n * d.arrival.ms if have else d.first.ms + (n - 1) * d.arrival.ms

@@ -19,7 +19,8 @@ from tandem.spec import Method
 from tandem.v1 import common_pb2
 from verify_service import draft_link
 from verify_service.drafts import DraftSide
-from verify_service.sequence import GenerateParams, Sequence
+from verify_service.params import GenerateParams
+from verify_service.sequence import Sequence
 
 pytestmark = pytest.mark.contract
 PROMPT = (10, 11, 12, 13, 14, 15, 10, 11, 12)  # n-gram lookup proposes 13, 14, 15, ...
@@ -119,7 +120,7 @@ def test_hundreds_of_broken_links_leave_nothing_open():
             app.worker.end_streams()  # the worker drops the stream (as a restart would)
             await until(lambda: seq.seq_id not in side.links, 10)
             now[0] += 10  # past the pool's backoff for a failed worker
-            seq.draft_attaches_left = 3
+            seq.link.attaches_left = 3
 
         try:
             for _ in range(20):  # warm up: grpc's own threads and pools

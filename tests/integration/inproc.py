@@ -15,8 +15,8 @@ from tandem.spec.cost import CostModel
 from tools.bench.inproc import OnePool, WorkerLink
 from verify_service.engine import Engine, EngineConfig
 from verify_service.executor import Executor
+from verify_service.params import GenerateParams
 from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import GenerateParams
 
 
 def fails_after(proposer_cls, calls: int, message: str):

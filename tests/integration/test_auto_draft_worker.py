@@ -62,7 +62,7 @@ def recorded(monkeypatch):
 
     def spy(seq, s, accepted, reach, linked):
         if s.num_drafts:
-            rounds.append((seq.draft_source, s.num_drafts, accepted))
+            rounds.append((seq.local.source, s.num_drafts, accepted))
         learn(seq, s, accepted, reach, linked)
 
     monkeypatch.setattr(engine, "learn_acceptance", spy)

@@ -14,8 +14,8 @@ from tandem.spec import Close, DraftToken, Method, Open, Proposal
 from tandem.spec.cost import CostModel, StepCost
 from verify_service.engine import Engine, EngineConfig
 from verify_service.executor import Executor
+from verify_service.params import GenerateParams
 from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import GenerateParams
 from verify_service.step import StepInput
 
 pytestmark = pytest.mark.integration

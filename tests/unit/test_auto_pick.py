@@ -9,8 +9,9 @@ from tandem.spec import DraftToken, Method
 from tandem.spec.cost import CostModel, best_rate, choose_tree_size
 from verify_service import auto
 from verify_service.feedback import learn_acceptance
+from verify_service.params import GenerateParams
 from verify_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from verify_service.sequence import GenerateParams, Proposal, Sequence
+from verify_service.sequence import LocalProposal, Sequence
 
 pytestmark = pytest.mark.unit
 
@@ -25,26 +26,26 @@ def _setup(tree=True):
     seq = Sequence(GenerateParams(session_id="s", prompt=(1, 2, 3), committed=(),
                                   sampling=SamplingParams(temperature=0.0), max_new_tokens=64,
                                   stop_token_ids=frozenset(), method=Method.AUTO, tree=tree))
-    seq.local_drafts = True
+    seq.local.in_verifier = True
     return sched, seq
 
 
 def _heads(sched, seq, n=6):
     """The heads' proposal, as the engine files it after a step."""
     drafts, parents = [DraftToken(100 + i) for i in range(n)], (-1, -1, 0, 1, 0, 2)[:n]
-    seq.proposals[Method.MEDUSA] = auto.heads_proposal(sched, seq, drafts, parents)
+    seq.local.proposals[Method.MEDUSA] = auto.heads_proposal(sched, seq, drafts, parents)
 
 
 def _history(seq, source, reach):
-    seq.proposals[source] = Proposal([DraftToken(7 + i) for i in range(len(reach))], None,
-                                     list(reach))
+    seq.local.offer(source, LocalProposal([DraftToken(7 + i) for i in range(len(reach))],
+                                          None, list(reach)))
 
 
 def test_the_heads_fill_a_round_the_history_has_nothing_for():
     sched, seq = _setup()
     _heads(sched, seq)
     auto.pick(sched, seq)
-    assert seq.draft_source is Method.MEDUSA and seq.proposals == {}
+    assert seq.local.source is Method.MEDUSA and seq.local.proposals == {}
     assert [d.token_id for d in seq.drafts] == list(range(100, 106))
     assert seq.draft_parents == (-1, -1, 0, 1, 0, 2)
     assert sched.reach(seq) == pytest.approx(TREE)
@@ -55,7 +56,7 @@ def test_a_confident_history_match_beats_the_heads():
     _history(seq, Method.SUFFIX, [0.95] * 8)
     _heads(sched, seq)
     auto.pick(sched, seq)
-    assert seq.draft_source is Method.SUFFIX and seq.draft_parents is None
+    assert seq.local.source is Method.SUFFIX and seq.draft_parents is None
     assert [d.token_id for d in seq.drafts] == list(range(7, 15))
 
 
@@ -65,21 +66,22 @@ def test_a_weak_history_match_loses_to_the_heads_and_the_rates_decide():
     _heads(sched, seq)
     assert best_rate(TREE, 8, sched.cost) > best_rate([0.2], 8, sched.cost)
     auto.pick(sched, seq)
-    assert seq.draft_source is Method.MEDUSA
+    assert seq.local.source is Method.MEDUSA
 
 
 def test_a_long_proposal_does_not_win_on_its_sum_when_it_costs_more_than_it_brings():
     sched, seq = _setup()
     _history(seq, Method.SUFFIX, [0.9, 0.85, 0.8])
     _history(seq, Method.NGRAM, [0.9, 0.5, 0.4, 0.3, 0.3, 0.3, 0.3, 0.3])  # sums higher
-    assert sum(seq.proposals[Method.NGRAM].reach) > sum(seq.proposals[Method.SUFFIX].reach)
+    proposals = seq.local.proposals
+    assert sum(proposals[Method.NGRAM].reach) > sum(proposals[Method.SUFFIX].reach)
     auto.pick(sched, seq)
-    assert seq.draft_source is Method.SUFFIX
+    assert seq.local.source is Method.SUFFIX
 
 
 def test_heads_that_over_promise_lose_their_scale_not_the_historys():
     sched, seq = _setup()
-    seq.source_scale = {Method.SUFFIX: 1.0, Method.NGRAM: 1.0}
+    seq.est.source_scale = {Method.SUFFIX: 1.0, Method.NGRAM: 1.0}
     _heads(sched, seq)
     auto.pick(sched, seq)
     reach = sched.reach(seq)
@@ -87,8 +89,8 @@ def test_heads_that_over_promise_lose_their_scale_not_the_historys():
     s = ScheduledSeq(seq, [3, *range(n)], 2, n, False, n)
     for _ in range(6):  # nothing the heads propose is ever accepted
         learn_acceptance(seq, s, 0, reach, lambda _: False)
-    assert seq.source_scale[Method.MEDUSA] < 0.5 and seq.source_scale[Method.SUFFIX] == 1.0
-    assert seq.drafted_from == {Method.MEDUSA} and seq.tree_scale == 1.0
+    assert seq.est.source_scale[Method.MEDUSA] < 0.5 and seq.est.source_scale[Method.SUFFIX] == 1.0
+    assert seq.est.drafted_from == {Method.MEDUSA} and seq.est.tree_scale == 1.0
     assert auto.head_nodes(sched, seq) < choose_tree_size(TREE, 8, sched.cost)
 
 
@@ -98,13 +100,13 @@ def test_the_heads_run_only_after_the_history_missed_and_not_beside_its_drafts()
         assert not auto.wants_heads(seq, 0)  # a miss or two: copying may go on next round
         auto.pick(sched, seq)  # nothing proposed: one more miss
     assert auto.wants_heads(seq, 0)
-    seq.draft_source = Method.SUFFIX
+    seq.local.source = Method.SUFFIX
     assert not auto.wants_heads(seq, 5)
-    seq.draft_source = Method.MEDUSA
+    seq.local.source = Method.MEDUSA
     assert auto.wants_heads(seq, 3)
     _history(seq, Method.NGRAM, [0.9])
     auto.pick(sched, seq)  # the history matched again
-    assert seq.history_misses == 0 and not auto.wants_heads(seq, 0)
+    assert seq.local.history_misses == 0 and not auto.wants_heads(seq, 0)
     seq.params = GenerateParams(session_id="t", prompt=(1,), committed=(),
                                 sampling=SamplingParams(), max_new_tokens=4,
                                 stop_token_ids=frozenset(), method=Method.SUFFIX)
@@ -113,7 +115,7 @@ def test_the_heads_run_only_after_the_history_missed_and_not_beside_its_drafts()
 
 def test_chain_shaped_auto_sessions_use_the_heads_chain_estimates():
     sched, seq = _setup(tree=False)
-    seq.proposals[Method.MEDUSA] = auto.heads_proposal(
+    seq.local.proposals[Method.MEDUSA] = auto.heads_proposal(
         sched, seq, [DraftToken(5), DraftToken(6), DraftToken(8)], (-1, 0, 1))
     auto.pick(sched, seq)
     assert sched.reach(seq) == pytest.approx(CHAIN)
@@ -123,5 +125,5 @@ def test_heads_that_cannot_pay_for_their_own_pass_are_not_run():
     sched, seq = _setup()
     assert auto.head_nodes(sched, seq) > 0  # free heads: some nodes pay
     assert auto.head_nodes(sched, seq, heads_ms=40.0) == 0  # a pass dearer than a round
-    seq.source_scale[Method.MEDUSA] = 0.1  # or heads this session found wrong
+    seq.est.source_scale[Method.MEDUSA] = 0.1  # or heads this session found wrong
     assert auto.head_nodes(sched, seq) == 0

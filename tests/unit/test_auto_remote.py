@@ -14,8 +14,9 @@ from tandem.spec.cost import CostModel
 from verify_service import auto
 from verify_service.drafts import DraftSide
 from verify_service.feedback import learn_acceptance
+from verify_service.params import GenerateParams
 from verify_service.scheduler import EXPLORE_EVERY, ScheduledSeq, Scheduler, SchedulerConfig
-from verify_service.sequence import GenerateParams, Proposal, Sequence
+from verify_service.sequence import LocalProposal, Sequence
 from verify_service.waits import missing
 
 pytestmark = pytest.mark.unit
@@ -31,25 +32,25 @@ def _setup(auto_draft=Method.DRAFT_MODEL, temperature=0.0):
         session_id="s", prompt=(1, 2, 3), committed=(),
         sampling=SamplingParams(temperature=temperature), max_new_tokens=64,
         stop_token_ids=frozenset(), method=Method.AUTO, auto_draft=auto_draft))
-    seq.local_drafts = True
+    seq.local.in_verifier = True
     return sched, seq
 
 
 def _remote(seq, n, acceptance=0.9):
-    seq.acceptance_ema = acceptance
+    seq.est.acceptance_ema = acceptance
     seq.remote = [DraftToken(7 + i, *Q) for i in range(n)]
 
 
 def _history(seq, source, reach):
-    seq.proposals[source] = Proposal([DraftToken(50 + i) for i in range(len(reach))], None,
-                                     list(reach))
+    seq.local.offer(source, LocalProposal([DraftToken(50 + i) for i in range(len(reach))],
+                                          None, list(reach)))
 
 
 def test_an_arrived_worker_chain_fills_a_round_the_history_has_nothing_for():
     sched, seq = _setup(temperature=1.0)
     _remote(seq, 4)
     auto.pick(sched, seq, asked=5)
-    assert seq.draft_source is Method.DRAFT_MODEL and seq.draft_parents is None
+    assert seq.local.source is Method.DRAFT_MODEL and seq.draft_parents is None
     assert seq.drafts == seq.remote and seq.drafts is not seq.remote  # a copy
     assert all((d.q_ids, d.q_probs) == Q for d in seq.drafts)  # q stays with its tokens
     assert sched.reach(seq) == pytest.approx([0.9 ** (i + 1) for i in range(4)])
@@ -61,7 +62,7 @@ def test_a_confident_history_match_beats_the_worker_and_their_tokens_never_mix()
     _remote(seq, 4, acceptance=0.6)
     _history(seq, Method.SUFFIX, [0.95] * 8)
     auto.pick(sched, seq, asked=5)
-    assert seq.draft_source is Method.SUFFIX
+    assert seq.local.source is Method.SUFFIX
     assert [d.token_id for d in seq.drafts] == list(range(50, 58))
     assert all(not d.q_ids for d in seq.drafts)  # one-hot: the history's own tokens only
     assert len(seq.remote) == 4  # the worker's chain is kept apart, untouched
@@ -72,20 +73,20 @@ def test_a_worker_that_over_promises_loses_to_a_modest_history_match():
     _remote(seq, 4, acceptance=0.2)
     _history(seq, Method.NGRAM, [0.8, 0.7])
     auto.pick(sched, seq, asked=5)
-    assert seq.draft_source is Method.NGRAM
+    assert seq.local.source is Method.NGRAM
 
 
 def test_nothing_arrived_is_a_late_round_and_nothing_is_taken():
     sched, seq = _setup()
     auto.pick(sched, seq, asked=5)
-    assert seq.drafts == [] and seq.late_rounds == 1
+    assert seq.drafts == [] and seq.est.late_rounds == 1
     auto.pick(sched, seq, asked=0)  # paused: not asked, not late
     _history(seq, Method.SUFFIX, [0.9])
     auto.pick(sched, seq, asked=5)  # the history matched: not waited for, not late
-    assert seq.late_rounds == 1
+    assert seq.est.late_rounds == 1
     _remote(seq, 2)
     auto.pick(sched, seq, asked=5)
-    assert seq.late_rounds == 0 and seq.draft_source is Method.DRAFT_MODEL
+    assert seq.est.late_rounds == 0 and seq.local.source is Method.DRAFT_MODEL
 
 
 def test_the_worker_is_paused_while_the_history_matches_and_asked_once_it_misses():
@@ -102,7 +103,7 @@ def test_the_worker_is_paused_while_the_history_matches_and_asked_once_it_misses
     _remote(seq, k - 1)
     _history(seq, Method.NGRAM, [0.1])  # a weak match: the worker's chain still wins
     auto.pick(sched, seq, asked=k)
-    assert seq.draft_source is Method.DRAFT_MODEL and seq.history_misses == 0
+    assert seq.local.source is Method.DRAFT_MODEL and seq.local.history_misses == 0
     assert auto.remote_run_ahead(sched, seq, first, gap) > 0  # its drafts verified: go on
     _history(seq, Method.SUFFIX, [0.95] * 8)
     seq.remote = []
@@ -116,29 +117,29 @@ def test_a_slow_or_poor_worker_is_not_asked_except_for_a_probe():
         auto.pick(sched, seq)
     assert auto.remote_run_ahead(sched, seq, 5.0, 1.0) > 0
     assert auto.remote_run_ahead(sched, seq, 200.0, 50.0) == 0  # the wait costs more
-    seq.acceptance_ema = 0.05
+    seq.est.acceptance_ema = 0.05
     assert auto.remote_run_ahead(sched, seq, 5.0, 1.0) == 0
     seq.stats.rounds = auto.PROBE_EVERY + EXPLORE_EVERY - 1  # the next round is a probe
     assert auto.remote_run_ahead(sched, seq, 200.0, 50.0) == 2
     seq.stats.rounds += EXPLORE_EVERY  # the scheduler's probe, not the worker's: rarer
     assert auto.remote_run_ahead(sched, seq, 200.0, 50.0) == 0
     _, plain = _setup(auto_draft=None)
-    plain.history_misses = 5
+    plain.local.history_misses = 5
     assert auto.remote_run_ahead(sched, plain, 0.0, 0.0) == 0  # no worker linked
 
 
 def test_the_worker_chain_learns_its_acceptance_not_a_history_scale():
     sched, seq = _setup()
-    seq.source_scale = {Method.SUFFIX: 1.0, Method.NGRAM: 1.0}
+    seq.est.source_scale = {Method.SUFFIX: 1.0, Method.NGRAM: 1.0}
     _remote(seq, 4, acceptance=0.9)
     auto.pick(sched, seq, asked=5)
     reach = sched.reach(seq)
     s = ScheduledSeq(seq, [3, 7, 8, 9, 10], 2, 4, False, 4)
     for _ in range(5):
         learn_acceptance(seq, s, 0, reach, lambda _: True)
-    assert seq.acceptance_ema < 0.5 and seq.drafted_from == {Method.DRAFT_MODEL}
-    assert seq.source_scale == {Method.SUFFIX: 1.0, Method.NGRAM: 1.0}
-    assert seq.late_rounds == 0
+    assert seq.est.acceptance_ema < 0.5 and seq.est.drafted_from == {Method.DRAFT_MODEL}
+    assert seq.est.source_scale == {Method.SUFFIX: 1.0, Method.NGRAM: 1.0}
+    assert seq.est.late_rounds == 0
 
 
 def test_a_commit_keeps_the_worker_chain_only_where_it_holds_the_new_tokens():

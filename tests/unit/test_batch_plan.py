@@ -6,8 +6,9 @@ from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import CostModel, StepCost, expected_tokens, plan_batch
+from verify_service.params import GenerateParams
 from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import GenerateParams, SeqStatus, Sequence
+from verify_service.sequence import SeqStatus, Sequence
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +82,7 @@ def _running(sched, n, method=Method.DRAFT_MODEL, ema=0.6):
     for seq in seqs:
         sched.update_from_output(sched_prefill(seq), 0)
         seq.commit([], 5)
-        seq.acceptance_ema = ema
+        seq.est.acceptance_ema = ema
         seq.drafts = [DraftToken(t) for t in (6, 7, 8, 9)]
     return seqs
 
@@ -97,7 +98,7 @@ def test_scheduler_cuts_k_when_the_batch_step_is_compute_bound(curve, expect_dra
     sched = Scheduler(BlockManager(256, 4), SchedulerConfig(max_spec_tokens=4), cost,
                       step_cost=StepCost(curve))
     seqs = _running(sched, 16)
-    assert all(s.status is SeqStatus.RUNNING for s in seqs)
+    assert all(s.sched.status is SeqStatus.RUNNING for s in seqs)
     out = sched.schedule()
     drafted = [s.num_drafts for s in out.scheduled]
     assert len(drafted) == 16

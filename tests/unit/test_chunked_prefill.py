@@ -6,8 +6,9 @@ from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel
+from verify_service.params import GenerateParams
 from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import GenerateParams, SeqStatus, Sequence
+from verify_service.sequence import SeqStatus, Sequence
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +42,7 @@ def test_a_long_prompt_beside_a_decoding_session_goes_in_chunks():
     long = _seq("long", 30)
     sched.add(long)
     seen, steps = [], 0
-    while long.prefill_left or not seen or seen[-1][1]:
+    while long.sched.prefill_left or not seen or seen[-1][1]:
         steps += 1
         scheduled = _run_step(sched)
         assert any(s.seq is short and not s.is_prefill for s in scheduled)  # never stalled
@@ -61,7 +62,7 @@ def test_alone_the_whole_prompt_goes_in_one_forward():
     long = _seq("long", 30)
     sched.add(long)
     (s,) = _run_step(sched)
-    assert len(s.token_ids) == 30 and not s.partial and long.prefill_left == 0
+    assert len(s.token_ids) == 30 and not s.partial and long.sched.prefill_left == 0
 
 
 def test_the_step_budget_bounds_the_chunk():
@@ -99,9 +100,9 @@ def test_a_preempted_prefilling_session_starts_over():
     b = _seq("b", 36)  # 9 of the 12 blocks
     sched.add(b)
     _run_step(sched)
-    assert b.prefill_left > 0
+    assert b.sched.prefill_left > 0
     sched._preempt(b)
-    assert b.status is SeqStatus.WAITING and b.prefill_left == 0
+    assert b.sched.status is SeqStatus.WAITING and b.sched.prefill_left == 0
     assert not sched.blocks.has("b")
 
 

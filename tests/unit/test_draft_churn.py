@@ -52,20 +52,21 @@ def test_no_worker_costs_no_attach_and_backs_off_then_a_working_stream_refills()
         for _ in range(20):  # a restart window: every round tries, nothing is there
             side.attach(seq)
             await asyncio.sleep(0)
-        assert seq.draft_attaches_left == DRAFT_ATTACHES  # nothing was spent
+        assert seq.link.attaches_left == DRAFT_ATTACHES  # nothing was spent
         assert pool.gets == 1  # and it backs off instead of asking every round
-        assert seq.next_attach_at == pytest.approx(100.0 + ATTACH_BACKOFF_S)
+        assert seq.link.next_attach_at == pytest.approx(100.0 + ATTACH_BACKOFF_S)
         now[0] += 1.0
         side.attach(seq)
         await asyncio.sleep(0)
-        assert pool.gets == 2 and seq.next_attach_at == pytest.approx(101.0 + 2 * ATTACH_BACKOFF_S)
+        assert pool.gets == 2
+        assert seq.link.next_attach_at == pytest.approx(101.0 + 2 * ATTACH_BACKOFF_S)
         pool.up, now[0] = True, now[0] + 10
         side.attach(seq)
         await asyncio.sleep(0)
-        assert isinstance(link.sent[0], Open) and seq.draft_attaches_left == DRAFT_ATTACHES - 1
+        assert isinstance(link.sent[0], Open) and seq.link.attaches_left == DRAFT_ATTACHES - 1
         side.on_reply(link, Proposal(seq.seq_id, seq.epoch, seq.next_draft_position(),
                                      DraftToken(5)))
-        assert seq.draft_attaches_left == DRAFT_ATTACHES  # the stream works: budget back
+        assert seq.link.attaches_left == DRAFT_ATTACHES  # the stream works: budget back
 
     asyncio.run(main())
 
@@ -203,7 +204,7 @@ def test_a_probe_is_not_cut_by_the_batch_plan():
     sched = make_sched()
     seq = Sequence(params())
     sched.add(seq)
-    seq.acceptance_ema = 0.0  # speculation priced out: k = 0 but for probes
+    seq.est.acceptance_ema = 0.0  # speculation priced out: k = 0 but for probes
     seq.stats.rounds = EXPLORE_EVERY - 1
     sched._caps = {seq.seq_id: 0}  # the plan gives it nothing
     assert sched.desired_k(seq) >= 1

@@ -44,7 +44,7 @@ def test_a_link_that_broke_during_the_attach_is_not_kept():
         side.attach(seq)
         await asyncio.sleep(0)
         assert not side.linked(seq)  # not on the dead link
-        assert seq.draft_attaches_left == DRAFT_ATTACHES  # and it cost no attach
+        assert seq.link.attaches_left == DRAFT_ATTACHES  # and it cost no attach
         now[0] += 5.0  # past the backoff
         side.commit(seq, seq.num_tokens, [], run_ahead=3)
         await asyncio.sleep(0)
@@ -84,7 +84,7 @@ def test_a_spent_attach_budget_rests_then_tries_again():
             await asyncio.sleep(0)
             assert side.links[seq.seq_id] is link
             side.on_link_broken(link)
-        assert seq.draft_attaches_left == 0
+        assert seq.link.attaches_left == 0
         side.attach(seq)
         await asyncio.sleep(0)
         assert pool.gets == DRAFT_ATTACHES and not side.linked(seq)  # resting
@@ -95,6 +95,6 @@ def test_a_spent_attach_budget_rests_then_tries_again():
         now[0] += 0.2  # rested: one more try
         side.attach(seq)
         await asyncio.sleep(0)
-        assert side.links[seq.seq_id] is links[-1] and seq.draft_attaches_left == 0
+        assert side.links[seq.seq_id] is links[-1] and seq.link.attaches_left == 0
 
     asyncio.run(main())

@@ -24,8 +24,9 @@ from tandem.spec import (
 )
 from tandem.spec.cost import CostModel, choose_tree_size
 from verify_service.drafts import DraftSide, Latency
+from verify_service.params import GenerateParams
 from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import GenerateParams, Sequence
+from verify_service.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 
@@ -191,7 +192,7 @@ def test_tree_size_follows_scores_and_the_drafting_wait():
                                   frozenset(), method=Method.EAGLE, tree=True))
     seq.draft_reach = reach
     assert sched.desired_k(seq) == 3
-    seq.tree_wait_ms = 30.0
+    seq.est.tree_wait_ms = 30.0
     assert sched.desired_k(seq) == 0
     # ... but probed every EXPLORE_EVERY rounds, with the tree that pays without the wait.
     assert [sched.desired_k(seq, ahead) for ahead in range(16)].count(3) == 1
@@ -267,7 +268,7 @@ def test_the_verifier_waits_for_a_tree_as_long_as_trees_take():
     sched.running = [seq]
     seq.last_reach = (0.6, 0.3)
     assert engine._draft_wait_limit_ms() == pytest.approx(1.5 * 4.0)  # nothing measured yet
-    seq.tree_wait_ms = 12.0
+    seq.est.tree_wait_ms = 12.0
     assert engine._draft_wait_limit_ms() == pytest.approx(18.0)
     seq.add_node(DraftToken(5), -1, 0.5, last=False)  # part of it: the rest comes at once
     assert engine._draft_wait_limit_ms() == pytest.approx(18.0)
@@ -303,12 +304,12 @@ def test_a_verified_tree_resets_late_rounds_and_measures_its_wait():
         seq = engine.sessions["s"]
         (prefill,) = sched.schedule().scheduled
         engine._apply(prefill, RoundOutcome([], 7), 0.0, StepTimings(1.0, 0.0))
-        seq.late_rounds = 2
+        seq.est.late_rounds = 2
         seq.add_node(DraftToken(8), -1, 0.6, last=False)
         seq.add_node(DraftToken(9), -1, 0.3, last=True)
         (s,) = sched.schedule().scheduled
         assert s.num_drafts == 2 and s.parents == (-1, -1)
         engine._apply(s, RoundOutcome([9], 5), 12.0, StepTimings(1.0, 0.0))
-        assert seq.late_rounds == 0 and seq.tree_wait_ms == pytest.approx(0.3 * 12.0)
+        assert seq.est.late_rounds == 0 and seq.est.tree_wait_ms == pytest.approx(0.3 * 12.0)
         assert seq.output == [7, 9, 5] and seq.drafts == [] and seq.epoch == 2
     asyncio.run(main())

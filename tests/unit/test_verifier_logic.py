@@ -16,8 +16,9 @@ from tandem.spec.cost import (
     update_acceptance,
 )
 from verify_service.drafts import Latency
+from verify_service.params import GenerateParams
 from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import GenerateParams, SeqStatus, Sequence
+from verify_service.sequence import SeqStatus, Sequence
 
 pytestmark = pytest.mark.unit
 GREEDY = SamplingParams(temperature=0.0)
@@ -117,7 +118,7 @@ def test_prefill_then_verify_then_rollback():
     assert out.scheduled[0].token_ids == list(range(1, 10))
     sched.update_from_output(out.scheduled[0], 0)
     seq.commit([], 42)
-    seq.acceptance_ema = 0.99
+    seq.est.acceptance_ema = 0.99
     drafts(seq, [43, 44, 45])
     out = sched.schedule()
     (s,) = out.scheduled
@@ -144,7 +145,7 @@ def test_batch_load_caps_k():
     for s in sched.schedule().scheduled:
         sched.update_from_output(s, 0)
         s.seq.commit([], 9)
-        s.seq.acceptance_ema = 0.99
+        s.seq.est.acceptance_ema = 0.99
         drafts(s.seq, [1] * 8)
     assert all(s.num_drafts <= 1 for s in sched.schedule().scheduled)  # 16 // 8 - 1
 
@@ -166,8 +167,8 @@ def test_preemption_when_blocks_run_out_and_recompute():
             sched.update_from_output(s, 0)
             s.seq.commit([], 51)
     # The newest session went back to waiting and lost its KV; the oldest kept running.
-    assert preempted[0] is b and a.status is SeqStatus.RUNNING
-    assert b.status is SeqStatus.WAITING and not sched.blocks.has("b")
+    assert preempted[0] is b and a.sched.status is SeqStatus.RUNNING
+    assert b.sched.status is SeqStatus.WAITING and not sched.blocks.has("b")
     sched.finish(a)
     (s,) = sched.schedule().scheduled  # b re-admitted: recomputes its committed tokens...
     assert s.seq is b and s.is_prefill and s.token_ids == b.tokens[s.start_pos:]
@@ -197,21 +198,21 @@ def test_carried_round_keeps_drafts_and_feeds_only_drafts():
     sched.add(seq)
     sched.update_from_output(sched.schedule().scheduled[0], 0)
     seq.commit([], 42)
-    seq.acceptance_ema = 0.99
+    seq.est.acceptance_ema = 0.99
     drafts(seq, [43, 44, 45])
     (s,) = sched.schedule().scheduled
     sched.update_from_output(s, 3)
     epoch = seq.epoch
     assert seq.commit([43, 44, 45], None) == [43, 44, 45]  # no bonus: carried
     assert seq.epoch == epoch  # every committed token was a draft: run-ahead continues
-    seq.carried = True
+    seq.sched.carried = True
     seq.drafts = [DraftToken(46), DraftToken(47)]
     (s,) = sched.schedule().scheduled
     # The last committed token (45) is already cached: only the waiting drafts go in.
     assert s.token_ids == [46, 47] and s.start_pos == seq.num_tokens and s.num_drafts == 2
     sched.update_from_output(s, 0)
     assert sched.blocks.num_tokens(seq.seq_id) == seq.num_tokens
-    seq.carried, seq.drafts = True, []
+    seq.sched.carried, seq.drafts = True, []
     (s,) = sched.schedule().scheduled  # drafts vanished: a round without a forward
     assert s.token_ids == [] and s.num_drafts == 0
 
@@ -224,7 +225,7 @@ def test_measured_round_costs_switch_speculation_off_and_probes_continue():
     assert choose_k(0.9, 1, cost) == 1  # 1.9 per 62 ms wins
     sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_spec_tokens=1), cost)
     seq = Sequence(params())
-    seq.acceptance_ema = 0.3
+    seq.est.acceptance_ema = 0.3
     ks = []
     for r in range(32):
         seq.stats.rounds = r
@@ -298,7 +299,7 @@ def test_one_sessions_late_drafts_cost_the_batch_only_its_share_of_the_wait():
     seqs = [Sequence(params(sid=f"s{i}")) for i in range(4)]
     sched.running = seqs
     for seq in seqs:
-        seq.acceptance_ema = 0.95  # k > 0 wanted by everyone
+        seq.est.acceptance_ema = 0.95  # k > 0 wanted by everyone
         drafts(seq, [1] * 8)  # ... and every draft is here
     assert engine._draft_wait_limit_ms() == 0.0
     seqs[0].drafts = []  # one session waits for its first draft and more
@@ -344,7 +345,7 @@ def test_history_drafts_are_sized_by_their_own_confidence():
 
     sched = make_sched(max_spec_tokens=12)
     seq = Sequence(params(prompt=range(1, 10), max_new=40, method=Method.NGRAM))
-    seq.local_drafts = True
+    seq.local.in_verifier = True
     sched.add(seq)
     sched.update_from_output(sched.schedule().scheduled[0], 0)
     seq.commit([], 42)
@@ -377,24 +378,24 @@ def test_auto_takes_the_history_proposal_with_the_most_expected_tokens_per_ms():
         seq = Sequence(params(sid=method.api_name, prompt=text, max_new=20, method=method))
         history.fill([seq], lambda s: 8)
         if method is Method.AUTO:
-            assert set(seq.proposals) == {Method.NGRAM, Method.SUFFIX}
-            rates = {m: best_rate(p.reach, 8, sched.cost) for m, p in seq.proposals.items()}
+            assert set(seq.local.proposals) == {Method.NGRAM, Method.SUFFIX}
+            rates = {m: best_rate(p.reach, 8, sched.cost) for m, p in seq.local.proposals.items()}
         auto.pick(sched, seq)
         picks[method] = seq
     best = max(rates, key=rates.get)
-    assert picks[Method.AUTO].draft_source is best
+    assert picks[Method.AUTO].local.source is best
     assert picks[Method.AUTO].drafts == picks[best].drafts
     assert [d.token_id for d in picks[Method.AUTO].drafts][:7] == [8, 9, 10, 11, 12, 13, 14]
     worse = Sequence(params(sid="worse", prompt=text, max_new=20, method=Method.AUTO))
-    worse.source_scale = {best: 0.05, Method.SUFFIX if best is Method.NGRAM else Method.NGRAM:
+    worse.est.source_scale = {best: 0.05, Method.SUFFIX if best is Method.NGRAM else Method.NGRAM:
                           1.0}  # the better proposer has kept over-promising here
     history.fill([worse], lambda s: 8)
     auto.pick(sched, worse)
-    assert worse.draft_source is not best
+    assert worse.local.source is not best
     fresh = Sequence(params(sid="fresh", prompt=[1, 2, 3, 4], method=Method.AUTO))
     history.fill([fresh], lambda s: 8)
     auto.pick(sched, fresh)
-    assert fresh.drafts == [] and fresh.draft_reach == [] and fresh.draft_source is None
+    assert fresh.drafts == [] and fresh.draft_reach == [] and fresh.local.source is None
     history.finish(fresh)  # forgets it in both proposers, learns it for suffix
 
 
@@ -405,14 +406,14 @@ def test_history_sessions_start_from_what_finished_ones_measured():
     assert history.prior_scales(Method.AUTO) == {Method.SUFFIX: 1.0, Method.NGRAM: 1.0,
                                                  Method.MEDUSA: 1.0}
     seq = Sequence(params(method=Method.SUFFIX))
-    seq.source_scale = {Method.SUFFIX: 0.2}  # its drafts were accepted far less than hoped
-    seq.drafted_from = {Method.SUFFIX}
+    seq.est.source_scale = {Method.SUFFIX: 0.2}  # its drafts were accepted far less than hoped
+    seq.est.drafted_from = {Method.SUFFIX}
     history.finish(seq)
     assert history.prior_scales(Method.SUFFIX)[Method.SUFFIX] < 1.0
     assert history.prior_scales(Method.AUTO)[Method.NGRAM] == 1.0
     assert history.prior_scales(Method.SUFFIX, greedy=False) == {Method.SUFFIX: 1.0}
     idle = Sequence(params(sid="idle", method=Method.NGRAM))
-    idle.source_scale = {Method.NGRAM: 0.1}  # never drafted: says nothing
+    idle.est.source_scale = {Method.NGRAM: 0.1}  # never drafted: says nothing
     history.finish(idle)
     assert history.prior_scales(Method.NGRAM) == {Method.NGRAM: 1.0}
 
