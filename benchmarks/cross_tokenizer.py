@@ -17,12 +17,12 @@ import asyncio
 import time
 
 from draft_service.limits import Limits
-from draft_service.proposers.bridged import BridgedProposer
 from draft_service.worker import DraftWorker
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths, fetch_model, generation_eos_ids, resolve_model
+from tandem.proposers.bridged import BridgedProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest, Method
 from tandem.spec.cost import CostModel

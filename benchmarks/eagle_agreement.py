@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from draft_service.config import DraftConfig
-from draft_service.proposers.eagle import EagleProposer
 from tandem.engine.eagle3_published import is_eagle3, layer_ids_of
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths, resolve_model
+from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
 from tools.distill.acceptance import load_prompts

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from draft_service.limits import Limits
-from draft_service.proposers.eagle import EagleProposer
 from draft_service.weights import default_eagle_dir
 from draft_service.worker import DraftWorker
 from tandem.engine.block_manager import BlockManager
@@ -26,6 +25,7 @@ from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths, resolve_model
+from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel

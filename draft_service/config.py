@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from tandem.device import DTYPE_CHOICES as DTYPES
 from tandem.device import check_device_spec
-from tandem.history.suffix import SuffixConfig
 from tandem.netaddr import join_host_port
+from tandem.proposers.suffix import SuffixConfig
 from tandem.tls import TlsConfig, check_serving
 
 SUFFIX_SCOPES = ("global", "tenant")

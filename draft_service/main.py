@@ -24,11 +24,6 @@ from grpc_reflection.v1alpha import reflection
 
 from draft_service.config import DraftConfig
 from draft_service.limits import Limits
-from draft_service.proposers.bridged import BridgedProposer
-from draft_service.proposers.draft_model import DraftModelProposer
-from draft_service.proposers.eagle import EagleProposer
-from draft_service.proposers.layer_skip import LayerSkipProposer
-from draft_service.proposers.mtp import MtpProposer
 from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.token_space import bridge_target, token_space, tokenizer_root
 from draft_service.worker import DraftWorker
@@ -40,8 +35,6 @@ from tandem.engine.llama import LlamaModel
 from tandem.grammar.compiler import LazyCompiler, compiler_for
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
-from tandem.history.ngram import NgramProposer
-from tandem.history.suffix import SuffixProposer
 from tandem.models import (
     ModelError,
     ModelPaths,
@@ -49,6 +42,13 @@ from tandem.models import (
     resolve_model,
 )
 from tandem.netaddr import join_host_port, split_host_port
+from tandem.proposers.bridged import BridgedProposer
+from tandem.proposers.draft_model import DraftModelProposer
+from tandem.proposers.eagle import EagleProposer
+from tandem.proposers.layer_skip import LayerSkipProposer
+from tandem.proposers.mtp import MtpProposer
+from tandem.proposers.ngram import NgramProposer
+from tandem.proposers.suffix import SuffixProposer
 from tandem.registration import Beat, Registration, start_registration, stop_registration
 from tandem.spec import Method, Proposer
 from tandem.tls import add_port

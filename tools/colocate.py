@@ -32,9 +32,9 @@ async def start_layer_skip(model: LlamaModel, paths: ModelPaths, config) -> Colo
     turns it off or no skip set is known for the model (`tandem search-skip` makes one)."""
     from draft_service.config import DraftConfig
     from draft_service.main import assemble_worker, build_app
-    from draft_service.proposers.layer_skip import LayerSkipProposer
     from tandem.grammar.compiler import LazyCompiler, compiler_for
     from tandem.models import generation_eos_ids
+    from tandem.proposers.layer_skip import LayerSkipProposer
 
     skip = resolve_skip_set(config.layer_skip, paths)
     if skip is None:

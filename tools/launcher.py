@@ -166,7 +166,7 @@ class Cluster:
         """A draft worker's model flags. The shipped draft and head belong to the default
         target: for another target the workers name the target's tokenizer so that its
         verifiers pair with them, and draft by token history alone, or with --draft-model
-        (bridged when its tokenizer is another: draft_service/proposers/bridged.py)."""
+        (bridged when its tokenizer is another: tandem/proposers/bridged.py)."""
         cfg = self.config
         if cfg.model and cfg.model not in ("default", DEFAULT_TARGET):
             return ["--model", cfg.draft_model or "none", "--eagle", cfg.eagle or "none",

@@ -207,7 +207,7 @@ class Engine:
         seq = s.seq
         if seq.params.method.in_verifier:
             return self.scheduler.desired_k(seq, 1)
-        if self.executor.medusa is not None and auto.wants_heads(seq, s.num_drafts):
+        if self.executor.heads is not None and auto.wants_heads(seq, s.num_drafts):
             return auto.head_nodes(self.scheduler, seq, self.heads_ms)
         return 0
 

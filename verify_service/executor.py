@@ -16,6 +16,7 @@ import torch
 
 from tandem.device import synchronize
 from tandem.engine.model_runner import ModelRunner, SeqChunk
+from tandem.proposers.medusa import MedusaProposer
 from verify_service.features import eagle_features, kept_hidden, propose_trees
 from verify_service.logprobs import emitted_logprobs
 from verify_service.rejection import Verdict, judge
@@ -25,7 +26,9 @@ from verify_service.step import RoundOutcome, StepInput, StepTimings
 class Executor:
     def __init__(self, runner: ModelRunner, medusa=None, graphs=None):
         self.runner = runner
-        self.medusa = medusa  # tandem.engine.medusa.MedusaHeads, or None
+        # Proposers hosted in the forward step (the hidden state they read was just computed):
+        # Medusa's heads, given tandem.engine.medusa.MedusaHeads; None: no heads
+        self.heads = None if medusa is None else MedusaProposer(medusa)
         # tandem.engine.cuda_graphs.GraphDecoder over runner (decode steps replayed), or None
         self.graphs = graphs
         self.heads_ms = 0.0  # the last step's pass of the heads
@@ -77,7 +80,7 @@ class Executor:
             feats = None
             if h is not None and s.want_features:
                 feats = eagle_features(self.runner, s, h)
-            propose = s.propose_tree and self.medusa is not None and v.next_token is not None
+            propose = s.propose_tree and self.heads is not None and v.next_token is not None
             if h is not None and propose:
                 heads.append((len(outcomes), h[-1]))
             outcome = RoundOutcome(v.accepted, v.next_token, v.carry, feats)
@@ -86,7 +89,7 @@ class Executor:
         self.heads_ms = 0.0
         if heads:  # Medusa: every session's next tree from one pass of the heads
             t0 = time.perf_counter()
-            propose_trees(self.medusa, inputs, outcomes, heads)
+            propose_trees(self.heads, inputs, outcomes, heads)
             self.heads_ms = (time.perf_counter() - t0) * 1e3
         return outcomes
 

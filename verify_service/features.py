@@ -10,7 +10,7 @@ import torch
 from tandem.engine.eagle3 import parse_feature_layers
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelError
-from tandem.spec import Features
+from tandem.spec import DraftRequest, Features, Proposer, propose_isolated
 from verify_service.step import RoundOutcome, StepInput
 
 
@@ -49,13 +49,15 @@ def eagle_features(runner: ModelRunner, s: StepInput, h: torch.Tensor) -> Featur
     return Features(start, h.shape[1], h.cpu().numpy().tobytes())
 
 
-def propose_trees(medusa, inputs: list[StepInput], outcomes: list[RoundOutcome],
+def propose_trees(proposer: Proposer, inputs: list[StepInput], outcomes: list[RoundOutcome],
                   heads: list[tuple[int, torch.Tensor]]) -> None:
-    """Medusa: the next round's drafts (a tree, or a chain of the heads' top-1 tokens) of
-    every session in `heads` (its index, its last kept [hidden] state), from one pass of
-    the heads, set on its outcome in place."""
-    trees = medusa.propose_batch(
-        torch.stack([h for _, h in heads]),
-        [(inputs[i].propose_tree, inputs[i].propose_chain) for i, _ in heads])
-    for (i, _), tree_out in zip(heads, trees):
-        outcomes[i] = replace(outcomes[i], tree=tree_out)
+    """The next round's drafts (a tree, or a chain of the heads' top-1 tokens) of every
+    session in `heads` (its index, its last kept [hidden] state), from one call of the
+    proposer hosted in the step (Medusa's heads), set on its outcome in place. A session the
+    proposer fails for simply gets no drafts."""
+    requests = [DraftRequest(key=i, token_ids=[], num_committed=0,
+                             max_tokens=inputs[i].propose_tree, features=h[None],
+                             tree=not inputs[i].propose_chain) for i, h in heads]
+    for (i, _), res in zip(heads, propose_isolated(proposer, requests)):
+        if res.error is None:
+            outcomes[i] = replace(outcomes[i], tree=(res.tokens, res.parents))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tandem.history.ngram import NgramProposer
-from tandem.history.suffix import SuffixConfig, SuffixProposer
+from tandem.proposers.ngram import NgramProposer
+from tandem.proposers.suffix import SuffixConfig, SuffixProposer
 from tandem.spec import DraftRequest, Method, Proposer
 from tandem.spec.proposer import Learner, propose_isolated
 from verify_service.sequence import LocalProposal, Sequence

@@ -27,9 +27,9 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.grammar.compiler import LazyCompiler, compiler_for
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
-from tandem.history.suffix import SuffixConfig
 from tandem.models import ModelPaths, generation_eos_ids, resolve_model, tokenizer_hash
 from tandem.netaddr import advertised, join_host_port
+from tandem.proposers.suffix import SuffixConfig
 from tandem.registration import Registration, start_registration, stop_registration
 from tandem.spec import Method
 from tandem.spec.cost import CostModel, StepCost

@@ -13,7 +13,7 @@ import draft_service.main as draft_main
 from draft_service.config import DraftConfig
 from draft_service.limits import Limits
 from draft_service.worker import DraftWorker
-from tandem.history.ngram import NgramProposer
+from tandem.proposers.ngram import NgramProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.v1 import common_pb2

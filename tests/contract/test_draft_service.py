@@ -20,8 +20,8 @@ from draft_service.server import SERVICE_NAME
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
-from tandem.history.ngram import ngram_lookup
 from tandem.models import ModelPaths, tokenizer_hash
+from tandem.proposers.ngram import ngram_lookup
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -357,7 +357,7 @@ def test_draft_model_cache_reuse_matches_a_fresh_computation(tiny_draft):
     share a prefix, must propose exactly what a cold cache proposes for the same sequence."""
     import random
 
-    from draft_service.proposers.draft_model import DraftModelProposer
+    from tandem.proposers.draft_model import DraftModelProposer
     from tandem.spec import DraftRequest
 
     model = LlamaModel.load(ModelPaths(tiny_draft))

@@ -23,7 +23,7 @@ from draft_service.config import DraftConfig
 from draft_service.main import assemble_worker, build_app
 from gateway.config import GatewayConfig
 from gateway.verifier import ChannelPool
-from tandem.history.ngram import NgramProposer
+from tandem.proposers.ngram import NgramProposer
 from tandem.spec import Method, Open, Proposal
 from tandem.tls import TlsConfig, add_port, open_channel, tls_args, tls_from_args
 from tandem.v1 import common_pb2, verify_pb2_grpc

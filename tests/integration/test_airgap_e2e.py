@@ -55,7 +55,7 @@ def _bundle(tmp_path: Path, target: Path) -> Path:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_bundle_train_unbundle_and_draft(tmp_path, target_paths, device):
-    from draft_service.proposers.eagle import EagleProposer
+    from tandem.proposers.eagle import EagleProposer
     from tandem.spec import DraftRequest
     from tools.distill.airgap_train import load_seqs
 
@@ -102,9 +102,9 @@ def test_eagle3_bundle_trains_a_head_that_serves_what_it_measured(tmp_path, targ
     sends the draft worker), trains with the training-time test, and the returned head in the
     published EAGLE-3 layout drafts through the real proposer with the agreement the
     script's own validation computes."""
-    from draft_service.proposers.eagle import EagleProposer
     from tandem.engine.llama import LlamaModel
     from tandem.engine.model_runner import SeqChunk
+    from tandem.proposers.eagle import EagleProposer
     from tools.distill.airgap_fit import evaluate
     from tools.distill.airgap_train import load_seqs, parse
     from tools.distill.eagle3 import aux_runner

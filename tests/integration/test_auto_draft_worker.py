@@ -9,9 +9,9 @@ import pytest
 from chi_square import chi_square
 from inproc import run_sessions, target_joint_top2
 
-from draft_service.proposers.draft_model import DraftModelProposer
 from tandem.engine.model_runner import ModelRunner
-from tandem.history.ngram import NgramProposer
+from tandem.proposers.draft_model import DraftModelProposer
+from tandem.proposers.ngram import NgramProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Commit, DraftToken, Method
 from tandem.spec.cost import CostModel

@@ -11,11 +11,11 @@ from chi_square import critical, pearson
 from inproc import gateway_cluster
 
 from draft_service.config import DraftConfig
-from draft_service.proposers.bridged import BridgedProposer
 from kernels.sampling import logits_to_probs
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelPaths, fetch_model, resolve_model
+from tandem.proposers.bridged import BridgedProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
 from verify_service.config import VerifierConfig

@@ -61,8 +61,8 @@ def test_greedy_text_matches_the_cpu(placed, target_model, prompt_ids):
 def test_speculation_is_lossless_on_the_device(placed, tokenizer, prompt_ids, method):
     """Greedy and seeded sampled sessions give the text plain decoding gives, on the device
     (seeded noise is drawn on the CPU and copied, so a seed means the same everywhere)."""
-    from draft_service.proposers.draft_model import DraftModelProposer
-    from tandem.history.ngram import NgramProposer
+    from tandem.proposers.draft_model import DraftModelProposer
+    from tandem.proposers.ngram import NgramProposer
 
     if method is Method.NGRAM:
         proposer = NgramProposer()
@@ -109,7 +109,7 @@ def test_verifier_and_draft_on_different_devices(target_paths, target_model, pro
                                                  target_dev, draft_dev):
     """Heterogeneous placement in miniature: the draft model's proposals (ids and q on the
     wire) verified by a target on another device, greedy and seeded, identical to plain."""
-    from draft_service.proposers.draft_model import DraftModelProposer
+    from tandem.proposers.draft_model import DraftModelProposer
 
     def on(d):
         return target_model if d == "cpu" else LlamaModel.load(target_paths, "float32",

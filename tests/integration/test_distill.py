@@ -198,9 +198,9 @@ def test_eagle_distill_generates_trains_resumes_and_serves(tmp_path, target_path
     """`tandem distill --method eagle` on a tiny target: features recorded while generating,
     a head trained and exported that the EagleProposer loads and drafts with; a second run
     with --resume reuses the shards and continues the training state."""
-    from draft_service.proposers.eagle import EagleProposer
     from tandem.engine.eagle import EAGLE_CARD
     from tandem.models import ModelPaths
+    from tandem.proposers.eagle import EagleProposer
     from tandem.spec import DraftRequest
     from tools.distill.eagle import load_feature_seqs
 

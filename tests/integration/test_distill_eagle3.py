@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_eagle3_distill_trains_resumes_and_serves(tmp_path, target_paths):
-    from draft_service.proposers.eagle import EagleProposer
+    from tandem.proposers.eagle import EagleProposer
     from tandem.spec import DraftRequest
     from tools.cli import main
     from tools.distill.config import EagleTrainConfig

@@ -11,12 +11,12 @@ import pytest
 import torch
 from inproc import run_sessions
 
-from draft_service.proposers.eagle import EagleProposer
 from tandem.engine.eagle3 import parse_feature_layers
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths
+from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel

@@ -3,9 +3,9 @@ give one agreement figure on the target's greedy answers to held-out chat prompt
 features the served path reads are the very fp16 rows the trainer reads)."""
 import pytest
 
-from draft_service.proposers.eagle import EagleProposer
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths
+from tandem.proposers.eagle import EagleProposer
 from tools.distill.acceptance import load_prompts
 from tools.distill.config import EagleTrainConfig
 from tools.distill.corpus import Prompt, encode_prompt

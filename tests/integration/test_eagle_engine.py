@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from inproc import run_sessions, target_joint_top2
 
-from draft_service.proposers.eagle import EagleProposer
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths
+from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel

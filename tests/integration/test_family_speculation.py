@@ -8,12 +8,12 @@ import pytest
 import torch
 from inproc import run_sessions
 
-from draft_service.proposers.draft_model import DraftModelProposer
 from tandem.engine.layer_skip import SkipSet, skip_view
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
-from tandem.history.ngram import NgramProposer
 from tandem.models import resolve_model
+from tandem.proposers.draft_model import DraftModelProposer
+from tandem.proposers.ngram import NgramProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from verify_service.history import HistoryDrafts

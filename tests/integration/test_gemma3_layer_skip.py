@@ -8,12 +8,12 @@ import grpc
 import pytest
 from inproc import run_sessions
 
-from draft_service.proposers.layer_skip import LayerSkipProposer
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.layer_skip import SHIPPED_DIR, find_skip_set, resolve_skip_set
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths, fetch_model, generation_eos_ids
+from tandem.proposers.layer_skip import LayerSkipProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel

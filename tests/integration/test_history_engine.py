@@ -5,8 +5,8 @@ none without a match)."""
 import pytest
 from inproc import run_sessions
 
-from tandem.history.ngram import NgramProposer
-from tandem.history.suffix import SuffixProposer
+from tandem.proposers.ngram import NgramProposer
+from tandem.proposers.suffix import SuffixProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from verify_service.history import HistoryDrafts

@@ -8,11 +8,11 @@ accepted most of the time, since int8 moves the logits only slightly.
 import pytest
 from inproc import run_sessions
 
-from draft_service.proposers.draft_model import DraftModelProposer
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
-from tandem.history.suffix import SuffixProposer
+from tandem.proposers.draft_model import DraftModelProposer
+from tandem.proposers.suffix import SuffixProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 

@@ -10,12 +10,12 @@ import torch
 import transformers
 from inproc import fails_after, run_sessions, target_joint_top2
 
-from draft_service.proposers.layer_skip import LayerSkipProposer
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.layer_skip import SkipSet
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelPaths, resolve_model
+from tandem.proposers.layer_skip import LayerSkipProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc

@@ -35,8 +35,8 @@ def _session_logprobs(model, method, proposers, prompt, sampling, top):
 
 @pytest.mark.parametrize("method", [Method.NONE, Method.NGRAM, Method.DRAFT_MODEL])
 def test_logprobs_are_the_targets_with_and_without_speculation(target_model, tokenizer, method):
-    from draft_service.proposers.draft_model import DraftModelProposer
-    from tandem.history.ngram import NgramProposer
+    from tandem.proposers.draft_model import DraftModelProposer
+    from tandem.proposers.ngram import NgramProposer
 
     prompt = tokenizer(PROMPT).input_ids
     proposers = {Method.NGRAM: NgramProposer(),
@@ -58,7 +58,7 @@ def test_logprobs_are_the_targets_with_and_without_speculation(target_model, tok
 def test_sampled_tokens_get_raw_model_logprobs(target_model, tokenizer):
     """Sampled sessions (which would carry rows between rounds without logprobs) report the
     raw distribution's logprob, not the temperature-scaled one; top 0 gives no alternatives."""
-    from tandem.history.ngram import NgramProposer
+    from tandem.proposers.ngram import NgramProposer
 
     prompt = tokenizer(PROMPT).input_ids
     tokens, lps, _ = _session_logprobs(target_model, Method.NGRAM,

@@ -16,8 +16,8 @@ from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.medusa import MedusaConfig, MedusaHeads, find_medusa, load_for
 from tandem.engine.model_runner import ModelRunner
-from tandem.history.ngram import NgramProposer
 from tandem.models import resolve_model
+from tandem.proposers.ngram import NgramProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel

@@ -11,13 +11,13 @@ import transformers
 from inproc import fails_after, run_sessions, target_joint_top2
 from safetensors.torch import save_file
 
-from draft_service.proposers.mtp import MtpProposer
 from kernels.paged_attention import build_attention_metadata
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.mtp import MtpHead, mtp_layers
 from tandem.models import ModelError, resolve_model
+from tandem.proposers.mtp import MtpProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 

@@ -87,9 +87,9 @@ def test_sampled_speculation_keeps_the_masked_targets_distribution(
 
 
 def _proposer(method: Method, target_model):
-    from draft_service.proposers.draft_model import DraftModelProposer
-    from draft_service.proposers.layer_skip import LayerSkipProposer
     from tandem.engine.layer_skip import SkipSet
+    from tandem.proposers.draft_model import DraftModelProposer
+    from tandem.proposers.layer_skip import LayerSkipProposer
 
     if method == Method.LAYER_SKIP:  # the target without every other layer
         n = target_model.cfg.num_layers

@@ -10,7 +10,7 @@ from inproc import fails_after, run_sessions, target_joint_top2
 
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.model_runner import ModelRunner
-from tandem.history.suffix import SuffixConfig, SuffixProposer
+from tandem.proposers.suffix import SuffixConfig, SuffixProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 

@@ -331,7 +331,7 @@ def test_a_black_holed_draft_costs_little_waiting(target_model, tokenizer, refer
 def test_chunked_prefill_gives_the_same_text(target_model, tokenizer):
     """A long prompt computed 16 tokens per step beside decoding sessions (and by EAGLE-free
     speculation) gives the text it gives in one forward."""
-    from tandem.history.ngram import NgramProposer
+    from tandem.proposers.ngram import NgramProposer
 
     long = tokenizer("Summarise: " + "The river flows past the old mill and the bridge. " * 12
                      ).input_ids
@@ -349,7 +349,7 @@ def test_the_batch_plan_drops_drafts_a_compute_bound_step_cannot_afford(target_m
     """Four sessions in one batch, ngram drafts that pay alone: a step curve where rows are
     nearly free keeps them; one where every row costs a whole step's share drops them. The
     text is plain decoding's either way, and the engine measures its steps."""
-    from tandem.history.ngram import NgramProposer
+    from tandem.proposers.ngram import NgramProposer
 
     text = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
     prompts = [tokenizer(text).input_ids] * 4

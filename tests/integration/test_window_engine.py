@@ -11,8 +11,8 @@ import torch
 from inproc import run_sessions
 
 from tandem.engine.llama import LlamaModel
-from tandem.history.ngram import NgramProposer
 from tandem.models import resolve_model
+from tandem.proposers.ngram import NgramProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from verify_service.history import HistoryDrafts

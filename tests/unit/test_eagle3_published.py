@@ -18,7 +18,6 @@ from eagle3_tiny import (
     write_head,
 )
 
-from draft_service.proposers.eagle import EagleProposer
 from draft_service.session import FeatureStore, SessionFailure
 from tandem.engine.eagle3 import parse_feature_layers
 from tandem.engine.eagle3_published import is_eagle3, layer_ids_of, load_eagle3
@@ -26,6 +25,7 @@ from tandem.engine.eagle_published import is_published_eagle
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelError, ModelPaths
+from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest, Features
 

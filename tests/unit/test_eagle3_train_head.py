@@ -9,10 +9,10 @@ import torch
 from eagle3_tiny import DRAFT_IDS, LAYERS, VOCAB, tiny_target
 from safetensors.torch import load_file
 
-from draft_service.proposers.eagle import EagleProposer
 from tandem.engine.checkpoint import LlamaConfig, load_tensors
 from tandem.engine.draft_vocab import DraftVocab
 from tandem.models import ModelPaths, read_hf_config
+from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
 from tools.distill.config import EagleTrainConfig

@@ -5,8 +5,8 @@ import pytest
 import torch
 from eagle_tiny import HF, tiny_head
 
-from draft_service.proposers.eagle import EagleProposer
 from tandem.models import ModelPaths
+from tandem.proposers.eagle import EagleProposer
 from tools.distill.config import EagleTrainConfig
 from tools.distill.eagle import FeatureSeq
 from tools.distill.eagle_agreement import served_top1, trained_top1

@@ -6,9 +6,9 @@ import pytest
 import torch
 from eagle_tiny import tiny_head
 
-from draft_service.proposers.eagle import EagleProposer
 from tandem.engine.eagle import EagleHead
 from tandem.models import ModelPaths
+from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest, Method
 

@@ -112,7 +112,7 @@ def test_unknown_or_missing_tensors_are_named(tmp_path):
 
 
 def test_the_draft_worker_needs_the_target_for_a_published_head(tmp_path):
-    from draft_service.proposers.eagle import EagleProposer
+    from tandem.proposers.eagle import EagleProposer
 
     target = _target(tmp_path / "target")
     _head(tmp_path / "head")

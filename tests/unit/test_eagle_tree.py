@@ -1,4 +1,4 @@
-"""EAGLE-2 tree drafting (draft_service/proposers/eagle_tree.py) on a tiny random head: every
+"""EAGLE-2 tree drafting (tandem/proposers/eagle_tree.py) on a tiny random head: every
 node's score is its path probability as the chain code computes it from scratch, the tree is
 the best-scored nodes in order (parents first), and drafting a tree leaves the session's cache
 as it was."""
@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_eagle_proposer import head_dir  # noqa: F401  (the module-scoped tiny head)
 
-from draft_service.proposers.eagle import EagleProposer
 from tandem.engine.eagle import EagleHead
 from tandem.models import ModelPaths
+from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
 

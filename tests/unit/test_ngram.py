@@ -1,7 +1,7 @@
 """N-gram prompt lookup: matching, longest-n-first, most recent match, periodic continuation."""
 import pytest
 
-from tandem.history.ngram import NgramProposer, ngram_lookup
+from tandem.proposers.ngram import NgramProposer, ngram_lookup
 from tandem.spec import DraftRequest, Method, Proposer
 
 pytestmark = pytest.mark.unit

@@ -3,7 +3,7 @@ cross-request cache (bounded, per tenant) and the Proposer contract."""
 import pytest
 
 from draft_service.config import DraftConfig
-from tandem.history.suffix import (
+from tandem.proposers.suffix import (
     SequenceCache,
     SuffixConfig,
     SuffixProposer,

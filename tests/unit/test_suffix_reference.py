@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from tandem.history.suffix import _SEP, TokenLog, speculate
+from tandem.proposers.suffix import _SEP, TokenLog, speculate
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from draft_service.token_bridge import TextBridge, VocabMap, token_bytes
 from tandem.models import fetch_model, resolve_model
+from tandem.proposers.token_bridge import TextBridge, VocabMap, token_bytes
 
 pytestmark = pytest.mark.unit
 

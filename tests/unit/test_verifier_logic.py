@@ -341,7 +341,7 @@ def test_history_drafts_are_sized_by_their_own_confidence():
     of its drafts as their per-token estimates pay for: all of a confident copy, a short
     prefix of a shaky one, none when nothing matched; and the drafts are made afresh after
     every commit (never carried over to another round)."""
-    from tandem.history.ngram import confidences
+    from tandem.proposers.ngram import confidences
 
     sched = make_sched(max_spec_tokens=12)
     seq = Sequence(params(prompt=range(1, 10), max_new=40, method=Method.NGRAM))

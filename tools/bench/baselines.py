@@ -184,9 +184,9 @@ def measure_eagle_c(head_dir: str, target: str, reps: int = 40,
     """c for the EAGLE head: one drafting step of the real proposer (one new entry, its LM
     head and sampling) against the target's batch-1 1-token forward, interleaved, 1 thread."""
     from draft_service.config import DraftConfig
-    from draft_service.proposers.eagle import EagleProposer
     from tandem.engine.llama import LlamaModel
     from tandem.models import ModelPaths, resolve_model
+    from tandem.proposers.eagle import EagleProposer
     from tandem.spec import DraftRequest
     from tools.distill.acceptance import forward_cost_ms
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from draft_service.proposers.eagle import EagleProposer
+from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
 from tools.distill.acceptance import load_prompts

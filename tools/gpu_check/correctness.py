@@ -65,9 +65,9 @@ def _logits(ctx: PhaseContext) -> None:
 
 def _proposers(model, method: str):
     """(proposer, medusa heads) for a method, on the target's device."""
-    from draft_service.proposers.draft_model import DraftModelProposer
-    from draft_service.proposers.eagle import EagleProposer
-    from tandem.history.ngram import NgramProposer
+    from tandem.proposers.draft_model import DraftModelProposer
+    from tandem.proposers.eagle import EagleProposer
+    from tandem.proposers.ngram import NgramProposer
     from tools.gpu_check.heads import eagle_head, medusa_heads
 
     if method == "ngram":

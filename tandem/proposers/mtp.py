@@ -5,9 +5,9 @@ features, re-anchoring, top-N q); only the head differs.
 """
 from __future__ import annotations
 
-from draft_service.proposers.eagle import EagleProposer, cache_blocks
 from tandem.engine.mtp import MtpHead
 from tandem.models import ModelPaths
+from tandem.proposers.eagle import EagleProposer, cache_blocks
 from tandem.spec import Method
 
 

@@ -1,4 +1,4 @@
-"""EAGLE-2's dynamic draft tree over the eagle head (draft_service/proposers/eagle.py).
+"""EAGLE-2's dynamic draft tree over the eagle head (tandem/proposers/eagle.py).
 
 From the head's feature of the last committed position the tree grows one depth per head pass.
 A node's children are its `branch` most likely tokens under the head, each scored by its path

@@ -6,10 +6,10 @@ itself (a draft worker on another device).
 """
 from __future__ import annotations
 
-from draft_service.proposers.draft_model import DraftModelProposer
 from tandem.engine.layer_skip import SkipSet, skip_view
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
+from tandem.proposers.draft_model import DraftModelProposer
 from tandem.spec import Method
 
 

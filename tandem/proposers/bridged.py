@@ -16,9 +16,9 @@ from collections.abc import Hashable
 
 import torch
 
-from draft_service.proposers.draft_model import DraftModelProposer
-from draft_service.token_bridge import TextBridge, VocabMap
 from tandem.models import ModelPaths, read_hf_config
+from tandem.proposers.draft_model import DraftModelProposer
+from tandem.proposers.token_bridge import TextBridge, VocabMap
 from tandem.spec import DraftRequest, DraftResult, Method
 
 log = logging.getLogger(__name__)

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.proposers import eagle_tree
-from draft_service.proposers.draft_model import _common_prefix, sample_drafts
 from kernels.paged_attention import build_attention_metadata
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from tandem.engine.eagle import EagleHead
 from tandem.grammar.masks import mask_drafts
 from tandem.models import ModelError, ModelPaths
+from tandem.proposers import eagle_tree
+from tandem.proposers.draft_model import _common_prefix, sample_drafts
 from tandem.spec import DraftRequest, DraftResult, ErrorCode, Method
 
 log = logging.getLogger(__name__)
