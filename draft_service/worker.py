@@ -28,6 +28,7 @@ from draft_service.control import apply_commit, open_session
 from draft_service.limits import Limits, WorkerStats
 from draft_service.proposals import send_chain, send_tree
 from draft_service.session import Session, SessionFailure, Stream
+from tandem.errors import NotFound
 from tandem.grammar.compiler import LazyCompiler
 from tandem.grpc_limits import MAX_SESSION_ID_CHARS
 from tandem.spec import (
@@ -118,6 +119,8 @@ class DraftWorker:
                 raise SessionFailure(ErrorCode.INVALID_ARGUMENT, f"unknown control {cmd!r}")
         except SessionFailure as exc:
             self._fail(stream, sid, exc.code, str(exc), epoch)
+        except NotFound as exc:  # NOT_FOUND, in-band: the stream carries on (draft.proto)
+            self._fail(stream, sid, ErrorCode.UNKNOWN_SESSION, str(exc), epoch)
         except Exception as exc:  # a bug must cost one session, never the stream
             log.exception("control message for session %r failed", sid)
             self._fail(stream, sid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", epoch)
@@ -148,11 +151,17 @@ class DraftWorker:
         session.grammar_pending = False
         self._wake.set()
 
-    def _commit(self, stream: Stream, cmd: Commit) -> None:
-        session = stream.sessions.get(cmd.session_id)
+    @staticmethod
+    def session(stream: Stream, session_id: str) -> Session:
+        """The session open on `stream` under this id; NotFound if there is none (never
+        opened, closed, or dropped after an error)."""
+        session = stream.sessions.get(session_id)
         if session is None:
-            raise SessionFailure(ErrorCode.UNKNOWN_SESSION,
-                                 f"session {cmd.session_id!r} is not open on this stream")
+            raise NotFound(f"session {session_id!r} is not open on this stream")
+        return session
+
+    def _commit(self, stream: Stream, cmd: Commit) -> None:
+        session = self.session(stream, cmd.session_id)
         before = len(session.committed)
         apply_commit(session, cmd, self.limits)
         if session.grammar is not None and not session.grammar.commit(

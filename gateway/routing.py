@@ -145,9 +145,6 @@ class Router:
         found = await self._registered("draft")
         return found or [self._static("draft", a) for a in self._static_drafts]
 
-    async def has_draft(self) -> bool:
-        return bool(await self.drafts())
-
     async def assign(self, key: str | None, *, exclude: Iterable[str] = (),
                      need_draft: bool = True, method: str = "") -> Assignment | None:
         preferred = await self._preferred(key)

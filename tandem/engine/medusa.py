@@ -82,10 +82,6 @@ class MedusaConfig:
     def chain_reach(self) -> tuple[float, ...]:
         return replace(self, choices=self.chain).reach
 
-    @property
-    def max_rank(self) -> int:
-        return 1 + max((r for path in self.choices for r in path), default=0)
-
     def to_json(self, **extra) -> str:
         return json.dumps({"format": "tandem-medusa/1", "medusa_num_heads": self.num_heads,
                            "medusa_num_layers": self.num_layers,
