@@ -28,9 +28,9 @@ from tandem.spec import DraftRequest, Method
 from tandem.spec.cost import CostModel
 from tools.bench.inproc import OnePool, WorkerLink
 from verify_service.engine import Engine, EngineConfig
-from verify_service.executor import Executor
-from verify_service.params import GenerateParams
-from verify_service.scheduler import Scheduler, SchedulerConfig
+from verify_service.forward.executor import Executor
+from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.session.params import GenerateParams
 
 PROMPTS = ["Name three rivers in Europe.", "Repeat exactly: the cat sat on the mat.",
            "What is 12 times 7?", "Write a short poem about the sea.",

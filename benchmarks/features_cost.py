@@ -22,8 +22,8 @@ from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.models import ModelPaths, fetch_default_target
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken
-from verify_service.executor import Executor
-from verify_service.step import StepInput
+from verify_service.forward.executor import Executor
+from verify_service.forward.step import StepInput
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ import transformers
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk, kv_bytes_per_token
 from tandem.models import resolve_model
-from verify_service.tp_group import start_leader
+from verify_service.tp.group import start_leader
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
              num_attention_heads=8, num_key_value_heads=4, head_dim=72,
@@ -112,7 +112,7 @@ def collective_latency(reps: int = 300) -> dict:
     """gloo's latency between two processes here, outside any model."""
     import tempfile
 
-    from verify_service.tp_worker import free_port
+    from verify_service.tp.worker import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "probe.json")

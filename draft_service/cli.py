@@ -24,7 +24,7 @@ _FLAGS = (
     ("threads", int, "torch CPU threads"),
     ("max_sessions", int, "sessions held at once, over all streams"),
     ("max_run_ahead", int, "default draft tokens outstanding per session"),
-    ("max_run_ahead_cap", int, "largest run-ahead a verifier may ask for"),
+    ("max_spec_tokens", int, "largest run-ahead (draft tokens per round) a verifier may ask for"),
     ("top_n", int, "default size of the truncated q sent with each draft token"),
     ("max_top_n", int, "largest top-N a verifier may ask for"),
     ("kv_cache_mb", int, "draft KV cache budget in MiB"),

@@ -8,6 +8,7 @@ from tandem.device import DTYPE_CHOICES as DTYPES
 from tandem.device import check_device_spec
 from tandem.netaddr import join_host_port
 from tandem.proposers.suffix import SuffixConfig
+from tandem.spec.cost import DEFAULT_MAX_SPEC_TOKENS
 from tandem.tls import TlsConfig, check_serving
 
 SUFFIX_SCOPES = ("global", "tenant")
@@ -35,7 +36,7 @@ class DraftConfig:
     threads: int = 1  # torch threads: a batch-1 forward keeps one core busy anyway
     max_sessions: int = 256
     max_run_ahead: int = 8  # default drafts outstanding per session
-    max_run_ahead_cap: int = 16  # largest max_run_ahead a verifier may ask for
+    max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS  # largest max_run_ahead a verifier may ask for
     top_n: int = 8  # default size of the truncated q sent per draft token
     max_top_n: int = 64
     kv_cache_mb: int = 256
@@ -64,15 +65,15 @@ class DraftConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be None or a non-empty path, got {value!r}")
-        positive = ("threads", "max_sessions", "max_run_ahead", "max_run_ahead_cap", "top_n",
+        positive = ("threads", "max_sessions", "max_run_ahead", "max_spec_tokens", "top_n",
                     "max_top_n", "kv_cache_mb", "max_ngram_size")
         for name in positive:
             value = getattr(self, name)
             if not (_is_int(value) and value >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.max_run_ahead > self.max_run_ahead_cap:
-            raise ValueError(f"max_run_ahead {self.max_run_ahead} exceeds max_run_ahead_cap "
-                             f"{self.max_run_ahead_cap}")
+        if self.max_run_ahead > self.max_spec_tokens:
+            raise ValueError(f"max_run_ahead {self.max_run_ahead} exceeds max_spec_tokens "
+                             f"{self.max_spec_tokens}")
         if self.top_n > self.max_top_n:
             raise ValueError(f"top_n {self.top_n} exceeds max_top_n {self.max_top_n}")
         if not (_is_int(self.block_size) and self.block_size >= 0):

@@ -65,7 +65,7 @@ def open_session(stream: Stream, cmd: Open, limits: Limits, proposers: Mapping[M
     session = Session(
         key=next(keys), session_id=cmd.session_id, stream=stream, method=method,
         committed=tokens, epoch=cmd.epoch, sampling=sampling,
-        max_run_ahead=min(cmd.max_run_ahead or limits.max_run_ahead, limits.max_run_ahead_cap),
+        max_run_ahead=min(cmd.max_run_ahead or limits.max_run_ahead, limits.max_spec_tokens),
         top_n=min(cmd.top_n or limits.top_n, limits.max_top_n),
         max_ngram_size=min(cmd.max_ngram_size or limits.max_ngram_size, _MAX_NGRAM_SIZE),
         seed=cmd.seed, tenant=cmd.tenant[:_MAX_TENANT_LEN], tree=cmd.tree)
@@ -121,7 +121,7 @@ def apply_commit(session: Session, cmd: Commit, limits: Limits) -> None:
         session.features.put(cmd.features)
         session.stalled = False  # a head drafts anew from fresh features
     if cmd.max_run_ahead is not None:  # 0 pauses drafting until a commit raises it
-        session.max_run_ahead = min(cmd.max_run_ahead, limits.max_run_ahead_cap)
+        session.max_run_ahead = min(cmd.max_run_ahead, limits.max_spec_tokens)
     if len(session.committed) > limits.max_context_length:
         raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, f"sequence of "
                              f"{len(session.committed)} tokens exceeds the context length")

@@ -13,7 +13,7 @@ class Limits:
     max_context_length: int
     max_sessions: int = 256
     max_run_ahead: int = 8  # default per session
-    max_run_ahead_cap: int = 16  # = WorkerInfo.max_speculative_tokens
+    max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS  # = WorkerInfo.max_spec_tokens
     top_n: int = 8
     max_top_n: int = 64
     max_ngram_size: int = 3
@@ -22,8 +22,8 @@ class Limits:
         for name, value in vars(self).items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{name} must be an int >= 1, got {value!r}")
-        if self.max_run_ahead > self.max_run_ahead_cap or self.top_n > self.max_top_n:
-            raise ValueError("Limits: a default exceeds its cap (max_run_ahead_cap, max_top_n)")
+        if self.max_run_ahead > self.max_spec_tokens or self.top_n > self.max_top_n:
+            raise ValueError("Limits: a default exceeds its cap (max_spec_tokens, max_top_n)")
 
 
 @dataclass(frozen=True)

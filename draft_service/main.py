@@ -120,8 +120,8 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, common_pb2.WorkerInf
         skip = _layer_skip(config, model, at)
         proposers[Method.LAYER_SKIP] = skip
         model = model or skip
-    proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_run_ahead_cap)
-    proposers[Method.SUFFIX] = SuffixProposer(config.suffix_config(), config.max_run_ahead_cap)
+    proposers[Method.NGRAM] = NgramProposer(config.max_ngram_size, config.max_spec_tokens)
+    proposers[Method.SUFFIX] = SuffixProposer(config.suffix_config(), config.max_spec_tokens)
     model_id, tok_hash, vocab = token_space(config, model)
     context = model.max_context_length if model is not None else _NGRAM_CONTEXT
     for method in (Method.EAGLE, Method.MTP):
@@ -141,12 +141,12 @@ def assemble_worker(config: DraftConfig, proposers: dict[Method, Proposer], mode
                     ) -> tuple[DraftWorker, common_pb2.WorkerInfo]:
     """A worker over ready proposers, sized by the config, and the Info it advertises."""
     limits = Limits(vocab, context, config.max_sessions, config.max_run_ahead,
-                    config.max_run_ahead_cap, config.top_n, config.max_top_n,
+                    config.max_spec_tokens, config.top_n, config.max_top_n,
                     config.max_ngram_size)
     info = common_pb2.WorkerInfo(
         role=common_pb2.WORKER_ROLE_DRAFT, model_id=model_id, tokenizer_hash=tok_hash,
         vocab_size=min(vocab, 2**32 - 1), max_context_length=context,
-        max_sessions=config.max_sessions, max_speculative_tokens=config.max_run_ahead_cap,
+        max_sessions=config.max_sessions, max_spec_tokens=config.max_spec_tokens,
         max_top_n=config.max_top_n, methods=[int(m) for m in proposers], version=_version())
     return DraftWorker(proposers, limits), info
 
@@ -160,7 +160,7 @@ def _message_limit(worker: DraftWorker) -> int:
 
 
 # The shortest ping interval a verifier may keep a stream alive with (it pings every 10 s:
-# verify_service/draft_link.py KEEPALIVE_S); more often counts as abuse.
+# verify_service/drafts/link.py KEEPALIVE_S); more often counts as abuse.
 MIN_PING_INTERVAL_MS = 5000
 
 

@@ -51,8 +51,8 @@ async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: Gatewa
     compiled here (`grammars`), so one that cannot be is a 400 before any token."""
     verifiers = await router.verifiers()
     # The live verifiers' limit wins; the config's covers verifiers that report none.
-    max_spec = max((v.max_speculative_tokens for v in verifiers), default=0)
-    schemas.check_common(req, max_speculative_tokens=max_spec or config.max_speculative_tokens)
+    max_spec = max((v.max_spec_tokens for v in verifiers), default=0)
+    schemas.check_common(req, max_spec_tokens=max_spec or config.max_spec_tokens)
     if req.model is not None and req.model != config.model_name:
         raise bad_request(f"model: unknown model {req.model!r}; this server serves "
                           f"{config.model_name!r}", param="model", code="model_not_found")
@@ -161,7 +161,7 @@ async def _served(router: Router) -> set[str]:
 
 # What a draft worker that does not advertise its methods serves.
 _LEGACY_METHODS = ("draft_model", "ngram")
-# The draft workers' model methods auto may take drafts from (verify_service/auto.py).
+# The draft workers' model methods auto may take drafts from (verify_service/policy/auto.py).
 AUTO_DRAFTS = ("draft_model", "eagle")
 
 

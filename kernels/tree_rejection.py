@@ -1,5 +1,6 @@
 """Token-tree rejection: which path of a draft tree the target keeps, losslessly (the tree
-counterpart of kernels/rejection.py; verify_service/rejection.py decides which one a round uses).
+counterpart of kernels/rejection.py; verify_service/forward/rejection.py decides which one a
+round uses).
 
 A round's tree: drafts[j] with parents[j] (index among the drafts, -1 = child of the round's
 root, the last committed token). The target ran every node in one forward (tree attention,

@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     from verify_service.cli import register as register_verifier
 
     register_verifier(sub, _colocate)
-    from verify_service.tp_cli import register as register_tp_worker
+    from verify_service.tp.cli import register as register_tp_worker
 
     register_tp_worker(sub)
     register_draft(sub)

@@ -79,7 +79,7 @@ class VerifierConfig:
     # Medusa's trees, and EAGLE's on a GPU only (see tree_methods).
     draft_shape: str = "auto"
     # Where ngram and suffix sessions draft: "verifier" (in this process's own step, no
-    # draft link and no wait: verify_service/history.py) or "worker" (a draft worker).
+    # draft link and no wait: verify_service/drafts/history.py) or "worker" (a draft worker).
     history_drafts: str = "verifier"
     # Finished tokens its suffix decoding keeps per tenant to draft from (0 = own text only).
     suffix_cache_tokens: int = 262_144
@@ -91,7 +91,7 @@ class VerifierConfig:
     cuda_graphs: str = "auto"
     gpu_check_result: str = ""
     # Ranks of a tensor-parallel target (this process is rank 0 and spawns the others on this
-    # node: verify_service/tp_group.py); must divide the KV heads. A rank's death fails the
+    # node: verify_service/tp/group.py); must divide the KV heads. A rank's death fails the
     # group within the collective timeout.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0

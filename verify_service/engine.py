@@ -2,12 +2,12 @@
 
     wait for drafts -> schedule -> execute (target forward + rejection) -> apply and commit
 
-Each phase has its own file: drafts arrive in verify_service/drafts.py, the batch is chosen
-by verify_service/scheduler.py (pure Python), executed by verify_service/executor.py (torch,
+Each phase has its own folder: drafts arrive in drafts/side.py, the batch is chosen by
+policy/scheduler.py (pure Python), executed by forward/executor.py (torch,
 in one worker thread so the event loop keeps serving health checks and draft streams), and the
 committed tokens go back out here, to the client's queue and to the draft worker. The open
-sessions and what each is owed live in verify_service/sessions.py; what a round teaches the
-next ones' planning, in verify_service/feedback.py. Draft workers are optional at every
+sessions and what each is owed live in verify_service/session/table.py; what a round teaches the
+next ones' planning, in verify_service/policy/feedback.py. Draft workers are optional at every
 moment: a session without proposals simply decodes plainly.
 """
 from __future__ import annotations
@@ -20,17 +20,17 @@ from dataclasses import dataclass
 
 from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
-from verify_service import auto
-from verify_service.drafts import DraftSide
-from verify_service.executor import Executor
-from verify_service.feedback import learn_acceptance, observe_cost, observe_tree_wait
-from verify_service.history import HistoryDrafts
-from verify_service.params import GenerateParams
-from verify_service.scheduler import ScheduledSeq, Scheduler
-from verify_service.sequence import Estimates, LocalProposals, Sequence
-from verify_service.sessions import RoundOutput, SessionTable
-from verify_service.step import RoundOutcome, StepInput, StepTimings
-from verify_service.waits import draft_wait_limit_ms
+from verify_service.drafts.history import HistoryDrafts
+from verify_service.drafts.side import DraftSide
+from verify_service.forward.executor import Executor
+from verify_service.forward.step import RoundOutcome, StepInput, StepTimings
+from verify_service.policy import auto
+from verify_service.policy.feedback import learn_acceptance, observe_cost, observe_tree_wait
+from verify_service.policy.scheduler import ScheduledSeq, Scheduler
+from verify_service.policy.waits import draft_wait_limit_ms
+from verify_service.session.params import GenerateParams
+from verify_service.session.sequence import Estimates, LocalProposals, Sequence
+from verify_service.session.table import RoundOutput, SessionTable
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class EngineConfig:
     max_sessions: int = 64
     max_draft_wait_ms: float = 25.0  # longest a step waits for missing draft tokens
     top_n: int = 8  # size of the sparse q asked from draft workers
-    forced_drafts: bool = True  # a grammar's forced tokens drafted (verify_service/auto.py)
+    forced_drafts: bool = True  # a grammar's forced tokens drafted (verify_service/policy/auto.py)
 
     def __post_init__(self):
         if self.max_sessions < 1 or self.max_draft_wait_ms < 0 or self.top_n < 1:
@@ -180,7 +180,7 @@ class Engine:
             except asyncio.TimeoutError:
                 return (time.perf_counter() - start) * 1e3
 
-    def _draft_wait_limit_ms(self) -> float:  # verify_service/waits.py
+    def _draft_wait_limit_ms(self) -> float:  # verify_service/policy/waits.py
         return draft_wait_limit_ms(self.scheduler.running, self.scheduler, self.drafts,
                                    self.config.max_draft_wait_ms)
 
@@ -203,7 +203,7 @@ class Engine:
 
     def _head_nodes(self, s: ScheduledSeq) -> int:
         """Medusa nodes the step drafts for the session's next round: a medusa session's
-        size; an auto session's when its heads may compete (verify_service/auto.py)."""
+        size; an auto session's when its heads may compete (verify_service/policy/auto.py)."""
         seq = s.seq
         if seq.params.method.in_verifier:
             return self.scheduler.desired_k(seq, 1)

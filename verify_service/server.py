@@ -21,8 +21,8 @@ from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.engine import Engine
-from verify_service.params import GenerateParams
-from verify_service.sessions import RoundOutput
+from verify_service.session.params import GenerateParams
+from verify_service.session.table import RoundOutput
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name

@@ -12,5 +12,5 @@ own step (the token-history methods; no network hop) or by a draft worker
   ngram         prompt lookup (PaddleNLP's inference_with_reference): no model
   suffix        suffix decoding over the prompt and earlier outputs (ArcticInference)
   medusa        the target's Medusa heads, hosted in the verifier's forward step on the hidden
-                state it just computed (verify_service/features.py)
+                state it just computed (verify_service/forward/features.py)
 """

@@ -12,9 +12,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+# The cap on draft tokens per session per round (k), unless configured: a verifier's
+# max_spec_tokens (the cost model picks each round's k up to it), a draft worker's (the most
+# drafts a verifier may ask it for) and the gateway's (when no verifier reports one).
+DEFAULT_MAX_SPEC_TOKENS = 16
+
 # Forward time over q new tokens relative to q = 1, measured on the 2-core target machine
 # (benchmarks/runner_speed.py). Only a fallback: a verifier times its own forwards per q at
-# start-up (verify_service.calibration.calibrate) and then every single-session round updates
+# start-up (verify_service.policy.calibration.calibrate) and then every single-session round updates
 # the curve.
 DEFAULT_RELATIVE_COST = {1: 1.0, 2: 1.04, 3: 1.41, 4: 1.38, 5: 1.64, 6: 1.91, 7: 2.0, 8: 2.1,
                          9: 2.6, 12: 2.7, 16: 2.9}
@@ -205,10 +210,10 @@ def plan_batch(gains: Sequence[Sequence[float]], cost: Callable[[int], float]) -
     return best_counts
 
 
-def choose_k(alpha: float, k_max: int, cost: CostModel) -> int:
-    """argmax_k E(k) / cost(k + 1) over 0..k_max (0 = plain decode)."""
+def choose_k(alpha: float, k_allowed: int, cost: CostModel) -> int:
+    """argmax_k E(k) / cost(k + 1) over 0..k_allowed (0 = plain decode)."""
     best_k, best = 0, expected_tokens(alpha, 0) / cost.cost(1)
-    for k in range(1, k_max + 1):
+    for k in range(1, k_allowed + 1):
         rate = expected_tokens(alpha, k) / cost.cost(k + 1)
         if rate > best * 1.001:  # prefer the shorter round on near-ties
             best_k, best = k, rate

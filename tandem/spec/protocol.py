@@ -1,7 +1,7 @@
 """The draft link as plain dataclasses: what a verifier and a draft worker say to each other.
 
 `DraftService.Speculate` carries these as protobuf; only its two ends convert (the verifier's
-draft-link client, verify_service/draft_link.py, and the draft servicer,
+draft-link client, verify_service/drafts/link.py, and the draft servicer,
 draft_service/server.py). Everything between sees these types, never a `_pb2` one.
 
 Control (verifier -> draft): Open, Commit, Close (and Invalid for a message the transport

@@ -17,10 +17,10 @@ from tandem.proposers.ngram import NgramProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.v1 import common_pb2
-from verify_service import draft_link
-from verify_service.drafts import DraftSide
-from verify_service.params import GenerateParams
-from verify_service.sequence import Sequence
+from verify_service.drafts import link as draft_link
+from verify_service.drafts.side import DraftSide
+from verify_service.session.params import GenerateParams
+from verify_service.session.sequence import Sequence
 
 pytestmark = pytest.mark.contract
 PROMPT = (10, 11, 12, 13, 14, 15, 10, 11, 12)  # n-gram lookup proposes 13, 14, 15, ...

@@ -39,9 +39,9 @@ from tandem.grpc_limits import (
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, ErrorCode, Features, Method, Proposal
 from tandem.v1 import common_pb2, draft_pb2, verify_pb2
-from verify_service.drafts import DraftSide
-from verify_service.params import GenerateParams
-from verify_service.sequence import Sequence
+from verify_service.drafts.side import DraftSide
+from verify_service.session.params import GenerateParams
+from verify_service.session.sequence import Sequence
 
 pytestmark = pytest.mark.contract
 

@@ -110,7 +110,7 @@ def test_draft_messages_roundtrip():
     # max_run_ahead has presence: unset leaves the limit alone, 0 pauses drafting.
     from draft_service.server import control_from_proto
     from tandem.spec import Commit
-    from verify_service.draft_link import control_to_proto
+    from verify_service.drafts.link import control_to_proto
     for limit in (None, 0, 4):
         msg = _roundtrip(control_to_proto(Commit("s1", 2, 3, [4, 5], limit)))
         assert control_from_proto(msg).max_run_ahead == limit

@@ -29,7 +29,7 @@ from tandem.tls import TlsConfig, add_port, open_channel, tls_args, tls_from_arg
 from tandem.v1 import common_pb2, verify_pb2_grpc
 from tools.launcher import grpc_healthy
 from verify_service.config import VerifierConfig
-from verify_service.draft_link import DraftLink, DraftPool
+from verify_service.drafts.link import DraftLink, DraftPool
 
 pytestmark = pytest.mark.contract
 

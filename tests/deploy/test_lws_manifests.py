@@ -275,7 +275,7 @@ def test_worker_args_give_the_ranks_with_the_real_cli(monkeypatch):
     """The worker's args, with what LWS injects substituted, are ranks 4-7 of 8 on the second
     pod of a group, dialling its leader."""
     from tools.cli import build_parser
-    from verify_service.tp_cli import specs_from
+    from verify_service.tp.cli import specs_from
 
     for key in ("TANDEM_MODEL", "TANDEM_LOG_LEVEL"):
         monkeypatch.delenv(key, raising=False)

@@ -14,9 +14,9 @@ from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.spec.cost import CostModel
 from tools.bench.inproc import OnePool, WorkerLink
 from verify_service.engine import Engine, EngineConfig
-from verify_service.executor import Executor
-from verify_service.params import GenerateParams
-from verify_service.scheduler import Scheduler, SchedulerConfig
+from verify_service.forward.executor import Executor
+from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.session.params import GenerateParams
 
 
 def fails_after(proposer_cls, calls: int, message: str):

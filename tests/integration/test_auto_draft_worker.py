@@ -17,8 +17,9 @@ from tandem.spec import Commit, DraftToken, Method
 from tandem.spec.cost import CostModel
 from tandem.spec.proposer import DraftResult
 from tools.bench.inproc import WorkerLink
-from verify_service import auto, engine
-from verify_service.history import HistoryDrafts
+from verify_service import engine
+from verify_service.drafts.history import HistoryDrafts
+from verify_service.policy import auto
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0)

@@ -19,7 +19,7 @@ from tandem.proposers.bridged import BridgedProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
 from verify_service.config import VerifierConfig
-from verify_service.rejection import SamplingMetadata, SpecDecodeMetadata, verify_chains
+from verify_service.forward.rejection import SamplingMetadata, SpecDecodeMetadata, verify_chains
 
 pytestmark = pytest.mark.integration
 GEMMA = "gemma3-270m"

@@ -1,5 +1,5 @@
 """ngram, suffix and auto (each round the better of the two) drafted in the verifier's own
-step (verify_service/history.py): no draft worker and no link at all, the same text as plain
+step (verify_service/drafts/history.py): no draft worker and no link at all, the same text as plain
 decoding, greedy and seeded, and rounds sized by the proposal's confidence (long on a copy,
 none without a match)."""
 import pytest
@@ -9,7 +9,7 @@ from tandem.proposers.ngram import NgramProposer
 from tandem.proposers.suffix import SuffixProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
-from verify_service.history import HistoryDrafts
+from verify_service.drafts.history import HistoryDrafts
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0)

@@ -15,7 +15,7 @@ from tandem.models import resolve_model
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Method
 from tandem.spec.proposer import DraftResult
-from verify_service.tp_group import start_leader
+from verify_service.tp.group import start_leader
 
 pytestmark = pytest.mark.integration
 PROMPT = [5, 17, 33, 2, 41]

@@ -108,7 +108,7 @@ def test_tp3_logits_match_tp1(target_model):
     """Prefill and an 8-token verify chunk: max |diff| measured 4.6e-5 on logits up to ~33
     (1.4e-6 relative; a TP=1 model with its kernels tuned apart differs by as much)."""
     from tandem.engine.model_runner import ModelRunner, SeqChunk, kv_bytes_per_token
-    from verify_service.tp_group import start_leader
+    from verify_service.tp.group import start_leader
 
     ids = torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(0)).tolist()
 

@@ -13,10 +13,10 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import Close, DraftToken, Method, Open, Proposal
 from tandem.spec.cost import CostModel, StepCost
 from verify_service.engine import Engine, EngineConfig
-from verify_service.executor import Executor
-from verify_service.params import GenerateParams
-from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.step import StepInput
+from verify_service.forward.executor import Executor
+from verify_service.forward.step import StepInput
+from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.session.params import GenerateParams
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0)

@@ -15,7 +15,7 @@ from tandem.models import resolve_model
 from tandem.proposers.ngram import NgramProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
-from verify_service.history import HistoryDrafts
+from verify_service.drafts.history import HistoryDrafts
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from test_families import make_checkpoint  # noqa: E402

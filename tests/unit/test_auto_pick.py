@@ -1,17 +1,17 @@
 """`auto`'s choice between the token history's proposal and the Medusa heads'
-(verify_service/auto.py): by expected tokens per ms, each with its own correction, and the heads
-asked only when the round verifies no history drafts."""
+(verify_service/policy/auto.py): by expected tokens per ms, each with its own correction, and
+the heads asked only when the round verifies no history drafts."""
 import pytest
 
 from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import CostModel, best_rate, choose_tree_size
-from verify_service import auto
-from verify_service.feedback import learn_acceptance
-from verify_service.params import GenerateParams
-from verify_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from verify_service.sequence import LocalProposal, Sequence
+from verify_service.policy import auto
+from verify_service.policy.feedback import learn_acceptance
+from verify_service.policy.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from verify_service.session.params import GenerateParams
+from verify_service.session.sequence import LocalProposal, Sequence
 
 pytestmark = pytest.mark.unit
 

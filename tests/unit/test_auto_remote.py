@@ -1,6 +1,7 @@
-"""`auto` linked to a draft worker's model method (verify_service/auto.py): the worker's chain
-kept apart from the verifier's own proposals (Sequence.remote), picked by the same rule when
-it arrived, asked for only once the token history keeps missing and paused while it matches."""
+"""`auto` linked to a draft worker's model method (verify_service/policy/auto.py): the
+worker's chain kept apart from the verifier's own proposals (Sequence.remote), picked by the
+same rule when it arrived, asked for only once the token history keeps missing and paused
+while it matches."""
 import asyncio
 
 import pytest
@@ -11,13 +12,13 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import Commit, DraftToken, Method, Open
 from tandem.spec import Proposal as Reply
 from tandem.spec.cost import CostModel
-from verify_service import auto
-from verify_service.drafts import DraftSide
-from verify_service.feedback import learn_acceptance
-from verify_service.params import GenerateParams
-from verify_service.scheduler import EXPLORE_EVERY, ScheduledSeq, Scheduler, SchedulerConfig
-from verify_service.sequence import LocalProposal, Sequence
-from verify_service.waits import missing
+from verify_service.drafts.side import DraftSide
+from verify_service.policy import auto
+from verify_service.policy.feedback import learn_acceptance
+from verify_service.policy.scheduler import EXPLORE_EVERY, ScheduledSeq, Scheduler, SchedulerConfig
+from verify_service.policy.waits import missing
+from verify_service.session.params import GenerateParams
+from verify_service.session.sequence import LocalProposal, Sequence
 
 pytestmark = pytest.mark.unit
 

@@ -6,9 +6,9 @@ from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import CostModel, StepCost, expected_tokens, plan_batch
-from verify_service.params import GenerateParams
-from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import SeqStatus, Sequence
+from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.session.params import GenerateParams
+from verify_service.session.sequence import SeqStatus, Sequence
 
 pytestmark = pytest.mark.unit
 
@@ -88,7 +88,7 @@ def _running(sched, n, method=Method.DRAFT_MODEL, ema=0.6):
 
 
 def sched_prefill(seq):
-    from verify_service.scheduler import ScheduledSeq
+    from verify_service.policy.scheduler import ScheduledSeq
     return ScheduledSeq(seq, list(seq.tokens), 0, 0, True)
 
 

@@ -6,9 +6,9 @@ from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel
-from verify_service.params import GenerateParams
-from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import SeqStatus, Sequence
+from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.session.params import GenerateParams
+from verify_service.session.sequence import SeqStatus, Sequence
 
 pytestmark = pytest.mark.unit
 

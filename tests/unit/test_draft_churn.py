@@ -12,10 +12,10 @@ from test_verifier_logic import make_sched, params
 from draft_service.session import Stream
 from tandem.spec import Close, Commit, DraftToken, Method, Open, Proposal, TreeNode
 from tandem.spec.cost import STALE_AFTER, CostModel, StepCost, choose_k, plan_batch
-from verify_service import draft_link
-from verify_service.drafts import ATTACH_BACKOFF_S, DraftSide
-from verify_service.scheduler import EXPLORE_EVERY
-from verify_service.sequence import DRAFT_ATTACHES, Sequence
+from verify_service.drafts import link as draft_link
+from verify_service.drafts.side import ATTACH_BACKOFF_S, DraftSide
+from verify_service.policy.scheduler import EXPLORE_EVERY
+from verify_service.session.sequence import DRAFT_ATTACHES, Sequence
 
 pytestmark = pytest.mark.unit
 

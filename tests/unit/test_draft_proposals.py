@@ -8,8 +8,8 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, ErrorCode, Method, Proposal, SessionError
 from tandem.spec.cost import CostModel
 from verify_service.engine import Engine, EngineConfig
-from verify_service.params import GenerateParams
-from verify_service.scheduler import Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.session.params import GenerateParams
 
 pytestmark = pytest.mark.unit
 VOCAB = 100

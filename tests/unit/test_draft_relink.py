@@ -8,8 +8,8 @@ import pytest
 from test_verifier_logic import params
 
 from tandem.spec import Commit, Open
-from verify_service.drafts import ATTACH_REST_S, DraftSide
-from verify_service.sequence import DRAFT_ATTACHES, Sequence
+from verify_service.drafts.side import ATTACH_REST_S, DraftSide
+from verify_service.session.sequence import DRAFT_ATTACHES, Sequence
 
 pytestmark = pytest.mark.unit
 

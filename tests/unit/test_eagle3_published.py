@@ -168,7 +168,7 @@ def test_a_feature_width_mismatch_is_a_clear_error():
 def test_the_verifier_flag_is_checked_and_refuses_medusa_beside_it(monkeypatch):
     from tools.cli import build_parser
     from verify_service.config import VerifierConfig
-    from verify_service.features import feature_layers
+    from verify_service.forward.features import feature_layers
 
     for good in ("final", "eagle3", "1,3,4"):
         assert VerifierConfig(eagle_feature_layers=good).eagle_feature_layers == good

@@ -153,7 +153,7 @@ def test_spec_key_is_content():
 def test_grammars_travel_to_draft_workers_and_bad_kinds_are_refused():
     from draft_service.server import control_from_proto
     from tandem.spec import Invalid, Open
-    from verify_service.draft_link import control_to_proto
+    from verify_service.drafts.link import control_to_proto
 
     sent = Open("s", [1, 2, 3], grammar=GrammarSpec.choice(["a"]), grammar_start=2)
     back = control_from_proto(control_to_proto(sent))

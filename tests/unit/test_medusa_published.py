@@ -1,5 +1,5 @@
-"""Medusa heads in their published layouts (tandem.engine.medusa_published): FasterDecoding's
-`medusa_lm_head.pt`, rtp-llm's `medusa_head.*` and vLLM's `blocks.*`/`lm_heads.*` load to the
+"""Medusa heads in their published layouts (read by tandem.engine.medusa_published, served by
+tandem.engine.medusa.load_published): FasterDecoding's `medusa_lm_head.pt`, rtp-llm's `medusa_head.*` and vLLM's `blocks.*`/`lm_heads.*` load to the
 same heads, whose logits are an independent plain-torch forward of the layout; with every
 head's LM head equal to the target's they propose what Tandem's own format proposes for the
 same block weights; anything else is refused by name."""
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tandem.engine.medusa import MedusaConfig, MedusaHeads
-from tandem.engine.medusa_published import is_published_medusa, load_published
+from tandem.engine.medusa import MedusaConfig, MedusaHeads, load_published
+from tandem.engine.medusa_published import is_published_medusa
 from tandem.models import ModelError
 
 pytestmark = pytest.mark.unit

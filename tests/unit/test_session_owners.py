@@ -1,12 +1,12 @@
-"""A verifier session's state has owners (verify_service/sequence.py): each record is written
-by one module, and the Sequence's own fields only by its methods. Read off the code's syntax
+"""A verifier session's state has owners (verify_service/session/sequence.py): each record is
+written by one module, and the Sequence's own fields only by its methods. Read off the code's syntax
 tree, so a new write from the wrong module fails here before it confuses a reader."""
 import ast
 from pathlib import Path
 
 import pytest
 
-from verify_service.sequence import (
+from verify_service.session.sequence import (
     DraftLinkState,
     Estimates,
     LocalProposals,
@@ -17,8 +17,9 @@ from verify_service.sequence import (
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2] / "verify_service"
-OWNERS = {"sched": "scheduler.py", "link": "drafts.py", "est": "feedback.py",
-          "local": "auto.py", "stats": "sessions.py"}
+OWNERS = {"sched": "policy/scheduler.py", "link": "drafts/side.py", "est": "policy/feedback.py",
+          "local": "policy/auto.py", "stats": "session/table.py"}
+SEQUENCE = "session/sequence.py"
 RECORDS = {"sched": Scheduling, "link": DraftLinkState, "est": Estimates,
            "local": LocalProposals}
 MUTATORS = {"append", "clear", "extend", "add", "update", "pop", "remove", "insert",
@@ -49,13 +50,14 @@ def violations(path: Path, source: str) -> list[str]:
     found = []
     for attr, line in _written(ast.parse(source)):
         base = attr.value
+        rel = path.relative_to(ROOT).as_posix()
         if isinstance(base, ast.Attribute) and base.attr in OWNERS \
-                and path.name not in (OWNERS[base.attr], "sequence.py"):
-            found.append(f"{path.name}:{line} writes .{base.attr}.{attr.attr} "
+                and rel not in (OWNERS[base.attr], SEQUENCE):
+            found.append(f"{rel}:{line} writes .{base.attr}.{attr.attr} "
                          f"(owned by {OWNERS[base.attr]})")
-        elif attr.attr in OWN_FIELDS and path.name != "sequence.py" \
+        elif attr.attr in OWN_FIELDS and rel != SEQUENCE \
                 and not (isinstance(base, ast.Name) and base.id == "self"):
-            found.append(f"{path.name}:{line} writes Sequence.{attr.attr} "
+            found.append(f"{rel}:{line} writes Sequence.{attr.attr} "
                          "(only Sequence's methods do)")
     return found
 
@@ -68,8 +70,8 @@ def test_each_record_is_written_by_its_owner_alone():
 def test_the_check_catches_a_write_from_the_wrong_module():
     bad = "def f(seq):\n    seq.est.late_rounds = 0\n    seq.epoch += 1\n" \
           "    seq.local.proposals[1] = 2\n    seq.sched.carried = True\n"
-    assert len(violations(ROOT / "drafts.py", bad)) == 4
-    assert len(violations(ROOT / "feedback.py", bad)) == 3  # its own record is fine
+    assert len(violations(ROOT / "drafts/side.py", bad)) == 4
+    assert len(violations(ROOT / "policy/feedback.py", bad)) == 3  # its own record is fine
 
 
 def test_every_record_field_has_one_home():

@@ -23,7 +23,7 @@ from tandem.engine.tp import (
     shard_weights,
 )
 from tandem.models import ModelError, resolve_model
-from verify_service.tp_group import start_leader
+from verify_service.tp.group import start_leader
 
 pytestmark = pytest.mark.unit
 
@@ -95,7 +95,7 @@ def test_flag_env_and_config(monkeypatch):
 
 def test_tp_worker_flags_give_one_spec_per_local_rank(monkeypatch):
     from tools.cli import build_parser
-    from verify_service.tp_cli import specs_from
+    from verify_service.tp.cli import specs_from
 
     monkeypatch.setenv("TANDEM_TP_WORKER_MASTER", "leader.example:29500")
     args = build_parser().parse_args(["tp-worker", "--tensor-parallel-size", "8",
@@ -115,7 +115,7 @@ def test_tp_worker_takes_its_ranks_from_the_node_index(monkeypatch):
     """Under a LeaderWorkerSet a worker pod knows its index (LWS_WORKER_INDEX), not its rank:
     `--node-index` makes the first rank index * local ranks."""
     from tools.cli import build_parser
-    from verify_service.tp_cli import specs_from
+    from verify_service.tp.cli import specs_from
 
     def ranks(*flags: str) -> list[int]:
         args = build_parser().parse_args(["tp-worker", "--master", "leader:29500",

@@ -9,7 +9,7 @@ from tandem.engine.eagle3 import parse_feature_layers
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tandem.models import resolve_model
-from verify_service.tp_group import start_leader
+from verify_service.tp.group import start_leader
 
 pytestmark = pytest.mark.unit
 

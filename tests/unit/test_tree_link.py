@@ -23,10 +23,10 @@ from tandem.spec import (
     TreeNode,
 )
 from tandem.spec.cost import CostModel, choose_tree_size
-from verify_service.drafts import DraftSide, Latency
-from verify_service.params import GenerateParams
-from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import Sequence
+from verify_service.drafts.side import DraftSide, Latency
+from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.session.params import GenerateParams
+from verify_service.session.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 
@@ -280,7 +280,7 @@ def test_a_verified_tree_resets_late_rounds_and_measures_its_wait():
     """A tree session that was late twice (no longer waited for) is waited for again once a
     tree is verified; the round's wait feeds the session's tree_wait_ms."""
     from verify_service.engine import Engine, EngineConfig
-    from verify_service.step import RoundOutcome, StepTimings
+    from verify_service.forward.step import RoundOutcome, StepTimings
 
     class Side:
         arrival, first = Latency(2.0), Latency(4.0)

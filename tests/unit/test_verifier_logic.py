@@ -15,10 +15,10 @@ from tandem.spec.cost import (
     leviathan_speedup,
     update_acceptance,
 )
-from verify_service.drafts import Latency
-from verify_service.params import GenerateParams
-from verify_service.scheduler import Scheduler, SchedulerConfig
-from verify_service.sequence import SeqStatus, Sequence
+from verify_service.drafts.side import Latency
+from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.session.params import GenerateParams
+from verify_service.session.sequence import SeqStatus, Sequence
 
 pytestmark = pytest.mark.unit
 GREEDY = SamplingParams(temperature=0.0)
@@ -36,15 +36,15 @@ def drafts(seq, tokens):
 
 def test_scheduler_module_has_no_torch():
     import tandem.spec.cost  # noqa: F401
-    import verify_service.scheduler  # noqa: F401
-    import verify_service.sequence  # noqa: F401
+    import verify_service.policy.scheduler  # noqa: F401
+    import verify_service.session.sequence  # noqa: F401
 
-    for mod in ("verify_service.scheduler", "verify_service.sequence",
+    for mod in ("verify_service.policy.scheduler", "verify_service.session.sequence",
                 "tandem.spec.cost", "tandem.engine.block_manager"):
         src = Path(sys.modules[mod].__file__).read_text()
         assert "import torch" not in src
     # Nor through what they import (the shared vocabulary included).
-    code = ("import sys, verify_service.scheduler, verify_service.sequence; "
+    code = ("import sys, verify_service.policy.scheduler, verify_service.session.sequence; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
@@ -236,9 +236,9 @@ def test_measured_round_costs_switch_speculation_off_and_probes_continue():
 def test_round_cost_is_keyed_by_the_tokens_the_forward_ran():
     """A carried round runs only its drafts: its time is the cost of k tokens, not k + 1;
     a round with no forward at all (sampled from the carried row) is not a cost sample."""
-    from verify_service.feedback import observe_cost
-    from verify_service.scheduler import ScheduledSeq
-    from verify_service.step import StepTimings
+    from verify_service.forward.step import StepTimings
+    from verify_service.policy.feedback import observe_cost
+    from verify_service.policy.scheduler import ScheduledSeq
 
     sched = make_sched()
     seq = Sequence(params())
@@ -254,7 +254,7 @@ def test_draft_side_learns_how_long_the_first_draft_after_a_commit_takes():
     import time
 
     from tandem.spec import Proposal
-    from verify_service.drafts import DraftSide
+    from verify_service.drafts.side import DraftSide
 
     class Link:
         address, sent = "l", []
@@ -364,11 +364,11 @@ def test_history_drafts_are_sized_by_their_own_confidence():
 
 def test_auto_takes_the_history_proposal_with_the_most_expected_tokens_per_ms():
     """auto asks suffix and ngram each round and keeps the proposal that promises the most
-    tokens per ms of verify cost (verify_service/auto.py); with no match anywhere it drafts
+    tokens per ms of verify cost (verify_service/policy/auto.py); with no match anywhere it drafts
     nothing; a source that over-promised is corrected on its own."""
     from tandem.spec.cost import best_rate
-    from verify_service import auto
-    from verify_service.history import HistoryDrafts
+    from verify_service.drafts.history import HistoryDrafts
+    from verify_service.policy import auto
 
     sched = make_sched(max_spec_tokens=8)
     history = HistoryDrafts(8)
@@ -400,7 +400,7 @@ def test_auto_takes_the_history_proposal_with_the_most_expected_tokens_per_ms():
 
 
 def test_history_sessions_start_from_what_finished_ones_measured():
-    from verify_service.history import HistoryDrafts
+    from verify_service.drafts.history import HistoryDrafts
 
     history = HistoryDrafts(8)
     assert history.prior_scales(Method.AUTO) == {Method.SUFFIX: 1.0, Method.NGRAM: 1.0,

@@ -270,7 +270,7 @@ def measure_verify_curve(target: str, q_max: int, threads: int = 1, reps: int = 
     from tandem.engine.llama import LlamaModel
     from tandem.engine.model_runner import ModelRunner
     from tandem.models import resolve_model
-    from verify_service.calibration import calibrate
+    from verify_service.policy.calibration import calibrate
 
     at = _placement(at)
     model = LlamaModel.load(resolve_model(target), at.dtype, device=at.device)

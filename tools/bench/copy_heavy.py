@@ -126,7 +126,7 @@ def verify_curve(counts=(1, 2, 3, 4, 6, 8, 12, 16, 17), model: str = "") -> dict
     from tandem.engine.exact_dtype import load_target
     from tandem.engine.model_runner import ModelRunner
     from tandem.models import resolve_model
-    from verify_service.calibration import calibrate
+    from verify_service.policy.calibration import calibrate
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """A minimal speculation loop on the verifier's real Executor, for gpu-check: one session, no
 scheduler, no gRPC (the stock GPU image has neither Redis nor OpenTelemetry for the services).
 
-Each round feeds [last committed token, *drafts] to verify_service.executor.Executor, which
+Each round feeds [last committed token, *drafts] to verify_service.forward.executor.Executor, which
 runs the target forward, the rejection sampler (or greedy matching, or tree walks) and the
 Medusa heads, exactly as in the server. Drafts come from a Proposer (n-gram, a draft model,
 an EAGLE head fed the features the rounds return) or from the Medusa heads' trees.
@@ -16,8 +16,8 @@ import torch
 from tandem.engine.model_runner import ModelRunner
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest, DraftToken
-from verify_service.executor import Executor
-from verify_service.step import RoundOutcome, StepInput
+from verify_service.forward.executor import Executor
+from verify_service.forward.step import RoundOutcome, StepInput
 
 
 @dataclass

@@ -11,7 +11,7 @@ from tandem.engine.eagle3 import parse_feature_layers
 from tandem.engine.model_runner import ModelRunner
 from tandem.models import ModelError
 from tandem.spec import DraftRequest, Features, Proposer, propose_isolated
-from verify_service.step import RoundOutcome, StepInput
+from verify_service.forward.step import RoundOutcome, StepInput
 
 
 def feature_layers(spec: str, model, medusa) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ class GenerateParams:
     tree: bool | None = None
     grammar: GrammarSpec | None = None  # structured output: the text follows it
     # auto only: the model method of the draft worker at draft_address whose drafts auto may
-    # also take (verify_service/auto.py); None: auto drafts in the verifier alone.
+    # also take (verify_service/policy/auto.py); None: auto drafts in the verifier alone.
     auto_draft: Method | None = None
 
     def __post_init__(self):

@@ -51,7 +51,7 @@ def register(sub) -> None:
 def specs_from(args: argparse.Namespace) -> list:
     from tandem.device import place
     from tandem.netaddr import split_host_port
-    from verify_service.tp_worker import WorkerSpec
+    from verify_service.tp.worker import WorkerSpec
 
     if not args.master:
         raise SystemExit("tandem tp-worker: --master HOST:PORT (rank 0's) is required")
@@ -73,7 +73,7 @@ def specs_from(args: argparse.Namespace) -> list:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from verify_service.tp_worker import spawn_workers, worker_main
+    from verify_service.tp.worker import spawn_workers, worker_main
 
     logging.basicConfig(level=args.log_level.upper())
     first, *others = specs_from(args)

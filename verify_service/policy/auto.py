@@ -2,10 +2,10 @@
 `speculation.method = "auto"`, the best of several.
 
 Proposers:
-- the token history (suffix decoding and n-gram lookup, verify_service/history.py), asked
+- the token history (suffix decoding and n-gram lookup, verify_service/drafts/history.py), asked
   every round over the committed tokens;
 - for auto, the Medusa heads when this verifier has them: they run after a step on the row
-  that gave the round's last token (verify_service/features.py), only once the history has
+  that gave the round's last token (verify_service/forward/features.py), only once the history has
   missed a few rounds in a row and not after a round that verified its drafts: a match that
   held, or one that just broke off, is usually there again next round, and the heads' pass
   would be wasted; a stretch without one is where the heads earn their few ms;
@@ -16,7 +16,7 @@ Proposers:
   first ask (until then it costs nothing), then gets every commit, paused (run-ahead 0)
   while the worker is not asked, with a probe now and then that is
   never waited for. Only drafts that arrived within the step's wait bound compete
-  (verify_service/waits.py: none is waited for in a round the history proposes); a worker
+  (verify_service/policy/waits.py: none is waited for in a round the history proposes); a worker
   fault only empties the chain (speculation fails open).
 
 Proposals are compared by expected tokens per ms of verify cost, each at its best size
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import best_rate, choose_tree_size
-from verify_service.feedback import note_link_round
-from verify_service.history import HISTORY_SOURCES
-from verify_service.scheduler import EXPLORE_EVERY, Scheduler
-from verify_service.sequence import LocalProposal, Sequence
+from verify_service.drafts.history import HISTORY_SOURCES
+from verify_service.policy.feedback import note_link_round
+from verify_service.policy.scheduler import EXPLORE_EVERY, Scheduler
+from verify_service.session.sequence import LocalProposal, Sequence
 
 # Rounds in a row the token history must find nothing before the heads are asked: on copy
 # work a miss is usually one round between two matches, and a heads' pass then (3-4 ms on
@@ -95,7 +95,7 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
     k = choose_tree_size(seq.scaled_reach(remote, remote_reach(seq, k_max)), k_max,
                          scheduler.cost, first_ms, gap_ms)  # a chain: one gap per draft
     if k == 0 and k_max and seq.stats.rounds % PROBE_EVERY == EXPLORE_EVERY - 1:
-        k = 1  # a probe (never waited for: verify_service/waits.py)
+        k = 1  # a probe (never waited for: verify_service/policy/waits.py)
     return k + 1 if k else 0
 
 
@@ -114,7 +114,7 @@ def pick(scheduler: Scheduler, seq: Sequence, asked: int = 0) -> None:
         proposals[seq.params.auto_draft] = LocalProposal(list(drafts), None,
                                                     remote_reach(seq, len(drafts)))
         note_link_round(seq, arrived=True)
-    elif asked and not matched:  # waited for (verify_service/waits.py), and none came
+    elif asked and not matched:  # waited for (verify_service/policy/waits.py), and none came
         note_link_round(seq, arrived=False)
     if not proposals or seq.finished:
         return

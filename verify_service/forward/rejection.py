@@ -31,7 +31,7 @@ from kernels.sampling import keyed_seed, logits_to_probs, make_generator, sample
 from tandem.grammar.masks import apply_masks
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken
-from verify_service.step import StepInput
+from verify_service.forward.step import StepInput
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,11 @@
 have one writer (tests/unit/test_session_owners.py holds the code to it):
 
     Sequence         its own methods (commit, the drafts, the epoch, finish)
-    .sched           Scheduling      verify_service/scheduler.py
-    .link            DraftLinkState  verify_service/drafts.py
-    .est             Estimates       verify_service/feedback.py
-    .local           LocalProposals  verify_service/auto.py (proposers offer() into it)
-    .stats           SessionStats    verify_service/sessions.py
+    .sched           Scheduling      verify_service/policy/scheduler.py
+    .link            DraftLinkState  verify_service/drafts/side.py
+    .est             Estimates       verify_service/policy/feedback.py
+    .local           LocalProposals  verify_service/policy/auto.py (proposers offer() into it)
+    .stats           SessionStats    verify_service/session/table.py
 
 Pure Python (no torch): the scheduler and the engine loop share it on the event-loop thread.
 Invariant between rounds: the KV cache holds every committed token but the last one, which is
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.spec import DraftToken, Features, Method
-from verify_service.params import GenerateParams
+from verify_service.session.params import GenerateParams
 
 DRAFT_ATTACHES = 3
 
@@ -51,7 +51,7 @@ class SessionStats:
 
 @dataclass
 class Scheduling:
-    """Where the session stands in the batch (written by verify_service/scheduler.py)."""
+    """Where the session stands in the batch (written by verify_service/policy/scheduler.py)."""
 
     status: SeqStatus = SeqStatus.WAITING
     arrival: int = 0  # admission order, for FIFO and preemption choice
@@ -63,7 +63,7 @@ class Scheduling:
 
 @dataclass
 class DraftLinkState:
-    """The session's draft stream (written by verify_service/drafts.py)."""
+    """The session's draft stream (written by verify_service/drafts/side.py)."""
 
     # Draft streams this session may still open that deliver nothing (a stream that delivers
     # a draft refills it: restarts and drains of a worker never use it up); and, after a try
@@ -90,7 +90,7 @@ class DraftLinkState:
 
 @dataclass
 class Estimates:
-    """What the session measured of its drafts (written by verify_service/feedback.py)."""
+    """What the session measured of its drafts (written by verify_service/policy/feedback.py)."""
 
     acceptance_ema: float = 0.7  # prior: a fresh session is assumed to speculate well
     late_rounds: int = 0  # rounds in a row whose wanted drafts had not arrived
@@ -106,10 +106,10 @@ class Estimates:
 
 @dataclass
 class LocalProposals:
-    """Drafts made in the verifier's own step (written by verify_service/auto.py; the history
+    """Drafts made in the verifier's own step (written by verify_service/policy/auto.py; the history
     and the Medusa heads offer() theirs)."""
 
-    # Drafted in the verifier from the token history (verify_service/history.py): afresh each
+    # Drafted in the verifier from the token history (verify_service/drafts/history.py): afresh each
     # round, sized by draft_reach; never over a draft link.
     in_verifier: bool = False
     # This round's proposals by source (suffix, ngram; Medusa heads for auto) before auto.pick

@@ -26,8 +26,8 @@ from tandem.spec import (
     Reply,
     SessionError,
 )
-from verify_service.feedback import note_link_round
-from verify_service.sequence import DRAFT_ATTACHES, Sequence
+from verify_service.policy.feedback import note_link_round
+from verify_service.session.sequence import DRAFT_ATTACHES, Sequence
 
 log = logging.getLogger(__name__)
 # After a try that found no draft worker, a session looks again after this, doubling per miss.
@@ -39,7 +39,7 @@ ATTACH_REST_S = 5.0
 
 
 class Link(Protocol):
-    """One stream to a draft worker (verify_service/draft_link.py, or a test's script)."""
+    """One stream to a draft worker (verify_service/drafts/link.py, or a test's script)."""
 
     address: str
 
@@ -110,7 +110,7 @@ class DraftSide:
     # ---- out: open / commit / close ----------------------------------------------------------
     def attach(self, seq: Sequence) -> None:
         """Open a draft stream for seq in the background, if it may still have one; an auto
-        session's only once a commit asked its worker for drafts (verify_service/auto.py):
+        session's only once a commit asked its worker for drafts (verify_service/policy/auto.py):
         until then it costs the worker nothing, and the Open brings it in sync."""
         if seq.link.attaches_left <= 0:  # spent: rest, then one more try (ATTACH_REST_S)
             seq.link.attaches_left, seq.link.next_attach_at = 1, self._clock() + ATTACH_REST_S
@@ -149,7 +149,7 @@ class DraftSide:
         p, s = seq.params, seq.params.sampling
         run_ahead = self._run_ahead.get(seq.seq_id)  # the last commit's ask, if any
         if run_ahead is None and seq.local.in_verifier:
-            run_ahead = 0  # auto: no drafts until its history misses (verify_service/auto.py)
+            run_ahead = 0  # auto: no drafts until its history misses (policy/auto.py)
         link.send(Open(session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                        method=seq.link_method, max_run_ahead=run_ahead or self.max_run_ahead,

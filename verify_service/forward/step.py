@@ -2,7 +2,7 @@
 StepInput per session in, a RoundOutcome per session and the step's StepTimings out.
 
 Immutable snapshots: the executor runs them on its worker thread while the event loop goes
-on (verify_service/engine.py builds them, verify_service/executor.py runs them).
+on (verify_service/engine.py builds them, verify_service/forward/executor.py runs them).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Execute one verification step on torch: the target forward over every session's new
-tokens (one flattened batch), the verdicts on its rows (verify_service/rejection.py judges
+tokens (one flattened batch), the verdicts on its rows (verify_service/forward/rejection.py judges
 every round), and what the kept positions carry out. The "execute" of the round
 (verify_service/engine.py is the round itself).
 
-Runs in a worker thread on immutable snapshots (verify_service/step.py), so the event loop
+Runs in a worker thread on immutable snapshots (verify_service/forward/step.py), so the event loop
 keeps serving health checks and draft streams during the forward. What a session asks for
 beside its tokens is read off the same forward elsewhere: logprobs.py, features.py.
 """
@@ -17,10 +17,10 @@ import torch
 from tandem.device import synchronize
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.proposers.medusa import MedusaProposer
-from verify_service.features import eagle_features, kept_hidden, propose_trees
-from verify_service.logprobs import emitted_logprobs
-from verify_service.rejection import Verdict, judge
-from verify_service.step import RoundOutcome, StepInput, StepTimings
+from verify_service.forward.features import eagle_features, kept_hidden, propose_trees
+from verify_service.forward.logprobs import emitted_logprobs
+from verify_service.forward.rejection import Verdict, judge
+from verify_service.forward.step import RoundOutcome, StepInput, StepTimings
 
 
 class Executor:

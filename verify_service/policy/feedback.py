@@ -1,4 +1,4 @@
-"""What a round teaches the planning of the next ones (verify_service/scheduler.py reads it
+"""What a round teaches the planning of the next ones (verify_service/policy/scheduler.py reads it
 back): the cost samples behind k and the batch plan, and each session's acceptance estimates
 (its acceptance EMA, a tree's scale, its late rounds, how long its drafted trees take).
 
@@ -10,11 +10,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tandem.spec.cost import update_acceptance, update_source_scale, update_tree_scale
-from verify_service.scheduler import ScheduledSeq, Scheduler
-from verify_service.sequence import Sequence
+from verify_service.policy.scheduler import ScheduledSeq, Scheduler
+from verify_service.session.sequence import Sequence
 
 if TYPE_CHECKING:  # torch stays out of the policy's imports
-    from verify_service.step import StepTimings
+    from verify_service.forward.step import StepTimings
 
 
 def observe_cost(scheduler: Scheduler, scheduled: list[ScheduledSeq], wait_ms: float,

@@ -14,7 +14,7 @@ from tandem.engine.tp_llama import TPLlamaModel
 from tandem.engine.tp_runner import TPLeaderRunner
 from tandem.models import ModelPaths, read_hf_config, resolve_model
 from tandem.netaddr import free_port, join_host_port
-from verify_service.tp_worker import WorkerSpec, backend_for, spawn_workers
+from verify_service.tp.worker import WorkerSpec, backend_for, spawn_workers
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 asks before each step). Pure Python, like the scheduler."""
 from __future__ import annotations
 
-from verify_service.drafts import DraftSide
-from verify_service.history import HISTORY_SOURCES
-from verify_service.scheduler import Scheduler, probing
-from verify_service.sequence import Sequence
+from verify_service.drafts.history import HISTORY_SOURCES
+from verify_service.drafts.side import DraftSide
+from verify_service.policy.scheduler import Scheduler, probing
+from verify_service.session.sequence import Sequence
 
 # After this many rounds in a row without the drafts it wanted, a session is no longer waited
 # for (a draft worker that is partitioned or overloaded); drafts that do come are still used.
@@ -15,7 +15,7 @@ LATE_ROUNDS_NO_WAIT = 2
 def missing(seq: Sequence, scheduler: Scheduler, drafts: DraftSide) -> int:
     """Draft tokens the session's next round could use that have not arrived. An auto
     session waits only for its draft worker's chain, only when it asked for one
-    (verify_service/auto.py) and only in a round its token history has nothing for: what
+    (verify_service/policy/auto.py) and only in a round its token history has nothing for: what
     it would not use is never waited for, nor a probe's (its chain did not pay its wait)."""
     if seq.local.in_verifier:
         asked = drafts.asked(seq)

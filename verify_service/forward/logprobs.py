@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from verify_service.step import StepInput, TokenLogprob
+from verify_service.forward.step import StepInput, TokenLogprob
 
 
 def emitted_logprobs(inputs: list[StepInput], found,  # [batch] rejection.Verdict

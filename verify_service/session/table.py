@@ -14,10 +14,10 @@ import torch
 
 from tandem.errors import AlreadyExists, ResourceExhausted
 from tandem.telemetry import VerifierMetrics
-from verify_service.params import GenerateParams
-from verify_service.scheduler import Scheduler
-from verify_service.sequence import Sequence
-from verify_service.step import StepTimings, TokenLogprob
+from verify_service.forward.step import StepTimings, TokenLogprob
+from verify_service.policy.scheduler import Scheduler
+from verify_service.session.params import GenerateParams
+from verify_service.session.sequence import Sequence
 
 
 @dataclass(frozen=True)

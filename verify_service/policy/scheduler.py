@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from tandem.spec.cost import CostModel, StepCost, choose_k, choose_tree_size, plan_batch
-from verify_service.sequence import SeqStatus, Sequence
+from verify_service.session.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
 
