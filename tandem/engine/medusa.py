@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from tandem.engine.medusa_published import is_published_medusa, read_published
 from tandem.models import ModelError, ModelPaths
 from tandem.spec import DraftToken
 
 MEDUSA_DIR = "medusa"
 SHIPPED_DIR = Path(__file__).resolve().parent / "medusa_heads"
+DEFAULT_TREE_SIZE = 32  # nodes of a published checkpoint's tree (none ships one)
 
 
 def _check_choices(choices: tuple[tuple[int, ...], ...], num_heads: int) -> None:
@@ -211,13 +213,27 @@ def load_for(model, paths: ModelPaths, choice: str) -> MedusaHeads | None:
     path = resolve_medusa(choice, paths)
     if path is None:
         return None
-    from tandem.engine.medusa_published import is_published_medusa, load_published
-
     if is_published_medusa(path):  # FasterDecoding, rtp-llm or vLLM layouts
         return load_published(path, model.cfg.hidden_size, model.cfg.vocab_size).to(
             model.device)
     # The heads run inside the verifier's step, on the target's hidden states: same device.
     return MedusaHeads.load(path, _float_lm_head(model, paths)).to(model.device)
+
+
+def load_published(root: Path, hidden_size: int, vocab_size: int,
+                   tree_size: int = DEFAULT_TREE_SIZE) -> MedusaHeads:
+    """Heads in any of the published layouts at `root` (tandem.engine.medusa_published), for
+    a target of this width and vocabulary; each keeps its own LM head."""
+    got = read_published(root, hidden_size, vocab_size)
+    guess = [[0.5 / (r + 1) for r in range(4)] for _ in range(got.heads)]
+    cfg = MedusaConfig(got.heads, got.layers, hidden_size, tuple(range(vocab_size)),
+                       tree_from_accuracy(guess, tree_size))
+    out = MedusaHeads(cfg, got.lm_heads)  # per-head LM heads [heads, vocab, hidden]
+    with torch.no_grad():
+        if got.layers:
+            out.weight.copy_(got.weight)
+            out.bias.copy_(got.bias)
+    return out.eval()
 
 
 def _float_lm_head(model, paths: ModelPaths) -> torch.Tensor:  # [vocab, hidden]

@@ -1,4 +1,5 @@
-"""Medusa heads in the layouts they are published in, served as Tandem's MedusaHeads.
+"""Medusa heads in the layouts they are published in, read as tensors (PublishedHeads);
+tandem.engine.medusa.load_published serves them as Tandem's MedusaHeads.
 
 Three namings of the same Medusa-1 heads (per head: `num_layers` residual blocks
 x + SiLU(W x + b), then the head's own LM head):
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tandem.engine.medusa import MedusaConfig, MedusaHeads, tree_from_accuracy
 from tandem.models import ModelError
 
 _FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors",
@@ -30,7 +31,6 @@ _BLOCK = [re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.linear\.(weight|bias)$")
           re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")]
 _HEAD = [re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.weight$"),
          re.compile(r"^lm_heads\.(\d+)\.weight$")]
-DEFAULT_TREE_SIZE = 32
 
 
 def is_published_medusa(root: Path) -> bool:
@@ -91,22 +91,25 @@ def _sort(tensors: dict[str, torch.Tensor], heads: int, layers: int, root: Path)
     return weight, bias, [lm[h] for h in range(heads)]
 
 
-def load_published(root: Path, hidden_size: int, vocab_size: int,
-                   tree_size: int = DEFAULT_TREE_SIZE) -> MedusaHeads:
-    """Heads in any of the published layouts at `root`, for a target of this width and
-    vocabulary."""
+@dataclass(frozen=True)
+class PublishedHeads:
+    """A published checkpoint's heads as tensors (tandem.engine.medusa.load_published makes
+    MedusaHeads of them): per head `layers` blocks and its own LM head [vocab, hidden]."""
+
+    heads: int
+    layers: int
+    weight: torch.Tensor | None  # [heads, layers, hidden, hidden]; None without blocks
+    bias: torch.Tensor | None  # [heads, layers, hidden]
+    lm_heads: torch.Tensor  # [heads, vocab, hidden]
+
+
+def read_published(root: Path, hidden_size: int, vocab_size: int) -> PublishedHeads:
+    """The heads in any of the published layouts at `root`, checked against a target of this
+    width and vocabulary."""
     root = Path(root)
     heads, layers = _shape(root)
     weight, bias, lm = _sort(_read(root), heads, layers, root)
     if any(tuple(t.shape) != (vocab_size, hidden_size) for t in lm):
         raise ModelError(f"{root}: the heads' LM heads are {tuple(lm[0].shape)}, the target "
                          f"needs ({vocab_size}, {hidden_size})")
-    guess = [[0.5 / (r + 1) for r in range(4)] for _ in range(heads)]
-    cfg = MedusaConfig(heads, layers, hidden_size, tuple(range(vocab_size)),
-                       tree_from_accuracy(guess, tree_size))
-    out = MedusaHeads(cfg, torch.stack(lm))  # per-head LM heads [heads, vocab, hidden]
-    with torch.no_grad():
-        if layers:
-            out.weight.copy_(weight)
-            out.bias.copy_(bias)
-    return out.eval()
+    return PublishedHeads(heads, layers, weight, bias, torch.stack(lm))

@@ -1,8 +1,9 @@
 """Medusa heads in their published layouts (read by tandem.engine.medusa_published, served by
-tandem.engine.medusa.load_published): FasterDecoding's `medusa_lm_head.pt`, rtp-llm's `medusa_head.*` and vLLM's `blocks.*`/`lm_heads.*` load to the
-same heads, whose logits are an independent plain-torch forward of the layout; with every
-head's LM head equal to the target's they propose what Tandem's own format proposes for the
-same block weights; anything else is refused by name."""
+tandem.engine.medusa.load_published): FasterDecoding's `medusa_lm_head.pt`, rtp-llm's
+`medusa_head.*` and vLLM's `blocks.*`/`lm_heads.*` load to the same heads, whose logits are an
+independent plain-torch forward of the layout; with every head's LM head equal to the target's
+they propose what Tandem's own format proposes for the same block weights; anything else is
+refused by name."""
 import json
 
 import pytest
