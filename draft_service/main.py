@@ -33,7 +33,12 @@ from tandem.drain import DrainSignal, set_health
 from tandem.engine.layer_skip import resolve_skip_set
 from tandem.engine.llama import LlamaModel
 from tandem.grammar.compiler import LazyCompiler, compiler_for
-from tandem.grpc_limits import max_message_bytes, message_options
+from tandem.grpc_limits import (
+    MIN_PING_INTERVAL_MS,
+    keepalive_server_options,
+    max_message_bytes,
+    message_options,
+)
 from tandem.grpc_status import StatusInterceptor
 from tandem.models import (
     ModelError,
@@ -159,10 +164,6 @@ def _message_limit(worker: DraftWorker) -> int:
     return max_message_bytes(worker.limits.max_context_length, hidden)
 
 
-# The shortest ping interval a verifier may keep a stream alive with (it pings every 10 s:
-# verify_service/drafts/link.py KEEPALIVE_S); more often counts as abuse.
-MIN_PING_INTERVAL_MS = 5000
-
 
 @dataclass
 class DraftApp:
@@ -198,9 +199,9 @@ async def build_app(config: DraftConfig, worker: DraftWorker | None = None,
     if worker is None:
         worker, info = build_worker(config)
     server = grpc.aio.server(interceptors=[StatusInterceptor()], options=[
-        # Speculate streams live for hours: let verifiers keep them alive with pings.
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        # Speculate streams live for hours: let verifiers keep them alive with pings
+        # (MIN_PING_INTERVAL_MS is read here, at build time: tests lower it).
+        *keepalive_server_options(MIN_PING_INTERVAL_MS),
         *message_options(_message_limit(worker)),
     ])
     servicer = DraftServicer(worker, info or common_pb2.WorkerInfo())

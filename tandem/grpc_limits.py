@@ -1,5 +1,5 @@
-"""Size limits of the gRPC surface, in one place: message bytes and the repeated fields that
-would otherwise only be bounded by them.
+"""Limits of the gRPC surface, in one place: message bytes, the repeated fields that would
+otherwise only be bounded by them, and the keepalive both ends of a long-lived stream agree on.
 
 gRPC's implicit default (4 MiB received, unlimited sent) is wrong both ways here: the largest
 legitimate message is an EAGLE re-open (OpenSession carrying the session's fp16 features, 2 *
@@ -35,3 +35,29 @@ def message_options(limit: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, i
     """Server or channel options capping received and sent messages at `limit` bytes."""
     return [("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit)]
+
+
+# A Speculate stream lives for hours. A link whose peer stops answering (a black-holed network,
+# a frozen host) must break, not hold its sessions for the stream's day-long deadline: the
+# verifier's channel pings every KEEPALIVE_S, and a ping unanswered for KEEPALIVE_TIMEOUT_S
+# closes the transport. The draft server lets a ping come every MIN_PING_INTERVAL_MS at most;
+# more often counts as abuse.
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 10.0, 5.0
+MIN_PING_INTERVAL_MS = 5000
+
+
+def keepalive_options(every_s: float = KEEPALIVE_S,
+                      timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list[tuple[str, int]]:
+    """Channel options: ping every `every_s`, even without calls; give up after `timeout_s`."""
+    return [("grpc.keepalive_time_ms", int(every_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),  # newer gRPC cores use it
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+def keepalive_server_options(min_ping_interval_ms: int = MIN_PING_INTERVAL_MS
+                             ) -> list[tuple[str, int]]:
+    """Server options: let clients keep idle streams alive with pings at most this often."""
+    return [("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", min_ping_interval_ms)]

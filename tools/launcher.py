@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.backoff import backoff_s
 from tandem.device import check_device_spec, check_dtype_spec
 from tandem.models import DEFAULT_TARGET, resolve_model
 from tandem.netaddr import free_port, join_host_port
@@ -233,7 +234,8 @@ class Cluster:
             count, not_before = self.restarts.get(name, (0, 0.0))
             if clock() < not_before:
                 continue
-            self.restarts[name] = (count + 1, clock() + min(DRAFT_BACKOFF_MAX_S, 2.0 ** count))
+            self.restarts[name] = (count + 1, clock() + backoff_s(count + 1, 1.0,
+                                                                  DRAFT_BACKOFF_MAX_S))
             self.log(f"  {name} exited with code {proc.returncode}; starting it again "
                      f"(restart {count + 1})")
             self.procs[i] = (name, self._popen(self.args[name]))

@@ -14,7 +14,14 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from tandem.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES, message_options
+from tandem.backoff import backoff_s
+from tandem.grpc_limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    KEEPALIVE_S,
+    KEEPALIVE_TIMEOUT_S,
+    keepalive_options,
+    message_options,
+)
 from tandem.spec import (
     Close,
     Commit,
@@ -36,23 +43,9 @@ STREAM_DEADLINE_S = 24 * 3600.0  # long-lived by design; a deadline still bounds
 # A worker that failed is skipped for 0.5 s, doubling with each failure in a row up to
 # RETRY_BACKOFF_S (a restarting worker is tried again within about a second of its return).
 FIRST_RETRY_S, RETRY_BACKOFF_S = 0.5, 5.0
-# A link whose peer stops answering (a black-holed network, a frozen host) must break, not
-# hold its sessions for the stream's day-long deadline: HTTP/2 pings every KEEPALIVE_S, and a
-# ping unanswered for KEEPALIVE_TIMEOUT_S closes the transport (the draft server allows a ping
-# every 5 s: draft_service/main.py).
-KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 10.0, 5.0
 # Control messages waiting to be sent on one link. A link that cannot drain this many (its
 # peer stopped reading) is broken rather than buffered without bound.
 MAX_QUEUED = 4096
-
-
-def keepalive_options(every_s: float = KEEPALIVE_S,
-                      timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list[tuple[str, int]]:
-    return [("grpc.keepalive_time_ms", int(every_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
-            ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),  # newer gRPC cores use it
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0)]
 
 
 def control_to_proto(c: Control) -> draft_pb2.DraftControl:
@@ -211,8 +204,7 @@ class DraftPool:
         """The worker at address failed (the link to it broke, or it would not connect):
         skip it for a while. Only `link` itself is forgotten, not a newer one."""
         n = self._failures[address] = self._failures.get(address, 0) + 1
-        self._skip_until[address] = self._clock() + min(RETRY_BACKOFF_S,
-                                                        FIRST_RETRY_S * 2 ** (n - 1))
+        self._skip_until[address] = self._clock() + backoff_s(n, FIRST_RETRY_S, RETRY_BACKOFF_S)
         if link is None or self.links.get(address) is link:
             self.links.pop(address, None)
 

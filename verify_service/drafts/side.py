@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
+from tandem.backoff import backoff_s
 from tandem.spec import (
     Close,
     Commit,
@@ -138,8 +139,8 @@ class DraftSide:
             # keeping it would leave the session on a dead link for good): look again later,
             # for free.
             seq.link.attach_misses += 1
-            seq.link.next_attach_at = self._clock() + min(
-                MAX_ATTACH_BACKOFF_S, ATTACH_BACKOFF_S * 2 ** (seq.link.attach_misses - 1))
+            seq.link.next_attach_at = self._clock() + backoff_s(
+                seq.link.attach_misses, ATTACH_BACKOFF_S, MAX_ATTACH_BACKOFF_S)
             return
         seq.link.attach_misses = 0
         seq.link.attaches_left -= 1  # given back by the stream's first draft (on_reply)
