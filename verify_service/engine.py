@@ -6,7 +6,7 @@ Each phase has its own folder: drafts arrive in drafts/side.py, the batch is cho
 policy/scheduler.py (pure Python), executed by forward/executor.py (torch,
 in one worker thread so the event loop keeps serving health checks and draft streams), and the
 committed tokens go back out here, to the client's queue and to the draft worker. The open
-sessions and what each is owed live in verify_service/session/table.py; what a round teaches the
+sessions and what each is owed live in verify_service/sessions.py; what a round teaches the
 next ones' planning, in verify_service/policy/feedback.py. Draft workers are optional at every
 moment: a session without proposals simply decodes plainly.
 """
@@ -22,15 +22,15 @@ from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
 from verify_service.drafts.history import HistoryDrafts
 from verify_service.drafts.side import DraftSide
+from verify_service.drafts.waits import draft_wait_limit_ms
 from verify_service.forward.executor import Executor
 from verify_service.forward.step import RoundOutcome, StepInput, StepTimings
 from verify_service.policy import auto
 from verify_service.policy.feedback import learn_acceptance, observe_cost, observe_tree_wait
 from verify_service.policy.scheduler import ScheduledSeq, Scheduler
-from verify_service.policy.waits import draft_wait_limit_ms
 from verify_service.session.params import GenerateParams
 from verify_service.session.sequence import Estimates, LocalProposals, Sequence
-from verify_service.session.table import RoundOutput, SessionTable
+from verify_service.sessions import RoundOutput, SessionTable
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +133,14 @@ class Engine:
             return []
         seqs = [s for s in self.scheduler.running if s.local.in_verifier
                 and not s.drafts and not s.sched.prefill_left and not s.finished]
-        self.history.fill(seqs, self.scheduler.k_max)
+        self.history.fill(seqs, self.scheduler.k_allowed)
         return seqs
 
     def _pick(self, seqs: list[Sequence]) -> None:
         for seq in seqs:  # one proposal each (auto: the best of several)
             auto.pick(self.scheduler, seq, self.drafts.asked(seq))
             if self.config.forced_drafts:
-                auto.grammar_forced(seq, self.scheduler.k_max(seq))
+                auto.grammar_forced(seq, self.scheduler.k_allowed(seq))
 
     async def _execute(self, inputs: list[StepInput]):
         return await asyncio.get_running_loop().run_in_executor(
@@ -180,7 +180,7 @@ class Engine:
             except asyncio.TimeoutError:
                 return (time.perf_counter() - start) * 1e3
 
-    def _draft_wait_limit_ms(self) -> float:  # verify_service/policy/waits.py
+    def _draft_wait_limit_ms(self) -> float:  # verify_service/drafts/waits.py
         return draft_wait_limit_ms(self.scheduler.running, self.scheduler, self.drafts,
                                    self.config.max_draft_wait_ms)
 
@@ -266,7 +266,7 @@ class Engine:
                                          self.drafts.arrival.ms)
         k = self.scheduler.desired_k(seq)
         if seq.params.tree and k:  # a whole tree: the verifier sizes it once it arrives
-            return self.scheduler.k_max(seq)
+            return self.scheduler.k_allowed(seq)
         return k + 1 if k else 0
 
     def _release(self, seq: Sequence) -> None:

@@ -22,7 +22,7 @@ from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.engine import Engine
 from verify_service.session.params import GenerateParams
-from verify_service.session.table import RoundOutput
+from verify_service.sessions import RoundOutput
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
@@ -76,9 +76,9 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
     method = Method.from_wire(spec.method)
     if method is Method.UNSPECIFIED:
         method = default_method
-    if spec.num_speculative_tokens > info.max_speculative_tokens:
+    if spec.num_speculative_tokens > info.max_spec_tokens:
         raise InvalidArgument(f"num_speculative_tokens {spec.num_speculative_tokens} exceeds "
-                         f"{info.max_speculative_tokens}")
+                         f"{info.max_spec_tokens}")
     return GenerateParams(
         session_id=req.session_id, prompt=tuple(req.prompt_token_ids),
         committed=tuple(req.committed_token_ids), sampling=sampling,

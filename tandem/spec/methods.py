@@ -62,3 +62,8 @@ class Method(enum.IntEnum):
 
 
 API_NAMES = tuple(m.api_name for m in Method if m is not Method.UNSPECIFIED)
+# The draft workers' model methods an auto session may take drafts from beside its own (model
+# drafts: what the verifier cannot draft itself).
+AUTO_DRAFT_METHODS = frozenset({Method.DRAFT_MODEL, Method.EAGLE})
+# The token-history proposers auto asks each round, in the order it asks them.
+HISTORY_SOURCES = (Method.SUFFIX, Method.NGRAM)

@@ -13,10 +13,10 @@ from tandem.spec import Commit, DraftToken, Method, Open
 from tandem.spec import Proposal as Reply
 from tandem.spec.cost import CostModel
 from verify_service.drafts.side import DraftSide
+from verify_service.drafts.waits import missing
 from verify_service.policy import auto
 from verify_service.policy.feedback import learn_acceptance
 from verify_service.policy.scheduler import EXPLORE_EVERY, ScheduledSeq, Scheduler, SchedulerConfig
-from verify_service.policy.waits import missing
 from verify_service.session.params import GenerateParams
 from verify_service.session.sequence import LocalProposal, Sequence
 
@@ -228,7 +228,7 @@ def test_auto_draft_method_on_the_wire():
     from tandem.v1 import common_pb2
     from verify_service.server import params_from_proto
 
-    info = common_pb2.WorkerInfo(max_speculative_tokens=16, vocab_size=100,
+    info = common_pb2.WorkerInfo(max_spec_tokens=16, vocab_size=100,
                                  max_context_length=64)
     plan = GenerationPlan(session_id="s", prompt_token_ids=(1, 2), sampling=SamplingParams(),
                           max_new_tokens=4, stop_token_ids=(), ignore_eos=False,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2] / "verify_service"
 OWNERS = {"sched": "policy/scheduler.py", "link": "drafts/side.py", "est": "policy/feedback.py",
-          "local": "policy/auto.py", "stats": "session/table.py"}
+          "local": "policy/auto.py", "stats": "sessions.py"}
 SEQUENCE = "session/sequence.py"
 RECORDS = {"sched": Scheduling, "link": DraftLinkState, "est": Estimates,
            "local": LocalProposals}

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from tandem.proposers.ngram import NgramProposer
 from tandem.proposers.suffix import SuffixConfig, SuffixProposer
 from tandem.spec import DraftRequest, Method, Proposer
+from tandem.spec.methods import HISTORY_SOURCES
 from tandem.spec.proposer import Learner, propose_isolated
 from verify_service.session.sequence import LocalProposal, Sequence
 
 HISTORY_METHODS = frozenset({Method.NGRAM, Method.SUFFIX, Method.AUTO})
-# The token-history proposers `auto` asks each round (verify_service/policy/auto.py picks).
-HISTORY_SOURCES = (Method.SUFFIX, Method.NGRAM)
 
 
 class HistoryDrafts:
@@ -42,12 +41,12 @@ class HistoryDrafts:
     def serves(method: Method) -> bool:
         return method in HISTORY_METHODS
 
-    def fill(self, seqs: list[Sequence], k_max: Callable[[Sequence], int]) -> None:
+    def fill(self, seqs: list[Sequence], k_allowed: Callable[[Sequence], int]) -> None:
         """Each session's (local, speculating, with no drafts yet) proposals for this round,
         one per source it drafts from, into Sequence.proposals: drafts and their reach (the
         proposer's own confidence per token). verify_service/policy/auto.py picks among them. A
         proposer that fails or finds no match proposes nothing."""
-        ks = {seq.seq_id: k for seq in seqs if (k := k_max(seq)) > 0}
+        ks = {seq.seq_id: k for seq in seqs if (k := k_allowed(seq)) > 0}
         by_method: dict[Method, list[Sequence]] = {}
         for seq in seqs:
             if seq.seq_id in ks:

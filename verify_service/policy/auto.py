@@ -16,7 +16,7 @@ Proposers:
   first ask (until then it costs nothing), then gets every commit, paused (run-ahead 0)
   while the worker is not asked, with a probe now and then that is
   never waited for. Only drafts that arrived within the step's wait bound compete
-  (verify_service/policy/waits.py: none is waited for in a round the history proposes); a worker
+  (verify_service/drafts/waits.py: none is waited for in a round the history proposes); a worker
   fault only empties the chain (speculation fails open).
 
 Proposals are compared by expected tokens per ms of verify cost, each at its best size
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import best_rate, choose_tree_size
-from verify_service.drafts.history import HISTORY_SOURCES
+from tandem.spec.methods import HISTORY_SOURCES
 from verify_service.policy.feedback import note_link_round
 from verify_service.policy.scheduler import EXPLORE_EVERY, Scheduler
 from verify_service.session.sequence import LocalProposal, Sequence
@@ -67,7 +67,7 @@ def head_nodes(scheduler: Scheduler, seq: Sequence, heads_ms: float = 0.0) -> in
     for the verify cost plus the heads' own pass (heads_ms, spent whether or not their
     proposal is then picked), so heads that do not pay for themselves are not run."""
     return choose_tree_size(seq.scaled_reach(Method.MEDUSA, scheduler.heads_reach(seq)),
-                            scheduler.k_max(seq), scheduler.cost, heads_ms)
+                            scheduler.k_allowed(seq), scheduler.cost, heads_ms)
 
 
 def remote_reach(seq: Sequence, n: int) -> list[float]:
@@ -91,11 +91,11 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
     if remote is None or seq.finished or seq.local.source in HISTORY_SOURCES or (
             seq.local.history_misses < HEADS_AFTER_MISSES and seq.local.source is not remote):
         return 0
-    k_max = scheduler.k_max(seq)
-    k = choose_tree_size(seq.scaled_reach(remote, remote_reach(seq, k_max)), k_max,
+    k_allowed = scheduler.k_allowed(seq)
+    k = choose_tree_size(seq.scaled_reach(remote, remote_reach(seq, k_allowed)), k_allowed,
                          scheduler.cost, first_ms, gap_ms)  # a chain: one gap per draft
-    if k == 0 and k_max and seq.stats.rounds % PROBE_EVERY == EXPLORE_EVERY - 1:
-        k = 1  # a probe (never waited for: verify_service/policy/waits.py)
+    if k == 0 and k_allowed and seq.stats.rounds % PROBE_EVERY == EXPLORE_EVERY - 1:
+        k = 1  # a probe (never waited for: verify_service/drafts/waits.py)
     return k + 1 if k else 0
 
 
@@ -108,28 +108,28 @@ def pick(scheduler: Scheduler, seq: Sequence, asked: int = 0) -> None:
     seq.local.source = None
     matched = any(m in proposals for m in HISTORY_SOURCES)
     seq.local.history_misses = 0 if matched else seq.local.history_misses + 1
-    k_max = scheduler.k_max(seq)
+    k_allowed = scheduler.k_allowed(seq)
     if seq.remote and seq.params.auto_draft is not None:
-        drafts = seq.remote[:k_max]
+        drafts = seq.remote[:k_allowed]
         proposals[seq.params.auto_draft] = LocalProposal(list(drafts), None,
                                                     remote_reach(seq, len(drafts)))
         note_link_round(seq, arrived=True)
-    elif asked and not matched:  # waited for (verify_service/policy/waits.py), and none came
+    elif asked and not matched:  # waited for (verify_service/drafts/waits.py), and none came
         note_link_round(seq, arrived=False)
     if not proposals or seq.finished:
         return
     source = max(proposals, key=lambda m: best_rate(
-        seq.scaled_reach(m, proposals[m].reach), k_max, scheduler.cost))
+        seq.scaled_reach(m, proposals[m].reach), k_allowed, scheduler.cost))
     chosen = proposals[source]
     seq.take_drafts(chosen.drafts, chosen.parents, chosen.reach)
     seq.local.source = source
 
 
-def grammar_forced(seq: Sequence, k_max: int) -> None:
+def grammar_forced(seq: Sequence, k_allowed: int) -> None:
     """Structured output: the tokens the grammar allows alone from here (a key, its quotes
     and `": "`) are drafts of confidence ~1 at no cost; they replace the round's proposal
     unless it already starts with them."""
-    forced = seq.grammar.forced[:k_max] if seq.grammar is not None else []
+    forced = seq.grammar.forced[:k_allowed] if seq.grammar is not None else []
     if not forced or [d.token_id for d in seq.drafts[:len(forced)]] == forced:
         return
     seq.local.source = None

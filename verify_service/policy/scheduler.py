@@ -9,7 +9,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
-from tandem.spec.cost import CostModel, StepCost, choose_k, choose_tree_size, plan_batch
+from tandem.spec.cost import (
+    DEFAULT_MAX_SPEC_TOKENS,
+    CostModel,
+    StepCost,
+    choose_k,
+    choose_tree_size,
+    plan_batch,
+)
 from verify_service.session.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
@@ -24,7 +31,7 @@ def probing(seq: Sequence, ahead: int = 0) -> bool:
 class SchedulerConfig:
     max_num_seqs: int = 32  # running sessions at once
     max_num_batched_tokens: int = 2048  # new tokens per forward (prefill chunks dominate)
-    max_spec_tokens: int = 8  # cap on k per round
+    max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS  # cap on k per round
     max_verify_tokens: int = 64  # verification tokens per step; caps k under batch load
     max_model_len: int = 8192
     # Chunked prefill: beside decoding sessions a prompt is computed at most this many tokens
@@ -120,28 +127,28 @@ class Scheduler:
         """The k that pays for the session alone (the single-session cost curve)."""
         if not seq.speculating:
             return 0
-        k_max = self.k_max(seq)  # under batch load sessions share max_verify_tokens
-        reach = self.reach(seq, k_max)
+        k_allowed = self.k_allowed(seq)  # under batch load sessions share max_verify_tokens
+        reach = self.reach(seq, k_allowed)
         if reach is not None:
-            k = choose_tree_size(reach, k_max, self.cost, seq.est.tree_wait_ms)
+            k = choose_tree_size(reach, k_allowed, self.cost, seq.est.tree_wait_ms)
         else:
-            k = choose_k(seq.est.acceptance_ema, k_max, self.cost)
-        if k == 0 and k_max and probing(seq, ahead):
+            k = choose_k(seq.est.acceptance_ema, k_allowed, self.cost)
+        if k == 0 and k_allowed and probing(seq, ahead):
             # Speculation is off for this session: probe now and then, estimates move. A tree
             # probe verifies what would pay without its drafting wait, so that its nodes'
             # estimates get evidence too (one node alone says little about a tree).
-            k = max(1, choose_tree_size(reach, k_max, self.cost) if reach is not None else 1)
+            k = max(1, choose_tree_size(reach, k_allowed, self.cost) if reach is not None else 1)
         return k
 
-    def k_max(self, seq: Sequence) -> int:
+    def k_allowed(self, seq: Sequence) -> int:
         """The most drafts the session may verify per round (request cap, config cap, and
         its share of max_verify_tokens under batch load)."""
-        k_max = min(seq.params.num_speculative_tokens or self.config.max_spec_tokens,
-                    self.config.max_spec_tokens)
+        capped = min(seq.params.num_speculative_tokens or self.config.max_spec_tokens,
+                     self.config.max_spec_tokens)
         per_seq = self.config.max_verify_tokens // max(1, len(self.running)) - 1
-        return max(0, min(k_max, per_seq))
+        return max(0, min(capped, per_seq))
 
-    def reach(self, seq: Sequence, k_max: int | None = None) -> list[float] | None:
+    def reach(self, seq: Sequence, k_allowed: int | None = None) -> list[float] | None:
         """Estimated chance each of the session's draft nodes (in order) is accepted, for
         sessions sized node by node (trees, and Medusa's chains); None for a draft worker's
         chain (sized by its acceptance EMA). Scaled by the session's measured correction."""
@@ -151,7 +158,7 @@ class Scheduler:
             base = self.heads_reach(seq)
         elif seq.params.tree:  # the arrived nodes' own estimates, the last tree's for the rest
             base = seq.last_reach or [seq.est.acceptance_ema ** (i + 1) for i in range(
-                self.k_max(seq) if k_max is None else k_max)]
+                self.k_allowed(seq) if k_allowed is None else k_allowed)]
             got = seq.draft_reach
             base = got if seq.tree_complete else [*got, *base[len(got):]]
         else:

@@ -1,2 +1,2 @@
-"""A session's state: what a Generate call asks (params), the Sequence and its owned
-records (sequence), and the table of open sessions with what each is owed (table)."""
+"""A session's state: what a Generate call asks (params), and the Sequence with its owned
+records (sequence). The table of open sessions is verify_service/sessions.py."""

@@ -7,12 +7,9 @@ from dataclasses import dataclass
 from tandem.errors import InvalidArgument
 from tandem.grammar.spec import GrammarSpec
 from tandem.sampling_params import SamplingParams
-from tandem.spec import Method
+from tandem.spec.methods import AUTO_DRAFT_METHODS, Method
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
-# The draft workers' methods whose drafts an auto session may take beside its own (model
-# drafts: what the verifier cannot draft itself).
-AUTO_DRAFT_METHODS = frozenset({Method.DRAFT_MODEL, Method.EAGLE})
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ have one writer (tests/unit/test_session_owners.py holds the code to it):
     .link            DraftLinkState  verify_service/drafts/side.py
     .est             Estimates       verify_service/policy/feedback.py
     .local           LocalProposals  verify_service/policy/auto.py (proposers offer() into it)
-    .stats           SessionStats    verify_service/session/table.py
+    .stats           SessionStats    verify_service/sessions.py
 
 Pure Python (no torch): the scheduler and the engine loop share it on the event-loop thread.
 Invariant between rounds: the KV cache holds every committed token but the last one, which is

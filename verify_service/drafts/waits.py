@@ -2,7 +2,7 @@
 asks before each step). Pure Python, like the scheduler."""
 from __future__ import annotations
 
-from verify_service.drafts.history import HISTORY_SOURCES
+from tandem.spec.methods import HISTORY_SOURCES
 from verify_service.drafts.side import DraftSide
 from verify_service.policy.scheduler import Scheduler, probing
 from verify_service.session.sequence import Sequence
