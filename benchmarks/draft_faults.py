@@ -27,9 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
 from tools.bench.copy_prompts import PROMPTS as COPY_PROMPTS
+from tools.bench.sse import chat_stream, choice_text
 from tools.launcher import Cluster, ClusterConfig, free_port, grpc_healthy
 
 CHAT = ["Explain how a bicycle works.", "Write a short story about a lighthouse keeper.",
@@ -85,14 +84,12 @@ def stream(url: str, prompt: str, method: str, max_tokens: int) -> dict:
             "speculation": {"method": method, "num_speculative_tokens": 4}}
     t0 = time.perf_counter()
     stamps, last = [], {}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+    with chat_stream(url, body, timeout=300) as (r, chunks):
         if r.status_code != 200:
             return {"error": r.status_code}
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                last = json.loads(line[6:])
-                if any(c.get("delta", {}).get("content") for c in last.get("choices", [])):
-                    stamps.append(time.perf_counter())
+        for last in chunks:
+            if any(choice_text(c) for c in last.get("choices", [])):
+                stamps.append(time.perf_counter())
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     spec = last.get("speculation") or {}
     tokens = (last.get("usage") or {}).get("completion_tokens", 0)

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import grpc
-import httpx
 from transformers import AutoTokenizer
 
 from tandem.models import resolve_model
 from tandem.spec.methods import Method
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from tools.bench.sse import chat_stream
 from tools.launcher import Cluster, ClusterConfig, free_port
 
 PROMPTS = ["Write a short story about a lighthouse keeper and a storm.",
@@ -62,11 +62,8 @@ def gateway_tps(url: str, prompt: str, method: str, n: int) -> float:
             "stream_options": {"include_usage": True}}
     first = end = None
     tokens = 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+    with chat_stream(url, body, timeout=600) as (_, chunks):
+        for chunk in chunks:
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             elif first is None:

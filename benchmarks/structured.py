@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 
+from tools.bench.sse import chat_stream, choice_text
 from tools.launcher import Cluster, ClusterConfig, free_port
 
 
@@ -88,17 +89,11 @@ def ask(url: str, model: str, prompt: str, schema: dict | None, method: str,
     parts, first, last, finish, usage, spec = [], None, None, None, {}, {}
     t0 = time.perf_counter()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600,
-                      headers=headers) as r:
+    with chat_stream(url, body, timeout=600, headers=headers) as (r, chunks):
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in chunks:
             for c in chunk["choices"]:
-                calls = c["delta"].get("tool_calls") or []
-                piece = c["delta"].get("content") or "".join(
-                    t["function"].get("arguments", "") for t in calls)
+                piece = choice_text(c, tool_arguments=True)
                 if piece:
                     first = first or time.perf_counter()
                     last = time.perf_counter()

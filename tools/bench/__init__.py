@@ -3,6 +3,7 @@
   prompts.jsonl  the fixed prompt set (chat, story, code rewriting, summarisation, lists)
   baselines.py   transformers generate / assisted generation / prompt lookup, in process
   client.py      the gateway (streaming, concurrency) and the verifier's gRPC (round stats)
+  sse.py         the gateway's streamed chat completions read as chunks (benchmarks/ too)
   config.py      BenchConfig, the methods each phase runs, the prompts, draft and EAGLE head
   runner.py      one run: peers, then a local cluster; a JSON-able dict
   phases.py      the run's phases: peers, gateway, verifier rounds, concurrency

@@ -4,7 +4,6 @@ the verifier's gRPC Generate directly for what the gateway does not forward (per
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
@@ -13,6 +12,7 @@ import httpx
 
 from tandem.spec.methods import Method
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from tools.bench.sse import CHAT_PATH, achunks, choice_text
 from tools.bench.stats import decode_tps, itl_samples
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -40,18 +40,13 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     the gateway's `speculation` stats."""
     start = time.perf_counter()
     times, texts, final = [], [], {}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body,
-                             timeout=TIMEOUT_S) as r:
+    async with client.stream("POST", url + CHAT_PATH, json=body, timeout=TIMEOUT_S) as r:
         if r.status_code != 200:
             raise RuntimeError(f"gateway answered {r.status_code}: {(await r.aread())[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
+        async for obj in achunks(r.aiter_lines()):
             if "error" in obj:
                 raise RuntimeError(f"gateway stream error: {obj['error']}")
-            content = "".join((c.get("delta") or {}).get("content") or ""
-                              for c in obj.get("choices", []))
+            content = "".join(choice_text(c) for c in obj.get("choices", []))
             if content:
                 times.append(time.perf_counter())
                 texts.append(content)
