@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.backoff import backoff_s
+from tandem.backoff import KeyedBackoff
 from tandem.device import check_device_spec, check_dtype_spec
 from tandem.models import DEFAULT_TARGET, resolve_model
 from tandem.netaddr import free_port, join_host_port
@@ -96,7 +96,8 @@ class Cluster:
         self.output = output  # children's stdout/stderr (None = inherit)
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.args: dict[str, list[str]] = {}  # child name -> its command line, for restarts
-        self.restarts: dict[str, tuple[int, float]] = {}  # draft -> (restarts, not before)
+        # draft worker -> its restarts and when it may be started again (1 s doubling to 30 s)
+        self.restarts = KeyedBackoff(1.0, DRAFT_BACKOFF_MAX_S)
         self.addresses: dict[str, str] = {}  # worker name -> host:port
         self.metrics_urls: dict[str, str] = {}
         self.stack = ExitStack()
@@ -231,13 +232,12 @@ class Cluster:
         for i, (name, proc) in enumerate(self.procs):
             if not name.startswith("draft-") or proc.poll() is None:
                 continue
-            count, not_before = self.restarts.get(name, (0, 0.0))
-            if clock() < not_before:
+            now = clock()
+            if not self.restarts.ready(name, now):
                 continue
-            self.restarts[name] = (count + 1, clock() + backoff_s(count + 1, 1.0,
-                                                                  DRAFT_BACKOFF_MAX_S))
+            count = self.restarts.failed(name, now)
             self.log(f"  {name} exited with code {proc.returncode}; starting it again "
-                     f"(restart {count + 1})")
+                     f"(restart {count})")
             self.procs[i] = (name, self._popen(self.args[name]))
             restarted.append(name)
         return restarted

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from tandem.backoff import backoff_s
+from tandem.backoff import KeyedBackoff
 from tandem.grpc_limits import (
     DEFAULT_MAX_MESSAGE_BYTES,
     KEEPALIVE_S,
@@ -57,8 +57,7 @@ def control_to_proto(c: Control) -> draft_pb2.DraftControl:
             sampling=common_pb2.SamplingParams(temperature=c.temperature, top_k=c.top_k,
                                                top_p=c.top_p, seed=c.seed),
             features=_features(c.features), tenant=c.tenant, tree=c.tree,
-            grammar=None if c.grammar is None else common_pb2.Grammar(
-                kind=int(c.grammar.kind), source=c.grammar.source),
+            grammar=None if c.grammar is None else common_pb2.Grammar(**c.grammar.to_wire()),
             grammar_start=c.grammar_start))
     if isinstance(c, Commit):
         return draft_pb2.DraftControl(commit=draft_pb2.CommitTokens(
@@ -194,22 +193,16 @@ class DraftPool:
         self._discover = discover
         self._on_message = on_message
         self._on_broken = on_broken
-        self._clock = clock
         self.links: dict[str, DraftLink] = {}
         self._connecting: dict[str, asyncio.Future] = {}  # address -> its one start in flight
-        self._skip_until: dict[str, float] = {}
-        self._failures: dict[str, int] = {}  # failures in a row, per address
+        self._skips = KeyedBackoff(FIRST_RETRY_S, RETRY_BACKOFF_S, clock)  # per address
 
     def mark_failed(self, address: str, link: DraftLink | None = None) -> None:
         """The worker at address failed (the link to it broke, or it would not connect):
         skip it for a while. Only `link` itself is forgotten, not a newer one."""
-        n = self._failures[address] = self._failures.get(address, 0) + 1
-        self._skip_until[address] = self._clock() + backoff_s(n, FIRST_RETRY_S, RETRY_BACKOFF_S)
+        self._skips.failed(address)
         if link is None or self.links.get(address) is link:
             self.links.pop(address, None)
-
-    def _usable(self, address: str) -> bool:
-        return self._clock() >= self._skip_until.get(address, -1e9)
 
     async def candidates(self) -> list[str]:
         found = list(self._static)
@@ -218,7 +211,7 @@ class DraftPool:
                 found += [a for a in await self._discover() if a not in found]
             except Exception as exc:  # registry trouble must not stop decoding
                 log.warning("draft discovery failed: %s", exc)
-        return [a for a in found if self._usable(a)]
+        return [a for a in found if self._skips.ready(a)]
 
     async def get(self, hint: str = "") -> DraftLink | None:
         order = await self.candidates()
@@ -248,7 +241,7 @@ class DraftPool:
         if not await link.start():
             self.mark_failed(address)
             return None
-        self._failures.pop(address, None)
+        self._skips.succeeded(address)
         old = self.links.get(address)
         self.links[address] = link
         if old is not None and old is not link:
