@@ -15,6 +15,7 @@ from draft_service.tracing import SessionSpans
 from draft_service.worker import DraftWorker
 from tandem.errors import InvalidArgument, Unavailable
 from tandem.grammar import GrammarSpec
+from tandem.sampling_params import SamplingParams
 from tandem.spec import Close, Commit, Control, Features, Invalid, Open, Reply, SessionError
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -25,16 +26,15 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
     which = msg.WhichOneof("control")
     if which == "open":
-        o, s = msg.open, msg.open.sampling
+        o = msg.open
         try:
             grammar = _grammar(o)
         except InvalidArgument as exc:
             return Invalid(o.session_id, str(exc))
         return Open(
-            o.session_id, list(o.token_ids), s.temperature, s.top_k,
-            s.top_p if s.top_p != 0 else 1.0,  # proto3 default 0 means "off", like 1
-            s.seed if s.HasField("seed") else None, o.method, o.max_run_ahead, o.top_n,
-            o.epoch, o.max_ngram_size, trace_context=tuple(o.trace_context.items()),
+            o.session_id, list(o.token_ids), *SamplingParams.wire_fields(o.sampling), o.method,
+            o.max_run_ahead, o.top_n, o.epoch, o.max_ngram_size,
+            trace_context=tuple(o.trace_context.items()),
             features=_features(o), tenant=o.tenant, tree=o.tree, grammar=grammar,
             grammar_start=o.grammar_start)
     if which == "commit":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tandem.errors import InvalidArgument
+
 _MAX_SEED = 2**63  # exclusive; seeds travel as int64 on the wire
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
 # inf and the row's softmax turns NaN. kernels.sampling applies the same threshold.
@@ -54,3 +56,25 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    # ---- the wire (tandem.v1.SamplingParams): the one conversion, both ways ---------------
+    @staticmethod
+    def wire_fields(msg) -> tuple[float, int, float, int | None]:
+        """A tandem.v1.SamplingParams message's (temperature, top_k, top_p, seed), unchecked
+        (a draft worker reports a bad value in-band, for its session only)."""
+        # top_p 0 is proto3's "unset", which means off, like 1; anything else is checked
+        return (msg.temperature, msg.top_k, msg.top_p if msg.top_p != 0 else 1.0,
+                msg.seed if msg.HasField("seed") else None)
+
+    @classmethod
+    def from_wire(cls, msg) -> SamplingParams:
+        """The message's params; InvalidArgument says which value is wrong."""
+        try:
+            return cls(*cls.wire_fields(msg))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    def to_wire(self) -> dict:
+        """Keyword arguments of the tandem.v1.SamplingParams message (no seed: unseeded)."""
+        fields = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        return fields if self.seed is None else {**fields, "seed": self.seed}

@@ -56,22 +56,13 @@ def _check_sizes(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo) -
             raise InvalidArgument(f"{name} has ids outside the vocabulary [0, {v}): {bad[:5]}")
 
 
-def _sampling(s: common_pb2.SamplingParams) -> SamplingParams:
-    try:  # top_p 0 is proto3's "unset", which means off, like 1; anything else is checked
-        return SamplingParams(temperature=s.temperature, top_k=s.top_k,
-                              top_p=s.top_p if s.top_p != 0 else 1.0,
-                              seed=s.seed if s.HasField("seed") else None)
-    except ValueError as exc:
-        raise InvalidArgument(str(exc)) from None
-
-
 def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo,
                       default_method: Method,
                       tree_methods: frozenset[Method] = frozenset({Method.MEDUSA})
                       ) -> GenerateParams:
     """Validates a request against the model's limits; InvalidArgument says what is wrong."""
     _check_sizes(req, info)
-    sampling = _sampling(req.sampling)
+    sampling = SamplingParams.from_wire(req.sampling)
     spec = req.speculation
     method = Method.from_wire(spec.method)
     if method is Method.UNSPECIFIED:

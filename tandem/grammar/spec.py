@@ -60,6 +60,10 @@ class GrammarSpec:
             raise InvalidArgument(f"grammar: unknown kind {msg.kind}") from None
         return cls(kind, msg.source)
 
+    def to_wire(self) -> dict:
+        """Keyword arguments of the tandem.v1.Grammar message."""
+        return {"kind": int(self.kind), "source": self.source}
+
     @classmethod
     def json_schema(cls, schema: dict | bool) -> GrammarSpec:
         if schema is False:
