@@ -26,6 +26,7 @@ from opentelemetry import trace
 from redis.exceptions import RedisError
 
 from tandem import telemetry
+from tandem.backoff import KeyedBackoff
 
 STATUSES = ("queued", "running", "resuming", "finished", "failed", "cancelled")
 
@@ -173,37 +174,39 @@ class RedisBreaker:
     A request touches Redis a dozen times; each failing call would cost the client's
     connect timeout and retries. After one failure every call fails fast for cooldown_s,
     then one call probes again while the others keep failing fast until it answers.
-    Callers already treat RedisError as "fall back".
+    Callers already treat RedisError as "fall back". The breaker is tandem.backoff's, with a
+    fixed cooldown (first = max); what is Redis's own is the timeout and the single probe.
     """
+
+    _KEY = "redis"
 
     def __init__(self, *, timeout_s: float = 1.0, cooldown_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic):
         self._timeout = timeout_s
-        self._cooldown = cooldown_s
-        self._clock = clock
-        self._open_until = 0.0  # 0: closed (no failure since the last success)
+        self._breaker = KeyedBackoff(cooldown_s, cooldown_s, clock)
         self._probing = False
 
     @property
     def is_open(self) -> bool:
-        return self._clock() < self._open_until or self._probing
+        return not self._breaker.ready(self._KEY) or self._probing
 
     async def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
         if self.is_open:
             raise RedisSkipped("redis unavailable (recent failure); call skipped")
-        probe = self._open_until > 0  # the first call after a cooldown: the only one
+        # the first call after a cooldown (a failure since the last success): the only one
+        probe = self._breaker.failures(self._KEY) > 0
         self._probing = probe
         try:
             result = await asyncio.wait_for(fn(*args, **kwargs), timeout=self._timeout)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            self._open_until = self._clock() + self._cooldown
+            self._breaker.failed(self._KEY)
             if isinstance(exc, RedisError):
                 raise
             raise RedisSkipped(f"redis call failed: {exc!r}") from exc
         finally:
             if probe:
                 self._probing = False
-        self._open_until = 0.0
+        self._breaker.succeeded(self._KEY)
         return result
 
 
