@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.spec.cost import DEFAULT_MAX_SPEC_TOKENS
+
 
 @dataclass(frozen=True)
 class Limits:

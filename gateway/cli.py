@@ -51,8 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
              "unset = the checkpoint's max_position_embeddings")
     add_flag(p, "--default-speculative-tokens", "TANDEM_GATEWAY_DEFAULT_SPECULATIVE_TOKENS", 0,
              int, "0 = the verifier's default")
-    add_flag(p, "--max-speculative-tokens", "TANDEM_GATEWAY_MAX_SPECULATIVE_TOKENS",
-             d.max_speculative_tokens, int, "limit when verifiers do not report one")
+    add_flag(p, "--max-spec-tokens", "TANDEM_GATEWAY_MAX_SPEC_TOKENS",
+             d.max_spec_tokens, int, "limit when verifiers do not report one")
     add_flag(p, "--method-preference", "TANDEM_GATEWAY_METHOD_PREFERENCE",
              ",".join(d.method_preference),
              help="default speculation method: the first of these (comma list) that is served "
@@ -115,7 +115,7 @@ def build_config(args, redis_url: str, model_root) -> GatewayConfig:
         model_path=str(model_root), context_length=_context_length(model_root,
                                                                    args.context_length),
         default_speculative_tokens=args.default_speculative_tokens,
-        max_speculative_tokens=args.max_speculative_tokens,
+        max_spec_tokens=args.max_spec_tokens,
         method_preference=tuple(csv(args.method_preference)),
         auto_model_drafts=args.auto_model_drafts,
         request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from gateway.auth import ApiKey, normalize_keys
 from tandem.models import DEFAULT_TARGET
 from tandem.netaddr import check_target
+from tandem.spec.cost import DEFAULT_MAX_SPEC_TOKENS
 from tandem.spec.methods import Method
 from tandem.tls import TlsConfig
 
@@ -46,7 +47,7 @@ class GatewayConfig:
     # Completions default like OpenAI's legacy API; chat defaults to the rest of the context.
     default_max_tokens: int = 16
     default_speculative_tokens: int = 0  # 0 = the verifier's default
-    max_speculative_tokens: int = 16
+    max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS
     # Default speculation method: the first of these that is served (auto: by every verifier;
     # the others: by a live draft worker). auto takes each round's best token-history proposal
     # and drafts nothing where none matches (docs/benchmarks-copy.md); the model drafts after
@@ -105,14 +106,14 @@ class GatewayConfig:
             _check_address(addr, "a static draft address")
         if self.tls is not None and not isinstance(self.tls, TlsConfig):
             raise ValueError(f"tls must be None or a TlsConfig, got {self.tls!r}")
-        if self.default_speculative_tokens > self.max_speculative_tokens:
-            raise ValueError("default_speculative_tokens must be <= max_speculative_tokens")
+        if self.default_speculative_tokens > self.max_spec_tokens:
+            raise ValueError("default_speculative_tokens must be <= max_spec_tokens")
 
     def _check_ints(self) -> None:
         ranges = {"port": (0, 65535), "metrics_port": (0, 65535), "rate_limit_rpm": (0, None),
                   "context_length": (2, None),
                   "default_max_tokens": (1, None), "default_speculative_tokens": (0, None),
-                  "max_speculative_tokens": (0, 1024), "max_attempts": (1, 32),
+                  "max_spec_tokens": (0, 1024), "max_attempts": (1, 32),
                   "retry_after_s": (1, None), "static_capacity": (1, None),
                   "max_request_bytes": (1, None)}
         for name, (lo, hi) in ranges.items():

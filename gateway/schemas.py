@@ -147,7 +147,7 @@ class ChatCompletionRequest(GenerationRequest):
                  "content": message_text(m)} for m in self.messages]
 
 
-def check_common(req: GenerationRequest, *, max_speculative_tokens: int) -> None:
+def check_common(req: GenerationRequest, *, max_spec_tokens: int) -> None:
     """Checks that pydantic cannot express; each raises a 400 naming the field."""
     if req.n is not None and req.n != 1:
         raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n",
@@ -162,9 +162,9 @@ def check_common(req: GenerationRequest, *, max_speculative_tokens: int) -> None
         raise bad_request("speculation.events: per-round events need stream: true",
                           param="speculation.events")
     if spec and spec.num_speculative_tokens is not None and (
-            spec.num_speculative_tokens > max_speculative_tokens):
+            spec.num_speculative_tokens > max_spec_tokens):
         raise bad_request(
-            f"speculation.num_speculative_tokens must be in [0, {max_speculative_tokens}], "
+            f"speculation.num_speculative_tokens must be in [0, {max_spec_tokens}], "
             f"got {spec.num_speculative_tokens}", param="speculation.num_speculative_tokens")
     check_unsupported(req)
 

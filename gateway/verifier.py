@@ -206,7 +206,7 @@ class ChannelPool:
         rec = WorkerRecord("verifier", address, address,
                            info.max_sessions or self._config.static_capacity, 0,
                            model_id=info.model_id, tokenizer_hash=info.tokenizer_hash,
-                           max_speculative_tokens=info.max_speculative_tokens)
+                           max_spec_tokens=info.max_spec_tokens)
         self._described[address] = rec
         return rec
 

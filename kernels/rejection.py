@@ -99,11 +99,11 @@ def _first_rejection(
     seq_of: torch.Tensor,  # [T] int64 owning sequence
     pos: torch.Tensor,  # [T] int64 position within its sequence
     num_draft: torch.Tensor,  # [B] int64
-    max_spec_len: int,
+    longest_draft: int,
 ) -> torch.Tensor:  # [B] int64
     """Number of leading accepted drafts per sequence."""
     batch_size = num_draft.shape[0]
-    rejected = torch.zeros(batch_size, max_spec_len + 1, dtype=torch.int8,
+    rejected = torch.zeros(batch_size, longest_draft + 1, dtype=torch.int8,
                            device=num_draft.device)
     rejected[seq_of, pos] = (~accepted).to(torch.int8)
     # A sentinel just past each sequence's drafts: "all accepted" finds it.
@@ -169,13 +169,13 @@ def rejection_sample(
     batch_size, num_draft_tokens = cu.shape[0] - 1, draft_token_ids.shape[0]
     arange_b = torch.arange(batch_size, device=device)
     num_draft = cu[1:] - cu[:-1]  # [B]
-    max_spec_len = int(num_draft.max()) if batch_size else 0
+    longest_draft = int(num_draft.max()) if batch_size else 0
     seq_of = torch.repeat_interleave(arange_b, num_draft)  # [T] owning sequence
     pos = torch.arange(num_draft_tokens, device=device) - cu[seq_of]  # [T] position in seq
 
     u = _uniforms(cu.tolist(), generators, device)
     accepted = _accept(draft_token_ids, seq_of, target_probs, draft_probs, is_greedy, u)
-    num_accepted = _first_rejection(accepted, seq_of, pos, num_draft, max_spec_len)
+    num_accepted = _first_rejection(accepted, seq_of, pos, num_draft, longest_draft)
     rejected = num_accepted < num_draft
     emit = torch.ones_like(rejected) if sample_bonus is None else rejected | sample_bonus.to(device)
 
@@ -185,7 +185,7 @@ def rejection_sample(
     final = _final_tokens(target_probs, final_rows, draft_index, rejected, is_greedy,
                           draft_token_ids, draft_probs, generators, emit)
 
-    out = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
+    out = torch.full((batch_size, longest_draft + 1), PLACEHOLDER_TOKEN_ID,
                      dtype=torch.int64, device=device)
     keep = pos < num_accepted[seq_of]
     out[seq_of[keep], pos[keep]] = draft_token_ids[keep]
@@ -195,7 +195,7 @@ def rejection_sample(
 
 
 def accepted_per_position(output: RejectionOutput) -> torch.Tensor:
-    """[max_spec_len] int64: how many sequences accepted a draft at each position (metrics)."""
+    """[longest_draft] int64: how many sequences accepted a draft at each position (metrics)."""
     width = output.output_token_ids.shape[1] - 1
     positions = torch.arange(width, device=output.num_accepted.device)
     return (positions[None, :] < output.num_accepted[:, None]).sum(dim=0)

@@ -30,7 +30,8 @@ class SparseDraftProbs:
 @dataclass(frozen=True)
 class RejectionOutput:
     # accepted drafts, then the recovered or bonus token; PLACEHOLDER_TOKEN_ID padded
-    output_token_ids: torch.Tensor  # [batch_size, max_spec_len + 1] int64
+    # (longest_draft: the most drafts any sequence of the batch has)
+    output_token_ids: torch.Tensor  # [batch_size, longest_draft + 1] int64
     num_accepted: torch.Tensor  # [batch_size] int64, draft tokens accepted per sequence
     num_emitted: torch.Tensor  # [batch_size] int64, tokens written per sequence
 

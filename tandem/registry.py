@@ -35,7 +35,7 @@ class WorkerRecord:
     load: int
     model_id: str = ""
     tokenizer_hash: str = ""
-    max_speculative_tokens: int = 0
+    max_spec_tokens: int = 0
     # Draft workers: the speculation methods served (API names); empty = not advertised.
     methods: tuple[str, ...] = ()
 
@@ -44,7 +44,7 @@ class WorkerRecord:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not self.worker_id or not self.address:
             raise ValueError("worker_id and address must be non-empty")
-        for name in ("capacity", "load", "max_speculative_tokens"):
+        for name in ("capacity", "load", "max_spec_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

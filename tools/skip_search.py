@@ -141,11 +141,11 @@ class CostTable:
         return self._c[kept]
 
 
-def score(counts: list[int], k_max: int, c: float,
+def score(counts: list[int], k_allowed: int, c: float,
           objective: str = "serial") -> tuple[int, float, float]:
     """(best k, its speedup, alpha) from a trial's accepted counts."""
-    rates, estimate = per_position_rates(counts, k_max), OBJECTIVES[objective]
-    best = max(range(1, k_max + 1), key=lambda j: estimate(rates, j, c))
+    rates, estimate = per_position_rates(counts, k_allowed), OBJECTIVES[objective]
+    best = max(range(1, k_allowed + 1), key=lambda j: estimate(rates, j, c))
     return best, estimate(rates, best, c), rates[0]
 
 

@@ -7,6 +7,7 @@ from tandem.device import DTYPE_CHOICES, check_device_spec
 from tandem.engine.graph_modes import GRAPH_MODES
 from tandem.models import DEFAULT_TARGET
 from tandem.netaddr import check_target, split_host_port
+from tandem.spec.cost import DEFAULT_MAX_SPEC_TOKENS
 from tandem.spec.methods import Method
 from tandem.tls import TlsConfig, check_serving
 
@@ -44,7 +45,7 @@ class VerifierConfig:
     forced_drafts: bool = True
     # The cost model picks each round's k up to this: a weak draft stays short, while suffix
     # decoding on a repeated answer pays up to ~16 on this CPU.
-    max_spec_tokens: int = 16
+    max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS
     max_draft_wait_ms: float = 25.0
     top_n: int = 8
     draft_addresses: tuple[str, ...] = ()

@@ -105,7 +105,7 @@ def build_info(model: LlamaModel, paths: ModelPaths, config: VerifierConfig, mod
         role=common_pb2.WORKER_ROLE_VERIFIER, model_id=model_id,
         tokenizer_hash=tokenizer_hash(paths), vocab_size=model.cfg.vocab_size,
         max_context_length=model.cfg.max_position_embeddings,
-        max_sessions=config.max_sessions, max_speculative_tokens=config.max_spec_tokens,
+        max_sessions=config.max_sessions, max_spec_tokens=config.max_spec_tokens,
         max_top_n=config.top_n, version=__version__,
         methods=[int(m) for m in Method if m is not Method.UNSPECIFIED])
 
@@ -296,4 +296,4 @@ def _register(config: VerifierConfig, verifier: Verifier, address: str):
                      redis_password=config.redis_password),
         capacity=config.max_sessions, load=lambda: verifier.engine.load,
         model_id=info.model_id, tokenizer_hash=info.tokenizer_hash,
-        max_speculative_tokens=config.max_spec_tokens)
+        max_spec_tokens=config.max_spec_tokens)

@@ -64,14 +64,14 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model_id", "tokenizer_hash", "vocab_size", "max_context_length", "max_sessions", "max_speculative_tokens", "max_top_n", "methods", "version")
+    __slots__ = ("role", "model_id", "tokenizer_hash", "vocab_size", "max_context_length", "max_sessions", "max_spec_tokens", "max_top_n", "methods", "version")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
-    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_N_FIELD_NUMBER: _ClassVar[int]
     METHODS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -81,11 +81,11 @@ class WorkerInfo(_message.Message):
     vocab_size: int
     max_context_length: int
     max_sessions: int
-    max_speculative_tokens: int
+    max_spec_tokens: int
     max_top_n: int
     methods: _containers.RepeatedScalarFieldContainer[SpeculationMethod]
     version: str
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ..., max_top_n: _Optional[int] = ..., methods: _Optional[_Iterable[_Union[SpeculationMethod, str]]] = ..., version: _Optional[str] = ...) -> None: ...
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_spec_tokens: _Optional[int] = ..., max_top_n: _Optional[int] = ..., methods: _Optional[_Iterable[_Union[SpeculationMethod, str]]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("kind", "source")

@@ -279,7 +279,7 @@ def test_health_reflection_and_info(tiny_draft, target_paths):
         assert info.tokenizer_hash == tokenizer_hash(target_paths)
         assert (info.vocab_size, info.max_context_length) == (49152, 256)
         assert list(info.methods) == [DRAFT_MODEL, NGRAM, SUFFIX]
-        assert info.max_speculative_tokens == 16 and info.max_top_n == 64 and info.version
+        assert info.max_spec_tokens == 16 and info.max_top_n == 64 and info.version
 
     with_server(config(tiny_draft), scenario)
 

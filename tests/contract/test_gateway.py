@@ -112,13 +112,13 @@ def chunked(ids: list[int], size: int) -> list[list[int]]:
 class FakeVerifier(verify_pb2_grpc.VerifyServiceServicer):
     """Streams what `script(fake, request, context)` yields; records requests/cancels."""
 
-    def __init__(self, script, *, max_speculative_tokens: int = 8, max_sessions: int = 8):
+    def __init__(self, script, *, max_spec_tokens: int = 8, max_sessions: int = 8):
         self.script = script
         self.requests: list[verify_pb2.GenerateRequest] = []
         self.cancelled = 0
         self.info = common_pb2.WorkerInfo(
             role=common_pb2.WORKER_ROLE_VERIFIER, model_id=MODEL, max_sessions=max_sessions,
-            max_speculative_tokens=max_speculative_tokens, max_context_length=8192)
+            max_spec_tokens=max_spec_tokens, max_context_length=8192)
         self.server: grpc.aio.Server | None = None
         self.stopping: asyncio.Task | None = None
         self.address = ""
@@ -572,7 +572,7 @@ def test_verifier_invalid_argument_is_400_with_its_message(redis_proc, tokenizer
 
 def test_speculative_token_limit_comes_from_the_verifier_info(redis_proc, tokenizer, prefix,
                                                               fakes, text_ids):
-    fake = fakes(continue_text(text_ids), max_speculative_tokens=4)
+    fake = fakes(continue_text(text_ids), max_spec_tokens=4)
     with gateway(redis_proc, tokenizer, prefix, static_verifiers=(fake.address,)) as client:
         bad = client.post("/v1/completions", json={
             "model": MODEL, "prompt": "x", "speculation": {"num_speculative_tokens": 6}})
@@ -766,7 +766,7 @@ def test_registry_register_list_expire_and_deregister(redis_proc, prefix):
         r = aioredis.Redis.from_url(redis_proc.url)
         reg = WorkerRegistry(r, ttl_s=0.3, prefix=prefix)
         v = WorkerRecord("verifier", "v1", "h:1", 8, 2, model_id="m", tokenizer_hash="t",
-                         max_speculative_tokens=8)
+                         max_spec_tokens=8)
         d = WorkerRecord("draft", "d1", "h:2", 4, 0)
         await reg.register(v)
         await reg.register(d)

@@ -66,7 +66,7 @@ def test_common_messages_roundtrip():
             vocab_size=49152,
             max_context_length=8192,
             max_sessions=64,
-            max_speculative_tokens=8,
+            max_spec_tokens=8,
             max_top_n=16,
             methods=[
                 common_pb2.SPECULATION_METHOD_DRAFT_MODEL,

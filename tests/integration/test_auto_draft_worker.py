@@ -148,9 +148,9 @@ def test_sampled_auto_with_worker_drafts_keeps_the_targets_distribution(
     seconds = sorted({b for _, b in joint})
     sampling = SamplingParams(temperature=1.0, top_k=2)
     got, rounds = [], []
-    for seed in range(12):  # 20 sessions an engine: k_max stays >= 1 (max_verify_tokens)
+    for seed in range(12):  # 20 sessions an engine: k_allowed stays >= 1 (max_verify_tokens)
         history = HistoryDrafts(8)
-        history.fill = lambda seqs, k_max: None  # the worker's drafts alone
+        history.fill = lambda seqs, k_allowed: None  # the worker's drafts alone
         g, _, _, _ = run_sessions(
             target_model, {Method.DRAFT_MODEL: SkewedDraft(seconds, seed)}, Method.AUTO,
             [prompt] * 20, sampling, 2, max_spec_tokens=1, history=history,

@@ -65,9 +65,9 @@ def test_the_verdict_names_a_category_where_auto_trails_the_best_method():
 
 def test_leviathan_bound_and_ceiling_use_the_measured_verify_cost():
     flat = {1: 10.0, 2: 10.0, 9: 10.0}  # verifying is free: the bound is E(a, k) at k = 8
-    assert c.bound(0.5, flat, k_max=8)[0] == pytest.approx(2 - 0.5 ** 8)
+    assert c.bound(0.5, flat, max_spec_tokens=8)[0] == pytest.approx(2 - 0.5 ** 8)
     steep = {1: 10.0, 3: 20.0, 5: 30.0}  # every token costs 5 ms more
-    b, k = c.bound(0.9, steep, k_max=4)
+    b, k = c.bound(0.9, steep, max_spec_tokens=4)
     rates = [(1 - 0.9 ** (j + 1)) / 0.1 / ((10 + 5 * j) / 10) for j in range(5)]
     assert b == pytest.approx(max(rates)) and k == rates.index(max(rates))
     # 100 tokens in 25 rounds verifying 75 drafts: (5 + 5) * 100 / (25 * 5 + 5 * 100)

@@ -392,7 +392,7 @@ def test_empty_proposal_waits_for_the_next_commit():
 
 def test_limits_caps_and_draft_seed():
     async def main():
-        worker, fake = make_worker(max_run_ahead=2, max_run_ahead_cap=4, top_n=3, max_top_n=5)
+        worker, fake = make_worker(max_run_ahead=2, max_spec_tokens=4, top_n=3, max_top_n=5)
         s = worker.open_stream()
         worker.handle(s, Open("a", [1], temperature=0.8, top_p=0.9, seed=7,
                               max_run_ahead=100, top_n=100))
@@ -416,7 +416,7 @@ def test_limits_caps_and_draft_seed():
 
 @pytest.mark.parametrize("bad", [
     dict(port=70000), dict(port=-1), dict(threads=0), dict(max_sessions=True),
-    dict(max_run_ahead=20, max_run_ahead_cap=16), dict(top_n=65), dict(dtype="int4"), dict(mtp=""),
+    dict(max_run_ahead=20, max_spec_tokens=16), dict(top_n=65), dict(dtype="int4"), dict(mtp=""),
     dict(max_context_length=-1), dict(drain_grace_s=float("nan")), dict(host=""),
     dict(model=""), dict(eagle_vocab=-1), dict(eagle_vocab=1.5),
 ])

@@ -202,7 +202,7 @@ def test_config_rejects_bad_values():
     for kw in ({"port": -1}, {"rate_limit_rpm": -5}, {"context_length": 0},
                {"static_verifiers": ("nohost",)}, {"api_keys": ("a,b",)},
                {"request_timeout_s": 0}, {"redis_url": "http://x"},
-               {"default_speculative_tokens": 20, "max_speculative_tokens": 16}):
+               {"default_speculative_tokens": 20, "max_spec_tokens": 16}):
         with pytest.raises(ValueError):
             GatewayConfig(**kw)
 

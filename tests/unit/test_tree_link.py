@@ -206,7 +206,7 @@ def test_draft_shape_on_the_wire_and_its_defaults():
     from tandem.v1 import common_pb2, verify_pb2
     from verify_service.server import params_from_proto
 
-    info = common_pb2.WorkerInfo(max_speculative_tokens=16, vocab_size=100,
+    info = common_pb2.WorkerInfo(max_spec_tokens=16, vocab_size=100,
                                  max_context_length=64)
 
     def request(method, shape):

@@ -293,7 +293,7 @@ def test_one_sessions_late_drafts_cost_the_batch_only_its_share_of_the_wait():
         def linked(self, seq):
             return True
 
-    sched = make_sched()
+    sched = make_sched(max_spec_tokens=8)  # k at most the 8 drafts each session has
     engine = Engine(None, sched, EngineConfig(max_draft_wait_ms=25.0), 100)
     engine.drafts = Side()
     seqs = [Sequence(params(sid=f"s{i}")) for i in range(4)]

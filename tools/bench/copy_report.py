@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tandem.spec.cost import DEFAULT_MAX_SPEC_TOKENS
 from tools.bench.copy_prompts import CATEGORIES, CHAT, PROMPTS
 
 ARMS = ("none", "ngram", "suffix", "medusa", "eagle", "draft_model", "auto", "layer_skip")
@@ -54,7 +55,8 @@ def _curve(curve: dict) -> tuple[list[int], list[float]]:
     return sorted(ms), [ms[q] for q in sorted(ms)]
 
 
-def bound(alpha: float, curve: dict[int, float], k_max: int = 16) -> tuple[float, int]:
+def bound(alpha: float, curve: dict[int, float],
+          max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS) -> tuple[float, int]:
     """Leviathan's bound: the best speedup any fixed k reaches at i.i.d. acceptance alpha,
     max_k E(alpha, k) / (cost(k + 1) / cost(1)), with the round's cost from the measured
     curve; and that k."""
@@ -62,7 +64,7 @@ def bound(alpha: float, curve: dict[int, float], k_max: int = 16) -> tuple[float
 
     qs, ms = _curve(curve)
     a = min(alpha, 1 - 1e-9)
-    best = max(range(k_max + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) /
+    best = max(range(max_spec_tokens + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) /
                float(np.interp(k + 1, qs, ms)))
     return (1 - a ** (best + 1)) / (1 - a) / (float(np.interp(best + 1, qs, ms)) / ms[0]), best
 

@@ -101,9 +101,9 @@ def leviathan_bound(alpha: float, k: float, c: float) -> float:
     return (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
 
 
-def best_bound(alpha: float, k_max: int, c: float) -> tuple[int, float]:
-    """The best k <= k_max for Leviathan's formula and its S (what k could have bought)."""
-    options = [(k, leviathan_bound(alpha, k, c)) for k in range(1, k_max + 1)]
+def best_bound(alpha: float, k_allowed: int, c: float) -> tuple[int, float]:
+    """The best k <= k_allowed for Leviathan's formula and its S (what k could have bought)."""
+    options = [(k, leviathan_bound(alpha, k, c)) for k in range(1, k_allowed + 1)]
     options = [o for o in options if not math.isnan(o[1])]
     return max(options, key=lambda o: o[1]) if options else (0, math.nan)
 
