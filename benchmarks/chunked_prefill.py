@@ -25,13 +25,10 @@ from pathlib import Path
 import httpx
 
 from tools.bench.client import stream_chat
+from tools.bench.stats import percentile
 from tools.launcher import Cluster, ClusterConfig, free_port
 
 FILLER = "The river flows past the old mill, under the stone bridge and into the valley. "
-
-
-def pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
 def body(text: str, max_tokens: int) -> dict:
@@ -71,7 +68,8 @@ def run_setting(chunk: int, args) -> dict:
 
 def summarise(runs: list[dict]) -> dict:
     gaps = [g for r in runs for g in r["gaps_ms"]]
-    return {"itl_p50_ms": round(pct(gaps, 50), 1), "itl_p99_ms": round(pct(gaps, 99), 1),
+    p50, p99 = (percentile(gaps, q, method="exclusive") for q in (50, 99))
+    return {"itl_p50_ms": round(p50, 1), "itl_p99_ms": round(p99, 1),
             "itl_max_ms": round(max(gaps), 1), "gaps": len(gaps),
             "long_ttft_s": round(statistics.median(r["long_ttft_s"] for r in runs), 2),
             "decode_tps": round(statistics.median(r["decode_tps"] for r in runs), 1)}

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import httpx
 import psutil
 
 from tools.bench.client import chat_body, stream_chat
+from tools.bench.stats import percentile
 from tools.launcher import Cluster, ClusterConfig, free_port
 
 PROMPTS = ["Explain how a bicycle works.", "Write a haiku about rain.", "Count to twenty.",
@@ -54,8 +54,8 @@ def rss_mb(cluster: Cluster) -> dict[str, float]:
 
 
 def pct(values: list[float], q: float) -> float:
-    return round(statistics.quantiles(values, n=100)[int(q) - 1], 1) if len(values) > 1 else (
-        round(values[0], 1) if values else 0.0)
+    """statistics.quantiles' percentile (tools.bench.stats), rounded; 0.0 for none."""
+    return round(percentile(values, q, method="exclusive"), 1) if values else 0.0
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> dict:

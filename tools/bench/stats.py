@@ -12,6 +12,7 @@ Definitions used throughout (the report's footnotes repeat them):
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 
 from tandem.spec.cost import leviathan_speedup
@@ -22,13 +23,21 @@ from tandem.spec.cost import leviathan_speedup
 RoundRow = Sequence
 
 
-def percentile(values: Iterable[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method); NaN for no values."""
+def percentile(values: Iterable[float], q: float, method: str = "linear") -> float:
+    """The q-th percentile of `values`; NaN for no values. "linear" interpolates between the
+    two nearest ranks (numpy's default method); "exclusive" is statistics.quantiles' default
+    (n=100), for a whole q in 1..99, a single value being every percentile of itself."""
     xs = sorted(values)
     if not xs:
         return math.nan
     if not 0 <= q <= 100:
         raise ValueError(f"q must be in [0, 100], got {q}")
+    if method == "exclusive":
+        if q != int(q) or not 1 <= q <= 99:
+            raise ValueError(f"an exclusive percentile needs a whole q in [1, 99], got {q}")
+        return statistics.quantiles(xs, n=100)[int(q) - 1] if len(xs) > 1 else xs[0]
+    if method != "linear":
+        raise ValueError(f"method must be 'linear' or 'exclusive', got {method!r}")
     pos = (len(xs) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
