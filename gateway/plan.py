@@ -17,7 +17,7 @@ from tandem.errors import InvalidArgument
 from tandem.grammar import GrammarSpec
 from tandem.grammar.compiler import LazyCompiler
 from tandem.sampling_params import SamplingParams
-from tandem.spec.methods import Method
+from tandem.spec.methods import AUTO_DRAFT_METHODS, Method
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,8 @@ async def _served(router: Router) -> set[str]:
 
 # What a draft worker that does not advertise its methods serves.
 _LEGACY_METHODS = ("draft_model", "ngram")
-# The draft workers' model methods auto may take drafts from (verify_service/policy/auto.py).
-AUTO_DRAFTS = ("draft_model", "eagle")
+# The draft workers' model methods auto may take drafts from, by API name.
+AUTO_DRAFTS = tuple(m.api_name for m in sorted(AUTO_DRAFT_METHODS))
 
 
 def resolve_max_tokens(req: schemas.CompletionRequest | schemas.ChatCompletionRequest,

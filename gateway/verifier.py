@@ -112,10 +112,7 @@ _DRAFT_SHAPES = {None: verify_pb2.DRAFT_SHAPE_UNSPECIFIED, "chain": verify_pb2.D
 def build_request(plan: GenerationPlan, committed: Sequence[int], draft_address: str,
                   auto_draft: Method | None = None) -> verify_pb2.GenerateRequest:
     """auto_draft: for an auto session linked to a draft worker, that worker's method."""
-    sampling = common_pb2.SamplingParams(temperature=plan.sampling.temperature,
-                                         top_k=plan.sampling.top_k, top_p=plan.sampling.top_p)
-    if plan.sampling.seed is not None:
-        sampling.seed = plan.sampling.seed
+    sampling = common_pb2.SamplingParams(**plan.sampling.to_wire())
     typical = None
     if plan.typical is not None:
         typical = verify_pb2.TypicalAcceptance(posterior_threshold=plan.typical[0],
@@ -132,8 +129,7 @@ def build_request(plan: GenerationPlan, committed: Sequence[int], draft_address:
             draft_shape=_DRAFT_SHAPES[plan.draft_shape],
             auto_draft_method=int(auto_draft) if auto_draft is not None else 0),
         logprobs=plan.logprobs is not None, top_logprobs=plan.logprobs or 0,
-        grammar=None if plan.grammar is None else common_pb2.Grammar(
-            kind=int(plan.grammar.kind), source=plan.grammar.source))
+        grammar=None if plan.grammar is None else common_pb2.Grammar(**plan.grammar.to_wire()))
 
 
 class GenerateCall:

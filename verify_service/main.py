@@ -39,6 +39,7 @@ from tandem.v1 import common_pb2, verify_pb2_grpc
 from verify_service.config import VerifierConfig
 from verify_service.drafts.history import HistoryDrafts
 from verify_service.drafts.link import DraftPool
+from verify_service.drafts.side import Host
 from verify_service.engine import Engine, EngineConfig
 from verify_service.forward.executor import Executor
 from verify_service.forward.features import feature_layers
@@ -111,9 +112,9 @@ def build_info(model: LlamaModel, paths: ModelPaths, config: VerifierConfig, mod
 
 
 class Colocated(Protocol):
-    """Draft workers this process runs over its own target (layer skip)."""
+    """Draft workers this process runs over its own target (layer skip), by method."""
 
-    addresses: dict[Method, str]
+    hosts: dict[Method, Host]
 
     async def stop(self) -> None: ...
 
@@ -211,14 +212,14 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
 
 def _wire_drafts(engine: Engine, config: VerifierConfig, model: LlamaModel, discover,
                  colocated: Colocated | None) -> bool:
-    """Give the engine's draft side its pool: the configured or discovered draft workers and
-    the in-process ones (pinned: used when named only). True if there are remote ones."""
-    pinned = tuple(colocated.addresses.values()) if colocated is not None else ()
+    """Give the engine's draft side its pool of the configured or discovered draft workers,
+    and the ones in this process (served to the sessions of their methods only). True if
+    there are remote ones."""
     remote = bool(config.draft_addresses) or discover is not None
-    if remote or pinned:
+    if remote:
         engine.drafts.pool = DraftPool(list(config.draft_addresses), discover,
                                        engine.drafts.on_reply, engine.drafts.on_link_broken,
-                                       pinned=pinned, tls=config.tls,
+                                       tls=config.tls,
                                        # an EAGLE re-open carries every position's features
                                        # (EAGLE-3's: three layers wide)
                                        max_message_bytes=max_message_bytes(
@@ -227,7 +228,7 @@ def _wire_drafts(engine: Engine, config: VerifierConfig, model: LlamaModel, disc
                                                1 if config.eagle_feature_layers == "final"
                                                else 3)))
     if colocated is not None:
-        engine.drafts.local = dict(colocated.addresses)
+        engine.drafts.hosted = dict(colocated.hosts)
     return remote
 
 

@@ -154,12 +154,12 @@ def test_plaintext_stays_the_default(pki):
 
 # ---- the hops: verifier -> draft, gateway -> verifier, launcher checks ----------------------
 
-def test_draft_link_speaks_mtls_and_pinned_workers_stay_plaintext(pki):
+def test_draft_link_speaks_mtls(pki):
     replies: list = []
     link_tls = server_tls(pki, mtls=True)  # a verifier presents the certificate it serves
 
     async def main():
-        async with draft_server(link_tls) as remote, draft_server(None) as pinned:
+        async with draft_server(link_tls) as remote:
             link = DraftLink(remote, lambda _link, r: replies.append(r), lambda _link: None,
                              tls=link_tls)
             assert await link.start()
@@ -173,11 +173,9 @@ def test_draft_link_speaks_mtls_and_pinned_workers_stay_plaintext(pki):
             assert not await plain.start(connect_timeout_s=0.5)
             await plain.close()
 
-            pool = DraftPool([remote], None, lambda *_: None, lambda *_: None,
-                             pinned=(pinned,), tls=link_tls)
-            assert (await pool.get()).address == remote
-            local = await pool.get(hint=pinned)
-            assert local.address == pinned and local.alive and local.tls is None
+            pool = DraftPool([remote], None, lambda *_: None, lambda *_: None, tls=link_tls)
+            pooled = await pool.get()
+            assert pooled.address == remote and pooled.alive and pooled.tls is link_tls
             await pool.close()
     run(main())
     assert replies and isinstance(replies[0], Proposal) and replies[0].session_id == "s1"

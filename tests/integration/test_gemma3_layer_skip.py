@@ -80,7 +80,7 @@ def test_the_verifier_serves_it_in_process_by_default(gemma):
         assert config.layer_skip == "auto"  # what `tandem up --model gemma3-270m` passes
         v = await start_verifier(config, model=model, colocate=start_layer_skip)
         try:
-            assert v.colocated is not None and set(v.engine.drafts.local) == {Method.LAYER_SKIP}
+            assert v.colocated is not None and set(v.engine.drafts.hosted) == {Method.LAYER_SKIP}
             async with grpc.aio.insecure_channel(f"127.0.0.1:{v.port}") as ch:
                 stub = verify_pb2_grpc.VerifyServiceStub(ch)
                 out = []
@@ -92,7 +92,7 @@ def test_the_verifier_serves_it_in_process_by_default(gemma):
                         speculation=verify_pb2.SpeculationConfig(
                             method=int(Method.LAYER_SKIP))), timeout=120):
                     out += msg.token_ids
-                return out, v.colocated.app.worker.stats().tokens_drafted
+                return out, v.colocated.hosts[Method.LAYER_SKIP].worker.stats().tokens_drafted
         finally:
             await v.drain_and_stop(0)
 

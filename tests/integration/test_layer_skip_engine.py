@@ -105,8 +105,9 @@ def test_the_verifier_serves_layer_skip_from_its_own_process(target_model, chats
         config = VerifierConfig(kv_cache_mb=64, layer_skip=str(skip_file), calibrate_reps=0)
         v = await start_verifier(config, model=target_model, colocate=start_layer_skip)
         try:
-            assert v.colocated is not None and set(v.engine.drafts.local) == {Method.LAYER_SKIP}
-            worker = v.colocated.app.worker
+            assert v.colocated is not None and set(v.engine.drafts.hosted) == {Method.LAYER_SKIP}
+            assert v.engine.drafts.pool is None  # no draft worker over the network: no gRPC
+            worker = v.colocated.hosts[Method.LAYER_SKIP].worker
             async with grpc.aio.insecure_channel(f"127.0.0.1:{v.port}") as ch:
                 stub = verify_pb2_grpc.VerifyServiceStub(ch)
                 out = {}

@@ -177,16 +177,10 @@ class DraftPool:
 
     def __init__(self, static_addresses: list[str],
                  discover: Callable[[], Awaitable[list[str]]] | None,
-                 on_message, on_broken, clock=time.monotonic,
-                 pinned: tuple[str, ...] = (), tls: TlsConfig | None = None,
+                 on_message, on_broken, clock=time.monotonic, tls: TlsConfig | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  keepalive: tuple[float, float] = (KEEPALIVE_S, KEEPALIVE_TIMEOUT_S)):
         self._static = list(static_addresses)
-        # Workers used only when a session names them (the verifier's own layer-skip
-        # worker): never a fallback for a method they may not serve.
-        self._pinned = pinned
-        # Pinned workers run in this process on loopback, so they stay plaintext: a pod's
-        # certificate names its Service, not 127.0.0.1.
         self._tls = tls
         self._max_message_bytes = max_message_bytes
         self._keepalive = keepalive
@@ -215,9 +209,8 @@ class DraftPool:
 
     async def get(self, hint: str = "") -> DraftLink | None:
         order = await self.candidates()
-        if hint and (hint in order or hint in self._pinned):
-            if hint in order:
-                order.remove(hint)
+        if hint in order:  # the gateway's pick first
+            order.remove(hint)
             order.insert(0, hint)
         for address in order:
             link = self.links.get(address)
@@ -235,8 +228,7 @@ class DraftPool:
         return None
 
     async def _connect(self, address: str) -> DraftLink | None:
-        link = DraftLink(address, self._on_message, self._on_broken,
-                         None if address in self._pinned else self._tls,
+        link = DraftLink(address, self._on_message, self._on_broken, self._tls,
                          self._max_message_bytes, self._keepalive)
         if not await link.start():
             self.mark_failed(address)

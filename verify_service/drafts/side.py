@@ -40,11 +40,21 @@ ATTACH_REST_S = 5.0
 
 
 class Link(Protocol):
-    """One stream to a draft worker (verify_service/drafts/link.py, or a test's script)."""
+    """One stream to a draft worker (verify_service/drafts/link.py, a worker hosted in this
+    process, or a test's script)."""
 
     address: str
 
     def send(self, control: Control) -> None: ...
+
+
+class Host(Protocol):
+    """A draft worker in this process (layer skip over the verifier's own target): its link
+    carries the same messages with no socket, no protobuf and no gRPC."""
+
+    def link(self, on_message, on_broken) -> Link:
+        """The live link to it (a new one when the last ended)."""
+        ...
 
 
 def _alive(link: Link) -> bool:
@@ -85,7 +95,7 @@ class DraftSide:
         self.sessions = sessions  # the engine's, read-only here
         self.vocab_size, self.top_n, self.max_run_ahead = vocab_size, top_n, max_run_ahead
         self.pool = pool
-        self.local: dict[Method, str] = {}  # methods served in this process -> their address
+        self.hosted: dict[Method, Host] = {}  # methods served in this process
         self.links: dict[str, Link] = {}
         self.arrived = asyncio.Event()  # set whenever a draft token is accepted for checking
         self.arrival = Latency(5.0)  # gap between draft tokens, for the wait bound
@@ -115,7 +125,8 @@ class DraftSide:
         until then it costs the worker nothing, and the Open brings it in sync."""
         if seq.link.attaches_left <= 0:  # spent: rest, then one more try (ATTACH_REST_S)
             seq.link.attaches_left, seq.link.next_attach_at = 1, self._clock() + ATTACH_REST_S
-        if (self.pool is not None and seq.speculating and not seq.finished
+        if ((self.pool is not None or seq.link_method in self.hosted)
+                and seq.speculating and not seq.finished
                 and not seq.params.method.in_verifier
                 and (not seq.local.in_verifier or seq.params.auto_draft is not None
                      and self._run_ahead.get(seq.seq_id, 0) > 0)
@@ -126,9 +137,9 @@ class DraftSide:
 
     async def _attach(self, seq: Sequence) -> None:
         try:
-            # A method this process serves itself goes to its own worker first.
-            link = await self.pool.get(self.local.get(seq.link_method)
-                                       or seq.params.draft_address)
+            host = self.hosted.get(seq.link_method)  # a method served in this process
+            link = host.link(self.on_reply, self.on_link_broken) if host is not None \
+                else await self.pool.get(seq.params.draft_address)
         finally:
             self._attaching.discard(seq.seq_id)
         if seq.finished or seq.seq_id not in self.sessions:
@@ -277,7 +288,7 @@ class DraftSide:
         seq.next_epoch()
 
     def on_link_broken(self, link: Link) -> None:
-        if self.pool is not None:
+        if self.pool is not None and not getattr(link, "in_process", False):
             self.pool.mark_failed(link.address, link)
         for seq_id, owner in list(self.links.items()):
             if owner is link:
