@@ -1,5 +1,5 @@
 """llguidance against xgrammar on this tokenizer: tokenizer set-up, compile and per-token mask
-cost for a JSON schema (why tandem.grammar uses llguidance: docs/structured.md).
+cost for a JSON schema (why tandem.grammar uses llguidance: docs/design/structured.md).
 
   pip install --no-deps --target /tmp/xg xgrammar apache-tvm-ffi   # not a dependency
   python benchmarks/grammar_engines.py [--xgrammar-path /tmp/xg]

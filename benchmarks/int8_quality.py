@@ -7,7 +7,7 @@ the bench set), identical to fp32 or not, and where it first differs; perplexity
 standard-library source. A third row, fp32 with every weight rounded to bf16, shows how far a
 perturbation that small already moves greedy text on this model (near-ties are common).
 Speed: batch-1 decode tokens/s (prefill excluded), fp32 and int8 interleaved per prompt, and
-batch-16 decode throughput, at each thread count. Writes results/int8.json and docs/int8.md.
+batch-16 decode throughput, at each thread count. Writes results/int8.json and docs/results/int8.md.
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
     ap.add_argument("--threads", default="1,2", help="thread counts to time, comma-separated")
     ap.add_argument("--out", default="results/int8.json")
-    ap.add_argument("--doc", default="docs/int8.md")
+    ap.add_argument("--doc", default="docs/results/int8.md")
     args = ap.parse_args()
     paths = ModelPaths(fetch_default_target())
     tok = AutoTokenizer.from_pretrained(str(paths.root))

@@ -50,14 +50,14 @@ class GatewayConfig:
     max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS
     # Default speculation method: the first of these that is served (auto: by every verifier;
     # the others: by a live draft worker). auto takes each round's best token-history proposal
-    # and drafts nothing where none matches (docs/benchmarks-copy.md); the model drafts after
-    # it are in the measured order (docs/benchmarks.md: draft_model 0.85x, eagle 0.83x), and
+    # and drafts nothing where none matches (docs/results/benchmarks-copy.md); the model drafts after
+    # it are in the measured order (docs/results/benchmarks.md: draft_model 0.85x, eagle 0.83x), and
     # the first of them served is also auto's draft worker (gateway/plan.auto_draft_method).
     method_preference: tuple[str, ...] = ("auto", "draft_model", "eagle")
     # Whether auto sessions also link that draft worker. Off where it shares the verifier's
     # cores or device (`tandem up`'s one-host cluster): each ask makes it catch up on that
     # compute, auto / best single on chat 0.97 with it against 1.00 without on this 2-core
-    # CPU, while its drafts never paid there (docs/benchmarks-copy-runs.md).
+    # CPU, while its drafts never paid there (docs/results/benchmarks-copy-runs.md).
     auto_model_drafts: bool = True
     request_timeout_s: float = 600.0
     # After SIGTERM: how long open streams may run on before uvicorn cancels them.

@@ -30,7 +30,7 @@ _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class TypicalAcceptance(BaseModel):
-    """Medusa's typical acceptance: LOSSY (see docs/medusa.md); the response says so."""
+    """Medusa's typical acceptance: LOSSY (see docs/design/medusa.md); the response says so."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     posterior_threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.09

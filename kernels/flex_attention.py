@@ -9,7 +9,7 @@ block) so the shapes, and the compiled kernels, change only every 128 tokens. On
 runs eagerly: what the unit tests check against kernels.paged_attention.
 
 Which kernel serves a call is kernels.attention's choice; gpu-check measures this one against
-the reference on a GPU (docs/gpu.md).
+the reference on a GPU (docs/results/gpu.md).
 """
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def register(sub, colocate=None) -> None:
              nargs="?", const=True, metavar="on|off",
              help="batch-invariant numerics: a session's tokens never depend on what shares "
                   "its batch (greedy identical alone, batched, speculative, after failover); "
-                  "costs speed, see docs/batch_invariance.md")
+                  "costs speed, see docs/design/batch_invariance.md")
     add_flag(p, "--batch-plan", "TANDEM_VERIFIER_BATCH_PLAN", _DEFAULTS.batch_plan, boolean,
              nargs="?", const=True, metavar="on|off",
              help="under batch load verify only the drafts that pay for the whole step "

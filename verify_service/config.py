@@ -106,7 +106,7 @@ class VerifierConfig:
         Medusa always (its heads run in the verifier's step: no wait for the tree); EAGLE on a
         GPU, where the head's passes cost little, but not on the CPU, where an EAGLE tree takes
         15-20 ms to draft after each commit and the cost model then switches it off, while a
-        chain is drafted ahead during verification (docs/medusa.md)."""
+        chain is drafted ahead during verification (docs/design/medusa.md)."""
         if self.draft_shape == "chain":
             return frozenset()
         if self.draft_shape == "tree" or device_type == "cuda":

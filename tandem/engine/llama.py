@@ -35,7 +35,7 @@ class LlamaModel:
     `batch_invariant`: every row's logits depend on its own context only, never on what else
     shares the forward (decode, verify chunk, prefill, other sessions): one padded matmul
     layout and row-at-a-time attention. Greedy text is then the same alone, batched, with
-    speculation or after failover, at a measured cost in speed (docs/batch_invariance.md).
+    speculation or after failover, at a measured cost in speed (docs/design/batch_invariance.md).
     """
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor],

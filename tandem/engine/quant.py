@@ -3,7 +3,7 @@
 At batch 1 a decode step streams every weight once, so its time is the bytes read: these
 weights read ~1.25 bytes each instead of fp32's 4. Per-group ranges (rather than one per
 output channel) keep the rounding error near bf16's: per-channel int8 changed the greedy text
-of this 135M target on most prompts (docs/int8.md). A group already on a grid keeps it
+of this 135M target on most prompts (docs/results/int8.md). A group already on a grid keeps it
 (group_scales): weights that came from a 4- or 8-bit checkpoint quantize exactly. Activations,
 norms, attention, the residual stream and the KV cache stay fp32.
 

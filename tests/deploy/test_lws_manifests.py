@@ -1,4 +1,4 @@
-"""Deploy tier: tensor-parallel verifiers (docs/tensor_parallel.md, issue 31).
+"""Deploy tier: tensor-parallel verifiers (docs/design/tensor_parallel.md, issue 31).
 
 overlays/prod-gpu-tp runs the verifier Deployment over N GPUs of one pod;
 overlays/prod-gpu-multinode runs each verifier as a LeaderWorkerSet group: the leader (worker

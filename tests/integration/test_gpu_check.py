@@ -2,7 +2,7 @@
 
 It runs in a fresh interpreter in which the packages a stock PyTorch image lacks cannot be
 imported (FastAPI, Redis, OpenTelemetry, Prometheus, grammar engines, flash-attn), so it also
-shows that the command the device tool runs (docs/gpu.md) needs none of them.
+shows that the command the device tool runs (docs/results/gpu.md) needs none of them.
 """
 from __future__ import annotations
 

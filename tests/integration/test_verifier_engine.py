@@ -215,7 +215,7 @@ def test_stochastic_verification_matches_target_distribution(target_model, token
 
 
 def test_carried_distribution_verifies_the_waiting_draft_losslessly(target_model, tokenizer):
-    """DESIGN step 5: the unsampled bonus row of one round verifies the next draft."""
+    """docs/design/brief.md step 5: the unsampled bonus row of one round verifies the next draft."""
     prompt = chat(tokenizer, "Name a colour.")
     n, top_k, L = 3000, 5, len(prompt)
     runner = ModelRunner(target_model, 8, 256)

@@ -1,4 +1,4 @@
-"""Imports run one way (DESIGN.md "Layout"): kernels <- tandem core <- services <- tools.
+"""Imports run one way (docs/design/brief.md "Layout"): kernels <- tandem core <- services <- tools.
 
 Each layer is a top-level folder, so the tree shows the layers: no module's layer depends on
 anything but the folder it sits in.

@@ -11,10 +11,10 @@
   stats.py       percentiles, acceptance, Leviathan's bound, round breakdown (pure Python)
   summary.py     raw results -> tables and targets (pure Python)
   shapes.py      the chain-vs-tree phase (eagle, medusa) and its table, bound and section
-  report.py      results.json, Markdown report, docs/benchmarks.md; plots.py the PNGs,
+  report.py      results.json, Markdown report, docs/results/benchmarks.md; plots.py the PNGs,
                  mdtable.py the Markdown cells
   cli.py         `register(subparsers)` and `python -m tools.bench.cli`
   copy_heavy.py  `--workload copy`: a cluster per drafting place, every prompt and arm;
                  copy_prompts.py its prompts by category, copy_report.py its arithmetic,
-                 table and docs/benchmarks-copy.md
+                 table and docs/results/benchmarks-copy.md
 """

@@ -2,7 +2,7 @@
 the start of a user turn, an instruct model samples a user request from the distribution it was
 tuned on. Those requests are far more varied than a template x subject grid, and closer to what
 people ask it: a head trained on the answers to them agrees with the target on new chat, not
-only inside the grid (docs/eagle_agreement.md).
+only inside the grid (docs/results/eagle_agreement.md).
 
 Cached as JSON lines next to the data shards and extended batch by batch, so an interrupted run
 resumes; the hand-written held-out prompts are never kept (their figure stays held out).

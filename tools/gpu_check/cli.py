@@ -55,7 +55,7 @@ def register(sub) -> None:
 
 def description() -> str:
     boxes = ", ".join(f"{n} {s} s" for n, s in BOXES.items())
-    return f"{__doc__}\nPhases and their time boxes, in order: {boxes} (docs/gpu.md)."
+    return f"{__doc__}\nPhases and their time boxes, in order: {boxes} (docs/results/gpu.md)."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
