@@ -50,8 +50,9 @@ class GatewayConfig:
     max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS
     # Default speculation method: the first of these that is served (auto: by every verifier;
     # the others: by a live draft worker). auto takes each round's best token-history proposal
-    # and drafts nothing where none matches (docs/results/benchmarks-copy.md); the model drafts after
-    # it are in the measured order (docs/results/benchmarks.md: draft_model 0.85x, eagle 0.83x), and
+    # and drafts nothing where none matches (docs/results/benchmarks-copy.md); the model
+    # drafts after it are in the measured order (docs/results/benchmarks.md: draft_model
+    # 0.85x, eagle 0.83x), and
     # the first of them served is also auto's draft worker (gateway/plan.auto_draft_method).
     method_preference: tuple[str, ...] = ("auto", "draft_model", "eagle")
     # Whether auto sessions also link that draft worker. Off where it shares the verifier's

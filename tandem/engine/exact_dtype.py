@@ -1,7 +1,8 @@
 """`--dtype auto` for a target on the CPU: the fastest path that keeps the checkpoint's weights.
 
 A decode step streams every weight once, so its time is the bytes read. Weight-only int8 reads
-~1.25 bytes per weight instead of fp32's 4 and runs 1.7-1.9x faster here (docs/results/int8.md); where
+~1.25 bytes per weight instead of fp32's 4 and runs 1.7-1.9x faster here
+(docs/results/int8.md); where
 every group of a weight already sits on a grid of at most 256 levels (a checkpoint converted
 from 4- or 8-bit, as the default target is), its codes reproduce the float weights bit for bit.
 So auto loads int8 when every weight is exact and the kernel builds, and float32 otherwise,

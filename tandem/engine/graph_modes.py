@@ -11,8 +11,8 @@ GRAPH_MODES = ("auto", "on", "off")
 
 def check_mode(mode: str, device_type: str, measured_gain: bool | None = None) -> bool:
     """Whether decode steps use graphs. `auto`: on a GPU only when gpu-check measured a gain
-    there (measured_gain True; none has been measured yet, docs/results/gpu.md); `on` off a GPU is an
-    error."""
+    there (measured_gain True; none has been measured yet, docs/results/gpu.md); `on` off a
+    GPU is an error."""
     if mode not in GRAPH_MODES:
         raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
     if mode == "on" and device_type != "cuda":

@@ -1,5 +1,6 @@
 """The speculation vocabulary shared by every service: methods, the draft-link messages,
-the proposer interface and the Leviathan cost model (docs/design/brief.md, "The speculation loop")."""
+the proposer interface and the Leviathan cost model (docs/design/brief.md, "The speculation
+loop")."""
 from tandem.spec.methods import API_NAMES, Method
 from tandem.spec.proposer import (
     DraftRequest,

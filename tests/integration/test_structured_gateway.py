@@ -239,7 +239,8 @@ def test_bad_structured_requests_are_400s(client, extra, param, why):
 
 
 def test_the_openai_clients_parse_and_tools_work(client):
-    """The README's examples: the official client's parse() and a tools call."""
+    """The API reference's examples (docs/reference/api.md): the official client's parse()
+    and a tools call."""
     from openai import OpenAI
     from pydantic import BaseModel
 

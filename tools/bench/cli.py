@@ -77,8 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default none, as most users send them)")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     p.add_argument("--out", default="", help="results folder (default results/bench-<date>)")
-    p.add_argument("--docs", default="docs/results", help="write <docs>/benchmarks.md and <docs>/img "
-                   "(default %(default)s); '' to skip")
+    p.add_argument("--docs", default="docs/results",
+                   help="write <docs>/benchmarks.md and <docs>/img (default %(default)s); "
+                   "'' to skip")
     p.add_argument("--workload", choices=("standard", "repetitive", "copy"), default="standard",
                    help="standard: every method on the prompt set; repetitive: chat questions "
                         "and code edits asked again (plain, ngram, suffix, transformers plain "

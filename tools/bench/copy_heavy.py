@@ -5,7 +5,8 @@
                                   [--temperature 0] [--out results/copy_heavy.json]
                                   [--arms ngram,suffix,auto] [--first-reps 2]
                                   [--model gemma3-270m] [--prompts 0,3,12]
-                                  [--docs docs/results]  # writes docs/results/benchmarks-copy.md + a plot
+                                  [--docs docs/results]
+                                  # --docs writes DOCS/benchmarks-copy.md + a plot
 
 One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
 drafted in the verifier's own step, or by the draft worker over the draft link). In each, every

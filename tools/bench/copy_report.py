@@ -1,6 +1,7 @@
 """The copy-heavy workload's arithmetic and page (tools/bench/copy_heavy.py runs it): copy
 share, speedups against plain on the same prompts, Leviathan's bound with the measured verify
-cost, the Markdown table with its aggregate rows, and docs/results/benchmarks-copy.md with its plot."""
+cost, the Markdown table with its aggregate rows, and docs/results/benchmarks-copy.md with its
+plot."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """The run as people read it: results.json, a Markdown report and its PNG plots in
-results/bench-<date>/, and the same report as docs/results/benchmarks.md with the plots in docs/results/img/.
+results/bench-<date>/, and the same report as docs/results/benchmarks.md with the plots in
+docs/results/img/.
 """
 from __future__ import annotations
 
@@ -284,7 +285,8 @@ def _jsonable(obj):
 
 
 def write_outputs(result: dict, out_dir: Path, docs_dir: Path | None) -> dict:
-    """results.json (raw + summary), report.md and PNGs; then docs/results/benchmarks.md + docs/results/img."""
+    """results.json (raw + summary), report.md and PNGs; then docs/results/benchmarks.md +
+    docs/results/img."""
     out_dir.mkdir(parents=True, exist_ok=True)
     s = summarize(result)
     (out_dir / "results.json").write_text(json.dumps(_jsonable({**result, "summary": s}),

@@ -244,7 +244,8 @@ def unbundle(returned: Path, out: Path, log=print, target: str = DEFAULT_TARGET)
 def register(distill_parser) -> None:
     """`tandem distill bundle` and `tandem distill unbundle`."""
     sub = distill_parser.add_subparsers(dest="distill_command", metavar="{bundle,unbundle}",
-                                        help="air-gapped training (docs/reference/airgap_training.md)")
+                                        help="air-gapped training "
+                                             "(docs/reference/airgap_training.md)")
     d = BundleConfig(Path("."))
     b = sub.add_parser("bundle", help="write a self-contained bundle that trains an EAGLE head "
                        "on a CUDA machine with only torch, transformers and safetensors",
@@ -267,7 +268,8 @@ def register(distill_parser) -> None:
     b.add_argument("--seed", type=int, default=d.seed)
     b.add_argument("--method", choices=("eagle", "eagle3"), default=d.method,
                    help="the script's default head: EAGLE-1 on the final hidden state, or "
-                        "EAGLE-3 on three target layers (docs/results/eagle3_training.md) [%(default)s]")
+                        "EAGLE-3 on three target layers (docs/results/eagle3_training.md) "
+                        "[%(default)s]")
     b.set_defaults(func=_cmd_bundle)
     u = sub.add_parser("unbundle", help="check and reassemble a returned head into a "
                        "directory for `tandem draft --eagle`")

@@ -7,7 +7,8 @@ and the held-out top-1 at draft steps 1 and 2 (the trainer's validation split), 
 agreement on the hand-written held-out chat prompts when that was measured. The plot shows
 what the next hour of training (or the next batch of data) is likely to return.
 
-    python -m tools.distill.learning_curve [HEAD_DIR ...] [--out docs/results/img/eagle-learning-curve.png]
+    python -m tools.distill.learning_curve [HEAD_DIR ...]
+        [--out docs/results/img/eagle-learning-curve.png]
 
 Several head directories (an EAGLE-1 head's tandem_eagle.json, an EAGLE-3 head's
 tandem_eagle3.json) share one plot, each series labelled with its head's format.

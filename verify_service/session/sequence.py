@@ -12,7 +12,8 @@ Pure Python (no torch): the scheduler and the engine loop share it on the event-
 Invariant between rounds: the KV cache holds every committed token but the last one, which is
 the first input of the next round; except for a *carried* session (all drafts of its last
 round accepted, the next draft already waiting), whose KV holds every committed token and
-whose next-position target distribution the engine kept (docs/design/brief.md, speculation loop step 5).
+whose next-position target distribution the engine kept (docs/design/brief.md, speculation
+loop step 5).
 """
 from __future__ import annotations
 
