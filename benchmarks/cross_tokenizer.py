@@ -27,9 +27,10 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest, Method
 from tandem.spec.cost import CostModel
 from tools.bench.inproc import OnePool, WorkerLink
+from verify_service.config import SchedulerConfig
 from verify_service.engine import Engine, EngineConfig
 from verify_service.forward.executor import Executor
-from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 
 PROMPTS = ["Name three rivers in Europe.", "Repeat exactly: the cat sat on the mat.",

@@ -30,9 +30,10 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel
 from tools.bench.inproc import OnePool, WorkerLink
+from verify_service.config import SchedulerConfig
 from verify_service.engine import Engine, EngineConfig
 from verify_service.forward.executor import Executor
-from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 
 PROMPTS = Path(__file__).resolve().parents[1] / "draft_service" / "data" / "heldout_prompts.jsonl"

@@ -176,3 +176,24 @@ class VerifierConfig:
             split_host_port(self.advertise_address)
         for addr in self.draft_addresses:
             check_target(addr)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # running sessions at once
+    max_num_batched_tokens: int = 2048  # new tokens per forward (prefill chunks dominate)
+    max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS  # cap on k per round
+    max_verify_tokens: int = 64  # verification tokens per step; caps k under batch load
+    max_model_len: int = 8192
+    # Chunked prefill: beside decoding sessions a prompt is computed at most this many tokens
+    # per step (their next token does not wait for its whole prefill); alone, in one forward.
+    prefill_chunk_tokens: int = 256  # 0 = off: a long prefill waits for a step of its own
+    features_cached: bool = False  # runner keeps features: EAGLE takes cache hits, chunks
+    kv_window: int = 0  # every layer's sliding window: older KV blocks are released (0: none)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_verify_tokens",
+                     "max_model_len", "prefill_chunk_tokens", "max_spec_tokens", "kv_window"):
+            low = 0 if name in ("prefill_chunk_tokens", "max_spec_tokens", "kv_window") else 1
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")

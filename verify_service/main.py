@@ -36,7 +36,7 @@ from tandem.spec.cost import CostModel, StepCost
 from tandem.telemetry import VerifierMetrics
 from tandem.tls import add_port
 from tandem.v1 import common_pb2, verify_pb2_grpc
-from verify_service.config import VerifierConfig
+from verify_service.config import SchedulerConfig, VerifierConfig
 from verify_service.drafts.history import HistoryDrafts
 from verify_service.drafts.link import DraftPool
 from verify_service.drafts.side import Host
@@ -44,7 +44,7 @@ from verify_service.engine import Engine, EngineConfig
 from verify_service.forward.executor import Executor
 from verify_service.forward.features import feature_layers
 from verify_service.policy.calibration import timed_curve
-from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import Scheduler
 from verify_service.server import SERVICE_NAME, VerifyServicer
 from verify_service.tp.group import TPLeader, start_for
 

@@ -11,6 +11,7 @@ from array import array
 from collections.abc import Hashable, Sequence
 
 from tandem.spec import DraftRequest, DraftResult, DraftToken, Method
+from tandem.spec.cost import DEFAULT_MAX_SPEC_TOKENS
 
 _ITEM_BYTES = array("i").itemsize
 
@@ -87,20 +88,20 @@ class NgramProposer:
 
     method = Method.NGRAM
 
-    def __init__(self, max_ngram_size: int = 3, num_speculative_tokens: int = 8):
-        if max_ngram_size < 1 or num_speculative_tokens < 1:
+    def __init__(self, max_ngram_size: int = 3, max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS):
+        if max_ngram_size < 1 or max_spec_tokens < 1:
             raise ValueError(
-                f"max_ngram_size and num_speculative_tokens must be >= 1, got "
-                f"{max_ngram_size}, {num_speculative_tokens}"
+                f"max_ngram_size and max_spec_tokens must be >= 1, got "
+                f"{max_ngram_size}, {max_spec_tokens}"
             )
         self.max_ngram_size = max_ngram_size
-        self.num_speculative_tokens = num_speculative_tokens
+        self.max_spec_tokens = max_spec_tokens
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
         results = []
         for req in requests:
             n = req.max_ngram_size or self.max_ngram_size
-            k = min(req.max_tokens, self.num_speculative_tokens)
+            k = min(req.max_tokens, self.max_spec_tokens)
             ids, size = ngram_match(req.token_ids, n, k) if k > 0 else ([], 0)
             results.append(DraftResult([DraftToken(t) for t in ids],
                                        scores=confidences(size, len(ids))))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.spec import DraftRequest, DraftResult, DraftToken, Method
+from tandem.spec.cost import DEFAULT_MAX_SPEC_TOKENS
 
 _SEP = -1  # between sequences in a corpus: no match or continuation crosses it
 
@@ -217,11 +218,12 @@ class SuffixProposer:
 
     method = Method.SUFFIX
 
-    def __init__(self, config: SuffixConfig | None = None, num_speculative_tokens: int = 16):
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+    def __init__(self, config: SuffixConfig | None = None,
+                 max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS):
+        if max_spec_tokens < 1:
+            raise ValueError(f"max_spec_tokens must be >= 1, got {max_spec_tokens}")
         self.config = config or SuffixConfig()
-        self.num_speculative_tokens = num_speculative_tokens
+        self.max_spec_tokens = max_spec_tokens
         self._own: dict[Hashable, TokenLog] = {}  # key -> the session's committed tokens
         self._caches: OrderedDict[str, SequenceCache] = OrderedDict()
 
@@ -233,7 +235,7 @@ class SuffixProposer:
         own = self._own.setdefault(req.key, TokenLog(c.anchor))
         if own.length < req.num_committed:  # committed tokens never change: index the new ones
             own.extend(req.token_ids[own.length:req.num_committed])
-        k = min(req.max_tokens, self.num_speculative_tokens)
+        k = min(req.max_tokens, self.max_spec_tokens)
         knobs = dict(max_match=c.max_match, min_prob=c.min_prob, spec_factor=c.spec_factor,
                      max_candidates=c.max_candidates)
         best = speculate(own, req.token_ids, k, **knobs)

@@ -13,9 +13,10 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.spec.cost import CostModel
 from tools.bench.inproc import OnePool, WorkerLink
+from verify_service.config import SchedulerConfig
 from verify_service.engine import Engine, EngineConfig
 from verify_service.forward.executor import Executor
-from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 
 

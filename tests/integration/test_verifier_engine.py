@@ -12,10 +12,11 @@ from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Close, DraftToken, Method, Open, Proposal
 from tandem.spec.cost import CostModel, StepCost
+from verify_service.config import SchedulerConfig
 from verify_service.engine import Engine, EngineConfig
 from verify_service.forward.executor import Executor
 from verify_service.forward.step import StepInput
-from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 
 pytestmark = pytest.mark.integration
@@ -47,12 +48,12 @@ class ScriptedLink:
             return
         asyncio.get_running_loop().call_soon(self._propose, msg.session_id)
 
-    def _propose(self, sid):
-        st = self.state.get(sid)
+    def _propose(self, session_id):
+        st = self.state.get(session_id)
         if st is None or not self.alive or self.silent:
             return
         committed, epoch, nxt = st
-        prompt_len, full = self.script[sid]
+        prompt_len, full = self.script[session_id]
         while nxt < committed + 4 and nxt - prompt_len < len(full):
             tok = full[nxt - prompt_len]
             if self.wrong_every and nxt % self.wrong_every == 0:
@@ -60,7 +61,7 @@ class ScriptedLink:
             draft = DraftToken(tok)
             if self.garbage and nxt % 3 == 0:  # malformed: must be dropped, not trusted
                 draft = DraftToken(tok, (tok,), (0.3,))
-            self.engine.drafts.on_reply(self, Proposal(sid, epoch, nxt, draft))
+            self.engine.drafts.on_reply(self, Proposal(session_id, epoch, nxt, draft))
             nxt += 1
             self.sent += 1
             if self.break_after is not None and self.sent >= self.break_after:
@@ -269,9 +270,9 @@ def test_a_failing_session_is_aborted_alone(target_model, tokenizer, reference):
                         EngineConfig(), target_model.cfg.vocab_size)
         loop_task = asyncio.create_task(engine.run())
         queues = [engine.submit(GenerateParams(
-            session_id=sid, prompt=tuple(p), committed=(), sampling=GREEDY,
+            session_id=session_id, prompt=tuple(p), committed=(), sampling=GREEDY,
             max_new_tokens=N_NEW, stop_token_ids=frozenset({tokenizer.eos_token_id}),
-            method=Method.NONE)) for sid, p in
+            method=Method.NONE)) for session_id, p in
             (("good", prompts[0]), ("bad", [*prompts[1], PoisonExecutor.POISON]))]
         got = []
         for q in queues:

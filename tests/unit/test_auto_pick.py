@@ -7,9 +7,10 @@ from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import CostModel, best_rate, choose_tree_size
+from verify_service.config import SchedulerConfig
 from verify_service.policy import auto
 from verify_service.policy.feedback import learn_acceptance
-from verify_service.policy.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import ScheduledSeq, Scheduler
 from verify_service.session.params import GenerateParams
 from verify_service.session.sequence import LocalProposal, Sequence
 

@@ -12,11 +12,12 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec import Commit, DraftToken, Method, Open
 from tandem.spec import Proposal as Reply
 from tandem.spec.cost import CostModel
+from verify_service.config import SchedulerConfig
 from verify_service.drafts.side import DraftSide
 from verify_service.drafts.waits import missing
 from verify_service.policy import auto
 from verify_service.policy.feedback import learn_acceptance
-from verify_service.policy.scheduler import EXPLORE_EVERY, ScheduledSeq, Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import EXPLORE_EVERY, ScheduledSeq, Scheduler
 from verify_service.session.params import GenerateParams
 from verify_service.session.sequence import LocalProposal, Sequence
 
@@ -192,14 +193,14 @@ def test_the_draft_side_files_the_workers_tokens_apart_and_waits_only_when_usefu
 
     async def main():
         sched, seq = _setup(temperature=1.0)
-        side = DraftSide({seq.seq_id: seq}, 100, 4, 8, Pool(Link()))
+        side = DraftSide({seq.session_id: seq}, 100, 4, 8, Pool(Link()))
         side.attach(seq)
         side.commit(seq, seq.num_tokens, [], run_ahead=0)
         await asyncio.sleep(0)
         assert not side.linked(seq)  # not linked until its worker is asked for drafts
         side.commit(seq, seq.num_tokens, [], run_ahead=3)
         await asyncio.sleep(0)
-        link = side.links[seq.seq_id]
+        link = side.links[seq.session_id]
         (opened,) = link.sent
         assert isinstance(opened, Open) and opened.method is Method.DRAFT_MODEL
         assert not opened.tree and opened.max_run_ahead == 3
@@ -211,7 +212,7 @@ def test_the_draft_side_files_the_workers_tokens_apart_and_waits_only_when_usefu
         seq.stats.rounds = EXPLORE_EVERY - 1
         assert missing(seq, sched, side) == 0  # a probe's chain is taken if it is there
         seq.stats.rounds = 0
-        side.on_reply(link, Reply(seq.seq_id, seq.epoch, seq.num_tokens, DraftToken(7, *Q)))
+        side.on_reply(link, Reply(seq.session_id, seq.epoch, seq.num_tokens, DraftToken(7, *Q)))
         assert seq.drafts == [] and [d.token_id for d in seq.remote] == [7]
         assert missing(seq, sched, side) == 1
         _history(seq, Method.SUFFIX, [0.9])

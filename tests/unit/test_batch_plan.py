@@ -6,7 +6,8 @@ from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import CostModel, StepCost, expected_tokens, plan_batch
-from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.config import SchedulerConfig
+from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 from verify_service.session.sequence import SeqStatus, Sequence
 

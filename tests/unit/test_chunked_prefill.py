@@ -6,16 +6,18 @@ from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
 from tandem.spec.cost import CostModel
-from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.config import SchedulerConfig
+from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 from verify_service.session.sequence import SeqStatus, Sequence
 
 pytestmark = pytest.mark.unit
 
 
-def _seq(sid, n, method=Method.NONE):
-    return Sequence(GenerateParams(session_id=sid, prompt=tuple(range(1, n + 1)), committed=(),
-                                   sampling=SamplingParams(temperature=0.0), max_new_tokens=50,
+def _seq(session_id, n, method=Method.NONE):
+    return Sequence(GenerateParams(session_id=session_id, prompt=tuple(range(1, n + 1)),
+                                   committed=(), sampling=SamplingParams(temperature=0.0),
+                                   max_new_tokens=50,
                                    stop_token_ids=frozenset(), method=method))
 
 
@@ -79,7 +81,7 @@ def test_chunking_off_keeps_a_long_prefill_for_a_step_of_its_own():
     sched.add(_seq("a", 3))
     _run_step(sched)
     sched.add(_seq("b", 20))
-    assert [s.seq.seq_id for s in _run_step(sched)] == ["a"]  # b (20 > budget 15) waits
+    assert [s.seq.session_id for s in _run_step(sched)] == ["a"]  # b (20 > budget 15) waits
 
 
 def test_eagle_sessions_are_never_chunked():

@@ -7,8 +7,9 @@ from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, ErrorCode, Method, Proposal, SessionError
 from tandem.spec.cost import CostModel
+from verify_service.config import SchedulerConfig
 from verify_service.engine import Engine, EngineConfig
-from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 
 pytestmark = pytest.mark.unit
@@ -29,21 +30,21 @@ def make_engine():
     sched = Scheduler(BlockManager(32, 4), SchedulerConfig(), CostModel())
     engine = Engine(None, sched, EngineConfig(), VOCAB)
     link = Link()
-    for sid in ("a", "b"):
-        engine.submit(GenerateParams(session_id=sid, prompt=(1, 2, 3), committed=(),
+    for session_id in ("a", "b"):
+        engine.submit(GenerateParams(session_id=session_id, prompt=(1, 2, 3), committed=(),
                                      sampling=SamplingParams(temperature=0.0),
                                      max_new_tokens=8, stop_token_ids=frozenset(),
                                      method=Method.DRAFT_MODEL))
-        engine.drafts.links[sid] = link
+        engine.drafts.links[session_id] = link
     return engine, link
 
 
-def proposal(sid="a", epoch=0, position=3, token=7, ids=(), probs=()):
-    return Proposal(sid, epoch, position, DraftToken(token, tuple(ids), tuple(probs)))
+def proposal(session_id="a", epoch=0, position=3, token=7, ids=(), probs=()):
+    return Proposal(session_id, epoch, position, DraftToken(token, tuple(ids), tuple(probs)))
 
 
 @pytest.mark.parametrize("bad", [
-    proposal(sid="nobody"),  # unknown session
+    proposal(session_id="nobody"),  # unknown session
     proposal(epoch=5),  # stale or future epoch
     proposal(token=VOCAB),  # out of vocabulary
     proposal(position=9),  # gap
@@ -57,7 +58,7 @@ def test_bad_proposals_are_dropped_and_others_unharmed(bad):
     async def main():
         engine, link = make_engine()
         engine.drafts.on_reply(link, bad)
-        engine.drafts.on_reply(link, proposal(sid="b", token=9))  # a healthy neighbour
+        engine.drafts.on_reply(link, proposal(session_id="b", token=9))  # a healthy neighbour
         return engine
 
     engine = asyncio.run(main())

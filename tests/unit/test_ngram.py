@@ -55,7 +55,7 @@ def test_input_is_not_modified():
 
 
 def test_proposer_batches_and_respects_limits():
-    prop = NgramProposer(max_ngram_size=3, num_speculative_tokens=2)
+    prop = NgramProposer(max_ngram_size=3, max_spec_tokens=2)
     assert isinstance(prop, Proposer) and prop.method == Method.NGRAM
     reqs = [
         DraftRequest(key=1, token_ids=[1, 2, 3, 4, 1, 2], num_committed=6, max_tokens=8),

@@ -23,8 +23,9 @@ from tandem.spec import (
     TreeNode,
 )
 from tandem.spec.cost import CostModel, choose_tree_size
+from verify_service.config import SchedulerConfig
 from verify_service.drafts.side import DraftSide, Latency
-from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 from verify_service.session.sequence import Sequence
 

@@ -15,8 +15,9 @@ from tandem.spec.cost import (
     leviathan_speedup,
     update_acceptance,
 )
+from verify_service.config import SchedulerConfig
 from verify_service.drafts.side import Latency
-from verify_service.policy.scheduler import Scheduler, SchedulerConfig
+from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 from verify_service.session.sequence import SeqStatus, Sequence
 
@@ -24,10 +25,10 @@ pytestmark = pytest.mark.unit
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def params(sid="s", prompt=(1, 2, 3), max_new=10, method=Method.DRAFT_MODEL, **kw):
-    return GenerateParams(session_id=sid, prompt=tuple(prompt), committed=(), sampling=GREEDY,
-                          max_new_tokens=max_new, stop_token_ids=frozenset({0}), method=method,
-                          **kw)
+def params(session_id="s", prompt=(1, 2, 3), max_new=10, method=Method.DRAFT_MODEL, **kw):
+    return GenerateParams(session_id=session_id, prompt=tuple(prompt), committed=(),
+                          sampling=GREEDY, max_new_tokens=max_new,
+                          stop_token_ids=frozenset({0}), method=method, **kw)
 
 
 def drafts(seq, tokens):
@@ -76,7 +77,7 @@ def test_commit_cuts_at_stop_token_and_length():
 
 def test_generate_params_validation():
     with pytest.raises(ValueError, match="session_id"):
-        params(sid="")
+        params(session_id="")
     with pytest.raises(ValueError, match="prompt"):
         params(prompt=())
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -124,7 +125,7 @@ def test_prefill_then_verify_then_rollback():
     (s,) = out.scheduled
     assert s.token_ids == [42, 43, 44, 45] and s.start_pos == 9 and s.num_drafts == 3
     sched.update_from_output(s, 1)  # one accepted: keep KV of 42 and 43
-    assert sched.blocks.num_tokens(seq.seq_id) == 11
+    assert sched.blocks.num_tokens(seq.session_id) == 11
 
 
 def test_plain_sessions_never_verify_drafts():
@@ -139,7 +140,7 @@ def test_plain_sessions_never_verify_drafts():
 
 def test_batch_load_caps_k():
     sched = make_sched(num_blocks=256, max_verify_tokens=16, max_spec_tokens=8)
-    seqs = [Sequence(params(sid=f"s{i}")) for i in range(8)]
+    seqs = [Sequence(params(session_id=f"s{i}")) for i in range(8)]
     for s in seqs:
         sched.add(s)
     for s in sched.schedule().scheduled:
@@ -152,8 +153,8 @@ def test_batch_load_caps_k():
 
 def test_preemption_when_blocks_run_out_and_recompute():
     sched = make_sched(num_blocks=6, block_size=4)
-    a = Sequence(params(sid="a", prompt=range(1, 9), max_new=50))
-    b = Sequence(params(sid="b", prompt=range(11, 19), max_new=50))
+    a = Sequence(params(session_id="a", prompt=range(1, 9), max_new=50))
+    b = Sequence(params(session_id="b", prompt=range(11, 19), max_new=50))
     sched.add(a)
     sched.add(b)
     for s in sched.schedule().scheduled:
@@ -211,7 +212,7 @@ def test_carried_round_keeps_drafts_and_feeds_only_drafts():
     # The last committed token (45) is already cached: only the waiting drafts go in.
     assert s.token_ids == [46, 47] and s.start_pos == seq.num_tokens and s.num_drafts == 2
     sched.update_from_output(s, 0)
-    assert sched.blocks.num_tokens(seq.seq_id) == seq.num_tokens
+    assert sched.blocks.num_tokens(seq.session_id) == seq.num_tokens
     seq.sched.carried, seq.drafts = True, []
     (s,) = sched.schedule().scheduled  # drafts vanished: a round without a forward
     assert s.token_ids == [] and s.num_drafts == 0
@@ -264,12 +265,12 @@ def test_draft_side_learns_how_long_the_first_draft_after_a_commit_takes():
 
     async def main():
         seq = Sequence(params())
-        side = DraftSide({seq.seq_id: seq}, 100, 4, 8)
-        link = side.links[seq.seq_id] = Link()
+        side = DraftSide({seq.session_id: seq}, 100, 4, 8)
+        link = side.links[seq.session_id] = Link()
         for _ in range(20):
             side.commit(seq, seq.num_tokens, [], run_ahead=2)
             await asyncio.sleep(0.03)
-            side.on_reply(link, Proposal(seq.seq_id, seq.epoch, seq.next_draft_position(),
+            side.on_reply(link, Proposal(seq.session_id, seq.epoch, seq.next_draft_position(),
                                          DraftToken(5)))
             seq.drafts = []
         assert 20 < side.first.ms < 60  # ~30 ms, from 10 ms at the start
@@ -277,7 +278,7 @@ def test_draft_side_learns_how_long_the_first_draft_after_a_commit_takes():
         assert link.sent[-1].max_run_ahead == 0
         before = side.first.ms
         time.sleep(0.1)
-        side.on_reply(link, Proposal(seq.seq_id, seq.epoch, seq.next_draft_position(),
+        side.on_reply(link, Proposal(seq.session_id, seq.epoch, seq.next_draft_position(),
                                      DraftToken(5)))
         assert side.first.ms == before  # not asked for: says nothing about the delay
 
@@ -296,7 +297,7 @@ def test_one_sessions_late_drafts_cost_the_batch_only_its_share_of_the_wait():
     sched = make_sched(max_spec_tokens=8)  # k at most the 8 drafts each session has
     engine = Engine(None, sched, EngineConfig(max_draft_wait_ms=25.0), 100)
     engine.drafts = Side()
-    seqs = [Sequence(params(sid=f"s{i}")) for i in range(4)]
+    seqs = [Sequence(params(session_id=f"s{i}")) for i in range(4)]
     sched.running = seqs
     for seq in seqs:
         seq.est.acceptance_ema = 0.95  # k > 0 wanted by everyone
@@ -326,7 +327,7 @@ def test_medusa_tree_prefix_scheduled_and_probed_when_off():
     s = sched.schedule().scheduled[0]  # k capped at 3: the first three nodes, still a tree
     assert s.num_drafts == 3 and s.parents == (-1, -1, 0) and s.token_ids == [5, 11, 12, 13]
     sched.update_from_output(s, 2, [12, 13])  # path b -> c moved after the root
-    assert sched.blocks.num_tokens(seq.seq_id) == 6
+    assert sched.blocks.num_tokens(seq.session_id) == 6
     assert seq.commit([12, 13], 9) == [12, 13, 9] and seq.drafts == []
     assert seq.draft_parents is None and seq.epoch == 1  # a tree round ends its epoch
     # A tree the cost curve does not pay for is off, but probed every EXPLORE_EVERY rounds.
@@ -375,7 +376,7 @@ def test_auto_takes_the_history_proposal_with_the_most_expected_tokens_per_ms():
     text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 3 + [5, 6, 7]  # a copy that has held long
     picks, rates = {}, {}
     for method in (Method.NGRAM, Method.SUFFIX, Method.AUTO):
-        seq = Sequence(params(sid=method.api_name, prompt=text, max_new=20, method=method))
+        seq = Sequence(params(session_id=method.api_name, prompt=text, max_new=20, method=method))
         history.fill([seq], lambda s: 8)
         if method is Method.AUTO:
             assert set(seq.local.proposals) == {Method.NGRAM, Method.SUFFIX}
@@ -386,13 +387,13 @@ def test_auto_takes_the_history_proposal_with_the_most_expected_tokens_per_ms():
     assert picks[Method.AUTO].local.source is best
     assert picks[Method.AUTO].drafts == picks[best].drafts
     assert [d.token_id for d in picks[Method.AUTO].drafts][:7] == [8, 9, 10, 11, 12, 13, 14]
-    worse = Sequence(params(sid="worse", prompt=text, max_new=20, method=Method.AUTO))
+    worse = Sequence(params(session_id="worse", prompt=text, max_new=20, method=Method.AUTO))
     worse.est.source_scale = {best: 0.05, Method.SUFFIX if best is Method.NGRAM else Method.NGRAM:
                           1.0}  # the better proposer has kept over-promising here
     history.fill([worse], lambda s: 8)
     auto.pick(sched, worse)
     assert worse.local.source is not best
-    fresh = Sequence(params(sid="fresh", prompt=[1, 2, 3, 4], method=Method.AUTO))
+    fresh = Sequence(params(session_id="fresh", prompt=[1, 2, 3, 4], method=Method.AUTO))
     history.fill([fresh], lambda s: 8)
     auto.pick(sched, fresh)
     assert fresh.drafts == [] and fresh.draft_reach == [] and fresh.local.source is None
@@ -412,7 +413,7 @@ def test_history_sessions_start_from_what_finished_ones_measured():
     assert history.prior_scales(Method.SUFFIX)[Method.SUFFIX] < 1.0
     assert history.prior_scales(Method.AUTO)[Method.NGRAM] == 1.0
     assert history.prior_scales(Method.SUFFIX, greedy=False) == {Method.SUFFIX: 1.0}
-    idle = Sequence(params(sid="idle", method=Method.NGRAM))
+    idle = Sequence(params(session_id="idle", method=Method.NGRAM))
     idle.est.source_scale = {Method.NGRAM: 0.1}  # never drafted: says nothing
     history.finish(idle)
     assert history.prior_scales(Method.NGRAM) == {Method.NGRAM: 1.0}

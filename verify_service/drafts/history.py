@@ -28,8 +28,8 @@ class HistoryDrafts:
         # drafts (or speeds up) another's.
         suffix = suffix or SuffixConfig(per_tenant=True)
         self.proposers: dict[Method, Proposer] = {
-            Method.NGRAM: NgramProposer(num_speculative_tokens=max_tokens),
-            Method.SUFFIX: SuffixProposer(suffix, num_speculative_tokens=max_tokens)}
+            Method.NGRAM: NgramProposer(max_spec_tokens=max_tokens),
+            Method.SUFFIX: SuffixProposer(suffix, max_spec_tokens=max_tokens)}
         # What finished sessions measured of each source (accepted / expected: their
         # Sequence.est.source_scale), smoothed: a new session starts from it rather than from the
         # proposers' raw estimates, which a short request has no rounds to correct. Kept apart
@@ -46,15 +46,15 @@ class HistoryDrafts:
         one per source it drafts from, into Sequence.proposals: drafts and their reach (the
         proposer's own confidence per token). verify_service/policy/auto.py picks among them. A
         proposer that fails or finds no match proposes nothing."""
-        ks = {seq.seq_id: k for seq in seqs if (k := k_allowed(seq)) > 0}
+        ks = {seq.session_id: k for seq in seqs if (k := k_allowed(seq)) > 0}
         by_method: dict[Method, list[Sequence]] = {}
         for seq in seqs:
-            if seq.seq_id in ks:
+            if seq.session_id in ks:
                 for method in _sources(seq.params.method):
                     by_method.setdefault(method, []).append(seq)
         for method, group in by_method.items():
-            reqs = [DraftRequest(key=seq.seq_id, token_ids=seq.tokens,
-                                 num_committed=seq.num_tokens, max_tokens=ks[seq.seq_id],
+            reqs = [DraftRequest(key=seq.session_id, token_ids=seq.tokens,
+                                 num_committed=seq.num_tokens, max_tokens=ks[seq.session_id],
                                  sampling=seq.params.sampling, tenant=seq.params.tenant)
                     for seq in group]
             for seq, res in zip(group, propose_isolated(self.proposers[method], reqs)):
@@ -79,7 +79,7 @@ class HistoryDrafts:
                 self.scale[key] = 0.7 * self.scale.get(key, 1.0) + 0.3 * scale
         for m in _sources(method):
             proposer = self.proposers[m]
-            proposer.release(seq.seq_id)
+            proposer.release(seq.session_id)
             if isinstance(proposer, Learner) and seq.finish_reason != "abort":
                 proposer.learn(seq.params.tenant, seq.tokens)
 

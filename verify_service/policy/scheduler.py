@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from tandem.spec.cost import (
-    DEFAULT_MAX_SPEC_TOKENS,
     CostModel,
     StepCost,
     choose_k,
     choose_tree_size,
     plan_batch,
 )
+from verify_service.config import SchedulerConfig
 from verify_service.session.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
@@ -25,27 +25,6 @@ EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is sw
 def probing(seq: Sequence, ahead: int = 0) -> bool:
     """Whether the session's round `ahead` rounds from now is one of its probes."""
     return (seq.stats.rounds + ahead) % EXPLORE_EVERY == EXPLORE_EVERY - 1
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32  # running sessions at once
-    max_num_batched_tokens: int = 2048  # new tokens per forward (prefill chunks dominate)
-    max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS  # cap on k per round
-    max_verify_tokens: int = 64  # verification tokens per step; caps k under batch load
-    max_model_len: int = 8192
-    # Chunked prefill: beside decoding sessions a prompt is computed at most this many tokens
-    # per step (their next token does not wait for its whole prefill); alone, in one forward.
-    prefill_chunk_tokens: int = 256  # 0 = off: a long prefill waits for a step of its own
-    features_cached: bool = False  # runner keeps features: EAGLE takes cache hits, chunks
-    kv_window: int = 0  # every layer's sliding window: older KV blocks are released (0: none)
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_verify_tokens",
-                     "max_model_len", "prefill_chunk_tokens", "max_spec_tokens", "kv_window"):
-            low = 0 if name in ("prefill_chunk_tokens", "max_spec_tokens", "kv_window") else 1
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -98,9 +77,9 @@ class Scheduler:
         seq.sched.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
-    def abort(self, seq_id: str) -> Sequence | None:
+    def abort(self, session_id: str) -> Sequence | None:
         for seq in [*self.running, *self.waiting]:
-            if seq.seq_id == seq_id:
+            if seq.session_id == session_id:
                 self.finish(seq, "abort")
                 return seq
         return None
@@ -113,14 +92,14 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if self.blocks.has(seq.seq_id):
-            self.blocks.free(seq.seq_id)
+        if self.blocks.has(seq.session_id):
+            self.blocks.free(seq.session_id)
 
     def desired_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The session's adaptive cap on draft tokens this round (before arrivals); `ahead`
         rounds later if nothing else changes. Under batch load, the step's plan may cut it,
         except in a probe round: that is how sizes the plan priced out are measured again."""
-        k, cap = self._solo_k(seq, ahead), self._caps.get(seq.seq_id)
+        k, cap = self._solo_k(seq, ahead), self._caps.get(seq.session_id)
         return k if cap is None or probing(seq, ahead) else min(k, cap)
 
     def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
@@ -179,7 +158,7 @@ class Scheduler:
         gains = [self._gains(s, self._solo_k(s)) for s in decoding]
         b = len(decoding)
         counts = plan_batch(gains, lambda t: self.step_cost.cost(t, anchor=b))
-        return {s.seq_id: k for s, k in zip(decoding, counts)}
+        return {s.session_id: k for s, k in zip(decoding, counts)}
 
     def _gains(self, seq: Sequence, k: int) -> list[float]:
         """Expected extra tokens from each of the session's first k drafts."""
@@ -244,7 +223,7 @@ class Scheduler:
     def _append_or_preempt(self, seq: Sequence, new: list[int], preempted: list) -> bool:
         while True:
             try:
-                self.blocks.append(seq.seq_id, new)
+                self.blocks.append(seq.session_id, new)
                 return True
             except NoFreeBlocksError:
                 victim = max(self.running, key=lambda s: s.sched.arrival)  # newest goes back
@@ -260,7 +239,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free its KV; it is recomputed from its committed tokens when re-admitted."""
         self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
+        self.blocks.free(seq.session_id)
         seq.sched.status = SeqStatus.WAITING
         seq.clear_drafts()
         seq.sched.carried = False  # the re-prefill recomputes that distribution
@@ -282,7 +261,7 @@ class Scheduler:
                 break  # no room this step (unchunked: a long prefill waits for its own)
             if not self.blocks.can_allocate(tokens, use_cache):
                 break
-            cached = self.blocks.allocate(seq.seq_id, tokens, use_cache)
+            cached = self.blocks.allocate(seq.session_id, tokens, use_cache)
             self.waiting.popleft()
             seq.sched.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -300,12 +279,12 @@ class Scheduler:
         A tree's accepted path (its tokens, `path`) was moved to the slots after the root."""
         seq = sched.seq
         if sched.partial:  # a prefill chunk: its slots are final, the rest is still to come
-            self.blocks.commit(seq.seq_id, sched.start_pos + len(sched.token_ids))
+            self.blocks.commit(seq.session_id, sched.start_pos + len(sched.token_ids))
             return
         if sched.num_drafts > num_accepted:
-            self.blocks.rollback(seq.seq_id, sched.num_drafts - num_accepted)
+            self.blocks.rollback(seq.session_id, sched.num_drafts - num_accepted)
         if path:
-            self.blocks.rewrite(seq.seq_id, path)
-        self.blocks.commit(seq.seq_id, self.blocks.num_tokens(seq.seq_id))
+            self.blocks.rewrite(seq.session_id, path)
+        self.blocks.commit(seq.session_id, self.blocks.num_tokens(seq.session_id))
         if self.config.kv_window:  # the next round's queries start at the last token
-            self.blocks.release_before(seq.seq_id, seq.num_tokens - self.config.kv_window)
+            self.blocks.release_before(seq.session_id, seq.num_tokens - self.config.kv_window)
