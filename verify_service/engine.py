@@ -78,10 +78,10 @@ class Engine:
         self.drafts.attach(seq)
         return queue
 
-    def abort(self, seq_id: str) -> None:
-        seq = self.sessions.get(seq_id)
+    def abort(self, session_id: str) -> None:
+        seq = self.sessions.get(session_id)
         if seq is not None and not seq.finished:
-            self.scheduler.abort(seq_id)
+            self.scheduler.abort(session_id)
             self._release(seq)
 
     @property
@@ -123,7 +123,7 @@ class Engine:
             if outcome is None:
                 continue
             if s.partial:  # a prefill chunk: its KV is final, nothing to tell anyone yet
-                if s.seq.seq_id in self.sessions and not s.seq.finished:
+                if s.seq.session_id in self.sessions and not s.seq.finished:
                     self.scheduler.update_from_output(s, 0)
             else:
                 self._apply(s, outcome, wait_ms, timings)
@@ -158,7 +158,7 @@ class Engine:
                 (outcome,), t = await self._execute([one])
             except Exception:
                 log.exception("session %s failed its verification step; aborting it",
-                              s.seq.seq_id)
+                              s.seq.session_id)
                 self.scheduler.finish(s.seq, "abort")
                 self._release(s.seq)
                 outcome, t = None, StepTimings(0.0, 0.0)
@@ -191,8 +191,8 @@ class Engine:
         if seq.grammar is not None and not s.partial:
             mask = seq.grammar.masks([d.token_id for d in drafts], s.parents)
         return StepInput(s.token_ids, s.start_pos, list(self.scheduler.blocks.block_table(
-            seq.seq_id)), drafts, seq.params.sampling,
-            carried=self.table.carried.get(seq.seq_id) if seq.sched.carried else None,
+            seq.session_id)), drafts, seq.params.sampling,
+            carried=self.table.carried.get(seq.session_id) if seq.sched.carried else None,
             sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
             want_features=seq.needs_features, partial=s.partial,
             prefill=s.is_prefill and not s.partial,
@@ -228,7 +228,7 @@ class Engine:
         """4. apply: keep the round's KV, commit its tokens, learn from it, stream it to the
         client, then tell the draft worker (or finish the session)."""
         seq = s.seq
-        if seq.finished or seq.seq_id not in self.sessions:
+        if seq.finished or seq.session_id not in self.sessions:
             return  # aborted while the step ran; its blocks are already freed
         accepted, next_token = outcome.accepted, outcome.next_token
         # Roll back rejected KV (a tree's accepted path is already in place: name its tokens).
@@ -238,7 +238,7 @@ class Engine:
         start = seq.num_tokens
         new = seq.commit(accepted, next_token)  # may bump the epoch (the draft diverged)
         if seq.grammar is not None and not seq.grammar.commit(new):  # cannot happen: masked
-            log.error("session %s: committed tokens the grammar forbids", seq.seq_id)
+            log.error("session %s: committed tokens the grammar forbids", seq.session_id)
         self.scheduler.carry(seq, next_token is None and not seq.finished)
         self.table.keep_carried(seq, outcome.carry)
         if outcome.tree is not None and not seq.finished:  # Medusa: the next round's tree
@@ -276,8 +276,8 @@ class Engine:
         self.table.release(seq)
 
     async def close(self) -> None:
-        for seq_id in list(self.sessions):
-            self.abort(seq_id)
+        for session_id in list(self.sessions):
+            self.abort(session_id)
         await self.drafts.close()
         self._thread.shutdown(wait=False, cancel_futures=True)
 

@@ -70,17 +70,17 @@ class SessionTable:
                 f"{blocks.num_blocks} (of {blocks.block_size} tokens)")
         seq = Sequence(params, **records)
         self.scheduler.add(seq)  # raises InvalidArgument if it cannot fit the context
-        self.sessions[seq.seq_id] = seq
-        self.queues[seq.seq_id] = queue = asyncio.Queue()
+        self.sessions[seq.session_id] = seq
+        self.queues[seq.session_id] = queue = asyncio.Queue()
         return seq, queue
 
     def keep_carried(self, seq: Sequence, row: torch.Tensor | None) -> None:
         """A carried session (seq.sched.carried) keeps its round's unsampled bonus row for the
         next round; any other session drops what it kept."""
         if seq.sched.carried:
-            self.carried[seq.seq_id] = row
+            self.carried[seq.session_id] = row
         else:
-            self.carried.pop(seq.seq_id, None)
+            self.carried.pop(seq.session_id, None)
 
     def record(self, seq: Sequence, new: list[int], drafted: int, accepted: int,
                wait_ms: float, timings: StepTimings, *, bonus: bool,
@@ -98,15 +98,15 @@ class SessionTable:
         if self.metrics is not None:
             self.metrics.observe_round(drafted, kept, wait_ms,
                                        timings.forward_ms, timings.rejection_ms)
-        self.queues[seq.seq_id].put_nowait(round_output(
+        self.queues[seq.session_id].put_nowait(round_output(
             seq, new, drafted, kept, wait_ms, timings, bonus=bonus, logprobs=logprobs))
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted session; an aborted one's client gets a last, empty
         output that says so."""
-        self.sessions.pop(seq.seq_id, None)
-        self.carried.pop(seq.seq_id, None)
-        queue = self.queues.pop(seq.seq_id, None)
+        self.sessions.pop(seq.session_id, None)
+        self.carried.pop(seq.session_id, None)
+        queue = self.queues.pop(seq.session_id, None)
         if queue is not None and seq.finish_reason == "abort":
             queue.put_nowait(round_output(seq, [], 0, 0, 0.0, StepTimings(0.0, 0.0)))
 

@@ -59,6 +59,9 @@ def _check_count(name: str, value: int) -> int:
 
 
 class BlockManager:
+    """The KV blocks of each session, by `session_id` (the verifier's session id; a draft
+    proposer passes its DraftRequest's session key, one per session incarnation)."""
+
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         """prefix_caching=False: every prompt is computed in full (a data recorder wants the
         hidden states of every position)."""
@@ -91,8 +94,8 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self._num_blocks
 
-    def has(self, seq_id: str) -> bool:
-        return seq_id in self._seqs
+    def has(self, session_id: str) -> bool:
+        return session_id in self._seqs
 
     def ref_count(self, block_id: int) -> int:
         """How many sequences hold `block_id` (for metrics, debugging and tests)."""
@@ -105,11 +108,11 @@ class BlockManager:
         hits = self._cached_prefix(tokens, use_cache)
         return self._blocks_to_take(tokens, hits) <= len(self._free)
 
-    def allocate(self, seq_id: str, token_ids: Iterable[int], use_cache: bool = True) -> int:
+    def allocate(self, session_id: str, token_ids: Iterable[int], use_cache: bool = True) -> int:
         """Admit a new sequence; returns how many leading tokens already have their KV cached
         (none with use_cache=False: a caller that needs every position computed)."""
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        if session_id in self._seqs:
+            raise ValueError(f"sequence {session_id!r} is already allocated")
         tokens = self._check_prompt(token_ids)
         hits = self._cached_prefix(tokens, use_cache)
         self._ensure_free(self._blocks_to_take(tokens, hits))
@@ -119,33 +122,33 @@ class BlockManager:
         # Cached tokens count as committed: their KV is written and final, and this makes
         # rollback unable to cut into the shared blocks.
         num_cached = len(hits) * self._block_size
-        self._seqs[seq_id] = _Sequence(tokens, table, num_cached, [h for _, h in hits])
+        self._seqs[session_id] = _Sequence(tokens, table, num_cached, [h for _, h in hits])
         return num_cached
 
-    def can_append(self, seq_id: str, num_tokens: int) -> bool:
-        seq = self._get(seq_id)
+    def can_append(self, session_id: str, num_tokens: int) -> bool:
+        seq = self._get(session_id)
         _check_count("num_tokens", num_tokens)
         return self._blocks_to_grow(seq, num_tokens) <= len(self._free)
 
-    def append(self, seq_id: str, token_ids: Iterable[int]) -> None:
+    def append(self, session_id: str, token_ids: Iterable[int]) -> None:
         """Reserve slots for new tentative tokens. The last block is never shared (it is not
         full, or it is full of this sequence's own tokens), so appending never writes into a
         block another sequence reads."""
-        seq = self._get(seq_id)
+        seq = self._get(session_id)
         tokens = _check_tokens(token_ids)
         needed = self._blocks_to_grow(seq, len(tokens))
         self._ensure_free(needed)
         seq.block_table.extend(self._take_fresh() for _ in range(needed))
         seq.token_ids.extend(tokens)
 
-    def rollback(self, seq_id: str, num_tokens: int) -> None:
+    def rollback(self, session_id: str, num_tokens: int) -> None:
         """Drop the last `num_tokens` tentative slots (rejected drafts)."""
-        seq = self._get(seq_id)
+        seq = self._get(session_id)
         tentative = len(seq.token_ids) - seq.num_committed
         if _check_count("num_tokens", num_tokens) > tentative:
             raise ValueError(
-                f"cannot roll back {num_tokens} tokens of sequence {seq_id!r}: only {tentative} "
-                "are tentative (committed tokens are final)"
+                f"cannot roll back {num_tokens} tokens of sequence {session_id!r}: "
+                f"only {tentative} are tentative (committed tokens are final)"
             )
         if num_tokens == 0:
             return  # `del x[-0:]` would clear the whole list
@@ -154,45 +157,45 @@ class BlockManager:
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop())
 
-    def rewrite(self, seq_id: str, token_ids: Iterable[int]) -> None:
+    def rewrite(self, session_id: str, token_ids: Iterable[int]) -> None:
         """Replace the token ids of the last tentative slots (a token tree's accepted path,
         whose KV was moved there), so committed blocks hash the tokens they really hold."""
-        seq = self._get(seq_id)
+        seq = self._get(session_id)
         tokens = _check_tokens(token_ids)
         if len(tokens) > len(seq.token_ids) - seq.num_committed:
-            raise ValueError(f"cannot rewrite {len(tokens)} tokens of sequence {seq_id!r}: "
+            raise ValueError(f"cannot rewrite {len(tokens)} tokens of sequence {session_id!r}: "
                              "committed tokens are final")
         if tokens:
             seq.token_ids[-len(tokens):] = tokens
 
-    def commit(self, seq_id: str, num_tokens: int) -> None:
+    def commit(self, session_id: str, num_tokens: int) -> None:
         """Mark the first `num_tokens` slots final and publish newly full blocks for sharing."""
-        seq = self._get(seq_id)
+        seq = self._get(session_id)
         _check_count("num_tokens", num_tokens)
         if not seq.num_committed <= num_tokens <= len(seq.token_ids):
             raise ValueError(
-                f"cannot commit {num_tokens} tokens of sequence {seq_id!r}: must be between "
+                f"cannot commit {num_tokens} tokens of sequence {session_id!r}: must be between "
                 f"{seq.num_committed} (already committed) and {len(seq.token_ids)} (slots held)"
             )
         seq.num_committed = num_tokens
         self._cache.register(seq.token_ids, seq.num_committed, seq.block_table,
                              seq.block_hashes)
 
-    def free(self, seq_id: str) -> None:
-        seq = self._get(seq_id)
-        del self._seqs[seq_id]
+    def free(self, session_id: str) -> None:
+        seq = self._get(session_id)
+        del self._seqs[session_id]
         # Tail first: a sequence's last blocks are the least likely to be another prompt's
         # prefix, so they should be the first to be evicted.
         for block_id in reversed(seq.block_table[seq.dropped:]):
             self._release(block_id)
 
-    def release_before(self, seq_id: str, position: int) -> int:
+    def release_before(self, session_id: str, position: int) -> int:
         """Release the sequence's committed blocks that hold only positions < `position`: a
         model whose every layer has a sliding window never reads them again. Their table
         entries stay (the attention gathers them and masks them out), so positions keep
         their slots; a released block may be handed to another sequence. Returns how many
         blocks were released."""
-        seq = self._get(seq_id)
+        seq = self._get(session_id)
         upto = min(_check_count("position", position), seq.num_committed) // self._block_size
         upto = min(upto, len(seq.block_table) - 1)  # the block being written stays
         released = max(0, upto - seq.dropped)
@@ -201,31 +204,31 @@ class BlockManager:
         seq.dropped = max(seq.dropped, upto)
         return released
 
-    def block_table(self, seq_id: str) -> list[int]:
-        return list(self._get(seq_id).block_table)
+    def block_table(self, session_id: str) -> list[int]:
+        return list(self._get(session_id).block_table)
 
-    def num_tokens(self, seq_id: str) -> int:
-        return len(self._get(seq_id).token_ids)
+    def num_tokens(self, session_id: str) -> int:
+        return len(self._get(session_id).token_ids)
 
-    def num_committed(self, seq_id: str) -> int:
-        return self._get(seq_id).num_committed
+    def num_committed(self, session_id: str) -> int:
+        return self._get(session_id).num_committed
 
-    def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
-        seq = self._get(seq_id)
+    def slot_mapping(self, session_id: str, start: int, end: int) -> list[int]:
+        seq = self._get(session_id)
         _check_count("start", start)
         _check_count("end", end)
         if not start <= end <= len(seq.token_ids):
             raise ValueError(
                 f"positions [{start}, {end}) are not within the {len(seq.token_ids)} slots "
-                f"of sequence {seq_id!r}"
+                f"of sequence {session_id!r}"
             )
         bs, table = self._block_size, seq.block_table
         return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
-    def _get(self, seq_id: str) -> _Sequence:
-        seq = self._seqs.get(seq_id)
+    def _get(self, session_id: str) -> _Sequence:
+        seq = self._seqs.get(session_id)
         if seq is None:
-            raise ValueError(f"unknown sequence {seq_id!r}")
+            raise ValueError(f"unknown sequence {session_id!r}")
         return seq
 
     def _check_prompt(self, token_ids: Iterable[int]) -> list[int]:

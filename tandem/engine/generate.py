@@ -18,7 +18,7 @@ from tandem.sampling_params import SamplingParams
 
 @dataclass
 class _Seq:
-    seq_id: str
+    session_id: str
     prompt: list[int]
     generated: list[int] = field(default_factory=list)
     done: bool = False
@@ -67,29 +67,30 @@ class LocalGenerator:
                 logits = self._decode(still)
         finally:
             for s in seqs:
-                if self.blocks.has(s.seq_id):
-                    self.blocks.free(s.seq_id)
+                if self.blocks.has(s.session_id):
+                    self.blocks.free(s.session_id)
         return [s.generated for s in seqs]
 
     def _prefill(self, seqs: list[_Seq]) -> torch.Tensor:
         chunks = []
         for s in seqs:
-            cached = self.blocks.allocate(s.seq_id, s.prompt)
-            chunks.append(SeqChunk(s.prompt[cached:], cached, self.blocks.block_table(s.seq_id)))
+            cached = self.blocks.allocate(s.session_id, s.prompt)
+            table = self.blocks.block_table(s.session_id)
+            chunks.append(SeqChunk(s.prompt[cached:], cached, table))
         logits = self._forward(chunks)
         for s in seqs:
-            self.blocks.commit(s.seq_id, len(s.prompt))
+            self.blocks.commit(s.session_id, len(s.prompt))
         return logits
 
     def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
         chunks = []
         for s in seqs:
-            start = self.blocks.num_tokens(s.seq_id)
-            self.blocks.append(s.seq_id, [s.generated[-1]])
-            chunks.append(SeqChunk([s.generated[-1]], start, self.blocks.block_table(s.seq_id)))
+            start = self.blocks.num_tokens(s.session_id)
+            self.blocks.append(s.session_id, [s.generated[-1]])
+            chunks.append(SeqChunk([s.generated[-1]], start, self.blocks.block_table(s.session_id)))
         logits = self._forward(chunks)
         for s in seqs:
-            self.blocks.commit(s.seq_id, self.blocks.num_tokens(s.seq_id))
+            self.blocks.commit(s.session_id, self.blocks.num_tokens(s.session_id))
         return logits
 
     def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:

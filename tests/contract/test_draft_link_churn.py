@@ -55,10 +55,11 @@ class BlackHole:
                 await writer.drain()
 
 
-def session(sid="s"):
+def session(session_id="s"):
     return Sequence(GenerateParams(
-        session_id=sid, prompt=PROMPT, committed=(), sampling=SamplingParams(temperature=0.0),
-        max_new_tokens=64, stop_token_ids=frozenset(), method=Method.NGRAM))
+        session_id=session_id, prompt=PROMPT, committed=(),
+        sampling=SamplingParams(temperature=0.0), max_new_tokens=64,
+        stop_token_ids=frozenset(), method=Method.NGRAM))
 
 
 async def until(cond, timeout_s: float):
@@ -78,22 +79,22 @@ def test_a_black_holed_link_is_detected_and_its_session_moves(monkeypatch):
         hole = BlackHole(a.port)
         via_hole = await hole.start()
         seq = session()
-        side = DraftSide({seq.seq_id: seq}, 1000, 4, 4)
+        side = DraftSide({seq.session_id: seq}, 1000, 4, 4)
         side.pool = draft_link.DraftPool([via_hole, f"127.0.0.1:{b.port}"], None,
                                          side.on_reply, side.on_link_broken,
                                          keepalive=(0.5, 1.0))
         try:
             side.attach(seq)
             await until(lambda: len(seq.drafts) == 4, 10)
-            assert side.links[seq.seq_id].address == via_hole
+            assert side.links[seq.session_id].address == via_hole
             hole.holding = True
             t0 = asyncio.get_running_loop().time()
-            await until(lambda: seq.seq_id not in side.links, 10)
+            await until(lambda: seq.session_id not in side.links, 10)
             detected = asyncio.get_running_loop().time() - t0
             assert detected < 4.0, detected  # a ping (0.5 s) unanswered for 1 s, with slack
             side.commit(seq, seq.num_tokens, [], run_ahead=4)  # the next round re-attaches
-            await until(lambda: seq.seq_id in side.links and len(seq.drafts) == 4, 10)
-            assert side.links[seq.seq_id].address == f"127.0.0.1:{b.port}"
+            await until(lambda: seq.session_id in side.links and len(seq.drafts) == 4, 10)
+            assert side.links[seq.session_id].address == f"127.0.0.1:{b.port}"
         finally:
             await side.close()
             for app in (a, b):
@@ -110,7 +111,7 @@ def test_hundreds_of_broken_links_leave_nothing_open():
     async def main():
         app = await ngram_server()
         seq = session()
-        side = DraftSide({seq.seq_id: seq}, 1000, 4, 4)
+        side = DraftSide({seq.session_id: seq}, 1000, 4, 4)
         side.pool = draft_link.DraftPool([f"127.0.0.1:{app.port}"], None, side.on_reply,
                                          side.on_link_broken, clock=lambda: now[0])
 
@@ -118,7 +119,7 @@ def test_hundreds_of_broken_links_leave_nothing_open():
             side.attach(seq)
             await until(lambda: len(seq.drafts) == 4, 10)
             app.worker.end_streams()  # the worker drops the stream (as a restart would)
-            await until(lambda: seq.seq_id not in side.links, 10)
+            await until(lambda: seq.session_id not in side.links, 10)
             now[0] += 10  # past the pool's backoff for a failed worker
             seq.link.attaches_left = 3
 

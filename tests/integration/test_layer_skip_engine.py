@@ -88,9 +88,9 @@ def test_layer_skip_sampling_keeps_the_targets_joint_distribution(tiny):
     assert drafted > n // 2 and accepted < drafted
 
 
-def _request(sid, prompt, method):
+def _request(session_id, prompt, method):
     return verify_pb2.GenerateRequest(
-        session_id=sid, prompt_token_ids=list(prompt),
+        session_id=session_id, prompt_token_ids=list(prompt),
         sampling=common_pb2.SamplingParams(temperature=0),
         stopping=verify_pb2.StoppingCriteria(max_new_tokens=24),
         speculation=verify_pb2.SpeculationConfig(method=int(method)))

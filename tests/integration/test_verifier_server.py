@@ -14,10 +14,10 @@ from verify_service.main import start_verifier
 pytestmark = pytest.mark.integration
 
 
-def request(sid="s", prompt=(1, 2, 3, 4), max_new=8, **kw):
+def request(session_id="s", prompt=(1, 2, 3, 4), max_new=8, **kw):
     kw.setdefault("sampling", common_pb2.SamplingParams(temperature=0))
     return verify_pb2.GenerateRequest(
-        session_id=sid, prompt_token_ids=list(prompt),
+        session_id=session_id, prompt_token_ids=list(prompt),
         stopping=verify_pb2.StoppingCriteria(max_new_tokens=max_new), **kw)
 
 
@@ -46,7 +46,7 @@ async def status_of(stub, req) -> grpc.StatusCode:
 BAD = [
     (request(prompt=()), "prompt_token_ids is empty"),
     (request(prompt=(1, 60000)), "outside the vocabulary"),
-    (request(sid=""), "session_id is empty"),
+    (request(session_id=""), "session_id is empty"),
     (request(max_new=0), "max_new_tokens"),
     (request(max_new=9000), "exceeds the context"),
     (request(sampling=common_pb2.SamplingParams(temperature=-1)), "temperature"),
@@ -134,14 +134,14 @@ def test_begin_drain_refuses_new_sessions_and_finishes_open_ones(target_model):
     """SIGUSR1's half of a drain (Verifier.begin_drain): readiness NOT_SERVING, liveness
     SERVING, new Generate calls UNAVAILABLE, the open stream runs to its end."""
     async def body(v, stub, ch):
-        call = stub.Generate(request(sid="open", max_new=16), timeout=60)
+        call = stub.Generate(request(session_id="open", max_new=16), timeout=60)
         got = list((await call.read()).token_ids)
         await v.begin_drain()
         hs = health_pb2_grpc.HealthStub(ch)
         for service, want in (("tandem.v1.VerifyService", "NOT_SERVING"), ("", "SERVING")):
             resp = await hs.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.ServingStatus.Value(want)
-        assert await status_of(stub, request(sid="new")) == (grpc.StatusCode.UNAVAILABLE,
+        assert await status_of(stub, request(session_id="new")) == (grpc.StatusCode.UNAVAILABLE,
                                                              "verifier is draining")
         last = None
         while (resp := await call.read()) is not grpc.aio.EOF:

@@ -23,17 +23,17 @@ BS = 4
 def snapshot(bm: BlockManager) -> tuple:
     """Everything observable plus the internals a failed call must leave untouched."""
     seqs = {
-        sid: (bm.block_table(sid), bm.num_tokens(sid), bm.num_committed(sid))
-        for sid in sorted(bm._seqs)
+        s: (bm.block_table(s), bm.num_tokens(s), bm.num_committed(s))
+        for s in sorted(bm._seqs)
     }
     blocks = [(b.ref_count, b.hash, b.token_ids) for b in bm._blocks]
     return seqs, list(bm._free), dict(bm._cache.hash_to_block), blocks
 
 
-def committed_seq(bm: BlockManager, seq_id: str, tokens: list[int]) -> int:
+def committed_seq(bm: BlockManager, session_id: str, tokens: list[int]) -> int:
     """Allocate and prefill a sequence: its KV is written, so all its tokens are committed."""
-    cached = bm.allocate(seq_id, tokens)
-    bm.commit(seq_id, len(tokens))
+    cached = bm.allocate(session_id, tokens)
+    bm.commit(session_id, len(tokens))
     return cached
 
 
@@ -350,7 +350,7 @@ def test_append_that_does_not_fit_leaves_no_trace():
 
 # -- stateful model check -------------------------------------------------------------------
 
-SEQ_IDS = ["s0", "s1", "s2", "s3", "s4"]
+SESSION_IDS = ["s0", "s1", "s2", "s3", "s4"]
 # Prompts start from a few shared prefixes so prefix hits (and collisions of live and cached
 # blocks) happen often.
 BASES = [(), (0, 1, 2, 3), (0, 1, 2, 3, 4, 5, 6, 7), (0, 1, 2, 3, 9, 9, 9, 9), (5, 5, 5, 5)]
@@ -368,107 +368,108 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.committed: dict[str, int] = {}
         self.kv: dict[int, int] = {}  # slot -> token whose KV a forward wrote there
 
-    def write_kv(self, sid: str, start: int) -> None:
+    def write_kv(self, session_id: str, start: int) -> None:
         """What the model runner does: write KV for positions [start, end) into their slots."""
-        end = len(self.tokens[sid])
-        for pos, slot in zip(range(start, end), self.bm.slot_mapping(sid, start, end)):
-            self.kv[slot] = self.tokens[sid][pos]
+        end = len(self.tokens[session_id])
+        for pos, slot in zip(range(start, end), self.bm.slot_mapping(session_id, start, end)):
+            self.kv[slot] = self.tokens[session_id][pos]
 
-    @rule(sid=st.sampled_from(SEQ_IDS), prompt=prompts)
-    def allocate(self, sid, prompt):
-        if sid in self.tokens:
+    @rule(session_id=st.sampled_from(SESSION_IDS), prompt=prompts)
+    def allocate(self, session_id, prompt):
+        if session_id in self.tokens:
             with pytest.raises(ValueError, match="already allocated"):
-                self.bm.allocate(sid, prompt)
+                self.bm.allocate(session_id, prompt)
             return
         if not self.bm.can_allocate(prompt):
             before = snapshot(self.bm)
             event("allocate: no free blocks")
             with pytest.raises(NoFreeBlocksError):
-                self.bm.allocate(sid, prompt)
+                self.bm.allocate(session_id, prompt)
             assert snapshot(self.bm) == before
             return
-        cached = self.bm.allocate(sid, prompt)
+        cached = self.bm.allocate(session_id, prompt)
         assert cached % BS == 0 and 0 <= cached < len(prompt)
         event(f"allocate: {cached // BS} cached blocks")
-        self.tokens[sid], self.committed[sid] = list(prompt), cached
+        self.tokens[session_id], self.committed[session_id] = list(prompt), cached
         # the cached prefix must really hold this prompt's KV
-        assert [self.kv.get(s) for s in self.bm.slot_mapping(sid, 0, cached)] == prompt[:cached]
-        self.write_kv(sid, cached)
+        cached_slots = self.bm.slot_mapping(session_id, 0, cached)
+        assert [self.kv.get(s) for s in cached_slots] == prompt[:cached]
+        self.write_kv(session_id, cached)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), new=drafts)
     def append(self, data, new):
-        sid = data.draw(st.sampled_from(sorted(self.tokens)))
-        if not self.bm.can_append(sid, len(new)):
+        session_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        if not self.bm.can_append(session_id, len(new)):
             before = snapshot(self.bm)
             event("append: no free blocks")
             with pytest.raises(NoFreeBlocksError):
-                self.bm.append(sid, new)
+                self.bm.append(session_id, new)
             assert snapshot(self.bm) == before
             return
-        start = len(self.tokens[sid])
-        self.bm.append(sid, new)
-        self.tokens[sid].extend(new)
-        self.write_kv(sid, start)
+        start = len(self.tokens[session_id])
+        self.bm.append(session_id, new)
+        self.tokens[session_id].extend(new)
+        self.write_kv(session_id, start)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), n=st.integers(0, 10))
     def rollback(self, data, n):
-        sid = data.draw(st.sampled_from(sorted(self.tokens)))
-        tentative = len(self.tokens[sid]) - self.committed[sid]
+        session_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        tentative = len(self.tokens[session_id]) - self.committed[session_id]
         if n > tentative:
             with pytest.raises(ValueError, match="tentative"):
-                self.bm.rollback(sid, n)
+                self.bm.rollback(session_id, n)
             return
-        self.bm.rollback(sid, n)
-        del self.tokens[sid][len(self.tokens[sid]) - n :]
+        self.bm.rollback(session_id, n)
+        del self.tokens[session_id][len(self.tokens[session_id]) - n :]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def commit(self, data):
-        sid = data.draw(st.sampled_from(sorted(self.tokens)))
-        n = data.draw(st.integers(self.committed[sid], len(self.tokens[sid])))
-        self.bm.commit(sid, n)
-        self.committed[sid] = n
+        session_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        n = data.draw(st.integers(self.committed[session_id], len(self.tokens[session_id])))
+        self.bm.commit(session_id, n)
+        self.committed[session_id] = n
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
-        sid = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.bm.free(sid)
-        del self.tokens[sid], self.committed[sid]
+        session_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.bm.free(session_id)
+        del self.tokens[session_id], self.committed[session_id]
 
     @invariant()
     def blocks_are_consistent(self):
         bm = self.bm
         free = list(bm._free)
         assert len(free) == len(set(free)) == bm.num_free_blocks
-        tables = {sid: bm.block_table(sid) for sid in self.tokens}
+        tables = {session_id: bm.block_table(session_id) for session_id in self.tokens}
         owned = {b for t in tables.values() for b in t}
         assert not owned & set(free)
         assert len(owned) + len(free) == bm.num_blocks
         assert bm.usage == pytest.approx(len(owned) / bm.num_blocks)
         for b in range(bm.num_blocks):
             assert bm.ref_count(b) == sum(b in t for t in tables.values())
-        for sid, table in tables.items():
+        for session_id, table in tables.items():
             assert len(table) == len(set(table))
-            assert len(table) == -(-len(self.tokens[sid]) // BS)
+            assert len(table) == -(-len(self.tokens[session_id]) // BS)
         for h, b in bm._cache.hash_to_block.items():
             assert bm._blocks[b].hash == h
         assert sum(blk.hash is not None for blk in bm._blocks) == len(bm._cache.hash_to_block)
 
     @invariant()
     def sequences_match_shadow(self):
-        assert {sid for sid in SEQ_IDS if self.bm.has(sid)} == set(self.tokens)
-        for sid, toks in self.tokens.items():
-            assert self.bm.num_tokens(sid) == len(toks)
-            assert self.bm.num_committed(sid) == self.committed[sid]
+        assert {s for s in SESSION_IDS if self.bm.has(s)} == set(self.tokens)
+        for session_id, toks in self.tokens.items():
+            assert self.bm.num_tokens(session_id) == len(toks)
+            assert self.bm.num_committed(session_id) == self.committed[session_id]
             # nobody overwrote this sequence's slots (shared blocks are never written again)
-            assert [self.kv[s] for s in self.bm.slot_mapping(sid, 0, len(toks))] == toks
+            assert [self.kv[s] for s in self.bm.slot_mapping(session_id, 0, len(toks))] == toks
 
     def teardown(self):
-        for sid in list(self.tokens):
-            self.bm.free(sid)
+        for session_id in list(self.tokens):
+            self.bm.free(session_id)
         assert self.bm.num_free_blocks == self.bm.num_blocks  # no leak
         assert all(b.ref_count == 0 for b in self.bm._blocks)
 

@@ -48,7 +48,7 @@ def test_no_worker_costs_no_attach_and_backs_off_then_a_working_stream_refills()
         seq = Sequence(params())
         link = Link()
         pool = Pool(link)
-        side = DraftSide({seq.seq_id: seq}, 100, 4, 8, pool, clock=lambda: now[0])
+        side = DraftSide({seq.session_id: seq}, 100, 4, 8, pool, clock=lambda: now[0])
         for _ in range(20):  # a restart window: every round tries, nothing is there
             side.attach(seq)
             await asyncio.sleep(0)
@@ -64,7 +64,7 @@ def test_no_worker_costs_no_attach_and_backs_off_then_a_working_stream_refills()
         side.attach(seq)
         await asyncio.sleep(0)
         assert isinstance(link.sent[0], Open) and seq.link.attaches_left == DRAFT_ATTACHES - 1
-        side.on_reply(link, Proposal(seq.seq_id, seq.epoch, seq.next_draft_position(),
+        side.on_reply(link, Proposal(seq.session_id, seq.epoch, seq.next_draft_position(),
                                      DraftToken(5)))
         assert seq.link.attaches_left == DRAFT_ATTACHES  # the stream works: budget back
 
@@ -77,7 +77,7 @@ def test_a_reattach_asks_only_for_what_the_session_last_wanted():
         link = Link()
         pool = Pool(link)
         pool.up = True
-        side = DraftSide({seq.seq_id: seq}, 100, 4, 8, pool)
+        side = DraftSide({seq.session_id: seq}, 100, 4, 8, pool)
         side.commit(seq, seq.num_tokens, [], run_ahead=0)  # no link yet: attaches
         await asyncio.sleep(0)
         opened, paused = link.sent
@@ -89,26 +89,26 @@ def test_a_reattach_asks_only_for_what_the_session_last_wanted():
 
 def test_a_worker_sending_past_run_ahead_or_sampled_tree_nodes_is_cut_off():
     seq = Sequence(params())
-    side = DraftSide({seq.seq_id: seq}, 100, 4, 3)
-    link = side.links[seq.seq_id] = Link()
+    side = DraftSide({seq.session_id: seq}, 100, 4, 3)
+    link = side.links[seq.session_id] = Link()
     for _ in range(3):
-        side.on_reply(link, Proposal(seq.seq_id, seq.epoch, seq.next_draft_position(),
+        side.on_reply(link, Proposal(seq.session_id, seq.epoch, seq.next_draft_position(),
                                      DraftToken(5)))
     assert len(seq.drafts) == 3
-    side.on_reply(link, Proposal(seq.seq_id, seq.epoch, seq.next_draft_position(),
+    side.on_reply(link, Proposal(seq.session_id, seq.epoch, seq.next_draft_position(),
                                  DraftToken(5)))  # a fourth: beyond any limit it was given
-    assert seq.seq_id not in side.links and seq.drafts == [] and seq.epoch == 1
+    assert seq.session_id not in side.links and seq.drafts == [] and seq.epoch == 1
     assert isinstance(link.sent[-1], Close)
 
-    tree = Sequence(params(sid="t", tree=True, method=Method.EAGLE))
-    side = DraftSide({tree.seq_id: tree}, 100, 4, 8)
-    link = side.links[tree.seq_id] = Link()
+    tree = Sequence(params(session_id="t", tree=True, method=Method.EAGLE))
+    side = DraftSide({tree.session_id: tree}, 100, 4, 8)
+    link = side.links[tree.session_id] = Link()
     one_hot = DraftToken(5, (5,), (1.0,))
     side.on_reply(link, Proposal("t", 0, tree.num_tokens, one_hot, TreeNode(-1, 0.9, False)))
     assert len(tree.drafts) == 1
     sampled = DraftToken(6, (6, 7), (0.5, 0.5))  # how were its siblings drawn? unknown
     side.on_reply(link, Proposal("t", 0, tree.num_tokens, sampled, TreeNode(-1, 0.5, False)))
-    assert tree.seq_id not in side.links
+    assert tree.session_id not in side.links
 
 
 def test_concurrent_gets_share_one_link_and_an_old_link_cannot_evict_a_new_one(monkeypatch):
@@ -206,7 +206,7 @@ def test_a_probe_is_not_cut_by_the_batch_plan():
     sched.add(seq)
     seq.est.acceptance_ema = 0.0  # speculation priced out: k = 0 but for probes
     seq.stats.rounds = EXPLORE_EVERY - 1
-    sched._caps = {seq.seq_id: 0}  # the plan gives it nothing
+    sched._caps = {seq.session_id: 0}  # the plan gives it nothing
     assert sched.desired_k(seq) >= 1
     seq.stats.rounds = 0
     assert sched.desired_k(seq) == 0

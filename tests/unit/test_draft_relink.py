@@ -40,7 +40,7 @@ def test_a_link_that_broke_during_the_attach_is_not_kept():
         now = [0.0]
         seq = Sequence(params())
         dead, good = Link(alive=False), Link()
-        side = DraftSide({seq.seq_id: seq}, 100, 4, 8, Pool(dead, good), clock=lambda: now[0])
+        side = DraftSide({seq.session_id: seq}, 100, 4, 8, Pool(dead, good), clock=lambda: now[0])
         side.attach(seq)
         await asyncio.sleep(0)
         assert not side.linked(seq)  # not on the dead link
@@ -48,7 +48,7 @@ def test_a_link_that_broke_during_the_attach_is_not_kept():
         now[0] += 5.0  # past the backoff
         side.commit(seq, seq.num_tokens, [], run_ahead=3)
         await asyncio.sleep(0)
-        assert side.links[seq.seq_id] is good and isinstance(good.sent[0], Open)
+        assert side.links[seq.session_id] is good and isinstance(good.sent[0], Open)
 
     asyncio.run(main())
 
@@ -57,13 +57,13 @@ def test_a_commit_on_a_link_that_died_silently_reattaches():
     async def main():
         seq = Sequence(params())
         old, new = Link(), Link()
-        side = DraftSide({seq.seq_id: seq}, 100, 4, 8, Pool(new))
-        side.links[seq.seq_id] = old
+        side = DraftSide({seq.session_id: seq}, 100, 4, 8, Pool(new))
+        side.links[seq.session_id] = old
         old.alive = False  # broke; its report did not reach this session
         epoch = seq.epoch
         side.commit(seq, seq.num_tokens, [7], run_ahead=2)
         await asyncio.sleep(0)
-        assert side.links[seq.seq_id] is new
+        assert side.links[seq.session_id] is new
         opened = new.sent[0]
         assert isinstance(opened, Open) and opened.epoch == epoch + 1  # old drafts fail it
         side.commit(seq, seq.num_tokens, [8], run_ahead=2)
@@ -78,11 +78,11 @@ def test_a_spent_attach_budget_rests_then_tries_again():
         seq = Sequence(params())
         links = [Link() for _ in range(DRAFT_ATTACHES + 1)]
         pool = Pool(*links)
-        side = DraftSide({seq.seq_id: seq}, 100, 4, 8, pool, clock=lambda: now[0])
+        side = DraftSide({seq.session_id: seq}, 100, 4, 8, pool, clock=lambda: now[0])
         for link in links[:DRAFT_ATTACHES]:  # streams that open, then fail it before a draft
             side.attach(seq)
             await asyncio.sleep(0)
-            assert side.links[seq.seq_id] is link
+            assert side.links[seq.session_id] is link
             side.on_link_broken(link)
         assert seq.link.attaches_left == 0
         side.attach(seq)
@@ -95,6 +95,6 @@ def test_a_spent_attach_budget_rests_then_tries_again():
         now[0] += 0.2  # rested: one more try
         side.attach(seq)
         await asyncio.sleep(0)
-        assert side.links[seq.seq_id] is links[-1] and seq.link.attaches_left == 0
+        assert side.links[seq.session_id] is links[-1] and seq.link.attaches_left == 0
 
     asyncio.run(main())

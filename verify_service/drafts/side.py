@@ -27,7 +27,7 @@ from tandem.spec import (
     Reply,
     SessionError,
 )
-from verify_service.policy.feedback import note_link_round
+from verify_service.policy.feedback import Latency, note_link_round
 from verify_service.session.sequence import DRAFT_ATTACHES, Sequence
 
 log = logging.getLogger(__name__)
@@ -63,22 +63,6 @@ def _alive(link: Link) -> bool:
     return getattr(link, "alive", True)
 
 
-class Latency:
-    """A smoothed latency (ms) that climbs slowly and falls fast: one slow sample (or a slow
-    spell of a faulty link) must not make every later round wait on drafts, and once the
-    link is healthy the estimate is back within a few rounds (0.5 per sample down: 300 ms to
-    under 25 in 5 healthy samples of 10 ms), where a plain EMA took a dozen."""
-
-    UP, DOWN = 0.2, 0.5
-
-    def __init__(self, initial_ms: float):
-        self.ms = initial_ms
-
-    def observe(self, sample_ms: float) -> None:
-        w = self.DOWN if sample_ms < self.ms else self.UP
-        self.ms = (1 - w) * self.ms + w * sample_ms
-
-
 class Links(Protocol):
     """Where links come from (DraftPool)."""
 
@@ -107,16 +91,16 @@ class DraftSide:
         self._clock = clock
 
     def linked(self, seq: Sequence) -> bool:
-        return seq.seq_id in self.links
+        return seq.session_id in self.links
 
     def asked(self, seq: Sequence) -> int:
         """The run-ahead the session's last commit asked its link (or the one it is opening)
         for; 0: paused, or no link."""
-        return self._run_ahead.get(seq.seq_id, 0) if self.coming(seq) else 0
+        return self._run_ahead.get(seq.session_id, 0) if self.coming(seq) else 0
 
     def coming(self, seq: Sequence) -> bool:
         """Whether drafts may come: a link, or one being opened."""
-        return seq.seq_id in self.links or seq.seq_id in self._attaching
+        return seq.session_id in self.links or seq.session_id in self._attaching
 
     # ---- out: open / commit / close ----------------------------------------------------------
     def attach(self, seq: Sequence) -> None:
@@ -129,10 +113,10 @@ class DraftSide:
                 and seq.speculating and not seq.finished
                 and not seq.params.method.in_verifier
                 and (not seq.local.in_verifier or seq.params.auto_draft is not None
-                     and self._run_ahead.get(seq.seq_id, 0) > 0)
-                and seq.seq_id not in self._attaching
+                     and self._run_ahead.get(seq.session_id, 0) > 0)
+                and seq.session_id not in self._attaching
                 and self._clock() >= seq.link.next_attach_at):
-            self._attaching.add(seq.seq_id)
+            self._attaching.add(seq.session_id)
             asyncio.get_running_loop().create_task(self._attach(seq))
 
     async def _attach(self, seq: Sequence) -> None:
@@ -141,8 +125,8 @@ class DraftSide:
             link = host.link(self.on_reply, self.on_link_broken) if host is not None \
                 else await self.pool.get(seq.params.draft_address)
         finally:
-            self._attaching.discard(seq.seq_id)
-        if seq.finished or seq.seq_id not in self.sessions:
+            self._attaching.discard(seq.session_id)
+        if seq.finished or seq.session_id not in self.sessions:
             return
         if link is None or not _alive(link):
             # No worker now (restarting, draining), or the link broke while this session
@@ -155,14 +139,14 @@ class DraftSide:
             return
         seq.link.attach_misses = 0
         seq.link.attaches_left -= 1  # given back by the stream's first draft (on_reply)
-        self.links[seq.seq_id] = link
+        self.links[seq.session_id] = link
         seq.drop_link_drafts()
         note_link_round(seq, arrived=True)  # a new stream gets waited for again
         p, s = seq.params, seq.params.sampling
-        run_ahead = self._run_ahead.get(seq.seq_id)  # the last commit's ask, if any
+        run_ahead = self._run_ahead.get(seq.session_id)  # the last commit's ask, if any
         if run_ahead is None and seq.local.in_verifier:
             run_ahead = 0  # auto: no drafts until its history misses (policy/auto.py)
-        link.send(Open(session_id=seq.seq_id, token_ids=seq.tokens, epoch=seq.epoch,
+        link.send(Open(session_id=seq.session_id, token_ids=seq.tokens, epoch=seq.epoch,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                        method=seq.link_method, max_run_ahead=run_ahead or self.max_run_ahead,
                        top_n=self.top_n, trace_context=p.trace_context,
@@ -170,9 +154,9 @@ class DraftSide:
                        tree=bool(p.tree) and not seq.local.in_verifier,  # auto's worker: chains
                        grammar=p.grammar, grammar_start=len(p.prompt)))
         if run_ahead == 0:  # a session at k = 0: Open cannot say "none yet", a commit can
-            link.send(Commit(seq.seq_id, seq.epoch, seq.num_tokens, [], 0, None))
+            link.send(Commit(seq.session_id, seq.epoch, seq.num_tokens, [], 0, None))
         elif seq.local.in_verifier:  # auto opens when it asks: its first draft is timed from here
-            self._asked_at[seq.seq_id] = time.perf_counter()
+            self._asked_at[seq.session_id] = time.perf_counter()
 
     def commit(self, seq: Sequence, start: int, tokens: list[int],
                features: Features | None = None, run_ahead: int | None = None) -> None:
@@ -183,8 +167,8 @@ class DraftSide:
         if features is not None:  # kept first: a re-attach's Open sends the whole history
             seq.link.keep_features(features)
         if run_ahead is not None:  # also what a re-attach's Open asks for
-            run_ahead = self._run_ahead[seq.seq_id] = min(run_ahead, self.max_run_ahead)
-        link = self.links.get(seq.seq_id)
+            run_ahead = self._run_ahead[seq.session_id] = min(run_ahead, self.max_run_ahead)
+        link = self.links.get(seq.session_id)
         if link is not None and not _alive(link):  # broke without telling (see _attach)
             self._detach(seq, close=False)
             link = None
@@ -192,17 +176,17 @@ class DraftSide:
             self.attach(seq)
         else:
             if run_ahead == 0:
-                self._asked_at.pop(seq.seq_id, None)
+                self._asked_at.pop(seq.session_id, None)
             else:
-                self._asked_at[seq.seq_id] = time.perf_counter()
-            link.send(Commit(seq.seq_id, seq.epoch, start, tokens, run_ahead, features))
+                self._asked_at[seq.session_id] = time.perf_counter()
+            link.send(Commit(seq.session_id, seq.epoch, start, tokens, run_ahead, features))
 
     def release(self, seq: Sequence) -> None:
-        self._asked_at.pop(seq.seq_id, None)
-        self._run_ahead.pop(seq.seq_id, None)
-        link = self.links.pop(seq.seq_id, None)
+        self._asked_at.pop(seq.session_id, None)
+        self._run_ahead.pop(seq.session_id, None)
+        link = self.links.pop(seq.session_id, None)
         if link is not None:
-            link.send(Close(seq.seq_id))
+            link.send(Close(seq.session_id))
 
     # ---- in: proposals and failures ----------------------------------------------------------
     def on_reply(self, link: Link, reply: Reply) -> None:
@@ -212,13 +196,13 @@ class DraftSide:
         if reply.epoch != seq.epoch:
             return  # drafted (or failed) before the last divergence or re-attach
         if isinstance(reply, SessionError):
-            log.info("draft %s gave up on %s: %s", link.address, seq.seq_id, reply.message)
+            log.info("draft %s gave up on %s: %s", link.address, seq.session_id, reply.message)
             self._detach(seq, close=False)
             return
         token = self._checked(seq, reply)
         if token is None:  # malformed or out of order: resynchronise this session only
             log.info("draft %s sent %s a proposal out of place (position %d, expected %d) or "
-                     "malformed: re-attaching", link.address, seq.seq_id, reply.position,
+                     "malformed: re-attaching", link.address, seq.session_id, reply.position,
                      seq.next_draft_position())
             self._detach(seq, close=True)
             return
@@ -231,7 +215,7 @@ class DraftSide:
             seq.add_node(token, reply.tree.parent, reply.tree.path_prob, reply.tree.last)
         seq.link.attaches_left = DRAFT_ATTACHES  # this stream works
         now = time.perf_counter()
-        asked = self._asked_at.pop(seq.seq_id, None)
+        asked = self._asked_at.pop(seq.session_id, None)
         if asked is not None and now - asked < 0.5:  # the first draft since the commit
             self.first.observe((now - asked) * 1e3)
         gap_ms = (now - self._last_arrival) * 1e3
@@ -281,19 +265,19 @@ class DraftSide:
     def _detach(self, seq: Sequence, close: bool) -> None:
         """Stop taking this session's proposals from its link. The epoch moves on, so what the
         old attach still has in flight fails the epoch check after a re-attach."""
-        link = self.links.pop(seq.seq_id)
+        link = self.links.pop(seq.session_id)
         if close:
-            link.send(Close(seq.seq_id))
+            link.send(Close(seq.session_id))
         seq.drop_link_drafts()
         seq.next_epoch()
 
     def on_link_broken(self, link: Link) -> None:
         if self.pool is not None and not getattr(link, "in_process", False):
             self.pool.mark_failed(link.address, link)
-        for seq_id, owner in list(self.links.items()):
+        for session_id, owner in list(self.links.items()):
             if owner is link:
-                del self.links[seq_id]
-                seq = self.sessions.get(seq_id)
+                del self.links[session_id]
+                seq = self.sessions.get(session_id)
                 if seq is not None:
                     seq.drop_link_drafts()
                     seq.next_epoch()

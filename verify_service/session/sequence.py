@@ -154,7 +154,7 @@ class Sequence:
         self.output = list(self.params.committed)
 
     @property
-    def seq_id(self) -> str:
+    def session_id(self) -> str:
         return self.params.session_id
 
     @property
