@@ -233,27 +233,27 @@ def _captures(gw: _Gateway, plan: GenerationPlan, text: str) -> list[str]:
 async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     req = await _parse(request, schemas.ChatCompletionRequest if chat
                        else schemas.CompletionRequest)
-    sid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    session_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     endpoint = "chat" if chat else "completions"
-    span = start_request_span(gw.tracer, request.headers, chat=chat, sid=sid, req=req)
+    span = start_request_span(gw.tracer, request.headers, chat=chat, session_id=session_id, req=req)
     try:
         with trace.use_span(span, end_on_exit=False):
-            plan, text = await build_plan(req, sid, config=gw.config, router=gw.router,
+            plan, text = await build_plan(req, session_id, config=gw.config, router=gw.router,
                                           tokenizer=gw.tokenizer, grammars=gw.grammars)
             plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()),
                            tenant=_tenant(request))
             try:
-                await gw.deps.store.create(sid, model=gw.config.model_name,
+                await gw.deps.store.create(session_id, model=gw.config.model_name,
                                            prompt_token_ids=plan.prompt_token_ids)
             except (RedisError, OSError) as exc:
-                log.warning("session %s not recorded: %s", sid, exc)
+                log.warning("session %s not recorded: %s", session_id, exc)
     except BaseException as exc:  # refused before generating: the span ends here
         span.set_status(trace.StatusCode.ERROR, str(exc))
         span.end()
         gw.metrics.requests.labels(endpoint=endpoint,
                                    status=str(getattr(exc, "status", "error"))).inc()
         raise
-    meta = ResponseMeta(chat, sid, int(gw.clock()), gw.config.model_name,
+    meta = ResponseMeta(chat, session_id, int(gw.clock()), gw.config.model_name,
                         len(plan.prompt_token_ids),
                         None if plan.logprobs is None else gw.token_text)
     events = run_session(plan, gw.deps, text)

@@ -222,7 +222,7 @@ async def run_session(plan: GenerationPlan, deps: GenerationDeps,
                       text: TextStream) -> AsyncIterator[TextDelta | Finished]:
     """Text deltas, then one Finished. Raises APIError (before or during the stream)."""
     runner = _Failover(plan, deps)
-    store, sid = deps.store, plan.session_id
+    store, session_id = deps.store, plan.session_id
     done = False
     try:
         async with aclosing(runner.tokens()) as token_stream:
@@ -242,16 +242,16 @@ async def run_session(plan: GenerationPlan, deps: GenerationDeps,
             yield TextDelta(tail)
         reason = "stop" if text.stopped else (runner.finish_reason or "length")
         done = True
-        await _safe("finish", store.finish(sid, status="finished", finish_reason=reason))
+        await _safe("finish", store.finish(session_id, status="finished", finish_reason=reason))
         used = text.num_tokens if text.stopped else len(runner.committed)
         yield Finished(reason, used, runner.stats(used))
     except APIError as exc:
         done = True
-        await _safe("finish", store.finish(sid, status="failed", error=exc.message))
+        await _safe("finish", store.finish(session_id, status="failed", error=exc.message))
         raise
     finally:
         if not done:  # the client went away: record it without awaiting a cancelled task
-            _background(deps, store.finish(sid, status="cancelled"))
+            _background(deps, store.finish(session_id, status="cancelled"))
 
 
 def _background(deps: GenerationDeps, coro) -> None:

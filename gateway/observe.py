@@ -15,14 +15,15 @@ from gateway.generation import Finished, TextDelta
 from tandem import telemetry
 
 
-def start_request_span(tracer: trace.Tracer, headers, *, chat: bool, sid: str, req) -> trace.Span:
+def start_request_span(tracer: trace.Tracer, headers, *, chat: bool, session_id: str,
+                       req) -> trace.Span:
     """The request's span, continuing the caller's W3C trace if it sent one."""
     op = "chat" if chat else "text_completion"
     span = tracer.start_span(telemetry.SPAN_GATEWAY.format(operation=op),
                              context=telemetry.extract_context(dict(headers)),
                              kind=trace.SpanKind.SERVER)
     attrs = {telemetry.GEN_AI_OPERATION: op, telemetry.GEN_AI_SYSTEM: "tandem",
-             telemetry.GEN_AI_REQUEST_MODEL: req.model or "", telemetry.ATTR_SESSION: sid}
+             telemetry.GEN_AI_REQUEST_MODEL: req.model or "", telemetry.ATTR_SESSION: session_id}
     for key, value in ((telemetry.GEN_AI_REQUEST_MAX_TOKENS, getattr(req, "max_tokens", None)),
                        (telemetry.GEN_AI_REQUEST_TEMPERATURE, getattr(req, "temperature", None))):
         if value is not None:

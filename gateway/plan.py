@@ -43,7 +43,7 @@ class GenerationPlan:
     tools: ToolPlan | None = None  # the tools the text may call (chat)
 
 
-async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: GatewayConfig,
+async def build_plan(req: schemas.GenerationRequest, session_id: str, *, config: GatewayConfig,
                      router: Router, tokenizer: Any, grammars: LazyCompiler | None = None
                      ) -> tuple[GenerationPlan, TextStream]:
     """The plan for `req` and the TextStream that turns its tokens into the client's text;
@@ -70,7 +70,7 @@ async def build_plan(req: schemas.GenerationRequest, sid: str, *, config: Gatewa
         raise bad_request(f"speculation.draft_shape 'tree' applies to methods medusa and "
                           f"eagle, not {method.api_name}", param="speculation.draft_shape")
     plan = GenerationPlan(
-        session_id=sid, prompt_token_ids=tuple(ids), sampling=_sampling(req),
+        session_id=session_id, prompt_token_ids=tuple(ids), sampling=_sampling(req),
         max_new_tokens=max_new, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
         method=method, draft_shape=spec.draft_shape,
         num_speculative_tokens=(spec.num_speculative_tokens

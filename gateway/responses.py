@@ -21,7 +21,7 @@ class ResponseMeta:
     """What every body or chunk of one response repeats."""
 
     chat: bool
-    rid: str
+    session_id: str  # also the response's OpenAI "id" (chatcmpl-... / cmpl-...)
     created: int
     model: str
     prompt_tokens: int
@@ -31,7 +31,7 @@ class ResponseMeta:
         return None if self.decode is None else LogprobsFormatter(self.chat, self.decode)
 
     def head(self) -> tuple:
-        return self.chat, self.rid, self.created, self.model
+        return self.chat, self.session_id, self.created, self.model
 
 
 async def collect(events: AsyncIterator, meta: ResponseMeta, request: Request) -> dict:
@@ -52,7 +52,7 @@ async def collect(events: AsyncIterator, meta: ResponseMeta, request: Request) -
             elif isinstance(ev, Finished):
                 usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
                 fmt = meta.formatter()
-                args = (meta.rid, meta.created, meta.model, "".join(parts), ev.finish_reason,
+                args = (meta.session_id, meta.created, meta.model, "".join(parts), ev.finish_reason,
                         usage, ev.speculation, None if fmt is None else fmt.format(logprobs))
                 if meta.chat:
                     return schemas.chat_response(*args, tool_calls=calls)

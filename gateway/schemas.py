@@ -237,29 +237,29 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _envelope(rid: str, obj: str, created: int, model: str, choices: list) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+def _envelope(session_id: str, obj: str, created: int, model: str, choices: list) -> dict:
+    return {"id": session_id, "object": obj, "created": created, "model": model, "choices": choices}
 
 
-def completion_response(rid: str, created: int, model: str, text: str, finish: str,
+def completion_response(session_id: str, created: int, model: str, text: str, finish: str,
                         usage: dict, speculation: dict, logprobs: dict | None = None) -> dict:
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    body = _envelope(rid, "text_completion", created, model, [choice])
+    body = _envelope(session_id, "text_completion", created, model, [choice])
     return {**body, "usage": usage, "speculation": speculation}
 
 
-def chat_response(rid: str, created: int, model: str, text: str, finish: str,
+def chat_response(session_id: str, created: int, model: str, text: str, finish: str,
                   usage: dict, speculation: dict, logprobs: dict | None = None,
                   tool_calls: list[dict] | None = None) -> dict:
     message: dict = {"role": "assistant", "content": text}
     if tool_calls:  # OpenAI: no content beside the calls
         message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    body = _envelope(rid, "chat.completion", created, model, [choice])
+    body = _envelope(session_id, "chat.completion", created, model, [choice])
     return {**body, "usage": usage, "speculation": speculation}
 
 
-def stream_chunk(chat: bool, rid: str, created: int, model: str, *, text: str | None = None,
+def stream_chunk(chat: bool, session_id: str, created: int, model: str, *, text: str | None = None,
                  role: bool = False, finish: str | None = None,
                  logprobs: dict | None = None) -> dict:
     """One streamed choice: a text delta (with its tokens' logprobs when asked for), the
@@ -269,21 +269,21 @@ def stream_chunk(chat: bool, rid: str, created: int, model: str, *, text: str | 
         if text is not None:
             delta["content"] = text
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return _envelope(rid, "chat.completion.chunk", created, model, [choice])
+        return _envelope(session_id, "chat.completion.chunk", created, model, [choice])
     choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-    return _envelope(rid, "text_completion", created, model, [choice])
+    return _envelope(session_id, "text_completion", created, model, [choice])
 
 
-def round_chunk(chat: bool, rid: str, created: int, model: str, event: dict) -> dict:
+def round_chunk(chat: bool, session_id: str, created: int, model: str, event: dict) -> dict:
     """The speculation.events chunk of one verification round: no choices (like the usage
     chunk, so OpenAI clients skip it), the round in `speculation_round`."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    return {**_envelope(rid, obj, created, model, []), "speculation_round": event}
+    return {**_envelope(session_id, obj, created, model, []), "speculation_round": event}
 
 
-def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: dict,
+def usage_chunk(chat: bool, session_id: str, created: int, model: str, usage: dict,
                 speculation: dict) -> dict:
     """The include_usage chunk: no choices, the whole request's usage and speculation."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    return {**_envelope(rid, obj, created, model, []), "usage": usage,
+    return {**_envelope(session_id, obj, created, model, []), "usage": usage,
             "speculation": speculation}

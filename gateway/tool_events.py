@@ -84,8 +84,8 @@ def _check_streamed(calls: CallStream, text: str, found: list[dict]) -> None:
 
 def chunk(chat_head: tuple, deltas: list[dict]) -> dict:
     """A streamed chunk of tool-call deltas (OpenAI's shape)."""
-    _, rid, created, model = chat_head
+    _, session_id, created, model = chat_head
     choice = {"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None,
               "finish_reason": None}
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+    return {"id": session_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [choice]}

@@ -423,10 +423,10 @@ def test_stop_strings_cut_the_text_and_cancel_the_verifier(redis_proc, tokenizer
     assert record.status == "finished" and record.finish_reason == "stop"
 
 
-async def _session(redis_proc, prefix, sid):
+async def _session(redis_proc, prefix, session_id):
     r = aioredis.Redis.from_url(redis_proc.url)
     try:
-        return await RedisSessionStore(r, prefix=prefix, clock=time.time).get(sid)
+        return await RedisSessionStore(r, prefix=prefix, clock=time.time).get(session_id)
     finally:
         await r.aclose()
 
@@ -898,10 +898,10 @@ def test_client_disconnect_cancels_the_verifier_call(redis_proc, tokenizer, pref
             first = [next(lines) for _ in range(4)]  # two events (data + blank line each)
         assert first[0].startswith("data: {")
         assert wait_for(lambda: fake.cancelled == 1), "disconnect did not cancel upstream"
-        sid = fake.requests[0].session_id
-        assert wait_for(lambda: asyncio.run(_session(redis_proc, prefix, sid)).status
+        session_id = fake.requests[0].session_id
+        assert wait_for(lambda: asyncio.run(_session(redis_proc, prefix, session_id)).status
                         == "cancelled")
-        record = asyncio.run(_session(redis_proc, prefix, sid))
+        record = asyncio.run(_session(redis_proc, prefix, session_id))
         assert 2 <= len(record.committed_token_ids) < 4 * len(text_ids)
         # not streaming: the gateway notices the disconnect between rounds
         with pytest.raises(httpx.ReadTimeout):

@@ -55,11 +55,11 @@ def stream_chat(url: str, events: list) -> None:
                 events.append(json.loads(line[6:]))
 
 
-def record(cluster, sid: str):
+def record(cluster, session_id: str):
     async def get():
         client = aioredis.Redis.from_url(cluster.redis_url)
         try:
-            return await RedisSessionStore(client, clock=time.time).get(sid)
+            return await RedisSessionStore(client, clock=time.time).get(session_id)
         finally:
             await client.aclose()
     return asyncio.run(get())
@@ -91,8 +91,8 @@ def test_sigusr1_drains_a_verifier_without_dropping_its_stream(cluster):
     while len(events) < 3:  # the session is generating on one verifier
         assert streamer.is_alive() and time.monotonic() < deadline, "no stream"
         time.sleep(0.05)
-    sid = events[0]["id"]
-    drained = record(cluster, sid).verifier
+    session_id = events[0]["id"]
+    drained = record(cluster, session_id).verifier
     name = next(n for n, a in cluster.addresses.items() if a == drained)
     other = next(a for n, a in cluster.addresses.items() if n != name)
 
@@ -114,7 +114,7 @@ def test_sigusr1_drains_a_verifier_without_dropping_its_stream(cluster):
     assert len(events) > at_signal + 3  # the stream went on after the signal
     finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
     assert finish in (["stop"], ["length"])
-    rec = record(cluster, sid)  # finished where it started: no failover, nothing cut
+    rec = record(cluster, session_id)  # finished where it started: no failover, nothing cut
     assert (rec.status, rec.verifier, rec.attempts) == ("finished", drained, 1)
     assert len(rec.committed_token_ids) >= events[-1]["usage"]["completion_tokens"] > 3
 
