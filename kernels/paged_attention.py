@@ -75,15 +75,14 @@ def ancestor_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
     return mask
 
 
-def build_attention_metadata(
+def _check_layout(
     q_lens: list[int],
     seq_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
-    tree_masks: list[torch.Tensor | None] | None = None,
-) -> AttentionMetadata:
-    """Layout for sequences with `q_lens[i]` new tokens ending at context length `seq_lens[i]`;
-    tree_masks[i], if given, is sequence i's [q_i, q_i] ancestor mask (see ancestor_mask)."""
+    tree_masks: list[torch.Tensor | None] | None,
+) -> list[tuple[int, torch.Tensor]]:
+    """ValueError naming what is wrong; else the (sequence, tree mask) pairs given."""
     if not (len(q_lens) == len(seq_lens) == len(block_tables)) or not q_lens:
         raise ValueError(
             f"q_lens, seq_lens and block_tables must be non-empty and equally long, got "
@@ -105,6 +104,19 @@ def build_attention_metadata(
         if tuple(tree.shape) != (q_lens[i], q_lens[i]):
             raise ValueError(f"sequence {i}: tree mask {tuple(tree.shape)} for {q_lens[i]} "
                              "new tokens")
+    return trees
+
+
+def build_attention_metadata(
+    q_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    tree_masks: list[torch.Tensor | None] | None = None,
+) -> AttentionMetadata:
+    """Layout for sequences with `q_lens[i]` new tokens ending at context length `seq_lens[i]`;
+    tree_masks[i], if given, is sequence i's [q_i, q_i] ancestor mask (see ancestor_mask)."""
+    trees = _check_layout(q_lens, seq_lens, block_tables, block_size, tree_masks)
     batch, max_q, max_k = len(q_lens), max(q_lens), max(seq_lens)
     max_blocks = max(len(t) for t in block_tables)
     tables = torch.zeros(batch, max_blocks, dtype=torch.int64)

@@ -24,7 +24,8 @@ from tandem.spec import (
 )
 from tandem.spec.cost import CostModel, choose_tree_size
 from verify_service.config import SchedulerConfig
-from verify_service.drafts.side import DraftSide, Latency
+from verify_service.drafts.side import DraftSide
+from verify_service.policy.feedback import Latency
 from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 from verify_service.session.sequence import Sequence
@@ -52,7 +53,7 @@ class TreeProposer:
                                    parents=parents[:n], scores=scores[:n]))
         return out
 
-    def release(self, key):
+    def release(self, session_key):
         pass
 
 

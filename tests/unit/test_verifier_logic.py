@@ -16,7 +16,7 @@ from tandem.spec.cost import (
     update_acceptance,
 )
 from verify_service.config import SchedulerConfig
-from verify_service.drafts.side import Latency
+from verify_service.policy.feedback import Latency
 from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 from verify_service.session.sequence import SeqStatus, Sequence

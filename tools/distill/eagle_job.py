@@ -85,16 +85,7 @@ def run_eagle(job: EagleJob, log=print) -> Path:
         n = int(read_hf_config(paths).get("num_hidden_layers", 0))
         capture_layers(default_layer_ids(n), n)
     tokenizer = AutoTokenizer.from_pretrained(str(paths.root))
-    deadline = time.time() + 60 * job.gen_minutes if job.gen_minutes else None
-    runner = target_runner(paths, job.data, at)
-    generate_dataset(paths.root, tokenizer, runner, job.data, job.data_dir, log, deadline)
-    if job.eagle3:
-        aux_features(aux_runner(runner.model, job.data.kv_cache_mb), job.data_dir, log=log)
-    del runner
-    seqs = load_feature_seqs(job.data_dir, aux=job.eagle3)
-    if len(seqs) < 2:
-        raise ValueError(f"only {len(seqs)} sequences with features in {job.data_dir}")
-    random.Random(job.train.seed).shuffle(seqs)
+    seqs = _feature_data(job, paths, tokenizer, at, log)
     n_val = max(1, int(len(seqs) * job.train.val_fraction))
     val, train_seqs = seqs[:n_val], seqs[n_val:]
     special = tuple(t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id,
@@ -129,6 +120,30 @@ def run_eagle(job: EagleJob, log=print) -> Path:
             runner, tokenizer, head, job.train, job.heldout_prompts, job.heldout_new_tokens,
             recipe.evaluate)
         log(f"eagle: held-out chat prompts {stats['heldout_chat']}")
+    _export(job, paths, head, stats, seqs, tokens)
+    log(f"eagle: head written to {job.out_dir}")
+    return job.out_dir
+
+
+def _feature_data(job: EagleJob, paths, tokenizer, at, log) -> list:
+    """The target's answers with their features (generated, or resumed from job.data_dir),
+    shuffled by the job's seed."""
+    deadline = time.time() + 60 * job.gen_minutes if job.gen_minutes else None
+    runner = target_runner(paths, job.data, at)
+    generate_dataset(paths.root, tokenizer, runner, job.data, job.data_dir, log, deadline)
+    if job.eagle3:
+        aux_features(aux_runner(runner.model, job.data.kv_cache_mb), job.data_dir, log=log)
+    del runner
+    seqs = load_feature_seqs(job.data_dir, aux=job.eagle3)
+    if len(seqs) < 2:
+        raise ValueError(f"only {len(seqs)} sequences with features in {job.data_dir}")
+    random.Random(job.train.seed).shuffle(seqs)
+    return seqs
+
+
+def _export(job: EagleJob, paths, head, stats: dict, seqs: list, tokens: int) -> None:
+    """The head in its published layout with its card (data, progress, learning curve and
+    every command that trained these weights) and the target's tokenizer files."""
     command = job.command or shlex.join(["tandem", *sys.argv[1:]])
     data_stats = {"sequences": len(seqs), "positions": tokens,
                   "generated_tokens": sum(len(s.ids) - s.gen_start for s in seqs)}
@@ -147,8 +162,6 @@ def run_eagle(job: EagleJob, log=print) -> Path:
     for name in _TOKENIZER_FILES:
         if (paths.root / name).exists():
             shutil.copy(paths.root / name, job.out_dir / name)
-    log(f"eagle: head written to {job.out_dir}")
-    return job.out_dir
 
 
 def _check_init_head(root: Path, paths) -> None:
