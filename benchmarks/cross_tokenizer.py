@@ -1,4 +1,6 @@
-"""A draft with another tokenizer: SmolLM2-135M-Instruct drafting for Gemma 3 270M, against
+"""Reaches inside: the worker's TextBridge time and k=1 agreement are in no response or metric.
+
+A draft with another tokenizer: SmolLM2-135M-Instruct drafting for Gemma 3 270M, against
 plain decoding, greedy, one session at a time, in one run (interleaved per prompt).
 
 The verifier's engine and a real DraftWorker (the bridged proposer, on its own forward thread)
@@ -70,7 +72,7 @@ def _agreement(proposer: BridgedProposer, prompt: list[int], tokens: list[int]) 
     hits, start = 0, time.perf_counter()
     for i, want in enumerate(tokens):
         ids = prompt + tokens[:i]
-        req = DraftRequest(key="agree", token_ids=ids, num_committed=len(ids), max_tokens=1)
+        req = DraftRequest(session_key="agree", token_ids=ids, num_committed=len(ids), max_tokens=1)
         (res,) = proposer.propose([req])
         hits += bool(res.tokens) and res.tokens[0].token_id == want
     proposer.release("agree")
@@ -92,7 +94,8 @@ def _timed_bridge(proposer: BridgedProposer) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens cap")

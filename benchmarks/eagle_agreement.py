@@ -1,4 +1,6 @@
-"""An EAGLE head's first-draft agreement with the target, the trainer's way and the served way,
+"""Reaches inside: agreement at every position of a fixed text needs the proposer run directly.
+
+An EAGLE head's first-draft agreement with the target, the trainer's way and the served way,
 on the same sequences (tools.distill.eagle_agreement). An EAGLE-3 head (published layout) is
 served three-layer features and scored by tools.distill.eagle3's validation.
 
@@ -97,7 +99,8 @@ def _prompts(args, card: dict) -> tuple[list[Prompt], list[SamplingParams]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", default="draft_service/weights/smollm2-135m-eagle")
     ap.add_argument("--target", default="SmolLM2-135M-Instruct")
     ap.add_argument("--source", choices=("heldout", "val", "train", "fresh"),

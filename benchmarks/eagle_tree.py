@@ -1,4 +1,6 @@
-"""EAGLE chain vs EAGLE tree: what each commits per round when every round verifies all the
+"""Reaches inside: making every round verify all its drafts needs the engine's cost model swapped.
+
+EAGLE chain vs EAGLE tree: what each commits per round when every round verifies all the
 drafts that arrived (the size forced), in the real verifier engine with the real draft worker
 and the shipped head, in one process (tools.bench.inproc; no gRPC, no gateway).
 
@@ -79,7 +81,8 @@ async def _generate(model, proposer, prompts, max_new, nodes: int, tree: bool):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--nodes", default="4,8,16", help="drafts per round at most (k / nodes)")

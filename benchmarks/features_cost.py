@@ -1,4 +1,6 @@
-"""What shipping EAGLE features costs the verifier (issue "Speculation that pays", part B).
+"""Reaches inside: it times one verify round alone, which the gateway's wall time cannot isolate.
+
+What shipping EAGLE features costs the verifier (issue "Speculation that pays", part B).
 
   python benchmarks/features_cost.py [--reps 30] [--k 4] [--out results/features_cost.json]
 
@@ -27,7 +29,8 @@ from verify_service.forward.step import StepInput
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None)

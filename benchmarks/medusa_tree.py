@@ -1,4 +1,6 @@
-"""Medusa chain vs tree in the real verifier engine (in-process, no gateway): tokens committed
+"""Reaches inside: a forced tree size and a chain of the same heads are no request or flag option.
+
+Medusa chain vs tree in the real verifier engine (in-process, no gateway): tokens committed
 per round, ms per token against plain decoding, interleaved per prompt, and the Leviathan-style
 bound (1 + expected accepted) / cost(n + 1) from the heads' measured accuracy and this
 machine's measured verify-cost curve.
@@ -64,7 +66,8 @@ async def generate(model, heads, method, prompt, max_new, cost: CostModel):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)

@@ -1,4 +1,6 @@
-"""Which project files (and how many of their lines) one speculation round runs through.
+"""Reaches inside: a profile hook sees the files a round calls only with both services in-process.
+
+Which project files (and how many of their lines) one speculation round runs through.
 
 Starts a draft worker (the shipped draft model) and a verifier in this process, streams one
 greedy draft_model session, and records every project file whose code is called during a few
@@ -90,7 +92,8 @@ async def run(rounds: int, rec: Recorder) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=6, help="steady-state rounds recorded")
     ap.add_argument("--json", help="also write the file list here")
     args = ap.parse_args()

@@ -1,4 +1,6 @@
-"""Tensor parallel on this CPU (issue 31): TP=2 over gloo, one thread per rank, against TP=1
+"""Reaches inside: it times the TP group's forward and gloo alone, which no served path isolates.
+
+Tensor parallel on this CPU (issue 31): TP=2 over gloo, one thread per rank, against TP=1
 with two threads, in one run, interleaved.
 
   python benchmarks/tensor_parallel.py [--steps 32] [--reps 3] [--out results/tensor_parallel.json]
@@ -112,7 +114,7 @@ def collective_latency(reps: int = 300) -> dict:
     """gloo's latency between two processes here, outside any model."""
     import tempfile
 
-    from verify_service.tp.worker import free_port
+    from tandem.netaddr import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "probe.json")
@@ -147,7 +149,8 @@ def measure(runners: dict, threads: dict, steps: int, reps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/tandem-tp-bench-ckpt"))

@@ -113,3 +113,29 @@ class _FakeCluster:
 
     def stop(self):
         pass
+
+
+def test_tandem_bench_copy_passes_the_workload_flags_through(monkeypatch, tmp_path):
+    """`tandem bench --workload copy` takes what benchmarks/copy_heavy.py took (it replaced it):
+    where ngram and suffix draft, the arms, first asks, prompts and the temperature."""
+    import argparse
+
+    from tools.bench import copy_heavy
+    from tools.bench.cli import register
+
+    seen = {}
+    monkeypatch.setattr(copy_heavy, "run_workload", lambda *a, **kw: seen.update(a=a, kw=kw))
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--workload", "copy", "--history", "verifier",
+                              "--repeats", "1", "--first-reps", "2", "--arms", "ngram,auto",
+                              "--prompts", "7,10", "--temperatures", "0.7", "--max-tokens",
+                              "128", "--docs", "", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    assert seen["a"] == (128, 1)
+    kw = seen["kw"]
+    assert kw["places"] == ("verifier",) and kw["arms"] == ("ngram", "auto")
+    assert kw["first_reps"] == 2 and kw["picks"] == (7, 10) and kw["temperature"] == 0.7
+    assert kw["docs"] is None and kw["out"] == tmp_path / "results.json"
+    args = parser.parse_args(["bench", "--workload", "copy", "--temperatures", "0,0.7"])
+    assert args.func(args) == 2  # the copy workload runs at one temperature

@@ -6,6 +6,7 @@
   tandem bench --concurrency 1,16 --concurrency-methods none,ngram   # a short load run
   tandem bench --workload repetitive     # questions asked again, code edits: suffix vs ngram
   tandem bench --workload copy           # copy-heavy tasks: ngram / suffix / auto vs plain
+  tandem bench --workload copy --history verifier --repeats 1 --arms ngram,suffix,auto --docs ''
   tandem bench --report results/bench-2026-11-21/results.json   # re-render only
   tandem bench --device cuda:1           # peers, cost timings and the cluster on one GPU
 """
@@ -59,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-category", type=int, help="prompts per category, 0 = all "
                    "(default 0; --quick 1)")
     p.add_argument("--prompts", type=lambda t: tuple(x for x in t.split(",") if x),
-                   help="only these prompt ids of tools/bench/prompts.jsonl (smoke runs)")
+                   help="only these prompt ids of tools/bench/prompts.jsonl (smoke runs); "
+                        "copy workload: indices into tools/bench/copy_prompts.py's PROMPTS")
     p.add_argument("--model", default="", help="target model (default: the default target)")
     p.add_argument("--eagle", default="", help="EAGLE head directory, 'none' for no eagle "
                    "(default: the shipped head)")
@@ -88,6 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "verifier and by a worker), written to <docs>/benchmarks-copy.md")
     p.add_argument("--repeats", type=int, default=None, help="repetitive / copy workload: "
                    "times each request is asked (default 3 / 2)")
+    p.add_argument("--history", type=_names, default=("verifier", "worker"),
+                   help="copy workload: where ngram and suffix draft, one cluster each "
+                        "(verifier, worker; default both)")
+    p.add_argument("--arms", type=_names, default=(), help="copy workload: only these "
+                   "methods beside plain (default: every arm but the opt-in layer_skip)")
+    p.add_argument("--first-reps", type=int, default=1, help="copy workload: independent "
+                   "first asks per prompt and arm, each pass as fresh tenants (default 1)")
     p.add_argument("--report", metavar="RESULTS_JSON", help="only re-render the report and "
                    "plots from a saved results.json")
 
@@ -130,9 +139,16 @@ def cmd_bench(args) -> int:
         if args.report:
             rerender(args.report, str(docs or Path(args.report).parent))
             return 0
+        temps = args.temperatures or (0.0,)
+        if len(temps) != 1 or args.first_reps < 1:
+            print("--workload copy takes one temperature and --first-reps >= 1",
+                  file=sys.stderr)
+            return 2
         out = Path(args.out or f"results/bench-copy-{time.strftime('%Y-%m-%d', time.gmtime())}")
-        run_workload(args.max_tokens or 256, args.repeats or 2, out=out / "results.json",
-                     docs=docs, model=args.model)
+        run_workload(args.max_tokens or 256, args.repeats or 2, places=args.history,
+                     temperature=temps[0], out=out / "results.json", docs=docs,
+                     arms=args.arms, model=args.model, first_reps=args.first_reps,
+                     picks=tuple(int(i) for i in (args.prompts or ())))
         return 0
     saved = _restore(json.loads(Path(args.report).read_text())) if args.report else None
     repetitive = (saved.get("meta", {}).get("workload") if saved is not None

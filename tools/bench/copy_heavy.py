@@ -1,12 +1,11 @@
 """Copy-heavy prompts through the gateway: plain decoding against ngram, suffix and auto.
 
-  tandem bench --workload copy [--repeats 2] [--max-tokens 256] [--docs docs/results]
-  python benchmarks/copy_heavy.py [--tokens 256] [--reps 2] [--history verifier,worker]
-                                  [--temperature 0] [--out results/copy_heavy.json]
-                                  [--arms ngram,suffix,auto] [--first-reps 2]
-                                  [--model gemma3-270m] [--prompts 0,3,12]
-                                  [--docs docs/results]
-                                  # --docs writes DOCS/benchmarks-copy.md + a plot
+  tandem bench --workload copy [--repeats 2] [--max-tokens 256] [--history verifier,worker]
+                               [--temperatures 0] [--out results/bench-copy-DATE]
+                               [--arms ngram,suffix,auto] [--first-reps 2]
+                               [--model gemma3-270m] [--prompts 0,3,12]
+                               [--docs docs/results]   # '' skips DOCS/benchmarks-copy.md
+  python -m tools.bench.copy_heavy [--tokens 256] [--reps 2] ...   # the same, --docs '' default
 
 One local cluster per `--history` place (the verifier's --history-drafts: ngram and suffix
 drafted in the verifier's own step, or by the draft worker over the draft link). In each, every
