@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 _FINISH = {None: verify_pb2.FINISH_REASON_UNSPECIFIED, "stop": verify_pb2.FINISH_REASON_STOP,
            "length": verify_pb2.FINISH_REASON_LENGTH, "abort": verify_pb2.FINISH_REASON_ABORT}
+# The methods whose sessions draft trees when neither the request nor the server says
+# (VerifierConfig.tree_methods says for a served verifier).
+MEDUSA_TREES = frozenset({Method.MEDUSA})
 
 
 def _check_sizes(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo) -> None:
@@ -58,7 +61,7 @@ def _check_sizes(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo) -
 
 def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo,
                       default_method: Method,
-                      tree_methods: frozenset[Method] = frozenset({Method.MEDUSA})
+                      tree_methods: frozenset[Method] = MEDUSA_TREES
                       ) -> GenerateParams:
     """Validates a request against the model's limits; InvalidArgument says what is wrong."""
     _check_sizes(req, info)
@@ -117,7 +120,7 @@ def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, engine: Engine, info: common_pb2.WorkerInfo, default_method: Method,
                  metrics: VerifierMetrics | None = None,
-                 tree_methods: frozenset[Method] = frozenset({Method.MEDUSA}),
+                 tree_methods: frozenset[Method] = MEDUSA_TREES,
                  grammars: LazyCompiler | None = None):
         self.engine, self.info, self.default_method = engine, info, default_method
         self.grammars = grammars  # None: structured output is refused

@@ -15,7 +15,8 @@ from tools.bench.stats import ratio, throughput
 
 NONE = Method.NONE.api_name
 SHAPES = ("chain", "tree")
-TREE_METHODS = ("eagle", "medusa")  # the methods whose proposals are trees of their own
+# the methods whose proposals are trees of their own (auto's are Medusa's)
+TREE_METHODS = tuple(m.api_name for m in Method if m.can_tree and m is not Method.AUTO)
 PLOT = "bench-chain-vs-tree.png"
 
 
