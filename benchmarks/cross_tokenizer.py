@@ -95,7 +95,7 @@ def _timed_bridge(proposer: BridgedProposer) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens cap")

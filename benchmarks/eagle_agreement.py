@@ -100,7 +100,7 @@ def _prompts(args, card: dict) -> tuple[list[Prompt], list[SamplingParams]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", default="draft_service/weights/smollm2-135m-eagle")
     ap.add_argument("--target", default="SmolLM2-135M-Instruct")
     ap.add_argument("--source", choices=("heldout", "val", "train", "fresh"),

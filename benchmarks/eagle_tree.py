@@ -82,7 +82,7 @@ async def _generate(model, proposer, prompts, max_new, nodes: int, tree: bool):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--nodes", default="4,8,16", help="drafts per round at most (k / nodes)")

@@ -30,7 +30,7 @@ from verify_service.forward.step import StepInput
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None)

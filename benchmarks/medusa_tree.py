@@ -67,7 +67,7 @@ async def generate(model, heads, method, prompt, max_new, cost: CostModel):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)

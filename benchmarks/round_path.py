@@ -93,7 +93,7 @@ async def run(rounds: int, rec: Recorder) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=6, help="steady-state rounds recorded")
     ap.add_argument("--json", help="also write the file list here")
     args = ap.parse_args()

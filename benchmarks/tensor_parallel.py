@@ -150,7 +150,7 @@ def measure(runners: dict, threads: dict, steps: int, reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/tandem-tp-bench-ckpt"))
