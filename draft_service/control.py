@@ -46,9 +46,11 @@ def _method_for(cmd: Open, proposers: Mapping[Method, Proposer],
 
 
 def open_session(stream: Stream, cmd: Open, limits: Limits, proposers: Mapping[Method, Proposer],
-                 default_method: Method, *, open_sessions: int, keys: Iterator[int]) -> Session:
-    """The session an Open asks for (not yet registered); its key is drawn from `keys` only
-    once every check has passed. `open_sessions`: how many the worker holds now."""
+                 default_method: Method, *, open_sessions: int,
+                 session_keys: Iterator[int]) -> Session:
+    """The session an Open asks for (not yet registered); its session_key (one per session
+    incarnation, unlike its session_id, which a reopen reuses) is drawn from `session_keys`
+    only once every check has passed. `open_sessions`: how many the worker holds now."""
     if len(cmd.token_ids) > limits.max_context_length:  # before scanning them
         raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED, f"sequence of "
                              f"{len(cmd.token_ids)} tokens exceeds the context length "
@@ -63,7 +65,7 @@ def open_session(stream: Stream, cmd: Open, limits: Limits, proposers: Mapping[M
         raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED,
                              f"worker is full ({limits.max_sessions} sessions)")
     session = Session(
-        key=next(keys), session_id=cmd.session_id, stream=stream, method=method,
+        session_key=next(session_keys), session_id=cmd.session_id, stream=stream, method=method,
         committed=tokens, epoch=cmd.epoch, sampling=sampling,
         max_run_ahead=min(cmd.max_run_ahead or limits.max_run_ahead, limits.max_spec_tokens),
         top_n=min(cmd.top_n or limits.top_n, limits.max_top_n),

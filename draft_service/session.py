@@ -114,7 +114,7 @@ class FeatureStore:
 
 @dataclass(eq=False)
 class Session:
-    key: int
+    session_key: int
     session_id: str
     stream: Stream
     method: Method
@@ -148,7 +148,7 @@ class Session:
         generator = None if self.seed is None else make_generator(
             keyed_seed(self.seed, self.length))
         return DraftRequest(
-            key=self.key, token_ids=self.committed + self.drafts,
+            session_key=self.session_key, token_ids=self.committed + self.drafts,
             num_committed=len(self.committed), max_tokens=self.max_run_ahead - len(self.drafts),
             sampling=self.sampling, top_n=self.top_n, max_ngram_size=self.max_ngram_size,
             generator=generator,

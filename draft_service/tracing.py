@@ -21,12 +21,12 @@ class SessionSpans:
 
     def control(self, cmd: Control) -> None:
         if isinstance(cmd, Open) and cmd.trace_context:
-            sid = cmd.session_id
-            self.end(sid)  # a reopen replaces the session
-            self.spans[sid] = self.tracer.start_span(
+            session_id = cmd.session_id
+            self.end(session_id)  # a reopen replaces the session
+            self.spans[session_id] = self.tracer.start_span(
                 telemetry.SPAN_DRAFT, context=telemetry.extract_context(cmd.trace_context),
-                kind=trace.SpanKind.SERVER, attributes={telemetry.ATTR_SESSION: sid})
-            self.tokens[sid] = 0
+                kind=trace.SpanKind.SERVER, attributes={telemetry.ATTR_SESSION: session_id})
+            self.tokens[session_id] = 0
         elif isinstance(cmd, Close):
             self.end(cmd.session_id)
 
@@ -38,14 +38,14 @@ class SessionSpans:
         else:
             self.tokens[item.session_id] += 1
 
-    def end(self, sid: str, error: str = "") -> None:
-        span = self.spans.pop(sid, None)
+    def end(self, session_id: str, error: str = "") -> None:
+        span = self.spans.pop(session_id, None)
         if span is not None:
-            span.set_attribute(telemetry.ATTR_TOKENS_DRAFTED, self.tokens.pop(sid, 0))
+            span.set_attribute(telemetry.ATTR_TOKENS_DRAFTED, self.tokens.pop(session_id, 0))
             if error:
                 span.set_status(trace.StatusCode.ERROR, error)
             span.end()
 
     def end_all(self) -> None:
-        for sid in list(self.spans):
-            self.end(sid)
+        for session_id in list(self.spans):
+            self.end(session_id)

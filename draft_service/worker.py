@@ -66,7 +66,7 @@ class DraftWorker:
         self.limits = limits
         self.default_method = default_method or next(iter(self.proposers))
         self._sessions: dict[int, Session] = {}
-        self._keys = itertools.count()
+        self._session_keys = itertools.count()
         self._streams: set[Stream] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tandem-draft")
         self._wake = asyncio.Event()
@@ -97,41 +97,42 @@ class DraftWorker:
 
     def handle(self, stream: Stream, cmd: Control) -> None:
         """Apply one control message; problems are reported in-band, never raised."""
-        sid = getattr(cmd, "session_id", "")
+        session_id = getattr(cmd, "session_id", "")
         epoch = getattr(cmd, "epoch", 0)  # errors carry the epoch they answer
-        if len(sid) > MAX_SESSION_ID_CHARS:  # never a verifier's: answer without echoing it
-            cmd = Invalid("", f"session_id has {len(sid)} characters, more than "
+        if len(session_id) > MAX_SESSION_ID_CHARS:  # never a verifier's: answer without echoing it
+            cmd = Invalid("", f"session_id has {len(session_id)} characters, more than "
                               f"{MAX_SESSION_ID_CHARS}")
-            sid = ""
+            session_id = ""
         try:
             if isinstance(cmd, Invalid):
                 raise SessionFailure(ErrorCode.INVALID_ARGUMENT, cmd.message)
-            if not sid:
+            if not session_id:
                 raise SessionFailure(ErrorCode.INVALID_ARGUMENT, "empty session_id")
             if isinstance(cmd, Open):
                 self._open(stream, cmd)
             elif isinstance(cmd, Commit):
                 self._commit(stream, cmd)
             elif isinstance(cmd, Close):
-                if sid in stream.sessions:
-                    self._drop(stream.sessions[sid])
+                if session_id in stream.sessions:
+                    self._drop(stream.sessions[session_id])
             else:
                 raise SessionFailure(ErrorCode.INVALID_ARGUMENT, f"unknown control {cmd!r}")
         except SessionFailure as exc:
-            self._fail(stream, sid, exc.code, str(exc), epoch)
+            self._fail(stream, session_id, exc.code, str(exc), epoch)
         except NotFound as exc:  # NOT_FOUND, in-band: the stream carries on (draft.proto)
-            self._fail(stream, sid, ErrorCode.UNKNOWN_SESSION, str(exc), epoch)
+            self._fail(stream, session_id, ErrorCode.UNKNOWN_SESSION, str(exc), epoch)
         except Exception as exc:  # a bug must cost one session, never the stream
-            log.exception("control message for session %r failed", sid)
-            self._fail(stream, sid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", epoch)
+            log.exception("control message for session %r failed", session_id)
+            self._fail(stream, session_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
+                       epoch)
 
     def _open(self, stream: Stream, cmd: Open) -> None:
         if cmd.session_id in stream.sessions:  # reopening replaces the session completely
             self._drop(stream.sessions[cmd.session_id])
         session = open_session(stream, cmd, self.limits, self.proposers, self.default_method,
-                               open_sessions=len(self._sessions), keys=self._keys)
+                               open_sessions=len(self._sessions), session_keys=self._session_keys)
         stream.sessions[cmd.session_id] = session
-        self._sessions[session.key] = session
+        self._sessions[session.session_key] = session
         if cmd.grammar is not None and self.grammars is not None and (
                 session.method in GRAMMAR_METHODS):
             session.grammar_pending = True  # compiled off the loop, then it drafts
@@ -169,16 +170,16 @@ class DraftWorker:
             session.grammar = None  # the matcher is lost: draft free text from here
         self._wake.set()
 
-    def _fail(self, stream: Stream, sid: str, code: ErrorCode, message: str,
+    def _fail(self, stream: Stream, session_id: str, code: ErrorCode, message: str,
               epoch: int) -> None:
-        if sid in stream.sessions:
-            self._drop(stream.sessions[sid])
-        stream.put(SessionError(sid, code, message, epoch))
+        if session_id in stream.sessions:
+            self._drop(stream.sessions[session_id])
+        stream.put(SessionError(session_id, code, message, epoch))
 
     def _drop(self, session: Session) -> None:
         if session.stream.sessions.get(session.session_id) is session:
             del session.stream.sessions[session.session_id]
-        if self._sessions.pop(session.key, None) is None:
+        if self._sessions.pop(session.session_key, None) is None:
             return
         proposer = self.proposers[session.method]
         # On the forward thread, after any step in flight that still uses the state; a
@@ -186,7 +187,7 @@ class DraftWorker:
         with contextlib.suppress(RuntimeError):
             if isinstance(proposer, Learner):  # the final text: commits since the last step too
                 self._executor.submit(proposer.learn, session.tenant, list(session.committed))
-            self._executor.submit(proposer.release, session.key)
+            self._executor.submit(proposer.release, session.session_key)
 
     # --- drafting loop ------------------------------------------------------------------------
 
@@ -229,7 +230,7 @@ class DraftWorker:
                 for method, batch in jobs.items()}
 
     def _apply(self, s: Session, generation: int, req: DraftRequest, res: DraftResult) -> None:
-        if s.key not in self._sessions:
+        if s.session_key not in self._sessions:
             return  # closed while the step ran
         if res.error is not None:
             self._fail(s.stream, s.session_id, res.error, res.message, s.epoch)

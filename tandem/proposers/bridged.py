@@ -68,7 +68,8 @@ class BridgedProposer:
         results: list[DraftResult] = [DraftResult()] * len(requests)
         rows, inner = [], []
         for i, req in enumerate(requests):
-            ids, committed = self.bridge.draft_ids(req.key, req.token_ids, req.num_committed)
+            ids, committed = self.bridge.draft_ids(req.session_key, req.token_ids,
+                                                   req.num_committed)
             if len(ids) >= self.max_context_length:
                 continue  # the draft's context is full: no drafts (the verifier decodes)
             rows.append(i)
@@ -78,6 +79,6 @@ class BridgedProposer:
             results[i] = res
         return results
 
-    def release(self, key: Hashable) -> None:
-        self.inner.release(key)
-        self.bridge.release(key)
+    def release(self, session_key: Hashable) -> None:
+        self.inner.release(session_key)
+        self.bridge.release(session_key)

@@ -47,10 +47,10 @@ class DraftModelProposer:
         model = LlamaModel.load(paths, dtype, device=device)
         return cls(ModelRunner.with_memory(model, kv_cache_bytes, block_size))
 
-    def release(self, key: Hashable) -> None:
-        self._cached.pop(key, None)
-        if self.blocks.has(key):
-            self.blocks.free(key)
+    def release(self, session_key: Hashable) -> None:
+        self._cached.pop(session_key, None)
+        if self.blocks.has(session_key):
+            self.blocks.free(session_key)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
         results: list[DraftResult | None] = [None] * len(requests)
@@ -65,7 +65,7 @@ class DraftModelProposer:
                     chunks.append(self._prepare(req))
                 except NoFreeBlocksError as exc:
                     rows.pop()
-                    self.release(req.key)
+                    self.release(req.session_key)
                     results[i] = DraftResult(error=ErrorCode.RESOURCE_EXHAUSTED,
                                              message=f"draft KV cache is full: {exc}")
             logits = self.runner.forward(chunks) if chunks else None  # [len(chunks), vocab]
@@ -73,7 +73,7 @@ class DraftModelProposer:
             # The cache may now hold slots or half-written KV these sessions' token lists do
             # not describe: forget them, so a retry recomputes from scratch.
             for i in rows:
-                self.release(requests[i].key)
+                self.release(requests[i].session_key)
             raise
         if logits is not None:
             batch = [requests[i] for i in rows]
@@ -91,29 +91,29 @@ class DraftModelProposer:
         """Roll this session's cache back to what it shares with req.token_ids; the chunk
         computes the rest (at least the last token: its logits give the next draft)."""
         tokens = req.token_ids
-        cached = self._cached.get(req.key)
+        cached = self._cached.get(req.session_key)
         keep = 0
         if cached is not None:
             keep = _common_prefix(cached, tokens)
             keep = min(keep, len(tokens) - 1)
-            if keep < self.blocks.num_committed(req.key):
-                self.release(req.key)  # cannot roll back final blocks; start over (rare)
+            if keep < self.blocks.num_committed(req.session_key):
+                self.release(req.session_key)  # cannot roll back final blocks; start over (rare)
                 cached = None
         if cached is None:
-            keep = self.blocks.allocate(req.key, tokens)  # leading tokens found cached
-            self._cached[req.key] = tokens[:keep]
+            keep = self.blocks.allocate(req.session_key, tokens)  # leading tokens found cached
+            self._cached[req.session_key] = tokens[:keep]
         else:
-            self.blocks.rollback(req.key, len(cached) - keep)
+            self.blocks.rollback(req.session_key, len(cached) - keep)
             del cached[keep:]
-            self.blocks.append(req.key, tokens[keep:])
-        return SeqChunk(tokens[keep:], keep, self.blocks.block_table(req.key))
+            self.blocks.append(req.session_key, tokens[keep:])
+        return SeqChunk(tokens[keep:], keep, self.blocks.block_table(req.session_key))
 
     def _mark_cached(self, req: DraftRequest) -> None:
-        self._cached[req.key] = list(req.token_ids)
+        self._cached[req.session_key] = list(req.token_ids)
         # Final blocks become shareable with other sessions; the last token stays tentative so
         # that proposing again from this very sequence can always recompute its logits.
         done = min(req.num_committed, len(req.token_ids) - 1)
-        self.blocks.commit(req.key, max(done, self.blocks.num_committed(req.key)))
+        self.blocks.commit(req.session_key, max(done, self.blocks.num_committed(req.session_key)))
 
 @torch.inference_mode()
 def sample_drafts(

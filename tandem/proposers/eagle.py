@@ -97,10 +97,10 @@ class EagleProposer:
             head = EagleHead.load(paths, draft_vocab=draft_vocab, device=device)
         return cls(head, cache_blocks(head, kv_cache_bytes, block_size), block_size)
 
-    def release(self, key: Hashable) -> None:
-        self._state.pop(key, None)
-        if self.blocks.has(key):
-            self.blocks.free(key)
+    def release(self, session_key: Hashable) -> None:
+        self._state.pop(session_key, None)
+        if self.blocks.has(session_key):
+            self.blocks.free(session_key)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
@@ -115,14 +115,14 @@ class EagleProposer:
                 try:
                     work.append(self._plan(i, req, m))
                 except NoFreeBlocksError as exc:
-                    self.release(req.key)
+                    self.release(req.session_key)
                     results[i] = DraftResult(error=ErrorCode.RESOURCE_EXHAUSTED,
                                              message=f"eagle KV cache is full: {exc}")
             while any(w.nxt <= w.last for w in work):
                 self._pass([w for w in work if w.nxt <= w.last])
         except Exception:
             for w in work:  # the cache no longer matches what the states describe
-                self.release(w.req.key)
+                self.release(w.req.session_key)
             raise
         chains = [w for w in work if not w.req.tree]
         if chains:
@@ -135,8 +135,9 @@ class EagleProposer:
         trees = [w for w in work if w.req.tree]
         if trees:
             grown = eagle_tree.grow(self, [eagle_tree.Tree(
-                w.req.key, self.blocks.num_tokens(w.req.key) if self.blocks.has(w.req.key)
-                else 0, w.last, self._next_feature(w), w.req.max_tokens, grammar=w.req.grammar)
+                w.req.session_key, self.blocks.num_tokens(w.req.session_key)
+                if self.blocks.has(w.req.session_key) else 0, w.last, self._next_feature(w),
+                w.req.max_tokens, grammar=w.req.grammar)
                 for w in trees])
             for w, res in zip(trees, grown):
                 results[w.row] = res
@@ -145,16 +146,16 @@ class EagleProposer:
     def _plan(self, row: int, req: DraftRequest, m: int) -> _Work:
         """Roll the session's entries back to what is still valid; what remains to compute."""
         tokens, last = req.token_ids, len(req.token_ids) - 1
-        st = self._state.get(req.key)
+        st = self._state.get(req.session_key)
         if st is None:
-            st = self._state[req.key] = _HeadState()
+            st = self._state[req.session_key] = _HeadState()
         valid = _common_prefix(st.entries, tokens[1:])
         if m > st.true_upto:  # entries built on predictions that true features now replace
             valid = min(valid, st.true_upto)
         if valid >= m and valid not in st.pred:
             valid = m - 1  # the next entry reads a prediction we do not hold: recompute it
-        if self.blocks.has(req.key):
-            self.blocks.rollback(req.key, len(st.entries) - valid)
+        if self.blocks.has(req.session_key):
+            self.blocks.rollback(req.session_key, len(st.entries) - valid)
         del st.entries[valid:]
         st.true_upto = min(st.true_upto, valid)
         st.pred = {t: p for t, p in st.pred.items() if t <= valid and t >= m - 1}
@@ -165,13 +166,13 @@ class EagleProposer:
         entry whose input is the head's latest prediction."""
         ids, feats, pos, q_lens, seq_lens, tables, spans = [], [], [], [], [], [], []
         for w in work:
-            st = self._state[w.req.key]
+            st = self._state[w.req.session_key]
             end = min(w.last, w.m) if w.nxt <= w.m else w.nxt
             new = w.req.token_ids[w.nxt:end + 1]
-            if self.blocks.has(w.req.key):
-                self.blocks.append(w.req.key, new)
+            if self.blocks.has(w.req.session_key):
+                self.blocks.append(w.req.session_key, new)
             else:
-                self.blocks.allocate(w.req.key, new)
+                self.blocks.allocate(w.req.session_key, new)
             if w.nxt <= w.m:
                 # the verifier's features arrive on the CPU (from the wire); EAGLE-3's fc
                 feats.append(self.head.project(w.req.features[w.nxt - 1:end].to(self.device)))
@@ -181,7 +182,7 @@ class EagleProposer:
             pos.extend(range(w.nxt - 1, end))
             q_lens.append(len(new))
             seq_lens.append(end)
-            tables.append(self.blocks.block_table(w.req.key))
+            tables.append(self.blocks.block_table(w.req.session_key))
             spans.append((w, end))
         meta = build_attention_metadata(q_lens, seq_lens, tables, self.block_size).to(self.device)
         on = {"dtype": torch.int64, "device": self.device}
@@ -190,7 +191,7 @@ class EagleProposer:
             self.kv_cache, torch.empty(0, **on))  # [sum(q_lens), hidden]
         at = 0
         for (w, end), n in zip(spans, q_lens):
-            st = self._state[w.req.key]
+            st = self._state[w.req.session_key]
             st.entries.extend(w.req.token_ids[w.nxt:end + 1])
             if w.nxt <= w.m:
                 st.true_upto = end
@@ -204,4 +205,4 @@ class EagleProposer:
         reads it (not EAGLE-3's), else predicted."""
         if w.m > w.last and self.head.reads_target_head:
             return w.req.features[w.last].to(self.device)
-        return self._state[w.req.key].pred[w.last]
+        return self._state[w.req.session_key].pred[w.last]

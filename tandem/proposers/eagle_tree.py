@@ -45,7 +45,7 @@ class _Node:
 class Tree:
     """One session's tree while it grows."""
 
-    key: Hashable
+    session_key: Hashable
     entries: int  # the session's committed head entries (KV slots 0..entries-1)
     position: int  # absolute position of the last committed token (the root)
     root: torch.Tensor  # [hidden] the head's feature at the root
@@ -119,16 +119,16 @@ def _pass(proposer, active: list[tuple[Tree, list[int]]]) -> torch.Tensor:
             order = {n: j for j, n in enumerate(t.expanded)}
             nodes = [t.nodes[i] for i in t.expanded]
             tokens = [n.token for n in nodes]  # scratch slots after the entries
-            if blocks.has(t.key):
-                blocks.append(t.key, tokens)
+            if blocks.has(t.session_key):
+                blocks.append(t.session_key, tokens)
             else:
-                blocks.allocate(t.key, tokens)
+                blocks.allocate(t.session_key, tokens)
             ids += tokens
             feats += [t.root if n.parent < 0 else t.nodes[n.parent].feature for n in nodes]
             pos += [t.position + n.depth - 1 for n in nodes]  # entry t sits at position t - 1
             q_lens.append(len(nodes))
             seq_lens.append(t.entries + len(nodes))
-            tables.append(blocks.block_table(t.key))
+            tables.append(blocks.block_table(t.session_key))
             masks.append(ancestor_mask([order.get(n.parent, -1) for n in nodes]))
             rows += [at + order[i] for i in frontier]
             at += len(nodes)
@@ -140,8 +140,8 @@ def _pass(proposer, active: list[tuple[Tree, list[int]]]) -> torch.Tensor:
             proposer.kv_cache, torch.tensor(rows, **on))  # [rows, vocab], [at, hidden]
     finally:
         for t, _ in active:
-            if blocks.has(t.key):
-                blocks.rollback(t.key, blocks.num_tokens(t.key) - t.entries)
+            if blocks.has(t.session_key):
+                blocks.rollback(t.session_key, blocks.num_tokens(t.session_key) - t.entries)
     it = iter(rows)
     for t, frontier in active:
         for i in frontier:

@@ -29,5 +29,5 @@ class MedusaProposer:
             [(r.max_tokens, not r.tree) for r in requests])
         return [DraftResult(tokens=list(tokens), parents=parents) for tokens, parents in trees]
 
-    def release(self, key: Hashable) -> None:
+    def release(self, session_key: Hashable) -> None:
         """Stateless: the heads keep nothing per session."""

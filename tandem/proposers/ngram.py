@@ -107,5 +107,5 @@ class NgramProposer:
                                        scores=confidences(size, len(ids))))
         return results
 
-    def release(self, key: Hashable) -> None:
+    def release(self, session_key: Hashable) -> None:
         return None

@@ -224,7 +224,7 @@ class SuffixProposer:
             raise ValueError(f"max_spec_tokens must be >= 1, got {max_spec_tokens}")
         self.config = config or SuffixConfig()
         self.max_spec_tokens = max_spec_tokens
-        self._own: dict[Hashable, TokenLog] = {}  # key -> the session's committed tokens
+        self._own: dict[Hashable, TokenLog] = {}  # session_key -> its committed tokens
         self._caches: OrderedDict[str, SequenceCache] = OrderedDict()
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
@@ -232,7 +232,7 @@ class SuffixProposer:
 
     def _propose_one(self, req: DraftRequest) -> DraftResult:
         c = self.config
-        own = self._own.setdefault(req.key, TokenLog(c.anchor))
+        own = self._own.setdefault(req.session_key, TokenLog(c.anchor))
         if own.length < req.num_committed:  # committed tokens never change: index the new ones
             own.extend(req.token_ids[own.length:req.num_committed])
         k = min(req.max_tokens, self.max_spec_tokens)
@@ -248,8 +248,8 @@ class SuffixProposer:
                 best = other
         return DraftResult([DraftToken(t) for t in best.tokens], scores=best.probs)
 
-    def release(self, key: Hashable) -> None:
-        self._own.pop(key, None)
+    def release(self, session_key: Hashable) -> None:
+        self._own.pop(session_key, None)
 
     def learn(self, tenant: str, token_ids: list[int]) -> None:
         """Cache a finished session's text (prompt and output) in its scope."""

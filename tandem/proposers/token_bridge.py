@@ -183,16 +183,16 @@ class TextBridge:
         self._start = _start_id(_read(draft_root))
         self._sessions: dict[Hashable, tuple[list[int], list[int]]] = {}
 
-    def draft_ids(self, key: Hashable, token_ids: list[int],
+    def draft_ids(self, session_key: Hashable, token_ids: list[int],
                   num_committed: int) -> tuple[list[int], int]:
         """(the draft's ids for token_ids, how many of them encode committed tokens)."""
         committed = token_ids[:num_committed]
-        held = self._sessions.get(key)
+        held = self._sessions.get(session_key)
         if held is not None and held[0] == committed:
             encoded = held[1]
         else:
             encoded = self.encode(committed)
-            self._sessions[key] = (committed, encoded)
+            self._sessions[session_key] = (committed, encoded)
         drafts = [self._t2d[t] for t in token_ids[num_committed:]]
         if min(drafts, default=0) < 0:  # not this bridge's drafts: encode them as text
             return self.encode(token_ids), len(encoded)
@@ -204,8 +204,8 @@ class TextBridge:
         ids = self._draft.encode(text, add_special_tokens=False).ids
         return ids or [self._start]
 
-    def release(self, key: Hashable) -> None:
-        self._sessions.pop(key, None)
+    def release(self, session_key: Hashable) -> None:
+        self._sessions.pop(session_key, None)
 
 
 def _start_id(tokenizer_json: dict) -> int:

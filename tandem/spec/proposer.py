@@ -40,7 +40,10 @@ class DraftRequest:
     needs no separate call.
     """
 
-    key: Hashable  # unique per session incarnation, across all streams
+    # Whose cached state (KV blocks) this is: unique per session incarnation, across all
+    # streams (a draft worker's counter: a reopened session_id gets a new one; the verifier's
+    # own proposers use its session_id)
+    session_key: Hashable
     token_ids: list[int]
     num_committed: int  # leading token_ids the verifier committed (final)
     max_tokens: int  # at most this many drafts now (the session's remaining run-ahead)
@@ -86,7 +89,7 @@ class Proposer(Protocol):
         """One result per request, in order; all requests are served by one batched step."""
         ...
 
-    def release(self, key: Hashable) -> None:
+    def release(self, session_key: Hashable) -> None:
         """Forget a session's cached state (KV blocks); unknown keys are ignored."""
         ...
 
@@ -123,7 +126,8 @@ def propose_isolated(proposer: Proposer, requests: list[DraftRequest]) -> list[D
         try:
             results.extend(checked([req]))
         except Exception as exc:
-            log.exception("%s proposer failed for session key %s", proposer.method.name, req.key)
+            log.exception("%s proposer failed for session key %s", proposer.method.name,
+                          req.session_key)
             results.append(DraftResult(error=ErrorCode.INTERNAL,
                                        message=f"{type(exc).__name__}: {exc}"))
     return results

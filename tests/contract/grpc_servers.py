@@ -56,7 +56,7 @@ class FeatureHead:
     def propose(self, requests):
         return [DraftResult() for _ in requests]
 
-    def release(self, key) -> None:
+    def release(self, session_key) -> None:
         pass
 
 
@@ -70,22 +70,23 @@ class HostileDraft(draft_pb2_grpc.DraftServiceServicer):
         async for msg in request_iterator:
             which = msg.WhichOneof("control")
             if which == "open":
-                sid, epoch, end = msg.open.session_id, msg.open.epoch, len(msg.open.token_ids)
+                o = msg.open
+                session_id, epoch, end = o.session_id, o.epoch, len(o.token_ids)
             elif which == "commit":
                 c = msg.commit
-                sid, epoch, end = c.session_id, c.epoch, c.start_position + len(c.token_ids)
+                session_id, epoch, end = c.session_id, c.epoch, c.start_position + len(c.token_ids)
             else:
                 continue
             for i, p in enumerate(self.script):
-                yield _proposal(p, sid, epoch, end + i)
+                yield _proposal(p, session_id, epoch, end + i)
 
     async def Info(self, request, context):  # noqa: N802
         return common_pb2.WorkerInfo(role=common_pb2.WORKER_ROLE_DRAFT)
 
 
-def _proposal(p: dict, sid: str, epoch: int, position: int) -> draft_pb2.DraftProposal:
+def _proposal(p: dict, session_id: str, epoch: int, position: int) -> draft_pb2.DraftProposal:
     msg = draft_pb2.DraftProposal(
-        session_id={"own": sid, "other": "zz"}.get(p["session"], ""),
+        session_id={"own": session_id, "other": "zz"}.get(p["session"], ""),
         epoch=epoch if p["epoch"] is None else p["epoch"],
         position=position if p["position"] is None else p["position"], token_id=p["token_id"],
         q=common_pb2.SparseDistribution(token_ids=p["q_ids"], probs=p["q_probs"]))

@@ -96,7 +96,7 @@ FEATURES = st.builds(
         st.sampled_from([0.5, -1.0, np.nan, np.inf, 65504.0]))))
 
 
-SIDS = st.one_of(st.sampled_from(["a", "b", "a", ""]), TEXT)
+SESSION_IDS = st.one_of(st.sampled_from(["a", "b", "a", ""]), TEXT)
 OPEN_FIELDS = ("session_id", "tokens", "temperature", "top_k", "top_p", "seed", "method",
                "run_ahead", "top_n", "epoch", "ngram", "tenant", "trace", "features")
 
@@ -106,7 +106,7 @@ def open_sessions(draw):
     bad = draw(st.sets(st.sampled_from(OPEN_FIELDS), min_size=1, max_size=2))
     f = lambda name, good, hostile: field(draw, bad, name, good, hostile)  # noqa: E731
     o = draft_pb2.OpenSession(
-        session_id=f("session_id", st.sampled_from(["a", "b"]), SIDS),
+        session_id=f("session_id", st.sampled_from(["a", "b"]), SESSION_IDS),
         token_ids=f("tokens", GOOD_IDS, IDS), sampling=sampling(draw, bad),
         method=f("method", st.sampled_from(DRAFT_METHODS), METHOD),
         max_run_ahead=f("run_ahead", SMALL, UINT32), top_n=f("top_n", SMALL, UINT32),
@@ -121,7 +121,7 @@ def open_sessions(draw):
 
 @st.composite
 def commits(draw):
-    c = draft_pb2.CommitTokens(session_id=draw(SIDS), epoch=draw(UINT64),
+    c = draft_pb2.CommitTokens(session_id=draw(SESSION_IDS), epoch=draw(UINT64),
                                start_position=draw(st.one_of(st.integers(0, 14), UINT32)),
                                token_ids=draw(st.one_of(GOOD_IDS, IDS)))
     if draw(st.booleans()):
@@ -133,8 +133,8 @@ def commits(draw):
 
 CONTROLS = st.one_of(
     open_sessions(), commits(), st.just(draft_pb2.DraftControl()),
-    st.builds(lambda sid: draft_pb2.DraftControl(close=draft_pb2.CloseSession(session_id=sid)),
-              SIDS))
+    st.builds(lambda session_id: draft_pb2.DraftControl(
+        close=draft_pb2.CloseSession(session_id=session_id)), SESSION_IDS))
 
 
 

@@ -65,22 +65,22 @@ def config(model, **kw):
                        kv_cache_mb=1, drain_grace_s=0.2, **kw)
 
 
-def open_msg(sid, tokens, method=DRAFT_MODEL, epoch=0, run_ahead=4, temperature=0.0, top_n=0,
+def open_msg(session_id, tokens, method=DRAFT_MODEL, epoch=0, run_ahead=4, temperature=0.0, top_n=0,
              tenant="", **kw):
     sampling = common_pb2.SamplingParams(temperature=temperature, **kw)
     return draft_pb2.DraftControl(open=draft_pb2.OpenSession(
-        session_id=sid, token_ids=tokens, sampling=sampling, method=method,
+        session_id=session_id, token_ids=tokens, sampling=sampling, method=method,
         max_run_ahead=run_ahead, epoch=epoch, top_n=top_n, tenant=tenant))
 
 
-def commit_msg(sid, epoch, start, tokens):
+def commit_msg(session_id, epoch, start, tokens):
     return draft_pb2.DraftControl(commit=draft_pb2.CommitTokens(
-        session_id=sid, epoch=epoch, start_position=start, token_ids=tokens))
+        session_id=session_id, epoch=epoch, start_position=start, token_ids=tokens))
 
 
 async def read(call, want, errors=0, timeout=10.0):
     """Read until each session in `want` has that many proposals and `errors` errors came."""
-    got = {sid: [] for sid in want}
+    got = {session_id: [] for session_id in want}
     errs = []
     while any(len(got[s]) < n for s, n in want.items()) or len(errs) < errors:
         msg = await asyncio.wait_for(call.read(), timeout)
@@ -185,12 +185,12 @@ def test_greedy_drafts_equal_plain_greedy_decoding(tiny_draft, greedy_reference)
 
     async def scenario(app, channel):
         call = draft_pb2_grpc.DraftServiceStub(channel).Speculate()
-        for sid, prompt in prompts.items():
-            await call.write(open_msg(sid, prompt, run_ahead=8))
-        got, _ = await read(call, {sid: 8 for sid in prompts})
-        for sid, prompt in prompts.items():
-            assert [p.token_id for p in got[sid]] == greedy_reference(prompt, 8), sid
-            assert len({p.token_id for p in got[sid]}) > 2  # a non-trivial continuation
+        for session_id, prompt in prompts.items():
+            await call.write(open_msg(session_id, prompt, run_ahead=8))
+        got, _ = await read(call, {session_id: 8 for session_id in prompts})
+        for session_id, prompt in prompts.items():
+            assert [p.token_id for p in got[session_id]] == greedy_reference(prompt, 8), session_id
+            assert len({p.token_id for p in got[session_id]}) > 2  # a non-trivial continuation
         # Accept x's drafts: the continuation goes on; diverge y: the rolled-back cache must
         # continue the new sequence exactly like a fresh greedy run.
         x = [p.token_id for p in got["x"]]
@@ -367,19 +367,20 @@ def test_draft_model_cache_reuse_matches_a_fresh_computation(tiny_draft):
     seqs = {"a": shared + [1], "b": shared + [2]}
     committed = {"a": 10, "b": 10}
     for _ in range(40):
-        key = rng.choice("ab")
-        seq, op = seqs[key], rng.random()
-        if op < 0.3 and len(seq) > committed[key]:  # the verifier commits some drafts
-            committed[key] = rng.randint(committed[key], len(seq))
+        session_key = rng.choice("ab")
+        seq, op = seqs[session_key], rng.random()
+        if op < 0.3 and len(seq) > committed[session_key]:  # the verifier commits some drafts
+            committed[session_key] = rng.randint(committed[session_key], len(seq))
         elif op < 0.6:  # diverge: cut back to a random point past the committed tokens
-            seqs[key] = seq[:rng.randint(committed[key], len(seq))] + [rng.randrange(49152)]
-        req = DraftRequest(key=key, token_ids=list(seqs[key]), num_committed=committed[key],
-                           max_tokens=1)
+            cut = rng.randint(committed[session_key], len(seq))
+            seqs[session_key] = seq[:cut] + [rng.randrange(49152)]
+        req = DraftRequest(session_key=session_key, token_ids=list(seqs[session_key]),
+                           num_committed=committed[session_key], max_tokens=1)
         cold = DraftModelProposer(ModelRunner(model, num_blocks=64, block_size=4))
         (got,), (want,) = warm.propose([req]), cold.propose([req])
         assert got.tokens == want.tokens
         if op >= 0.6:  # append the draft, as the worker does while running ahead
-            seqs[key] = seqs[key] + [got.tokens[0].token_id]
+            seqs[session_key] = seqs[session_key] + [got.tokens[0].token_id]
     warm.release("a")
     warm.release("b")
     assert warm.blocks.num_free_blocks == warm.blocks.num_blocks

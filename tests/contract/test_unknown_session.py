@@ -34,7 +34,7 @@ class CountingProposer:
     def propose(self, reqs):
         return [DraftResult([DraftToken((r.token_ids[-1] + 1) % 100)]) for r in reqs]
 
-    def release(self, key) -> None:
+    def release(self, session_key) -> None:
         pass
 
 
@@ -43,15 +43,16 @@ def _worker() -> DraftWorker:
     return DraftWorker({Method.DRAFT_MODEL: CountingProposer()}, limits)
 
 
-def _open(sid: str) -> draft_pb2.DraftControl:
+def _open(session_id: str) -> draft_pb2.DraftControl:
     return draft_pb2.DraftControl(open=draft_pb2.OpenSession(
-        session_id=sid, token_ids=[1, 2, 3], method=common_pb2.SPECULATION_METHOD_DRAFT_MODEL,
+        session_id=session_id, token_ids=[1, 2, 3],
+        method=common_pb2.SPECULATION_METHOD_DRAFT_MODEL,
         sampling=common_pb2.SamplingParams(temperature=0), max_run_ahead=2))
 
 
-def _commit(sid: str) -> draft_pb2.DraftControl:
+def _commit(session_id: str) -> draft_pb2.DraftControl:
     return draft_pb2.DraftControl(commit=draft_pb2.CommitTokens(
-        session_id=sid, epoch=0, start_position=3, token_ids=[4]))
+        session_id=session_id, epoch=0, start_position=3, token_ids=[4]))
 
 
 def test_the_draft_workers_lookup_raises_not_found():
@@ -85,16 +86,17 @@ def test_commit_to_an_unknown_session_is_unknown_session_and_the_stream_goes_on(
 
 def _lookup_handler(known: set[str]) -> grpc.GenericRpcHandler:
     async def lookup(request: bytes, context) -> bytes:
-        sid = request.decode()
-        if sid not in known:
-            raise NotFound(f"session {sid!r} is unknown")
+        session_id = request.decode()
+        if session_id not in known:
+            raise NotFound(f"session {session_id!r} is unknown")
         return request
     return grpc.method_handlers_generic_handler("test.Sessions", {
         "Lookup": grpc.unary_unary_rpc_method_handler(lookup)})
 
 
-@pytest.mark.parametrize("sid, code", [("known", None), ("ghost", grpc.StatusCode.NOT_FOUND)])
-def test_a_servicer_raising_not_found_answers_not_found(sid, code):
+@pytest.mark.parametrize("session_id, code",
+                         [("known", None), ("ghost", grpc.StatusCode.NOT_FOUND)])
+def test_a_servicer_raising_not_found_answers_not_found(session_id, code):
     async def main():
         server = grpc.aio.server(interceptors=[StatusInterceptor()])
         server.add_generic_rpc_handlers((_lookup_handler({"known"}),))
@@ -104,11 +106,11 @@ def test_a_servicer_raising_not_found_answers_not_found(sid, code):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 call = channel.unary_unary(LOOKUP)
                 try:
-                    assert await call(sid.encode(), timeout=5) == sid.encode()
+                    assert await call(session_id.encode(), timeout=5) == session_id.encode()
                     got = None
                 except grpc.aio.AioRpcError as exc:
                     got, details = exc.code(), exc.details()
-                    assert sid in details
+                    assert session_id in details
                 assert got == code
         finally:
             await server.stop(None)

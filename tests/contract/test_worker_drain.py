@@ -33,9 +33,9 @@ PROMPT = [10, 11, 12, 13, 14, 15, 10, 11, 12]  # n-gram lookup proposes 13, 14, 
 
 
 
-def open_msg(sid: str) -> draft_pb2.DraftControl:
+def open_msg(session_id: str) -> draft_pb2.DraftControl:
     return draft_pb2.DraftControl(open=draft_pb2.OpenSession(
-        session_id=sid, token_ids=PROMPT, method=NGRAM, max_run_ahead=2,
+        session_id=session_id, token_ids=PROMPT, method=NGRAM, max_run_ahead=2,
         sampling=common_pb2.SamplingParams(temperature=0.0)))
 
 

@@ -134,7 +134,7 @@ class SkewedDraft:
                                         tuple(self.ids), tuple(self.probs))])
                 for _ in requests]
 
-    def release(self, key):
+    def release(self, session_key):
         pass
 
 

@@ -84,7 +84,7 @@ def test_q_is_the_drafts_distribution_over_the_shared_tokens(gemma, target_paths
     model's own softmax restricted to them and renormalised (its top 8)."""
     _, _, tok = gemma
     ids = _chat(tok, PROMPTS[0])
-    req = DraftRequest(key="q", token_ids=ids, num_committed=len(ids), max_tokens=1,
+    req = DraftRequest(session_key="q", token_ids=ids, num_committed=len(ids), max_tokens=1,
                        sampling=SamplingParams(temperature=1.0), top_n=8)
     (res,) = bridged.propose([req])
     (draft,) = res.tokens
@@ -116,12 +116,12 @@ def test_a_grammar_mask_in_target_ids_restricts_bridged_drafts(gemma, bridged):
     for t in allowed:
         mask[0, t // 32] |= 1 << (t % 32)
     for temperature in (0.0, 1.0):
-        req = DraftRequest(key=("mask", temperature), token_ids=ids, num_committed=len(ids),
+        req = DraftRequest(session_key=("mask", temperature), token_ids=ids, num_committed=len(ids),
                            max_tokens=1, sampling=SamplingParams(temperature=temperature),
                            mask=mask)
         (draft,) = bridged.propose([req])[0].tokens
         assert draft.token_id in allowed and set(draft.q_ids) <= set(allowed)
-        bridged.release(req.key)
+        bridged.release(req.session_key)
 
 
 def _target_row(model, ids: list[int], top_k: int) -> torch.Tensor:  # [vocab] p at T=1
@@ -138,8 +138,8 @@ def test_verifying_bridged_drafts_gives_the_targets_distribution(gemma, bridged)
     ids = tok("Roses are red, violets are blue").input_ids  # then ",", ".", " and", ...
     p = _target_row(model, ids, 0)
     sampling = SamplingParams(temperature=1.0)
-    reqs = [DraftRequest(key=("dist", i), token_ids=ids, num_committed=len(ids), max_tokens=1,
-                         sampling=sampling) for i in range(64)]
+    reqs = [DraftRequest(session_key=("dist", i), token_ids=ids, num_committed=len(ids),
+                         max_tokens=1, sampling=sampling) for i in range(64)]
     emitted: list[int] = []
     for _ in range(10):  # 640 drafts; a forward of one token per session after the first
         results = bridged.propose(reqs)
@@ -150,7 +150,7 @@ def test_verifying_bridged_drafts_gives_the_targets_distribution(gemma, bridged)
         out = verify_chains(spec, meta, p.expand(2 * len(drafts), -1))
         emitted += out.output_token_ids[:, 0].tolist()
     for r in reqs:
-        bridged.release(r.key)
+        bridged.release(r.session_key)
     counts = {t: emitted.count(t) for t in set(emitted)}
     stat, dof = pearson(counts, {t: float(v) for t, v in enumerate(p.tolist()) if v > 0})
     assert dof >= 3 and stat < critical(dof), (stat, dof, counts)

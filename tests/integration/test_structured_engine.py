@@ -39,7 +39,7 @@ class ForbiddenFirst:
                                                (0.6, 0.4))]))
         return out
 
-    def release(self, key):
+    def release(self, session_key):
         pass
 
 

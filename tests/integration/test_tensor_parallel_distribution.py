@@ -33,7 +33,7 @@ class SampledDraft:
         return [DraftResult([DraftToken(self.rng.choices(self.ids, self.q)[0], self.ids,
                                         self.q)]) for _ in requests]
 
-    def release(self, key):
+    def release(self, session_key):
         pass
 
 

@@ -48,8 +48,8 @@ class FakeProposer:
             out.append(DraftResult([DraftToken((last + 1 + i) % VOCAB) for i in range(n)]))
         return out
 
-    def release(self, key):
-        self.released.append(key)
+    def release(self, session_key):
+        self.released.append(session_key)
 
 
 def make_worker(proposer=None, **limits):
@@ -308,11 +308,11 @@ def test_close_is_idempotent_and_frees_state():
         s = worker.open_stream()
         worker.handle(s, Open("a", [1], max_run_ahead=1))
         await take(s, 1)
-        key = fake.calls[0][0].key
+        session_key = fake.calls[0][0].session_key
         for _ in range(2):
             worker.handle(s, Close("a"))
         worker.handle(s, Close("never-opened"))
-        await eventually(lambda: fake.released == [key])
+        await eventually(lambda: fake.released == [session_key])
         await nothing_more(s)
         assert worker.load() == 0
         await worker.aclose()
@@ -337,8 +337,8 @@ def test_stream_end_frees_all_its_sessions():
     async def main():
         worker, fake = make_worker()
         s1, s2 = worker.open_stream(), worker.open_stream()
-        for sid in "abc":
-            worker.handle(s1, Open(sid, [1], max_run_ahead=1))
+        for session_id in "abc":
+            worker.handle(s1, Open(session_id, [1], max_run_ahead=1))
         worker.handle(s2, Open("z", [1], max_run_ahead=2))
         await take(s1, 3)
         worker.close_stream(s1)
@@ -404,7 +404,7 @@ def test_limits_caps_and_draft_seed():
         assert req.generator is not None and req.generator.initial_seed() != 7
         worker.handle(s, Open("b", [1], temperature=0.8, seed=7))  # defaults: 2 drafts, top 3
         await take(s, 2)
-        other = next(c[0] for c in fake.calls if c[0].key != req.key)
+        other = next(c[0] for c in fake.calls if c[0].session_key != req.session_key)
         assert (other.max_tokens, other.top_n) == (2, 3)
         assert other.generator.initial_seed() == req.generator.initial_seed()
         await worker.aclose()

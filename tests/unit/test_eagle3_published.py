@@ -45,7 +45,7 @@ def _embed(target):
 def _drafts(proposer, tokens, feats, steps, sampling=None, top_n=8):
     out = []
     for _ in range(steps):
-        req = DraftRequest(key="s", token_ids=list(tokens) + [t.token_id for t in out],
+        req = DraftRequest(session_key="s", token_ids=list(tokens) + [t.token_id for t in out],
                            num_committed=len(tokens), max_tokens=4, features=feats,
                            sampling=sampling or SamplingParams(temperature=0.0), top_n=top_n,
                            generator=torch.Generator().manual_seed(len(out)))

@@ -20,9 +20,10 @@ def head_dir(tmp_path_factory):
     return tiny_head(tmp_path_factory.mktemp("eagle"), seed=1)
 
 
-def _req(key, tokens, features, m):
-    return DraftRequest(key=key, token_ids=list(tokens), num_committed=m, max_tokens=4,
-                        sampling=SamplingParams(temperature=0.0), features=features[:m])
+def _req(session_key, tokens, features, m):
+    return DraftRequest(session_key=session_key, token_ids=list(tokens), num_committed=m,
+                        max_tokens=4, sampling=SamplingParams(temperature=0.0),
+                        features=features[:m])
 
 
 def test_incremental_drafting_matches_from_scratch(head_dir):

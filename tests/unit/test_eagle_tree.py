@@ -17,8 +17,8 @@ from tandem.spec import DraftRequest
 pytestmark = pytest.mark.unit
 
 
-def _req(key, tokens, features, m, size=8, tree=True):
-    return DraftRequest(key=key, token_ids=list(tokens), num_committed=len(tokens),
+def _req(session_key, tokens, features, m, size=8, tree=True):
+    return DraftRequest(session_key=session_key, token_ids=list(tokens), num_committed=len(tokens),
                         max_tokens=size, sampling=SamplingParams(temperature=0.0),
                         features=features[:m], tree=tree)
 

@@ -58,11 +58,11 @@ def test_proposer_batches_and_respects_limits():
     prop = NgramProposer(max_ngram_size=3, max_spec_tokens=2)
     assert isinstance(prop, Proposer) and prop.method == Method.NGRAM
     reqs = [
-        DraftRequest(key=1, token_ids=[1, 2, 3, 4, 1, 2], num_committed=6, max_tokens=8),
-        DraftRequest(key=2, token_ids=[1, 2, 3], num_committed=3, max_tokens=8),
-        DraftRequest(key=3, token_ids=[1, 2, 3, 4, 1, 2], num_committed=6, max_tokens=1),
+        DraftRequest(session_key=1, token_ids=[1, 2, 3, 4, 1, 2], num_committed=6, max_tokens=8),
+        DraftRequest(session_key=2, token_ids=[1, 2, 3], num_committed=3, max_tokens=8),
+        DraftRequest(session_key=3, token_ids=[1, 2, 3, 4, 1, 2], num_committed=6, max_tokens=1),
         # per-request n: a 1-gram lookup finds the latest [2] -> 5, a 2-gram finds [1 2] -> 3
-        DraftRequest(key=4, token_ids=[1, 2, 3, 2, 5, 1, 2], num_committed=7, max_tokens=1,
+        DraftRequest(session_key=4, token_ids=[1, 2, 3, 2, 5, 1, 2], num_committed=7, max_tokens=1,
                      max_ngram_size=1),
     ]
     results = prop.propose(reqs)

@@ -86,9 +86,10 @@ def test_cache_evicts_oldest_and_compacts():
     assert speculate(cache.log, [119, 219], 1, live_start=cache.live_start).tokens == [319]
 
 
-def req(key, ids, committed=None, max_tokens=8, tenant=""):
-    return DraftRequest(key=key, token_ids=ids, num_committed=len(ids) if committed is None
-                        else committed, max_tokens=max_tokens, tenant=tenant)
+def req(session_key, ids, committed=None, max_tokens=8, tenant=""):
+    return DraftRequest(session_key=session_key, token_ids=ids,
+                        num_committed=len(ids) if committed is None else committed,
+                        max_tokens=max_tokens, tenant=tenant)
 
 
 def test_proposer_learns_from_finished_sessions():

@@ -95,7 +95,7 @@ def _draft(proposer, st: _State, k: int, sampling: SamplingParams) -> None:
     """Up to k chain drafts, asking again while the proposer gives one at a time."""
     st.drafts, st.parents = [], None
     while len(st.drafts) < k:
-        req = DraftRequest(key="gpu-check", token_ids=st.committed + [d.token_id for d in
+        req = DraftRequest(session_key="gpu-check", token_ids=st.committed + [d.token_id for d in
                                                                        st.drafts],
                            num_committed=len(st.committed), max_tokens=k - len(st.drafts),
                            sampling=sampling, features=st.features)

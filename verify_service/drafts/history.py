@@ -53,7 +53,7 @@ class HistoryDrafts:
                 for method in _sources(seq.params.method):
                     by_method.setdefault(method, []).append(seq)
         for method, group in by_method.items():
-            reqs = [DraftRequest(key=seq.session_id, token_ids=seq.tokens,
+            reqs = [DraftRequest(session_key=seq.session_id, token_ids=seq.tokens,
                                  num_committed=seq.num_tokens, max_tokens=ks[seq.session_id],
                                  sampling=seq.params.sampling, tenant=seq.params.tenant)
                     for seq in group]

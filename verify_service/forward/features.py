@@ -55,7 +55,7 @@ def propose_trees(proposer: Proposer, inputs: list[StepInput], outcomes: list[Ro
     session in `heads` (its index, its last kept [hidden] state), from one call of the
     proposer hosted in the step (Medusa's heads), set on its outcome in place. A session the
     proposer fails for simply gets no drafts."""
-    requests = [DraftRequest(key=i, token_ids=[], num_committed=0,
+    requests = [DraftRequest(session_key=i, token_ids=[], num_committed=0,
                              max_tokens=inputs[i].propose_tree, features=h[None],
                              tree=not inputs[i].propose_chain) for i, h in heads]
     for (i, _), res in zip(heads, propose_isolated(proposer, requests)):
