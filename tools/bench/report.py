@@ -1,7 +1,5 @@
 """The run as people read it: results.json, a Markdown report and its PNG plots in
-results/bench-<date>/, and the same report as docs/results/benchmarks.md with the plots in
-docs/results/img/.
-"""
+results/bench-<date>/, and the same report as docs/results/benchmarks.md (plots in img/)."""
 from __future__ import annotations
 
 import contextlib
