@@ -72,6 +72,55 @@ def test_a_missing_or_truncated_part_is_refused(tmp_path):
         parts.unpack(tmp_path / "nowhere", tmp_path / "c", log=lambda m: None)
 
 
+def _forged(packed: Path, entry: dict) -> None:
+    """The manifest as a hostile returned directory could write it, with a matching hash."""
+    manifest = json.loads((packed / parts.MANIFEST).read_text())
+    manifest["files"].append(entry)
+    (packed / parts.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["../escaped.bin", "/tmp/tandem-escaped.bin", "a/../../x",
+                                  "..", "sub/inner.bin", "c:\\x.bin", "", 7])
+def test_a_name_that_leaves_the_folder_is_refused_and_nothing_is_written(tmp_path, name):
+    packed, _, _ = _packed(tmp_path)
+    payload = b"owned"
+    (packed / "payload").write_bytes(payload)
+    import hashlib
+    sha = hashlib.sha256(payload).hexdigest()
+    _forged(packed, {"name": name, "size": len(payload), "sha256": sha,
+                     "parts": [{"name": "payload", "size": len(payload), "sha256": sha}]})
+    out = tmp_path / "deep" / "out"
+    with pytest.raises(parts.BundleError, match="not a plain file name"):
+        parts.unpack(packed, out, log=lambda m: None)
+    assert not out.exists()  # refused before anything was written
+    assert not (tmp_path / "deep" / "escaped.bin").exists()
+    assert not Path("/tmp/tandem-escaped.bin").exists()
+
+
+def test_a_part_named_outside_the_returned_folder_is_refused(tmp_path):
+    packed, _, _ = _packed(tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the manifest")
+    import hashlib
+    sha = hashlib.sha256(secret.read_bytes()).hexdigest()
+    _forged(packed, {"name": "copy.txt", "size": secret.stat().st_size, "sha256": sha,
+                     "parts": [{"name": "../secret.txt", "size": secret.stat().st_size,
+                                "sha256": sha}]})
+    with pytest.raises(parts.BundleError, match="part '../secret.txt' is not a plain"):
+        parts.unpack(packed, tmp_path / "out", log=lambda m: None)
+    assert not (tmp_path / "out" / "copy.txt").exists()
+
+
+@pytest.mark.parametrize("manifest", [[], {"files": "x"}, {"files": [3]},
+                                      {"files": [{"name": "a.bin"}]},
+                                      {"files": [{"name": "a", "size": 1, "sha256": "0",
+                                                  "parts": "abc"}]}])
+def test_a_malformed_manifest_is_a_clear_bundle_error(tmp_path, manifest):
+    (tmp_path / parts.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(parts.BundleError):
+        parts.unpack(tmp_path, tmp_path / "out", log=lambda m: None)
+
+
 def test_unbundle_refuses_a_corrupt_return_through_the_cli(tmp_path, capsys):
     from tools.cli import main
 

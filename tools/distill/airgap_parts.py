@@ -51,15 +51,48 @@ def pack(paths: list[Path], dst: Path, part_bytes: int) -> dict:
     return manifest
 
 
+def _plain_name(name: object, what: str) -> str:
+    """A manifest's file or part name is a bare file name: nothing that reaches outside the
+    folder it is read from or written to (no separator, no "..", not absolute)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\x00" in name \
+            or "/" in name or "\\" in name or Path(name).name != name:
+        raise BundleError(f"{what} {name!r} is not a plain file name: a manifest names files "
+                          "inside its own folder only")
+    return name
+
+
+def _entries(manifest: object) -> list[dict]:
+    """The manifest's file entries, each checked: a plain name, an int size, a sha256, and
+    parts with the same (BundleError otherwise)."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, list):
+        raise BundleError("the manifest has no list of files")
+    for e in files:
+        if not isinstance(e, dict):
+            raise BundleError(f"a manifest entry is not an object: {e!r}")
+        _plain_name(e.get("name"), "file")
+        parts = e.get("parts") or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+            raise BundleError(f"{e['name']!r}: its parts are not a list of objects")
+        for p in [e, *parts]:
+            if p is not e:
+                _plain_name(p.get("name"), "part")
+            if not isinstance(p.get("size"), int) or not isinstance(p.get("sha256"), str):
+                raise BundleError(f"{p.get('name')!r}: the manifest gives no size and sha256")
+    return files
+
+
 def unpack(src: Path, dst: Path, log=print) -> list[str]:
     """Reassemble every file of src/manifest.json into dst, checking each part's and each
-    whole file's size and sha256. A file already in dst with the right hash is kept."""
+    whole file's size and sha256. A file already in dst with the right hash is kept. Names
+    that would reach outside src or dst are refused before anything is written."""
     try:
         manifest = json.loads((Path(src) / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise BundleError(f"cannot read {Path(src) / MANIFEST}: {exc}") from exc
+    entries = _entries(manifest)
     dst.mkdir(parents=True, exist_ok=True)
-    for e in manifest["files"]:
+    for e in entries:
         out = dst / e["name"]
         if out.is_file() and out.stat().st_size == e["size"] and sha256_file(out) == e["sha256"]:
             continue
@@ -83,7 +116,7 @@ def unpack(src: Path, dst: Path, log=print) -> list[str]:
                               f"manifest's {e['sha256']}")
         tmp.replace(out)
         log(f"checked and reassembled {e['name']} ({len(e.get('parts') or [e])} part(s))")
-    return [e["name"] for e in manifest["files"]]
+    return [e["name"] for e in entries]
 
 
 class Progress:
