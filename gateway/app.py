@@ -222,12 +222,20 @@ async def _parse(request: Request, model: type[schemas.GenerationRequest]):
         raise from_validation_error(exc) from None
 
 
-def _captures(gw: _Gateway, plan: GenerationPlan, text: str) -> list[str]:
+async def _captures(gw: _Gateway, plan: GenerationPlan, text: str) -> list[str]:
     """The tool calls an auto plan's grammar captures in a finished text: the grammar that
-    produced the text parses it (llguidance reads bytes, so any tokenization will do)."""
-    ids = gw.tokenizer(text, add_special_tokens=False).input_ids
-    state = gw.grammars.now().state_now(plan.tools.grammar, ids)
-    return [value.decode() for name, value in state.matcher.get_captures() if name == "call"]
+    produced the text parses it (llguidance reads bytes, so any tokenization will do). The
+    grammar comes from the compiler's own threads (a recompile never runs on the event loop),
+    and the tokenizing and parsing of the text run off it too."""
+    compiler = await gw.grammars.get()
+    matcher = await compiler.matcher_async(plan.tools.grammar)
+
+    def parse() -> list[str]:
+        ids = gw.tokenizer(text, add_special_tokens=False).input_ids
+        state = compiler.state_now(plan.tools.grammar, ids, matcher)
+        return [value.decode() for name, value in state.matcher.get_captures() if name == "call"]
+
+    return await asyncio.to_thread(parse)
 
 
 async def _generate(gw: _Gateway, request: Request, *, chat: bool):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from gateway.generation import Finished, TextDelta
@@ -27,7 +27,7 @@ class ToolCallDeltas:
 
 
 async def with_tool_calls(events: AsyncIterator, plan: ToolPlan,
-                          captures: Callable[[str], list[str]],
+                          captures: Callable[[str], Awaitable[list[str]]],
                           stream: bool = False) -> AsyncIterator:
     """`events` with a call's text replaced by ToolCalls (or ToolCallDeltas when `stream`);
     `captures(text)`: the call JSONs the plan's grammar captures in a text (auto)."""
@@ -47,7 +47,7 @@ async def with_tool_calls(events: AsyncIterator, plan: ToolPlan,
                 yield h
             continue
         if holding and isinstance(ev, Finished):
-            found = _calls(plan, text, captures) if ev.finish_reason == "stop" else None
+            found = await _calls(plan, text, captures) if ev.finish_reason == "stop" else None
             if found and calls is not None:
                 _check_streamed(calls, text, found)
                 yield replace(ev, finish_reason="tool_calls")
@@ -62,10 +62,10 @@ async def with_tool_calls(events: AsyncIterator, plan: ToolPlan,
         yield ev
 
 
-def _calls(plan: ToolPlan, text: str, captures: Callable[[str], list[str]]
-           ) -> list[dict] | None:
+async def _calls(plan: ToolPlan, text: str,
+                 captures: Callable[[str], Awaitable[list[str]]]) -> list[dict] | None:
     try:
-        return plan.calls(text, captures(text) if plan.mode == "auto" else None)
+        return plan.calls(text, await captures(text) if plan.mode == "auto" else None)
     except (ValueError, KeyError, TypeError):  # a stop string cut the grammar's text
         return None
 

@@ -1,15 +1,17 @@
 """Grammars compiled for one tokenizer: cached by content, bounded in time and size.
 
 llguidance bounds its own work (lexer fuel, grammar size, Earley items per step), so a
-hostile schema fails fast with a message; `compile_async` also runs it off the event loop
-with a deadline, so no request waits behind another's grammar.
+hostile schema fails fast with a message; `matcher_async` also runs it off the event loop,
+on threads of its own, with a deadline, so no request waits behind another's grammar.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,16 @@ class GrammarError(InvalidArgument):
 
 
 class GrammarCompiler:
+    """Compiled grammars by content. Bounded three ways: at most `cache_size` grammars whose
+    sources total at most `cache_bytes` (a compiled matcher keeps a few hundred times its
+    source: a 64 KB schema, +17 MB), errors kept apart so that invalid grammars never evict
+    valid ones, and compiles on `workers` threads of their own within `timeout_s`. A compile
+    that overran the deadline is remembered as an error, so a retry fails at once instead of
+    compiling again; concurrent asks for one grammar share one compile."""
+
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...] = (),
-                 cache_size: int = 256, timeout_s: float = 5.0):
+                 cache_size: int = 256, timeout_s: float = 5.0, cache_bytes: int = 1 << 20,
+                 workers: int = 2):
         # Every end-of-reply token ends a grammar's text: the tokenizer's EOS and `eos_ids`
         # (the checkpoint's generation_config ones).
         own = () if hf_tokenizer.eos_token_id is None else (hf_tokenizer.eos_token_id,)
@@ -36,25 +46,42 @@ class GrammarCompiler:
                                                       eos_token=list(self.eos_ids) or None)
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
-        self._cache: OrderedDict[str, llguidance.LLMatcher | GrammarError] = OrderedDict()
-        self._size = cache_size
-        self._lock = threading.Lock()
+        self._grammars = _Bounded(cache_size, cache_bytes)  # key -> LLMatcher
+        self._errors = _Bounded(cache_size, cache_bytes)  # key -> GrammarError
+        self._lock = threading.RLock()  # re-entered: a done compile's callback runs at once
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tandem-grammar")
+        self._inflight: dict[str, Future] = {}  # key -> its compile under way
 
     def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
-        """A fresh matcher at the grammar's start; GrammarError if it cannot compile."""
-        with self._lock:
-            found = self._cache.get(spec.key)
-            if found is not None:
-                self._cache.move_to_end(spec.key)
+        """A fresh matcher at the grammar's start; GrammarError if it cannot compile (or
+        could not within the deadline before)."""
+        found = self._cached(spec)
         if found is None:
-            found = self._compile(spec)
-            with self._lock:
-                self._cache[spec.key] = found
-                while len(self._cache) > self._size:
-                    self._cache.popitem(last=False)
+            found = self._compile_and_keep(spec)
         if isinstance(found, GrammarError):
             raise found
         return found.deep_copy()
+
+    def _cached(self, spec: GrammarSpec) -> llguidance.LLMatcher | GrammarError | None:
+        with self._lock:
+            found = self._grammars.get(spec.key)
+            return found if found is not None else self._errors.get(spec.key)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+
+    def _compile_and_keep(self, spec: GrammarSpec) -> llguidance.LLMatcher | GrammarError:
+        t0 = time.monotonic()
+        found = self._compile(spec)
+        if time.monotonic() - t0 > self.timeout_s:  # its caller gave up: never again
+            found = GrammarError(f"{spec.kind.api_name}: compiling took longer than "
+                                 f"{self.timeout_s:g} s")
+        size = len(spec.source.encode())
+        with self._lock:
+            (self._errors if isinstance(found, GrammarError) else self._grammars).put(
+                spec.key, found, size)
+        return found
 
     def state_now(self, spec: GrammarSpec, committed=(), matcher=None) -> GrammarState:
         """A session's grammar at `committed` tokens (InvalidArgument if they do not follow
@@ -66,9 +93,27 @@ class GrammarCompiler:
         return st
 
     async def matcher_async(self, spec: GrammarSpec) -> llguidance.LLMatcher:
-        """`matcher` on a worker thread, within the compile deadline."""
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(self.matcher, spec), self.timeout_s)
+        """`matcher`, compiling on the compiler's own threads within the deadline; a cached
+        grammar is answered at once, never behind someone else's compile."""
+        found = self._cached(spec)
+        if found is None:
+            with self._lock:  # the first to ask compiles; the others wait for that compile
+                pending = self._inflight.get(spec.key)
+                found = self._cached(spec)  # done since the look above
+                if pending is None and found is None:
+                    pending = self._pool.submit(self._compile_and_keep, spec)
+                    self._inflight[spec.key] = pending
+                    pending.add_done_callback(lambda _, k=spec.key: self._forget(k))
+            if found is None:
+                found = await self._wait(spec, pending)
+        if isinstance(found, GrammarError):
+            raise found
+        return found.deep_copy()
+
+    async def _wait(self, spec: GrammarSpec, pending: Future):
+        try:  # shielded: one caller's deadline must not cancel the others' compile
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending)),
+                                          self.timeout_s)
         except asyncio.TimeoutError:
             raise GrammarError(f"{spec.kind.api_name}: compiling took longer than "
                                f"{self.timeout_s:g} s") from None
@@ -86,6 +131,38 @@ class GrammarCompiler:
         if m.is_error():
             return GrammarError(f"{what}: {_first_line(m.get_error())}")
         return m
+
+
+class _Bounded:
+    """An LRU map bounded by entries and by the total size its values were put with."""
+
+    def __init__(self, max_entries: int, max_bytes: int):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._items: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: str):
+        item = self._items.get(key)
+        if item is None:
+            return None
+        self._items.move_to_end(key)
+        return item[0]
+
+    def put(self, key: str, value, size: int) -> None:
+        """Keep value (dropping the least recently used to make room); one larger than the
+        whole budget is not kept at all."""
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        if size > self.max_bytes:
+            return
+        self._items[key] = (value, size)
+        self.bytes += size
+        while len(self._items) > self.max_entries or self.bytes > self.max_bytes:
+            self.bytes -= self._items.popitem(last=False)[1][1]
 
 
 def _first_line(message: str, limit: int = 500) -> str:
