@@ -29,14 +29,15 @@ class GrammarError(InvalidArgument):
 
 class GrammarCompiler:
     """Compiled grammars by content. Bounded three ways: at most `cache_size` grammars whose
-    sources total at most `cache_bytes` (a compiled matcher keeps a few hundred times its
-    source: a 64 KB schema, +17 MB), errors kept apart so that invalid grammars never evict
-    valid ones, and compiles on `workers` threads of their own within `timeout_s`. A compile
-    that overran the deadline is remembered as an error, so a retry fails at once instead of
-    compiling again; concurrent asks for one grammar share one compile."""
+    sources total at most `cache_bytes` (a compiled matcher keeps 250-550 times its source: a
+    64 KB schema, +17 MB; 512 KiB of source, at most ~280 MB), errors kept apart so that
+    invalid grammars never evict valid ones, and compiles on `workers` threads of their own
+    within `timeout_s`. A compile that overran the deadline is remembered as an error, so a
+    retry fails at once instead of compiling again; concurrent asks for one grammar share one
+    compile."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...] = (),
-                 cache_size: int = 256, timeout_s: float = 5.0, cache_bytes: int = 1 << 20,
+                 cache_size: int = 256, timeout_s: float = 5.0, cache_bytes: int = 512 << 10,
                  workers: int = 2):
         # Every end-of-reply token ends a grammar's text: the tokenizer's EOS and `eos_ids`
         # (the checkpoint's generation_config ones).
