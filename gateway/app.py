@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -79,6 +80,10 @@ class _Gateway:
     # Set by a stop or drain signal (gateway/serve.py), from the main thread: /health
     # answers 503 from then on so readiness drops; requests are still served.
     draining: threading.Event = field(default_factory=threading.Event)
+    # Tokenizing a prompt (a 3 MiB body: seconds) runs here, never on the event loop; one
+    # thread, since a fast tokenizer must not be reconfigured by two threads at once.
+    tokenizing: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="tandem-tokenize"))
 
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs (special tokens included: they were generated)."""
@@ -113,6 +118,7 @@ def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
         if gw.deps.background:  # let "cancelled" session writes land before exit
             await asyncio.wait(set(gw.deps.background), timeout=2)
         await channels.close()
+        gw.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Tandem gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gw
@@ -235,7 +241,7 @@ async def _captures(gw: _Gateway, plan: GenerationPlan, text: str) -> list[str]:
         state = compiler.state_now(plan.tools.grammar, ids, matcher)
         return [value.decode() for name, value in state.matcher.get_captures() if name == "call"]
 
-    return await asyncio.to_thread(parse)
+    return await asyncio.get_running_loop().run_in_executor(gw.tokenizing, parse)
 
 
 async def _generate(gw: _Gateway, request: Request, *, chat: bool):
@@ -247,7 +253,8 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     try:
         with trace.use_span(span, end_on_exit=False):
             plan, text = await build_plan(req, session_id, config=gw.config, router=gw.router,
-                                          tokenizer=gw.tokenizer, grammars=gw.grammars)
+                                          tokenizer=gw.tokenizer, grammars=gw.grammars,
+                                          tokenize_in=gw.tokenizing)
             plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()),
                            tenant=_tenant(request))
             try:

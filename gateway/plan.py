@@ -2,6 +2,8 @@
 config or the live verifiers, and the defaults they fill in."""
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,11 +46,12 @@ class GenerationPlan:
 
 
 async def build_plan(req: schemas.GenerationRequest, session_id: str, *, config: GatewayConfig,
-                     router: Router, tokenizer: Any, grammars: LazyCompiler | None = None
-                     ) -> tuple[GenerationPlan, TextStream]:
+                     router: Router, tokenizer: Any, grammars: LazyCompiler | None = None,
+                     tokenize_in: Executor | None = None) -> tuple[GenerationPlan, TextStream]:
     """The plan for `req` and the TextStream that turns its tokens into the client's text;
     400 (APIError) for anything the request models alone could not reject. A grammar is
-    compiled here (`grammars`), so one that cannot be is a 400 before any token."""
+    compiled here (`grammars`), so one that cannot be is a 400 before any token. The prompt
+    is tokenized on `tokenize_in` (None: the loop's default pool), never on the event loop."""
     verifiers = await router.verifiers()
     # The live verifiers' limit wins; the config's covers verifiers that report none.
     max_spec = max((v.max_spec_tokens for v in verifiers), default=0)
@@ -59,8 +62,9 @@ async def build_plan(req: schemas.GenerationRequest, session_id: str, *, config:
     grammar, tools = constraint(req)
     if grammar is not None:
         await _check_grammar(grammar, grammars, "tools" if tools else "")
-    ids, conversation = schemas.prompt_token_ids(
-        req, tokenizer, system_prompt(req.tools, tools) if tools else "")
+    ids, conversation = await asyncio.get_running_loop().run_in_executor(
+        tokenize_in, schemas.prompt_token_ids, req, tokenizer,
+        system_prompt(req.tools, tools) if tools else "")
     max_new = resolve_max_tokens(req, len(ids), config.context_length,
                                          config.default_max_tokens)
     stop_ids = _stop_token_ids(req, tokenizer, config.eos_token_ids)

@@ -314,6 +314,40 @@ def test_completion_returns_text_usage_and_speculation_stats(redis_proc, tokeniz
     assert req.speculation.draft_address == ""
 
 
+class _ThreadNoting:
+    """The real tokenizer, noting the thread each prompt is tokenized on."""
+
+    def __init__(self, tokenizer):
+        self._tok, self.threads = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+    def __call__(self, *args, **kw):
+        self.threads.append(threading.current_thread().name)
+        return self._tok(*args, **kw)
+
+    def apply_chat_template(self, *args, **kw):
+        self.threads.append(threading.current_thread().name)
+        return self._tok.apply_chat_template(*args, **kw)
+
+
+def test_prompts_are_tokenized_off_the_event_loop(redis_proc, tokenizer, prefix, fakes,
+                                                   text_ids):
+    noting = _ThreadNoting(tokenizer)
+    fake = fakes(continue_text(text_ids))
+    with gateway(redis_proc, noting, prefix, static_verifiers=(fake.address,)) as client:
+        for path, body in (("/v1/completions", {"prompt": "Say hi"}),
+                           ("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "Say hi"}]})):
+            resp = client.post(path, json={"model": MODEL, "max_tokens": 8, **body})
+            assert resp.status_code == 200, resp.text
+    assert noting.threads and all(t.startswith("tandem-tokenize") for t in noting.threads)
+
+
 def test_chat_uses_the_template_and_passes_the_draft_worker(redis_proc, tokenizer, prefix,
                                                             fakes, text_ids):
     fake = fakes(continue_text(text_ids))
