@@ -25,6 +25,8 @@ from tandem.spec.methods import API_NAMES, Method
 _METHOD_NAMES = tuple(sorted(API_NAMES))
 _MAX_SEED = 2**63  # seeds travel as uint64 on the wire; int64 keeps every language happy
 _MAX_STOP_STRINGS = 16
+# Beyond this many stop token ids a request is refused: each travels with every resume.
+_MAX_STOP_TOKEN_IDS = 64
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -157,6 +159,9 @@ def check_common(req: GenerationRequest, *, max_spec_tokens: int) -> None:
         raise bad_request("stop: stop strings must be non-empty", param="stop")
     if len(stops) > _MAX_STOP_STRINGS:
         raise bad_request(f"stop: at most {_MAX_STOP_STRINGS} stop strings", param="stop")
+    if req.stop_token_ids and len(req.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids: at most {_MAX_STOP_TOKEN_IDS} ids, got "
+                          f"{len(req.stop_token_ids)}", param="stop_token_ids")
     spec = req.speculation
     if spec and spec.events and not req.stream:
         raise bad_request("speculation.events: per-round events need stream: true",

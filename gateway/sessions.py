@@ -1,20 +1,21 @@
 """Per-session state in Redis: session records, affinity (rate limits: gateway/quotas.py).
 
 Key layout (prefix defaults to "tandem"; every key expires):
-  {prefix}:session:{id}            HASH    status, model, prompt_token_ids (JSON), verifier,
+  {prefix}:session:{id}            HASH    status, model, prompt_tokens (a count), verifier,
                                            draft, attempts, finish_reason, error,
                                            created_at, updated_at
   {prefix}:session:{id}:committed  LIST    committed token ids, appended as they stream
   {prefix}:affinity:{hash}         STRING  address of the verifier that served the prefix
 
 The committed list is what a resumed session sends back to the next verifier, so it is
-appended (RPUSH) before the tokens are shown to the client.
+appended (RPUSH) before the tokens are shown to the client. Redis holds only what is read:
+not the prompt's ids (the gateway that serves a session has them), and a finished session
+only for `finished_ttl_s` (what a client may still look at), not the running session's TTL.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ class SessionRecord:
     session_id: str
     status: str
     model: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_tokens: int
     committed_token_ids: tuple[int, ...]
     verifier: str
     draft: str
@@ -78,10 +79,11 @@ def _s(value: bytes | str | None, default: str = "") -> str:
 
 class RedisSessionStore:
     def __init__(self, redis: aioredis.Redis, *, prefix: str = "tandem", ttl_s: float = 3600.0,
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], finished_ttl_s: float = 300.0):
         self._redis = redis
         self._prefix = prefix
         self._ttl = max(1, math.ceil(ttl_s))
+        self._finished_ttl = max(1, math.ceil(min(finished_ttl_s, ttl_s)))
         self._clock = clock
 
     def key(self, session_id: str) -> str:
@@ -91,7 +93,7 @@ class RedisSessionStore:
         return f"{self.key(session_id)}:committed"
 
     async def _write(self, session_id: str, mapping: dict, *, incr_attempts: bool = False,
-                     tokens: Sequence[int] = ()) -> None:
+                     tokens: Sequence[int] = (), ttl_s: int | None = None) -> None:
         key, ckey = self.key(session_id), self.committed_key(session_id)
         pipe = self._redis.pipeline(transaction=True)
         pipe.hset(key, mapping={**mapping, "updated_at": repr(self._clock())})
@@ -99,8 +101,8 @@ class RedisSessionStore:
             pipe.hincrby(key, "attempts", 1)
         if tokens:
             pipe.rpush(ckey, *tokens)
-        pipe.expire(key, self._ttl)
-        pipe.expire(ckey, self._ttl)
+        pipe.expire(key, ttl_s or self._ttl)
+        pipe.expire(ckey, ttl_s or self._ttl)
         await pipe.execute()
 
     async def create(self, session_id: str, *, model: str,
@@ -109,7 +111,7 @@ class RedisSessionStore:
         await self._redis.delete(self.committed_key(session_id))
         await self._write(session_id, {
             "status": "queued", "model": model, "created_at": now, "attempts": 0,
-            "prompt_token_ids": json.dumps(list(prompt_token_ids)), "verifier": "",
+            "prompt_tokens": len(prompt_token_ids), "verifier": "",
             "draft": "", "finish_reason": "", "error": ""})
 
     async def assign(self, session_id: str, *, verifier: str, draft: str,
@@ -124,7 +126,7 @@ class RedisSessionStore:
     async def finish(self, session_id: str, *, status: str, finish_reason: str = "",
                      error: str = "") -> None:
         await self._write(session_id, {"status": status, "finish_reason": finish_reason,
-                                       "error": error})
+                                       "error": error}, ttl_s=self._finished_ttl)
 
     async def committed(self, session_id: str) -> list[int]:
         return [int(t) for t in await self._redis.lrange(self.committed_key(session_id), 0, -1)]
@@ -136,7 +138,7 @@ class RedisSessionStore:
         h = {_s(k): _s(v) for k, v in raw.items()}
         return SessionRecord(
             session_id=session_id, status=h.get("status", ""), model=h.get("model", ""),
-            prompt_token_ids=tuple(json.loads(h.get("prompt_token_ids") or "[]")),
+            prompt_tokens=int(h.get("prompt_tokens") or 0),
             committed_token_ids=tuple(await self.committed(session_id)),
             verifier=h.get("verifier", ""), draft=h.get("draft", ""),
             attempts=int(h.get("attempts") or 0), finish_reason=h.get("finish_reason", ""),
