@@ -3,12 +3,11 @@
     wait for drafts -> schedule -> execute (target forward + rejection) -> apply and commit
 
 Each phase has its own folder: drafts arrive in drafts/side.py, the batch is chosen by
-policy/scheduler.py (pure Python), executed by forward/executor.py (torch,
-in one worker thread so the event loop keeps serving health checks and draft streams), and the
-committed tokens go back out here, to the client's queue and to the draft worker. The open
-sessions and what each is owed live in verify_service/sessions.py; what a round teaches the
-next ones' planning, in verify_service/policy/feedback.py. Draft workers are optional at every
-moment: a session without proposals simply decodes plainly.
+policy/scheduler.py (pure Python), executed by forward/executor.py (torch, in one worker
+thread so the event loop keeps serving health checks and draft streams), and the committed
+tokens go back out here, to the client's queue and to the draft worker. The open sessions
+live in sessions.py; what a round teaches the next ones' planning, in policy/feedback.py.
+Draft workers are optional: a session without proposals simply decodes plainly.
 """
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tandem.grammar.state import GrammarFailed
 from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
 from verify_service.drafts.history import HistoryDrafts
@@ -108,18 +108,20 @@ class Engine:
         if sched.empty:
             await asyncio.sleep(0.005)  # blocks are held by sessions about to finish
             return
-        inputs = [self._step_input(s) for s in sched.scheduled]
+        scheduled, inputs = self._step_inputs(sched.scheduled)
+        if not scheduled:
+            return
         try:  # 3. execute: one target forward over the flattened batch, then rejection
             outcomes, timings = await self._execute(inputs)
         except Exception:  # one session's bad row (or a bug) must not cost the others
             log.exception("verification step failed; retrying its sessions one by one")
-            outcomes, timings = await self._execute_isolated(sched.scheduled, inputs)
+            outcomes, timings = await self._execute_isolated(scheduled, inputs)
         else:
-            observe_cost(self.scheduler, sched.scheduled, wait_ms, timings)
+            observe_cost(self.scheduler, scheduled, wait_ms, timings)
             if timings.heads_ms:  # what an auto session's heads cost it (auto.head_nodes)
                 self.heads_ms = (0.8 * self.heads_ms + 0.2 * timings.heads_ms
                                  if self.heads_ms else timings.heads_ms)
-        for s, outcome in zip(sched.scheduled, outcomes):  # 4. apply: commit, stream, tell
+        for s, outcome in zip(scheduled, outcomes):  # 4. apply: commit, stream, tell
             if outcome is None:
                 continue
             if s.partial:  # a prefill chunk: its KV is final, nothing to tell anyone yet
@@ -159,8 +161,7 @@ class Engine:
             except Exception:
                 log.exception("session %s failed its verification step; aborting it",
                               s.seq.session_id)
-                self.scheduler.finish(s.seq, "abort")
-                self._release(s.seq)
+                self._end(s.seq, "abort")
                 outcome, t = None, StepTimings(0.0, 0.0)
             outcomes.append(outcome)
             total = StepTimings(total.forward_ms + t.forward_ms,
@@ -183,6 +184,20 @@ class Engine:
     def _draft_wait_limit_ms(self) -> float:  # verify_service/drafts/waits.py
         return draft_wait_limit_ms(self.scheduler.running, self.scheduler, self.drafts,
                                    self.config.max_draft_wait_ms)
+
+    def _step_inputs(self, scheduled: list[ScheduledSeq]
+                     ) -> tuple[list[ScheduledSeq], list[StepInput]]:
+        """The step's inputs; a session whose grammar broke ends here, alone, with why."""
+        kept, inputs = [], []
+        for s in scheduled:
+            try:
+                inputs.append(self._step_input(s))
+            except GrammarFailed as exc:
+                log.info("session %s: %s", s.seq.session_id, exc)
+                self._end(s.seq, "error", str(exc))
+                continue
+            kept.append(s)
+        return kept, inputs
 
     def _step_input(self, s: ScheduledSeq) -> StepInput:
         seq = s.seq
@@ -212,9 +227,8 @@ class Engine:
         return 0
 
     def _may_carry(self, seq: Sequence, k: int) -> bool:
-        """Skip the bonus token when the draft's next token is already here (unseeded
-        stochastic only: greedy is identical either way, and a seeded session's tokens are
-        its keyed samples (executor._coupled_verify), which a carried row would not draw)."""
+        """Skip the bonus token when the draft's next token is already here (unseeded sampling
+        only: greedy is the same either way; seeded tokens are keyed samples, rejection.py)."""
         s = seq.params.sampling
         return (k >= 1 and len(seq.drafts) > k and not s.is_greedy and s.seed is None
                 and not seq.params.tree  # a tree's nodes beyond k are not the next draft
@@ -252,8 +266,7 @@ class Engine:
                           bonus=next_token is not None and len(accepted) == s.num_drafts,
                           logprobs=outcome.logprobs[:len(new)])
         if seq.finished:
-            self.scheduler.finish(seq)
-            self._release(seq)
+            self._end(seq)
         else:
             self.drafts.commit(seq, start, new, outcome.features, self._run_ahead(seq))
 
@@ -268,6 +281,10 @@ class Engine:
         if seq.params.tree and k:  # a whole tree: the verifier sizes it once it arrives
             return self.scheduler.k_allowed(seq)
         return k + 1 if k else 0
+
+    def _end(self, seq: Sequence, reason: str | None = None, error: str = "") -> None:
+        self.scheduler.finish(seq, reason, error)
+        self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         if seq.local.in_verifier:

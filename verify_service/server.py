@@ -154,6 +154,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         try:
             while True:
                 out = await queue.get()
+                if out.finish_reason == "error":  # this session alone failed: say why (400)
+                    span.set_attribute(telemetry.GEN_AI_FINISH_REASONS, ["error"])
+                    raise InvalidArgument(out.error or "generation failed")
                 if not generated and out.token_ids:
                     ttft_ms = (time.perf_counter() - start) * 1e3
                     span.set_attribute(telemetry.ATTR_TTFT_MS, ttft_ms)

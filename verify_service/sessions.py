@@ -36,6 +36,7 @@ class RoundOutput:
     drafted_total: int
     accepted_total: int
     finish_reason: str | None
+    error: str = ""  # finish_reason "error": why (the servicer ends the call with it)
     lossy: bool = False  # typical acceptance was used: not the target's distribution
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when asked for
 
@@ -102,12 +103,12 @@ class SessionTable:
             seq, new, drafted, kept, wait_ms, timings, bonus=bonus, logprobs=logprobs))
 
     def release(self, seq: Sequence) -> None:
-        """Forget a finished or aborted session; an aborted one's client gets a last, empty
-        output that says so."""
+        """Forget a finished or aborted session; an aborted (or failed) one's client gets a
+        last, empty output that says so."""
         self.sessions.pop(seq.session_id, None)
         self.carried.pop(seq.session_id, None)
         queue = self.queues.pop(seq.session_id, None)
-        if queue is not None and seq.finish_reason == "abort":
+        if queue is not None and seq.finish_reason in ("abort", "error"):
             queue.put_nowait(round_output(seq, [], 0, 0, 0.0, StepTimings(0.0, 0.0)))
 
 
@@ -120,5 +121,6 @@ def round_output(seq: Sequence, new: list[int], drafted: int, accepted: int, wai
         token_ids=new, num_committed=len(seq.output), drafted=drafted, accepted=accepted,
         bonus=bonus, draft_wait_ms=wait_ms, verify_ms=timings.forward_ms,
         rejection_ms=timings.rejection_ms, rounds=st.rounds, drafted_total=st.drafted,
-        accepted_total=st.accepted, finish_reason=seq.finish_reason, lossy=st.lossy,
+        accepted_total=st.accepted, finish_reason=seq.finish_reason, error=seq.error,
+        lossy=st.lossy,
         logprobs=logprobs)

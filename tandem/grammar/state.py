@@ -8,15 +8,24 @@ rows are never used: the forbidden draft itself has probability 0, so it is reje
 """
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import llguidance
 
+from tandem.errors import InvalidArgument
+
 if TYPE_CHECKING:  # the gateway reads captures and needs no torch: masks import it
     import torch
 
-log = logging.getLogger(__name__)
+
+class GrammarFailed(InvalidArgument):
+    """A session's grammar broke mid-generation (llguidance hit one of its limits): the
+    session ends with this error, not with text the grammar did not produce."""
+
+
+def _first_line(message: str, limit: int = 300) -> str:
+    """The reason only: llguidance's message goes on with the grammar and the user's tokens."""
+    return (message.strip().splitlines() or [""])[0][:limit]
 
 
 def mask_words(vocab_size: int) -> int:
@@ -124,10 +133,11 @@ class GrammarState:
         return target
 
     def _fill(self, out: torch.Tensor, row: int) -> None:
+        if self.matcher.is_error():  # past llguidance's limits (whose mask would be EOS
+            # alone: a 200 with text the grammar never produced): the session cannot go on
+            raise GrammarFailed(f"grammar: {_first_line(self.matcher.get_error())}")
         v = out[row]
         self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
-        if not bool(v.any()):  # a matcher in its error state allows nothing: let it end
-            log.warning("grammar matcher allows no token (%s); allowing only EOS",
-                        self.matcher.get_error())
-            for t in self.eos_ids:
+        if not bool(v.any()):
+            for t in self.eos_ids:  # stopped, nothing more to say: it may only end
                 v[t // 32] |= 1 << (t % 32)

@@ -138,3 +138,56 @@ def test_the_draft_worker_drafts_under_the_grammar(target_model, tokenizer, gram
         assert state.commit([d.token_id])
     free = asyncio.run(drafts(None))
     assert not grammar_compiler.state_now(spec).commit([d.token_id for d in free])
+
+
+def test_a_grammar_that_breaks_ends_its_session_with_an_error_and_only_it(
+        target_model, tokenizer, grammar_compiler):
+    """A grammar past llguidance's limits mid-generation (here: a matcher put in its error
+    state) ends that session with finish_reason "error" and a short reason, never with
+    forced-EOS text; the session beside it in the same steps decodes as usual."""
+    import asyncio
+
+    from tandem.engine.block_manager import BlockManager
+    from tandem.engine.generate import LocalGenerator
+    from tandem.engine.model_runner import ModelRunner as Runner
+    from tandem.spec.cost import CostModel
+    from verify_service.config import SchedulerConfig
+    from verify_service.engine import Engine, EngineConfig
+    from verify_service.forward.executor import Executor
+    from verify_service.policy.scheduler import Scheduler
+    from verify_service.session.params import GenerateParams
+
+    spec = GrammarSpec.choice(["positive", "negative"])
+    broken = grammar_compiler.state_now(spec)
+    assert not broken.commit(tokenizer(" zebra", add_special_tokens=False).input_ids)
+    prompt = tokenizer("The sky is", add_special_tokens=False).input_ids
+    greedy = SamplingParams(temperature=0.0)
+    plain = LocalGenerator(Runner(target_model, 64, 16)).generate([prompt], greedy, 6)[0]
+
+    def params(session_id, grammar=None):
+        return GenerateParams(session_id=session_id, prompt=tuple(prompt), committed=(),
+                              sampling=greedy, max_new_tokens=6, stop_token_ids=frozenset(),
+                              grammar=grammar)
+
+    async def main():
+        engine = Engine(Executor(Runner(target_model, 128, 16)),
+                        Scheduler(BlockManager(128, 16), SchedulerConfig(), CostModel()),
+                        EngineConfig(max_sessions=8), target_model.cfg.vocab_size)
+        loop = asyncio.create_task(engine.run())
+        bad = engine.submit(params("bad", spec), broken)
+        good = engine.submit(params("good"))
+        outs = {}
+        for name, q in (("bad", bad), ("good", good)):
+            got, last = [], None
+            while last is None or last.finish_reason is None:
+                last = await asyncio.wait_for(q.get(), 60)
+                got += last.token_ids
+            outs[name] = got, last
+        loop.cancel()
+        return outs
+
+    outs = asyncio.run(main())
+    tokens, last = outs["bad"]
+    assert last.finish_reason == "error" and tokens == []
+    assert last.error.startswith("grammar:") and len(last.error) < 400
+    assert outs["good"][0] == plain and outs["good"][1].finish_reason == "length"

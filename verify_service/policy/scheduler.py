@@ -84,9 +84,9 @@ class Scheduler:
                 return seq
         return None
 
-    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+    def finish(self, seq: Sequence, reason: str | None = None, error: str = "") -> None:
         if reason:
-            seq.set_finished(reason)
+            seq.set_finished(reason, error)
         seq.sched.status = SeqStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)

@@ -141,6 +141,7 @@ class Sequence:
     # num_tokens, kept apart from `drafts` until auto.pick takes it as a proposal.
     remote: list[DraftToken] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str = ""  # why, when finish_reason is "error" (the client's 400)
     # Structured output: a tandem.grammar.GrammarState at the committed tokens (None = free
     # text); it masks every verified position and advances only by committed tokens.
     grammar: Any = None
@@ -258,9 +259,9 @@ class Sequence:
         """What was drafted for the current epoch is void (preempted, re-attached, link lost)."""
         self.epoch += 1
 
-    def set_finished(self, reason: str) -> None:
+    def set_finished(self, reason: str, error: str = "") -> None:
         if not self.finish_reason:
-            self.finish_reason = reason
+            self.finish_reason, self.error = reason, error
 
     def add_node(self, token: DraftToken, parent: int, path_prob: float, last: bool) -> None:
         """Append a checked tree node (drafts.py checks parent and position first)."""
