@@ -26,8 +26,6 @@ class HostedLink:
     """One stream to a worker in this process: controls go into the worker as they are sent,
     its proposals come back as it makes them; it ends when the worker ends the stream."""
 
-    in_process = True  # not a pool's address: its end marks no worker as failed
-
     def __init__(self, worker, method: Method, on_message, on_broken):
         self.address = f"in-process:{method.api_name}"
         self.alive = True

@@ -272,7 +272,7 @@ class DraftSide:
         seq.next_epoch()
 
     def on_link_broken(self, link: Link) -> None:
-        if self.pool is not None and not getattr(link, "in_process", False):
+        if self.pool is not None:  # (an in-process link's address is none of the pool's)
             self.pool.mark_failed(link.address, link)
         for session_id, owner in list(self.links.items()):
             if owner is link:

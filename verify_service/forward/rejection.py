@@ -123,15 +123,17 @@ def _sparse_q(drafts: list[DraftToken]) -> SparseDraftProbs | None:
 
 def verify_chains(
     spec: SpecDecodeMetadata,
-    sampling: SamplingMetadata,  # the same sequences, in order
+    sampling: SamplingMetadata,
     target_probs: torch.Tensor,  # [num_draft_tokens + batch_size, vocab] after sampling params
+    sessions: list[int] | None = None,  # spec's sequences among sampling's (None: all, in order)
 ) -> RejectionOutput:
     """Accepted, recovered and bonus tokens for every chain, losslessly."""
-    gens = [sampling.generator(i) for i in range(len(sampling.seeds))]
+    idx = list(range(len(sampling.seeds))) if sessions is None else sessions
     return rejection_sample(
         draft_token_ids=spec.draft_token_ids, cu_num_draft_tokens=spec.cu_num_draft_tokens,
-        target_probs=target_probs, draft_probs=spec.draft_probs, is_greedy=sampling.is_greedy,
-        generators=gens, sample_bonus=spec.sample_bonus)
+        target_probs=target_probs, draft_probs=spec.draft_probs,
+        is_greedy=sampling.is_greedy[idx], generators=[sampling.generator(i) for i in idx],
+        sample_bonus=spec.sample_bonus)
 
 
 def judge(
@@ -192,26 +194,18 @@ def _sampled(inputs: list[StepInput], probs: torch.Tensor, meta: SamplingMetadat
     if chains:
         rows = probs if len(chains) == len(inputs) else probs[torch.cat(
             [torch.arange(starts[i], starts[i + 1], device=probs.device) for i in chains])]
-        for i, verdict in zip(chains, _chains([inputs[i] for i in chains], rows,
-                                              _select(meta, chains))):
+        for i, verdict in zip(chains, _chains([inputs[i] for i in chains], rows, meta,
+                                              chains)):
             found[i] = verdict
     return found
 
 
-def _select(meta: SamplingMetadata, idx: list[int]) -> SamplingMetadata:
-    """The per-session part of `meta` for sessions idx (the chains' verdicts need no rows)."""
-    empty = torch.empty(0)
-    return SamplingMetadata(empty, empty, empty, meta.is_greedy[idx],
-                            tuple(meta.seeds[i] for i in idx),
-                            tuple(meta.first_sampled_pos[i] for i in idx))
-
-
-def _chains(inputs: list[StepInput], probs: torch.Tensor, meta: SamplingMetadata
-            ) -> list[Verdict]:
+def _chains(inputs: list[StepInput], probs: torch.Tensor, meta: SamplingMetadata,
+            sessions: list[int]) -> list[Verdict]:
     """The batched rejection sampler's verdicts; a session that accepted every draft and may
     not sample a bonus carries its bonus row instead."""
     spec = SpecDecodeMetadata.build([s.drafts for s in inputs], [s.sample_bonus for s in inputs])
-    out = verify_chains(spec, meta, probs)
+    out = verify_chains(spec, meta, probs, sessions)
     tokens, accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()
     found, last_row = [], -1
     for s, row, a, e in zip(inputs, tokens, accepted, out.num_emitted.tolist()):
