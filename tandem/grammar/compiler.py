@@ -20,7 +20,7 @@ import llguidance.hf
 
 from tandem.errors import InvalidArgument
 from tandem.grammar.spec import GrammarSpec
-from tandem.grammar.state import GrammarState
+from tandem.grammar.state import GrammarState, short_reason
 
 
 class GrammarError(InvalidArgument):
@@ -127,10 +127,10 @@ class GrammarCompiler:
             return GrammarError(f"{what}: {exc}")
         why = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if why:
-            return GrammarError(f"{what}: {_first_line(why)}")
+            return GrammarError(f"{what}: {short_reason(why, 3, 500)}")
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
-            return GrammarError(f"{what}: {_first_line(m.get_error())}")
+            return GrammarError(f"{what}: {short_reason(m.get_error(), 3, 500)}")
         return m
 
 
@@ -164,12 +164,6 @@ class _Bounded:
         self.bytes += size
         while len(self._items) > self.max_entries or self.bytes > self.max_bytes:
             self.bytes -= self._items.popitem(last=False)[1][1]
-
-
-def _first_line(message: str, limit: int = 500) -> str:
-    """llguidance's messages carry a source excerpt after the first line: keep them short."""
-    text = " ".join(line.strip() for line in message.strip().splitlines()[:3])
-    return text[:limit]
 
 
 class LazyCompiler:

@@ -23,9 +23,12 @@ class GrammarFailed(InvalidArgument):
     session ends with this error, not with text the grammar did not produce."""
 
 
-def _first_line(message: str, limit: int = 300) -> str:
-    """The reason only: llguidance's message goes on with the grammar and the user's tokens."""
-    return (message.strip().splitlines() or [""])[0][:limit]
+def short_reason(message: str, lines: int = 1, limit: int = 300) -> str:
+    """The head of an llguidance message, which goes on with a source excerpt (a compile's)
+    or the grammar's state and the user's tokens (a matcher's): its first `lines` lines,
+    joined, at most `limit` characters."""
+    text = " ".join(line.strip() for line in message.strip().splitlines()[:lines])
+    return text[:limit]
 
 
 def mask_words(vocab_size: int) -> int:
@@ -135,7 +138,7 @@ class GrammarState:
     def _fill(self, out: torch.Tensor, row: int) -> None:
         if self.matcher.is_error():  # past llguidance's limits (whose mask would be EOS
             # alone: a 200 with text the grammar never produced): the session cannot go on
-            raise GrammarFailed(f"grammar: {_first_line(self.matcher.get_error())}")
+            raise GrammarFailed(f"grammar: {short_reason(self.matcher.get_error())}")
         v = out[row]
         self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
         if not bool(v.any()):
