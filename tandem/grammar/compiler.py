@@ -76,8 +76,7 @@ class GrammarCompiler:
         t0 = time.monotonic()
         found = self._compile(spec)
         if time.monotonic() - t0 > self.timeout_s:  # its caller gave up: never again
-            found = GrammarError(f"{spec.kind.api_name}: compiling took longer than "
-                                 f"{self.timeout_s:g} s")
+            found = self._too_slow(spec)
         size = len(spec.source.encode())
         with self._lock:
             (self._errors if isinstance(found, GrammarError) else self._grammars).put(
@@ -116,8 +115,11 @@ class GrammarCompiler:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending)),
                                           self.timeout_s)
         except asyncio.TimeoutError:
-            raise GrammarError(f"{spec.kind.api_name}: compiling took longer than "
-                               f"{self.timeout_s:g} s") from None
+            raise self._too_slow(spec) from None
+
+    def _too_slow(self, spec: GrammarSpec) -> GrammarError:
+        return GrammarError(f"{spec.kind.api_name}: compiling took longer than "
+                            f"{self.timeout_s:g} s")
 
     def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher | GrammarError:
         what = spec.kind.api_name
