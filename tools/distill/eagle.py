@@ -26,7 +26,7 @@ from tandem.engine.draft_vocab import DraftVocab
 from tandem.models import ModelPaths, read_hf_config, tokenizer_hash
 from tools.distill.config import EagleTrainConfig
 from tools.distill.eagle_head import EagleTrainHead
-from tools.distill.train import to_cpu
+from tools.distill.train import read_state, to_cpu
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ def train(head, train_seqs, val_seqs, cfg: EagleTrainConfig, ckpt: Path, resume:
     total = max(1, int(per_epoch * cfg.epochs))
     step, wall = 0, 0.0
     if resume and ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = read_state(ckpt)  # weights only: a resume never runs code
         # The vocabulary the weights were trained with, even if the data grew since.
         head.vocab = DraftVocab(tuple(state["vocab"]), head.vocab.target_vocab_size, 0)
         head.load_state_dict(state["model"])

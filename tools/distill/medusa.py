@@ -23,7 +23,7 @@ from tandem.engine.medusa import MedusaConfig, MedusaHeads, tree_from_accuracy
 from tandem.models import ModelPaths, read_hf_config, tokenizer_hash
 from tools.distill.config import MedusaTrainConfig
 from tools.distill.eagle import FeatureSeq, build_vocab, lr_at
-from tools.distill.train import to_cpu
+from tools.distill.train import read_state, to_cpu
 
 RANKS = 10  # ranks whose accuracy is measured (the widest tree level considered)
 
@@ -120,7 +120,7 @@ def train(heads: MedusaHeads, data: HeadData, val: HeadData, cfg: MedusaTrainCon
     total = max(1, int(per_epoch * cfg.epochs))
     step, wall = 0, 0.0
     if resume and ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = read_state(ckpt)  # weights only: a resume never runs code
         heads.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, wall = state["step"], state["wall"]

@@ -211,8 +211,25 @@ def save_state(path: Path, model, opt, vocab: DraftVocab, step: int, elapsed: fl
     tmp.rename(path)
 
 
+class UnsafeCheckpoint(ValueError):
+    """A training checkpoint that holds more than tensors, numbers, strings and containers."""
+
+
 def read_state(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A resumable training state, unpickled with torch's weights-only allowlist: a file that
+    names any other global (code to run on load) is refused, never executed."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "unpickling"
+        raise UnsafeCheckpoint(f"{path}: refused to resume from it: it holds objects a "
+                               f"training state never has ({reason}); delete it or start "
+                               "without --resume") from None
+    if not isinstance(state, dict):
+        raise UnsafeCheckpoint(f"{path}: not a training state (a {type(state).__name__})")
+    return state
 
 
 def state_vocab(state: dict) -> DraftVocab:
