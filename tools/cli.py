@@ -35,17 +35,39 @@ def _cmd_models_path(args) -> int:
 
 
 def _cmd_models_inspect(args) -> int:
+    """Exit 0: servable; 1: well-formed but not servable; 2: not a readable checkpoint (a
+    malformed or missing file), with one line on stderr and no traceback."""
+    from safetensors import SafetensorError
+
     from tandem.engine.inspect import inspect
     from tandem.models import ModelError, resolve_model
 
     try:
         root = resolve_model(args.model).root
-    except ModelError as exc:
-        print(f"cannot be served: {exc}")
-        return 1
-    ok, lines = inspect(root)
+        _check_readable(root)
+        ok, lines = inspect(root)
+    except (ModelError, OSError, SafetensorError, ValueError, TypeError, KeyError) as exc:
+        # TypeError/KeyError: a config.json field of the wrong type or missing
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        print(f"tandem models inspect: {args.model}: cannot read the checkpoint: {reason}",
+              file=sys.stderr)
+        return 2
     print("\n".join(lines))
     return 0 if ok else 1
+
+
+def _check_readable(root) -> None:
+    """Raise (ValueError, OSError or SafetensorError) unless config.json is a JSON object
+    and every *.safetensors file's header and data are whole."""
+    import json
+
+    from safetensors import safe_open
+
+    if not isinstance(json.loads((root / "config.json").read_text()), dict):
+        raise ValueError("config.json is not a JSON object")
+    for file in sorted(root.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt"):
+            pass  # opening parses the header and checks that the data covers it
 
 
 def _cmd_generate(args) -> int:
