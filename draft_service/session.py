@@ -7,7 +7,7 @@ len(committed) + len(drafts).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -141,7 +141,8 @@ class Session:
         return len(self.committed) + len(self.drafts)
 
     def request(self) -> DraftRequest:
-        """The drafting work for this session's next step."""
+        """The drafting work for this session's next step, without its grammar mask (see
+        grammar_view: the mask is computed on the forward thread)."""
         # The verifier's noise for the drafted position (keyed by seed and position): a
         # seeded session's token there is the target's sample under that noise, so a draft
         # drawn with the same noise matches it whenever q ranks tokens like p does.
@@ -153,7 +154,30 @@ class Session:
             sampling=self.sampling, top_n=self.top_n, max_ngram_size=self.max_ngram_size,
             generator=generator,
             features=None if self.features is None else self.features.view(),
-            tenant=self.tenant, tree=self.tree,
-            mask=None if self.grammar is None else self.grammar.next_mask(self.drafts),
-            grammar=self.grammar.copy_after(self.drafts) if self.grammar and self.tree
-            else None)
+            tenant=self.tenant, tree=self.tree)
+
+    def grammar_view(self) -> GrammarView | None:
+        """The session's grammar as this step needs it (None: free text). Taken on the event
+        loop, whose commits advance the session's own matcher: a copy of it is cheap, and the
+        forward thread walks the copy alone."""
+        if self.grammar is None:
+            return None
+        return GrammarView(self.grammar.copy_after([]), tuple(self.drafts), self.tree)
+
+
+@dataclass(frozen=True)
+class GrammarView:
+    """A copy of a session's matcher at its committed text, and the drafts beyond it."""
+
+    state: Any  # tandem.grammar.state.GrammarState, this view's own
+    drafts: tuple[int, ...]
+    tree: bool
+
+    def apply(self, req: DraftRequest) -> DraftRequest:
+        """Forward thread: `req` with the mask of its next draft and, for a tree, a grammar
+        past the drafts whose mask_after(path) masks each node (the heavy part: mask
+        computation walks the whole vocabulary)."""
+        if not self.tree:
+            return replace(req, mask=self.state.next_mask(list(self.drafts)))
+        grammar = self.state.copy_after(list(self.drafts))
+        return replace(req, mask=grammar.next_mask([]), grammar=grammar)

@@ -28,6 +28,7 @@ from draft_service.control import apply_commit, open_session
 from draft_service.limits import Limits, WorkerStats
 from draft_service.proposals import send_chain, send_tree
 from draft_service.session import Session, SessionFailure, Stream
+from draft_service.step import Jobs, fault, run_step
 from tandem.errors import NotFound
 from tandem.grammar.compiler import LazyCompiler
 from tandem.grpc_limits import MAX_SESSION_ID_CHARS
@@ -44,17 +45,14 @@ from tandem.spec import (
     Open,
     Proposer,
     SessionError,
-    propose_isolated,
 )
+from tandem.spec.proposer import session_fault
 
 log = logging.getLogger(__name__)
 # Proposers that draft under a session's grammar (DraftRequest.mask: the draft model and
 # layer skip share its proposer, MTP eagle's chains; not eagle's trees); the others' drafts
 # are masked by the verifier only.
 GRAMMAR_METHODS = frozenset({Method.DRAFT_MODEL, Method.EAGLE, Method.MTP, Method.LAYER_SKIP})
-
-# One step's work per method: (session, its generation when asked, the request).
-_Jobs = dict[Method, list[tuple[Session, int, DraftRequest]]]
 
 
 class DraftWorker:
@@ -71,6 +69,7 @@ class DraftWorker:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tandem-draft")
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._closed = False
         self._tokens_drafted = 0
         self._steps = 0
         self.grammars = grammars  # structured output; None: sessions draft free text
@@ -78,8 +77,7 @@ class DraftWorker:
     # --- streams and control messages (event loop) ------------------------------------------
 
     def open_stream(self) -> Stream:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._start_loop()
         stream = Stream(on_room=self._wake.set)
         self._streams.add(stream)
         return stream
@@ -121,7 +119,9 @@ class DraftWorker:
             self._fail(stream, session_id, exc.code, str(exc), epoch)
         except NotFound as exc:  # NOT_FOUND, in-band: the stream carries on (draft.proto)
             self._fail(stream, session_id, ErrorCode.UNKNOWN_SESSION, str(exc), epoch)
-        except Exception as exc:  # a bug must cost one session, never the stream
+        except BaseException as exc:  # a bug (or a panic) must cost one session, never the stream
+            if not session_fault(exc):
+                raise
             log.exception("control message for session %r failed", session_id)
             self._fail(stream, session_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
                        epoch)
@@ -147,7 +147,9 @@ class DraftWorker:
             state = await self.grammars.state(cmd.grammar, ())
             if state.commit(session.committed[cmd.grammar_start:]):
                 session.grammar = state
-        except Exception as exc:
+        except BaseException as exc:  # a panic too: the session must not wait for good
+            if not session_fault(exc):
+                raise
             log.warning("session %r drafts without its grammar: %s", session.session_id, exc)
         session.grammar_pending = False
         self._wake.set()
@@ -195,6 +197,25 @@ class DraftWorker:
         return (not s.stalled and not s.grammar_pending and len(s.drafts) < s.max_run_ahead
                 and s.length < self.limits.max_context_length and not s.stream.backed_up)
 
+    def _start_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A loop that ended while the worker serves (a bug no session's handling caught) is
+        restarted: a dead one would leave every stream open and health SERVING with nothing
+        drafted again, while the proposers are intact. Its sessions fail first (their
+        verifiers re-attach them) so a bug their state triggers cannot make it spin."""
+        if self._closed or task.cancelled():
+            return
+        log.critical("the drafting loop ended unexpectedly; failing its %d sessions and "
+                     "restarting it", len(self._sessions), exc_info=task.exception())
+        for session in list(self._sessions.values()):
+            self._fail(session.stream, session.session_id, ErrorCode.INTERNAL,
+                       "the draft worker's drafting loop failed", session.epoch)
+        self._start_loop()
+
     async def _loop(self) -> None:
         """One step per pass: snapshot every ready session's request, run each method's
         proposer once over its batch on the forward thread, then hand the drafts out (a
@@ -207,16 +228,18 @@ class DraftWorker:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            jobs: _Jobs = {}
-            for s in ready:
-                jobs.setdefault(s.method, []).append((s, s.generation, s.request()))
+            jobs = self._jobs(ready)
+            if not jobs:
+                continue  # every one failed (and was dropped)
             try:
                 results = await loop.run_in_executor(self._executor, self._run_step, jobs)
-            except RuntimeError:  # executor shut down under us: the worker is closing
-                return
+            except RuntimeError:
+                if self._closed:  # executor shut down under us: the worker is closing
+                    return
+                raise
             self._steps += 1
             for method, batch in jobs.items():
-                for (s, generation, req), res in zip(batch, results[method]):
+                for (s, generation, req, _), res in zip(batch, results[method]):
                     try:
                         self._apply(s, generation, req, res)
                     except Exception as exc:  # a bug costs this session, not the loop
@@ -224,10 +247,24 @@ class DraftWorker:
                         self._fail(s.stream, s.session_id, ErrorCode.INTERNAL, repr(exc),
                                    s.epoch)
 
-    def _run_step(self, jobs: _Jobs) -> dict[Method, list[DraftResult]]:
-        """Forward thread: one propose call per method over all its sessions."""
-        return {method: propose_isolated(self.proposers[method], [req for _, _, req in batch])
-                for method, batch in jobs.items()}
+    def _jobs(self, ready: list[Session]) -> Jobs:
+        """Event loop: each ready session's request and grammar snapshot (cheap); one that
+        cannot be had fails that session alone."""
+        jobs: Jobs = {}
+        for s in ready:
+            try:
+                job = (s, s.generation, s.request(), s.grammar_view())
+            except BaseException as exc:
+                if not session_fault(exc):
+                    raise
+                log.exception("preparing a draft for session %r failed", s.session_id)
+                self._fail(s.stream, s.session_id, ErrorCode.INTERNAL, fault(exc), s.epoch)
+                continue
+            jobs.setdefault(s.method, []).append(job)
+        return jobs
+
+    def _run_step(self, jobs: Jobs) -> dict[Method, list[DraftResult]]:
+        return run_step(self.proposers, jobs)  # (an attribute, so a test can break it)
 
     def _apply(self, s: Session, generation: int, req: DraftRequest, res: DraftResult) -> None:
         if s.session_key not in self._sessions:
@@ -253,6 +290,7 @@ class DraftWorker:
         return len(self._sessions)
 
     async def aclose(self) -> None:
+        self._closed = True
         for stream in list(self._streams):
             self.close_stream(stream)
             stream.put(None)

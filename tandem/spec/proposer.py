@@ -13,6 +13,7 @@ chain is the case parents = (-1, 0, 1, ...), written as None.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -28,6 +29,15 @@ if TYPE_CHECKING:  # torch stays out of the gateway's imports
     from tandem.grammar.state import GrammarState
 
 log = logging.getLogger(__name__)
+# What never counts as one session's failure: the process being stopped or a task cancelled.
+# Everything else does, a Rust extension's panic included (pyo3's PanicException, which
+# llguidance raises, derives from BaseException, not Exception).
+_NOT_A_SESSION_FAULT = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
+
+
+def session_fault(exc: BaseException) -> bool:
+    """Whether `exc`, raised while serving one session, may cost that session alone."""
+    return not isinstance(exc, _NOT_A_SESSION_FAULT)
 
 
 @dataclass(frozen=True)
@@ -107,8 +117,9 @@ class Learner(Protocol):
 def propose_isolated(proposer: Proposer, requests: list[DraftRequest]) -> list[DraftResult]:
     """proposer.propose(), but a failure costs only the sessions that cause it.
 
-    On an exception the batch is retried one request at a time (a model proposer forgets the
-    failed batch's cache state, so retries start clean); requests that fail alone get INTERNAL.
+    On an exception (or a Rust panic) the batch is retried one request at a time (a model
+    proposer forgets the failed batch's cache state, so retries start clean); requests that
+    fail alone get INTERNAL.
     """
     def checked(reqs: list[DraftRequest]) -> list[DraftResult]:
         results = proposer.propose(reqs)
@@ -118,14 +129,18 @@ def propose_isolated(proposer: Proposer, requests: list[DraftRequest]) -> list[D
 
     try:
         return checked(requests)
-    except Exception:
+    except BaseException as exc:
+        if not session_fault(exc):
+            raise
         log.exception("%s step over %d sessions failed; retrying one by one",
                       proposer.method.name, len(requests))
     results = []
     for req in requests:
         try:
             results.extend(checked([req]))
-        except Exception as exc:
+        except BaseException as exc:
+            if not session_fault(exc):
+                raise
             log.exception("%s proposer failed for session key %s", proposer.method.name,
                           req.session_key)
             results.append(DraftResult(error=ErrorCode.INTERNAL,
