@@ -114,6 +114,7 @@ def _cmd_up(args) -> int:
     import signal
 
     from tools.launcher import Cluster, ClusterConfig, demo_completion
+    from tools.supervisor import ClusterFailed
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -139,6 +140,9 @@ def _cmd_up(args) -> int:
             cluster.wait()
     except KeyboardInterrupt:
         print("stopping ...", file=sys.stderr, flush=True)
+    except ClusterFailed as exc:  # one line, no traceback: the child's own output says more
+        print(f"tandem up: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         cluster.stop()
     return 0

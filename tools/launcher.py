@@ -1,13 +1,16 @@
 """`tandem up`: a whole local cluster as separate processes, healthy before it says so.
 
 Redis (started here unless REDIS_URL is given), one or more verifiers, N draft workers and the
-gateway, each its own `tandem <role>` process registering itself in Redis. Ctrl-C or SIGTERM
+gateway, each its own `tandem <role>` process registering itself in Redis. Every child that
+exits is started again, with backoff, until one keeps dying (tools/supervisor.py). Our own
+Redis listens on loopback alone and needs a password made for this launch. Ctrl-C or SIGTERM
 stops everything (the workers drain first).
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,11 +23,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.backoff import KeyedBackoff
 from tandem.device import check_device_spec, check_dtype_spec
 from tandem.models import DEFAULT_TARGET, resolve_model
 from tandem.netaddr import free_port, join_host_port
+from tandem.redis_conn import PASSWORD_ENV
 from tandem.tls import TlsConfig, open_sync_channel, tls_args
+from tools.supervisor import ClusterFailed, RestartPolicy, restart_dead
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -83,9 +87,6 @@ def http_healthy(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-DRAFT_BACKOFF_MAX_S = 30.0
-
-
 class Cluster:
     """Owns the child processes; `stop()` terminates them in reverse start order."""
 
@@ -96,8 +97,7 @@ class Cluster:
         self.output = output  # children's stdout/stderr (None = inherit)
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.args: dict[str, list[str]] = {}  # child name -> its command line, for restarts
-        # draft worker -> its restarts and when it may be started again (1 s doubling to 30 s)
-        self.restarts = KeyedBackoff(1.0, DRAFT_BACKOFF_MAX_S)
+        self.policy = RestartPolicy()  # when a dead child starts again, when to give up
         self.addresses: dict[str, str] = {}  # worker name -> host:port
         self.metrics_urls: dict[str, str] = {}
         self.stack = ExitStack()
@@ -105,6 +105,11 @@ class Cluster:
         self.redis = None  # the RedisProcess we started (None when REDIS_URL was given)
         gateway = join_host_port(_dialable(config.gateway_host), config.gateway_port)
         self.gateway_url = f"http://{gateway}"
+
+    @property
+    def redis_password(self) -> str:
+        """Our own Redis's password ("" when REDIS_URL was given)."""
+        return self.redis.password if self.redis is not None else ""
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.args[name] = args
@@ -122,9 +127,9 @@ class Cluster:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not check():
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} during startup")
+                raise ClusterFailed(f"{name} exited with code {proc.returncode} during startup")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not healthy after {STARTUP_TIMEOUT_S:.0f} s")
+                raise ClusterFailed(f"{name} not healthy after {STARTUP_TIMEOUT_S:.0f} s")
             time.sleep(0.3)
         self.log(f"  {name} healthy")
 
@@ -133,9 +138,14 @@ class Cluster:
         if not self.redis_url:
             from tandem.redis_server import start_redis
 
-            self.redis = self.stack.enter_context(start_redis())
+            # Loopback only, and a password new each launch: another local user or a page in
+            # a browser must not read or fill the cluster's state. Passed in the children's
+            # environment (a command line shows in ps).
+            password = secrets.token_urlsafe(24)
+            self.redis = self.stack.enter_context(start_redis(password=password))
             self.redis_url = self.redis.url
-            self.log(f"  redis-server on {self.redis.url}")
+            self.env = {**self.env, PASSWORD_ENV: password}
+            self.log(f"  redis-server on {self.redis.url} (password in {PASSWORD_ENV})")
         common = ["--redis-url", self.redis_url, "--threads", str(cfg.threads),
                   f"--host={cfg.worker_host}", *tls_args(cfg.tls), *cfg.placement_args()]
         host = _dialable(cfg.worker_host)
@@ -214,44 +224,35 @@ class Cluster:
         self.procs.clear()
         self.stack.close()
 
-    def supervise_redis(self) -> bool:
-        """Restart our own Redis if it died (the workers and gateway ride it out and
-        re-register); True if it had to be restarted."""
-        if self.redis is None or self.redis.is_running():
-            return False
-        self.redis.restart()
-        self.log(f"  redis-server died; restarted on {self.redis.url} "
-                 f"(restart {self.redis.restarts})")
-        return True
-
-    def supervise_drafts(self, clock=time.monotonic) -> list[str]:
-        """Start again the draft workers that died, each after a backoff that doubles per
-        restart (1 s to 30 s): speculation fails open, so the verifiers serve plainly
-        meanwhile and re-attach when the worker has registered again. The names restarted."""
-        restarted = []
+    def _children(self) -> list:
+        """(name, why it is dead or None, restart) for every child we started."""
+        out = []
+        if self.redis is not None:
+            redis = self.redis
+            out.append(("redis-server", lambda: None if redis.is_running() else "died",
+                        redis.restart))
         for i, (name, proc) in enumerate(self.procs):
-            if not name.startswith("draft-") or proc.poll() is None:
-                continue
-            now = clock()
-            if not self.restarts.ready(name, now):
-                continue
-            count = self.restarts.failed(name, now)
-            self.log(f"  {name} exited with code {proc.returncode}; starting it again "
-                     f"(restart {count})")
-            self.procs[i] = (name, self._popen(self.args[name]))
-            restarted.append(name)
-        return restarted
+            out.append((name, lambda p=proc: None if p.poll() is None
+                        else f"exited with code {p.returncode}",
+                        lambda i=i, name=name: self._respawn(i, name)))
+        return out
+
+    def _respawn(self, index: int, name: str) -> None:
+        self.procs[index] = (name, self._popen(self.args[name]))
+
+    def supervise(self, clock=time.monotonic) -> list[str]:
+        """Start again every child that died, each after a backoff that doubles per restart
+        in a row (1 s to 30 s); the names restarted. Meanwhile the others ride it out: the
+        verifiers serve plainly without draft workers, the gateway routes to the verifiers
+        left, everyone re-registers in a Redis restarted empty. Raises ClusterFailed when one
+        child keeps dying (tools.supervisor)."""
+        return restart_dead(self._children(), self.policy, self.log, clock)
 
     def wait(self) -> None:
-        """Block until a verifier or the gateway dies or we are signalled; a dead Redis or
-        draft worker is started again."""
+        """Block, keeping every child running, until we are signalled (KeyboardInterrupt) or
+        a child keeps dying (ClusterFailed)."""
         while True:
-            self.supervise_redis()
-            self.supervise_drafts()
-            dead = [n for n, p in self.procs if p.poll() is not None and
-                    not n.startswith("draft-")]
-            if dead:
-                raise RuntimeError(f"{', '.join(dead)} exited")
+            self.supervise()
             time.sleep(0.5)
 
 

@@ -57,7 +57,7 @@ def stream_chat(url: str, events: list) -> None:
 
 def record(cluster, session_id: str):
     async def get():
-        client = aioredis.Redis.from_url(cluster.redis_url)
+        client = aioredis.Redis.from_url(cluster.redis_url, password=cluster.redis_password)
         try:
             return await RedisSessionStore(client, clock=time.time).get(session_id)
         finally:
@@ -67,7 +67,7 @@ def record(cluster, session_id: str):
 
 def registered(cluster) -> set[str]:
     async def addresses():
-        client = aioredis.Redis.from_url(cluster.redis_url)
+        client = aioredis.Redis.from_url(cluster.redis_url, password=cluster.redis_password)
         try:
             return {w.address for w in await WorkerRegistry(client).list("verifier")}
         finally:

@@ -126,14 +126,15 @@ def verifier_rounds(address: str, prompt_ids: list[int], tokens: int, temperatur
             "decode_tps": decode_tps(n, first or start, prev), "rounds": rows}
 
 
-def worker_addresses(redis_url: str) -> dict[str, list[str]]:
-    """Live verifier and draft addresses from the cluster's registry in Redis."""
+def worker_addresses(redis_url: str, password: str = "") -> dict[str, list[str]]:
+    """Live verifier and draft addresses from the cluster's registry in Redis (`password`:
+    the launcher's own Redis's, else $REDIS_PASSWORD)."""
     from tandem import redis_conn
     from tandem.envflags import env
     from tandem.registry import WorkerRegistry
 
     async def go():
-        client = redis_conn.client(redis_url, env(redis_conn.PASSWORD_ENV, ""))
+        client = redis_conn.client(redis_url, password or env(redis_conn.PASSWORD_ENV, ""))
         try:
             reg = WorkerRegistry(client)
             return {role: [w.address for w in await reg.list(role)]

@@ -105,7 +105,7 @@ def _on_cluster(ctx: Ctx, eagle: str, shape_methods: tuple[str, ...], tokenizer)
     try:
         with children_log_to(ctx.out_dir / "cluster.log"):
             cluster.start()
-        workers = worker_addresses(cluster.redis_url)
+        workers = worker_addresses(cluster.redis_url, cluster.redis_password)
         _phase(ctx, "gateway", run_gateway, cluster.gateway_url)
         if shape_methods:
             _phase(ctx, "shapes", run_shapes, cluster.gateway_url, shape_methods)
