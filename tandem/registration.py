@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Beat = tuple[asyncio.Task, asyncio.Event]
+MEMORY_EVERY_S = 15.0  # how often a worker reads Redis's INFO memory (tandem.redis_memory)
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,10 @@ def start_registration(reg: Registration, capacity: int, load: Callable[[], int]
                        **record_fields) -> Beat:
     """Heartbeat task and the event that stops it (then it deregisters)."""
     from tandem import redis_conn
-    from tandem.registry import WorkerRecord, WorkerRegistry, heartbeat_loop
+    from tandem.registry import WorkerRecord, WorkerRegistry
 
-    registry = WorkerRegistry(redis_conn.client(reg.redis_url, reg.redis_password))
+    client = redis_conn.client(reg.redis_url, reg.redis_password)
+    registry = WorkerRegistry(client)
     worker_id = reg.worker_id or f"{reg.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
 
     def record() -> WorkerRecord:
@@ -42,7 +44,22 @@ def start_registration(reg: Registration, capacity: int, load: Callable[[], int]
                             capacity=capacity, load=load(), **record_fields)
 
     stop = asyncio.Event()
-    return asyncio.create_task(heartbeat_loop(registry, record, reg.interval_s, stop)), stop
+    return asyncio.create_task(_beat(registry, record, reg.interval_s, stop, client)), stop
+
+
+async def _beat(registry, record, interval_s: float, stop: asyncio.Event, client) -> None:
+    """Heartbeats, and a look at Redis's memory now and then: a Redis that fills up is what
+    makes heartbeats fail, so the worker's log says so before it happens."""
+    from tandem.redis_memory import MemoryWatch
+    from tandem.registry import heartbeat_loop
+
+    watch = asyncio.create_task(MemoryWatch(read_every_s=MEMORY_EVERY_S).run(client, stop))
+    try:
+        await heartbeat_loop(registry, record, interval_s, stop)
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
 
 
 async def stop_registration(beat: Beat | None, timeout_s: float = 5.0) -> None:

@@ -184,6 +184,10 @@ class GatewayMetrics:
                              registry=r)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # Set as the gateway reads Redis (tandem.redis_memory): writes fail when it is full.
+        self.redis_memory = Gauge("tandem_redis_memory_usage_ratio", "Redis used_memory / "
+                                  "maxmemory at the last reading (0 = no maxmemory)",
+                                  registry=r)
 
 
 def render(registry: CollectorRegistry) -> bytes:
