@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tandem.device import DTYPE_CHOICES as DTYPES
 from tandem.device import check_device_spec
+from tandem.grpc_limits import SERVER_KEEPALIVE_S, SERVER_KEEPALIVE_TIMEOUT_S
 from tandem.netaddr import join_host_port
 from tandem.proposers.suffix import SuffixConfig
 from tandem.spec.cost import DEFAULT_MAX_SPEC_TOKENS
@@ -55,6 +56,10 @@ class DraftConfig:
     suffix_spec_factor: float = 1.0
     drain_grace_s: float = 5.0  # SIGTERM: streams keep drafting this long, then UNAVAILABLE
     tls: TlsConfig | None = None  # serve gRPC over TLS (mTLS with require_client_cert)
+    # Ping each verifier this often, and drop its connection (and sessions) after a ping goes
+    # unanswered this long: a vanished verifier's sessions are freed in under a minute.
+    keepalive_s: float = SERVER_KEEPALIVE_S
+    keepalive_timeout_s: float = SERVER_KEEPALIVE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -97,6 +102,10 @@ class DraftConfig:
         grace = self.drain_grace_s
         if not (isinstance(grace, (int, float)) and math.isfinite(grace) and grace >= 0):
             raise ValueError(f"drain_grace_s must be a finite number >= 0, got {grace!r}")
+        for name in ("keepalive_s", "keepalive_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         check_serving(self.tls)
 
     def suffix_config(self) -> SuffixConfig:

@@ -38,6 +38,7 @@ from tandem.grpc_limits import (
     keepalive_server_options,
     max_message_bytes,
     message_options,
+    server_ping_options,
 )
 from tandem.grpc_status import StatusInterceptor
 from tandem.models import (
@@ -202,6 +203,8 @@ async def build_app(config: DraftConfig, worker: DraftWorker | None = None,
         # Speculate streams live for hours: let verifiers keep them alive with pings
         # (MIN_PING_INTERVAL_MS is read here, at build time: tests lower it).
         *keepalive_server_options(MIN_PING_INTERVAL_MS),
+        # and a verifier that vanished without a word is found by our own pings
+        *server_ping_options(config.keepalive_s, config.keepalive_timeout_s),
         *message_options(_message_limit(worker)),
     ])
     servicer = DraftServicer(worker, info or common_pb2.WorkerInfo())

@@ -61,3 +61,20 @@ def keepalive_server_options(min_ping_interval_ms: int = MIN_PING_INTERVAL_MS
     """Server options: let clients keep idle streams alive with pings at most this often."""
     return [("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", min_ping_interval_ms)]
+
+
+# The draft server pings too: a verifier that vanished without closing its connection (its
+# host gone, a partition) would otherwise hold its sessions, and their KV, for gRPC's default
+# two hours. Every SERVER_KEEPALIVE_S a ping, unanswered for SERVER_KEEPALIVE_TIMEOUT_S, ends
+# the transport and with it the peer's streams: found in well under a minute.
+SERVER_KEEPALIVE_S, SERVER_KEEPALIVE_TIMEOUT_S = 30.0, 10.0
+
+
+def server_ping_options(every_s: float = SERVER_KEEPALIVE_S,
+                        timeout_s: float = SERVER_KEEPALIVE_TIMEOUT_S) -> list[tuple[str, int]]:
+    """Server options: ping each client every `every_s`, streams idle or not (an idle stream
+    still holds sessions); drop the connection after `timeout_s` without an answer."""
+    return [("grpc.keepalive_time_ms", int(every_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),  # newer gRPC cores use it
+            ("grpc.http2.max_pings_without_data", 0)]

@@ -188,3 +188,44 @@ def test_an_engine_loop_that_dies_reports_not_serving_and_ends_the_process(monke
     assert asyncio.run(asyncio.wait_for(run(), 30)) == 1  # the process exits non-zero
     assert (("", "tandem.v1.VerifyService"), health_pb2.HealthCheckResponse.NOT_SERVING) in \
         statuses
+
+
+def test_a_verifier_that_vanished_has_its_sessions_dropped_by_the_servers_pings():
+    """The verifier's host is gone without closing its connection: the draft server's own
+    keepalive (not the verifier's) finds it and frees the sessions it held."""
+    async def main():
+        worker = DraftWorker({Method.NGRAM: NgramProposer()},
+                             Limits(vocab_size=1000, max_context_length=256))
+        app = await draft_main.build_app(
+            DraftConfig(port=0, keepalive_s=0.5, keepalive_timeout_s=1.0), worker,
+            common_pb2.WorkerInfo())
+        await app.server.start()
+        hole = BlackHole(app.port)
+        via_hole = await hole.start()
+        seq = session()
+        side = DraftSide({seq.session_id: seq}, 1000, 4, 4)
+        side.pool = draft_link.DraftPool([via_hole], None, side.on_reply,
+                                         side.on_link_broken, keepalive=(600.0, 600.0))
+        try:
+            side.attach(seq)
+            await until(lambda: len(seq.drafts) == 4, 10)
+            assert worker.load() == 1
+            hole.holding = True  # the verifier vanishes: nothing more from it, no close
+            t0 = asyncio.get_running_loop().time()
+            detected = await until(lambda: worker.load() == 0, 10) - t0
+            assert detected < 4.0, detected  # a ping (0.5 s) unanswered for 1 s, with slack
+        finally:
+            await side.close()
+            await app.server.stop(None)
+            await worker.aclose()
+            hole.server.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_the_draft_servers_pings_default_to_under_a_minute():
+    config = DraftConfig()
+    assert config.keepalive_s + config.keepalive_timeout_s <= 60
+    for bad in (0, -1.0, float("nan"), "30"):
+        with pytest.raises(ValueError):
+            DraftConfig(keepalive_s=bad)
