@@ -68,6 +68,10 @@ class GatewayConfig:
     info_timeout_s: float = 2.0
     # Attempts per request across verifiers (the first call plus failovers).
     max_attempts: int = 4
+    # Of those, resumes after a verifier was lost mid-request (died, stalled, aborted): a
+    # request that killed one verifier must not go on to kill the next ones. Refusals
+    # (full, already there) do not count: nothing ran.
+    max_resumes: int = 1
     # Registry TTL the gateway assumes when it reads worker records.
     registry_ttl_s: float = 6.0
     # Per Redis call; after a failure Redis is skipped for redis_cooldown_s (fail open).
@@ -114,7 +118,7 @@ class GatewayConfig:
         ranges = {"port": (0, 65535), "metrics_port": (0, 65535), "rate_limit_rpm": (0, None),
                   "context_length": (2, None),
                   "default_max_tokens": (1, None), "default_speculative_tokens": (0, None),
-                  "max_spec_tokens": (0, 1024), "max_attempts": (1, 32),
+                  "max_spec_tokens": (0, 1024), "max_attempts": (1, 32), "max_resumes": (0, 31),
                   "retry_after_s": (1, None), "static_capacity": (1, None),
                   "max_request_bytes": (1, None)}
         for name, (lo, hi) in ranges.items():

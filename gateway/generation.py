@@ -111,6 +111,7 @@ class _Failover:
         deadline = loop.time() + cfg.request_timeout_s
         excluded: list[str] = []
         last: VerifierLost | None = None
+        losses = 0
         for attempt in range(cfg.max_attempts):
             if loop.time() >= deadline:
                 raise APIError(504, "request timed out", code="timeout")
@@ -141,6 +142,10 @@ class _Failover:
                             len(self.committed))
                 excluded.append(assignment.verifier.address)
                 last = exc
+                losses += not exc.refused
+                if losses > cfg.max_resumes:  # it may be what killed them: not one more
+                    raise APIError(502, f"generation failed on {losses} verifiers; not "
+                                   f"retried (last error: {exc})", code="verifier_lost") from None
             self._ended_totals = self._ended_totals + self._call_totals
             self._call_totals = Totals()
         if last is not None and last.at_capacity:

@@ -18,6 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.logprobs import TokenLogprobs
 from gateway.plan import GenerationPlan
+from tandem.errors import FAILURE_TRAILER
 from tandem.grpc_limits import message_options
 from tandem.registry import WorkerRecord
 from tandem.spec.methods import Method
@@ -51,6 +52,12 @@ class VerifierLost(Exception):
     def at_capacity(self) -> bool:
         """The verifier was full (the client should back off, not give up)."""
         return self.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    @property
+    def refused(self) -> bool:
+        """It refused the session before running it (full, or the session is there)."""
+        return self.code in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             grpc.StatusCode.ALREADY_EXISTS)
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,8 @@ class GenerateCall:
 
 def _classify(exc: grpc.aio.AioRpcError) -> Exception:
     code = exc.code()
+    if FAILURE_TRAILER in tuple(exc.trailing_metadata() or ()):  # tandem.errors.SessionFailed
+        return APIError(500, f"generation failed: {exc.details()}", code="generation_failed")
     if code in _RESUMABLE:
         return VerifierLost(f"{code.name}: {exc.details()}", code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -38,3 +38,25 @@ class Unavailable(TandemError):
     """Draining or not ready: retry elsewhere (HTTP 503)."""
 
     status = "UNAVAILABLE"
+
+
+class SessionFailed(TandemError):
+    """This session's own step failed here (a bug or a library error its input triggered):
+    the client gets a 500, and the gateway does not replay it on the next verifier, where
+    it would fail (or crash) the same way. Marked by the `FAILURE_TRAILER` trailer."""
+
+    status = "INTERNAL"
+
+
+# Trailing metadata that tells a SessionFailed INTERNAL from a transport's INTERNAL.
+FAILURE_TRAILER = ("tandem-failure", "session")
+
+
+def recoverable(exc: BaseException) -> bool:
+    """Whether a step may catch `exc` and go on: any error, including the BaseException a
+    native extension raises on a panic (pyo3's PanicException), but not a cancellation,
+    an interrupt or an exit."""
+    import asyncio
+
+    return not isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit,
+                                GeneratorExit))

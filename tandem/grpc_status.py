@@ -15,7 +15,7 @@ import logging
 
 import grpc
 
-from tandem.errors import InvalidArgument, TandemError
+from tandem.errors import FAILURE_TRAILER, InvalidArgument, SessionFailed, TandemError
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,11 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception):
     code = status_of(exc)
-    if code is grpc.StatusCode.INTERNAL:
+    failed = isinstance(exc, SessionFailed)  # logged where it happened
+    if code is grpc.StatusCode.INTERNAL and not failed:
         log.exception("unhandled error in a gRPC method")
-    await context.abort(code, str(exc) or type(exc).__name__)
+    trailer = (FAILURE_TRAILER,) if failed else ()
+    await context.abort(code, str(exc) or type(exc).__name__, trailing_metadata=trailer)
 
 
 class _Malformed:

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tandem.errors import recoverable
 from tandem.grammar.state import GrammarFailed
 from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
@@ -24,6 +25,8 @@ from verify_service.drafts.history import HistoryDrafts
 from verify_service.drafts.side import DraftSide
 from verify_service.drafts.waits import draft_wait_limit_ms
 from verify_service.forward.executor import Executor
+from verify_service.forward.inputs import InputBuilder
+from verify_service.forward.masks import MaskJob, MaskPool
 from verify_service.forward.step import RoundOutcome, StepInput, StepTimings
 from verify_service.policy import auto
 from verify_service.policy.feedback import learn_acceptance, observe_cost, observe_tree_wait
@@ -58,6 +61,9 @@ class Engine:
                                 scheduler.config.max_spec_tokens)
         self._wakeup = asyncio.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="verify-forward")
+        self._masks = MaskPool()  # grammar masks: off the loop, in parallel
+        self.inputs = InputBuilder(scheduler, self.table, self.drafts,
+                                   has_heads=executor is not None and executor.heads is not None)
         self.heads_ms = 0.0  # a step's pass of the Medusa heads (EMA)
 
     @property
@@ -95,7 +101,14 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            await self.step()
+            try:
+                await self.step()
+            except BaseException as exc:  # a bug outside any one session's work: the loop
+                if not recoverable(exc):  # must outlive it, or every session hangs
+                    raise
+                log.exception("verifier step failed; aborting its sessions")
+                for seq in list(self.sessions.values()):
+                    self._end(seq, "abort")
 
     async def step(self) -> None:
         """One round for every running session."""
@@ -108,12 +121,14 @@ class Engine:
         if sched.empty:
             await asyncio.sleep(0.005)  # blocks are held by sessions about to finish
             return
-        scheduled, inputs = self._step_inputs(sched.scheduled)
+        scheduled, inputs = await self._step_inputs(sched.scheduled)
         if not scheduled:
             return
         try:  # 3. execute: one target forward over the flattened batch, then rejection
             outcomes, timings = await self._execute(inputs)
-        except Exception:  # one session's bad row (or a bug) must not cost the others
+        except BaseException as exc:  # one session's bad row (or a bug) must not cost the
+            if not recoverable(exc):  # others (a native panic is a BaseException)
+                raise
             log.exception("verification step failed; retrying its sessions one by one")
             outcomes, timings = await self._execute_isolated(scheduled, inputs)
         else:
@@ -158,10 +173,12 @@ class Engine:
         for s, one in zip(scheduled, inputs):
             try:
                 (outcome,), t = await self._execute([one])
-            except Exception:
-                log.exception("session %s failed its verification step; aborting it",
-                              s.seq.session_id)
-                self._end(s.seq, "abort")
+            except BaseException as exc:
+                if not recoverable(exc):
+                    raise
+                log.exception("session %s failed its verification step; ending it",
+                              s.seq.session_id)  # not replayed elsewhere: see SessionFailed
+                self._end(s.seq, "fault", f"verification failed ({type(exc).__name__})")
                 outcome, t = None, StepTimings(0.0, 0.0)
             outcomes.append(outcome)
             total = StepTimings(total.forward_ms + t.forward_ms,
@@ -185,57 +202,29 @@ class Engine:
         return draft_wait_limit_ms(self.scheduler.running, self.scheduler, self.drafts,
                                    self.config.max_draft_wait_ms)
 
-    def _step_inputs(self, scheduled: list[ScheduledSeq]
-                     ) -> tuple[list[ScheduledSeq], list[StepInput]]:
-        """The step's inputs; a session whose grammar broke ends here, alone, with why."""
+    async def _step_inputs(self, scheduled: list[ScheduledSeq]
+                           ) -> tuple[list[ScheduledSeq], list[StepInput]]:
+        """The step's inputs; a session whose grammar broke (or whose masks failed) ends
+        here, alone, with why."""
+        drafts = [list(s.seq.drafts[:s.num_drafts]) for s in scheduled]
+        masks = await self._masks.compute([
+            MaskJob(s.seq.grammar, [d.token_id for d in ds], s.parents)
+            if s.seq.grammar is not None and not s.partial else None
+            for s, ds in zip(scheduled, drafts)])
         kept, inputs = [], []
-        for s in scheduled:
-            try:
-                inputs.append(self._step_input(s))
-            except GrammarFailed as exc:
-                log.info("session %s: %s", s.seq.session_id, exc)
-                self._end(s.seq, "error", str(exc))
-                continue
-            kept.append(s)
+        for s, ds, mask in zip(scheduled, drafts, masks):
+            if s.seq.finished or s.seq.session_id not in self.sessions:
+                continue  # cancelled while the masks were made
+            if isinstance(mask, GrammarFailed):
+                log.info("session %s: %s", s.seq.session_id, mask)
+                self._end(s.seq, "error", str(mask))
+            elif isinstance(mask, BaseException):
+                log.error("session %s: grammar masks failed: %r", s.seq.session_id, mask)
+                self._end(s.seq, "fault", f"grammar masks failed ({type(mask).__name__})")
+            else:
+                kept.append(s)
+                inputs.append(self.inputs.build(s, ds, mask, self.heads_ms))
         return kept, inputs
-
-    def _step_input(self, s: ScheduledSeq) -> StepInput:
-        seq = s.seq
-        drafts = list(seq.drafts[: s.num_drafts])
-        mask = None  # the grammar's allowed tokens at every position the round samples
-        if seq.grammar is not None and not s.partial:
-            mask = seq.grammar.masks([d.token_id for d in drafts], s.parents)
-        return StepInput(s.token_ids, s.start_pos, list(self.scheduler.blocks.block_table(
-            seq.session_id)), drafts, seq.params.sampling,
-            carried=self.table.carried.get(seq.session_id) if seq.sched.carried else None,
-            sample_bonus=not self._may_carry(seq, s.num_drafts), parents=s.parents,
-            want_features=seq.needs_features, partial=s.partial,
-            prefill=s.is_prefill and not s.partial,
-            # The heads cost a few ms: only the nodes the next round may verify.
-            propose_tree=self._head_nodes(s), propose_chain=not seq.params.tree,
-            typical=None if seq.params.sampling.is_greedy else seq.params.typical,
-            logprobs=seq.params.logprobs, mask=mask)
-
-    def _head_nodes(self, s: ScheduledSeq) -> int:
-        """Medusa nodes the step drafts for the session's next round: a medusa session's
-        size; an auto session's when its heads may compete (verify_service/policy/auto.py)."""
-        seq = s.seq
-        if seq.params.method.in_verifier:
-            return self.scheduler.desired_k(seq, 1)
-        if self.executor.heads is not None and auto.wants_heads(seq, s.num_drafts):
-            return auto.head_nodes(self.scheduler, seq, self.heads_ms)
-        return 0
-
-    def _may_carry(self, seq: Sequence, k: int) -> bool:
-        """Skip the bonus token when the draft's next token is already here (unseeded sampling
-        only: greedy is the same either way; seeded tokens are keyed samples, rejection.py)."""
-        s = seq.params.sampling
-        return (k >= 1 and len(seq.drafts) > k and not s.is_greedy and s.seed is None
-                and not seq.params.tree  # a tree's nodes beyond k are not the next draft
-                and seq.params.logprobs is None  # a carried row has no logits to report
-                and seq.grammar is None  # masks are made per round, from the root
-                and self.drafts.linked(seq) and not seq.local.in_verifier  # (auto: afresh)
-                and len(seq.output) + k < seq.params.max_new_tokens)
 
     def _apply(self, s: ScheduledSeq, outcome: RoundOutcome, wait_ms: float,
                timings: StepTimings) -> None:
@@ -297,4 +286,5 @@ class Engine:
             self.abort(session_id)
         await self.drafts.close()
         self._thread.shutdown(wait=False, cancel_futures=True)
+        self._masks.close()
 

@@ -12,7 +12,7 @@ import time
 from opentelemetry import trace
 
 from tandem import telemetry
-from tandem.errors import InvalidArgument, Unavailable
+from tandem.errors import InvalidArgument, SessionFailed, Unavailable
 from tandem.grammar import GrammarSpec
 from tandem.grammar.compiler import LazyCompiler
 from tandem.grpc_limits import MAX_SESSION_ID_CHARS, MAX_STOP_TOKEN_IDS
@@ -154,9 +154,11 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         try:
             while True:
                 out = await queue.get()
-                if out.finish_reason == "error":  # this session alone failed: say why (400)
-                    span.set_attribute(telemetry.GEN_AI_FINISH_REASONS, ["error"])
-                    raise InvalidArgument(out.error or "generation failed")
+                if out.finish_reason in ("error", "fault"):  # this session alone failed:
+                    span.set_attribute(telemetry.GEN_AI_FINISH_REASONS, [out.finish_reason])
+                    if out.finish_reason == "fault":  # here: a 500, not replayed elsewhere
+                        raise SessionFailed(out.error or "verification failed")
+                    raise InvalidArgument(out.error or "generation failed")  # its input: 400
                 if not generated and out.token_ids:
                     ttft_ms = (time.perf_counter() - start) * 1e3
                     span.set_attribute(telemetry.ATTR_TTFT_MS, ttft_ms)

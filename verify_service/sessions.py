@@ -36,7 +36,7 @@ class RoundOutput:
     drafted_total: int
     accepted_total: int
     finish_reason: str | None
-    error: str = ""  # finish_reason "error": why (the servicer ends the call with it)
+    error: str = ""  # finish_reason "error" / "fault": why (the servicer ends the call with it)
     lossy: bool = False  # typical acceptance was used: not the target's distribution
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when asked for
 
@@ -108,7 +108,7 @@ class SessionTable:
         self.sessions.pop(seq.session_id, None)
         self.carried.pop(seq.session_id, None)
         queue = self.queues.pop(seq.session_id, None)
-        if queue is not None and seq.finish_reason in ("abort", "error"):
+        if queue is not None and seq.finish_reason in ("abort", "error", "fault"):
             queue.put_nowait(round_output(seq, [], 0, 0, 0.0, StepTimings(0.0, 0.0)))
 
 

@@ -29,6 +29,8 @@ from gateway.config import GatewayConfig
 from gateway.routing import Router, affinity_key, pick_draft, pick_verifier
 from gateway.sessions import RedisSessionStore
 from gateway.text import TextStream
+from tandem.errors import SessionFailed
+from tandem.grpc_status import StatusInterceptor
 from tandem.redis_server import start_redis
 from tandem.registry import WorkerRecord, WorkerRegistry, heartbeat_loop
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
@@ -148,8 +150,8 @@ def fakes(loop_thread):
     """Factory for started fake verifiers; all are stopped after the test."""
     started: list[FakeVerifier] = []
 
-    def make(script, **kw) -> FakeVerifier:
-        fake = FakeVerifier(script, **kw)
+    def make(script, cls=None, **kw) -> FakeVerifier:
+        fake = (cls or FakeVerifier)(script, **kw)
         loop_thread.run(fake.start())
         started.append(fake)
         return fake
@@ -567,6 +569,62 @@ def test_failover_with_no_verifier_left(redis_proc, tokenizer, prefix, fakes, te
         assert record.status == "failed" and list(record.committed_token_ids) == text_ids[:3]
         resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert resp.status_code == 503 and "UNAVAILABLE" in resp.json()["error"]["message"]
+
+
+class StatusFake(FakeVerifier):
+    """A fake verifier whose errors go through the real servicers' StatusInterceptor."""
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server(interceptors=[StatusInterceptor()])
+        verify_pb2_grpc.add_VerifyServiceServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.address = f"127.0.0.1:{port}"
+
+
+def fail_session_after(full: list[int], rounds: int):
+    """Stream `rounds` rounds of `full`, then fail the session the way a verifier's step that
+    failed on it does (tandem.errors.SessionFailed)."""
+    async def script(fake, request, context):
+        rounds_ = chunked(full, 3)[:rounds]
+        for resp in responses(rounds_, finish=verify_pb2.FINISH_REASON_UNSPECIFIED):
+            yield resp
+        raise SessionFailed("verification failed (ValueError)")
+    return script
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_session_that_failed_on_its_verifier_is_not_replayed(redis_proc, tokenizer, prefix,
+                                                               fakes, text_ids, stream):
+    """A verifier whose step failed on this session (not a dead or draining verifier) ends
+    the request with a 500; another verifier would fail (or crash) the same way."""
+    a = fakes(fail_session_after(text_ids, 2), cls=StatusFake)
+    b = fakes(continue_text(text_ids))
+    register(redis_proc, prefix, verifier_rec(a.address, load=0), verifier_rec(b.address, load=1))
+    with gateway(redis_proc, tokenizer, prefix) as client:
+        resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "Say hi",
+                                                    "max_tokens": 60, "stream": stream})
+        if stream:  # tokens already went out: the error is the last event
+            error = sse_events(resp.text)[-1]["error"]
+        else:
+            assert resp.status_code == 500, resp.text
+            error = resp.json()["error"]
+    assert error["code"] == "generation_failed" and "ValueError" in error["message"]
+    assert len(a.requests) == 1 and b.requests == []
+
+
+def test_a_request_whose_verifiers_keep_dying_stops_after_one_resume(
+        redis_proc, tokenizer, prefix, fakes, text_ids):
+    """A request that may be what kills verifiers is resumed once (max_resumes), not on
+    every verifier there is."""
+    dying = [fakes(continue_text(text_ids, die_after=1)) for _ in range(3)]
+    register(redis_proc, prefix, *(verifier_rec(f.address, load=i) for i, f in enumerate(dying)))
+    with gateway(redis_proc, tokenizer, prefix) as client:
+        resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "Say hi",
+                                                    "max_tokens": 60})
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["error"]["code"] == "verifier_lost"
+    assert [len(f.requests) for f in dying] == [1, 1, 0]
 
 
 # ---- verifier status codes -------------------------------------------------------------------

@@ -248,25 +248,34 @@ def test_carried_distribution_verifies_the_waiting_draft_losslessly(target_model
     torch.testing.assert_close(out.carry, expected, atol=1e-5, rtol=1e-4)
 
 
+class PanicException(BaseException):
+    """What a native extension raises on a panic (pyo3's is a BaseException)."""
+
+
 class PoisonExecutor(Executor):
     """Fails any step holding the poison token, as a NaN row would fail the sampler."""
 
     POISON = 49151
+    error: type[BaseException] = ValueError
 
     def execute(self, inputs):
         if any(self.POISON in i.token_ids for i in inputs):
-            raise ValueError("logits contain NaN or +inf")
+            raise self.error("logits contain NaN or +inf")
         return super().execute(inputs)
 
 
-def test_a_failing_session_is_aborted_alone(target_model, tokenizer, reference):
-    """A step that fails is retried session by session: only the bad one is aborted; the
+@pytest.mark.parametrize("error", [ValueError, PanicException])
+def test_a_failing_session_is_failed_alone(target_model, tokenizer, reference, error):
+    """A step that fails is retried session by session: only the bad one fails ("fault":
+    the client's 500, not replayed on another verifier), even by a native panic; the
     other, batched with it, still gets exactly the plain greedy text."""
     prompts, outs = reference
 
     async def main():
         sched = Scheduler(BlockManager(128, 16), SchedulerConfig(), CostModel())
-        engine = Engine(PoisonExecutor(ModelRunner(target_model, 128, 16)), sched,
+        poisoned = PoisonExecutor(ModelRunner(target_model, 128, 16))
+        poisoned.error = error
+        engine = Engine(poisoned, sched,
                         EngineConfig(), target_model.cfg.vocab_size)
         loop_task = asyncio.create_task(engine.run())
         queues = [engine.submit(GenerateParams(
@@ -286,7 +295,7 @@ def test_a_failing_session_is_aborted_alone(target_model, tokenizer, reference):
 
     (good, good_reason), (bad, bad_reason), = asyncio.run(main())[0]
     assert good == outs[0] and good_reason in ("length", "stop")
-    assert bad == [] and bad_reason == "abort"
+    assert bad == [] and bad_reason == "fault"
 
 
 def test_seeded_sampling_depends_on_the_seed_only(target_model, tokenizer, reference):

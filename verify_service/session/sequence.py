@@ -141,7 +141,7 @@ class Sequence:
     # num_tokens, kept apart from `drafts` until auto.pick takes it as a proposal.
     remote: list[DraftToken] = field(default_factory=list)
     finish_reason: str | None = None
-    error: str = ""  # why, when finish_reason is "error" (the client's 400)
+    error: str = ""  # why, when finish_reason is "error" (the client's 400) or "fault" (500)
     # Structured output: a tandem.grammar.GrammarState at the committed tokens (None = free
     # text); it masks every verified position and advances only by committed tokens.
     grammar: Any = None

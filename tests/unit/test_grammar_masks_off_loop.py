@@ -1,0 +1,101 @@
+"""A step's grammar masks run off the verifier's event loop, in parallel, and a mask that
+fails (even by a native panic) ends that session alone: issue 47's "nothing heavier than
+bookkeeping on any event loop"."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from tandem.engine.block_manager import BlockManager
+from tandem.grammar.state import GrammarFailed
+from tandem.sampling_params import SamplingParams
+from tandem.spec import Method
+from tandem.spec.cost import CostModel
+from verify_service.config import SchedulerConfig
+from verify_service.engine import Engine, EngineConfig
+from verify_service.forward.masks import MaskJob, MaskPool
+from verify_service.policy.scheduler import Scheduler
+from verify_service.session.params import GenerateParams
+
+pytestmark = pytest.mark.unit
+WORDS = 4
+
+
+class PanicException(BaseException):
+    """What a native extension raises on a panic (pyo3's is a BaseException)."""
+
+
+class SlowGrammar:
+    """A GrammarState stand-in: `masks` takes `seconds` (without the GIL, as llguidance's
+    mask computation does) and notes the thread it ran on, or raises `error`."""
+
+    def __init__(self, seconds: float = 0.0, error: BaseException | None = None):
+        self.seconds, self.error, self.threads = seconds, error, []
+
+    def masks(self, drafts, parents=None):
+        self.threads.append(threading.current_thread().name)
+        time.sleep(self.seconds)
+        if self.error is not None:
+            raise self.error
+        return torch.full((len(drafts) + 1, WORDS), -1, dtype=torch.int32)
+
+
+def test_masks_run_in_parallel_off_the_loop_and_errors_are_per_job():
+    grammars = [SlowGrammar(0.3), SlowGrammar(0.3), SlowGrammar(error=PanicException("boom"))]
+
+    async def main():
+        pool = MaskPool(workers=3)
+        ticks = 0
+
+        async def ticker():  # the loop keeps serving while masks are made
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        start = time.perf_counter()
+        out = await pool.compute([MaskJob(g, [5, 6], None) for g in grammars] + [None])
+        took = time.perf_counter() - start
+        task.cancel()
+        pool.close()
+        return out, took, ticks
+
+    out, took, ticks = asyncio.run(main())
+    assert out[0].shape == out[1].shape == (3, WORDS) and out[3] is None
+    assert isinstance(out[2], PanicException)
+    assert took < 0.55  # the two 0.3 s masks overlapped
+    assert ticks >= 10  # ~30 ticks in 0.3 s; on the loop there would be none
+    assert all(name.startswith("verify-masks") for g in grammars for name in g.threads)
+
+
+def _params(session_id: str) -> GenerateParams:
+    return GenerateParams(session_id=session_id, prompt=(1, 2, 3), committed=(),
+                          sampling=SamplingParams(temperature=0.0), max_new_tokens=8,
+                          stop_token_ids=frozenset({0}), method=Method.NONE)
+
+
+@pytest.mark.parametrize("error, reason", [
+    (PanicException("pyo3 panic"), "fault"), (RuntimeError("matcher bug"), "fault"),
+    (GrammarFailed("grammar: too many items"), "error")])
+def test_a_session_whose_masks_fail_ends_alone_with_why(error, reason):
+    async def main():
+        sched = Scheduler(BlockManager(64, 4), SchedulerConfig(), CostModel())
+        engine = Engine(None, sched, EngineConfig(), 100)
+        good_grammar = SlowGrammar()
+        queues = {sid: engine.submit(_params(sid), grammar=g) for sid, g in
+                  (("good", good_grammar), ("bad", SlowGrammar(error=error)))}
+        kept, inputs = await engine._step_inputs(sched.schedule().scheduled)
+        last = queues["bad"].get_nowait()
+        await engine.close()
+        return kept, inputs, last, good_grammar
+
+    kept, inputs, last, good_grammar = asyncio.run(main())
+    assert [s.seq.session_id for s in kept] == ["good"]
+    assert inputs[0].mask is not None and inputs[0].mask.shape == (1, WORDS)
+    assert last.finish_reason == reason and last.error
+    assert good_grammar.threads and good_grammar.threads[0].startswith("verify-masks")
