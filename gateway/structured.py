@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gateway import user_json
 from gateway.errors import bad_request
 from gateway.tools import ToolPlan, tool_plan
 from tandem.errors import InvalidArgument
@@ -72,11 +73,12 @@ def _structured(so: Any) -> GrammarSpec:
 def _spec(param: str, kind: GrammarKind, value: Any) -> GrammarSpec:
     try:
         if kind is GrammarKind.JSON_SCHEMA and isinstance(value, str):
-            value = json.loads(value)  # a schema sent as a JSON string (vLLM allows both)
+            # a schema sent as a JSON string (vLLM allows both)
+            value = user_json.loads(value, param)
         if kind is GrammarKind.JSON_SCHEMA:
             if not isinstance(value, dict | bool):
                 raise InvalidArgument("a JSON schema is an object")
-            return GrammarSpec.json_schema(value)
+            return GrammarSpec.json_schema(user_json.check_depth(value, param))
         if kind is GrammarKind.CHOICE:
             return GrammarSpec.choice(value)
         return GrammarSpec(kind, value)

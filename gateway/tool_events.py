@@ -68,6 +68,9 @@ async def _calls(plan: ToolPlan, text: str,
         return plan.calls(text, await captures(text) if plan.mode == "auto" else None)
     except (ValueError, KeyError, TypeError):  # a stop string cut the grammar's text
         return None
+    except RecursionError:  # a schema that allows any JSON: the model nested it too deep
+        log.warning("tool calls nested too deeply to read (%d characters)", len(text))
+        return None
 
 
 def _check_streamed(calls: CallStream, text: str, found: list[dict]) -> None:
@@ -75,7 +78,7 @@ def _check_streamed(calls: CallStream, text: str, found: list[dict]) -> None:
     readers); a difference is a bug worth a log line, since the deltas are already out."""
     try:
         streamed = [(n, json.loads(a)) for n, a in calls.begun(text)]
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         streamed = None
     parsed = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found]
     if streamed != parsed:

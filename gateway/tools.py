@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from gateway import user_json
 from gateway.errors import bad_request
 from tandem.grammar import GrammarKind, GrammarSpec
 
@@ -59,7 +60,9 @@ def tool_plan(tools: list | None, choice: Any, parallel: bool | None) -> ToolPla
         return None
     if choice == "none":
         return None
-    schemas = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
+    schemas = {t.function.name: user_json.check_depth(t.function.parameters or {"type": "object"},
+                                                      f"tools[{i}].function.parameters")
+               for i, t in enumerate(tools)}
     if len(schemas) != len(tools):
         raise bad_request("tools: function names must be unique", param="tools")
     if choice is not None and not isinstance(choice, str):
@@ -106,7 +109,7 @@ def message_text(m: Any) -> str:
     text = m.text()
     for call in m.tool_calls or ():
         try:
-            arguments = json.loads(call.function.arguments)
+            arguments = user_json.loads(call.function.arguments, "messages")
         except json.JSONDecodeError:
             raise bad_request("messages: a tool call's arguments must be a JSON string",
                               param="messages") from None
