@@ -21,6 +21,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from tandem.engine.checkpoint import LlamaConfig
+from tandem.engine.tp_wire import broadcast_message, receive_message, rendezvous_store
 from tandem.models import ModelError, ModelPaths
 
 COLUMN = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")  # output dim split
@@ -144,10 +145,10 @@ def load_shard(paths: ModelPaths, group: TPGroup) -> dict[str, torch.Tensor]:
 
 
 class Control:
-    """Rank 0's step messages to the other ranks (broadcast over a gloo group on the CPU, so
-    NCCL's streams never wait on Python objects). While idle the leader sends a ping every
-    `heartbeat_s`, so a worker's wait never reaches the collective timeout; a dead peer
-    fails the next broadcast or collective within that timeout instead of hanging."""
+    """Rank 0's step messages to the other ranks (tp_wire's JSON, broadcast over a gloo group
+    on the CPU, so NCCL's streams never wait on Python objects). While idle the leader sends
+    a ping every `heartbeat_s`, so a worker's wait never reaches the collective timeout; a
+    dead peer fails the next broadcast or collective within that timeout instead of hanging."""
 
     def __init__(self, group: TPGroup, pg, heartbeat_s: float = 0.0,
                  on_failure: Callable[[BaseException], None] | None = None):
@@ -173,7 +174,7 @@ class Control:
         if self.failure is not None:
             raise RuntimeError("the tensor-parallel group has failed") from self.failure
         try:
-            dist.broadcast_object_list([message], src=0, group=self.pg)
+            broadcast_message(message, self.pg)
         except BaseException as e:
             self.fail(e)
             raise
@@ -189,9 +190,8 @@ class Control:
             self.on_failure(error)
 
     def recv(self) -> tuple:
-        box: list = [None]
-        dist.broadcast_object_list(box, src=0, group=self.pg)
-        return box[0]
+        """Another rank: rank 0's next message, decoded and checked (never unpickled)."""
+        return receive_message(self.pg)
 
     def _beat(self, every_s: float) -> None:
         while not self._stop.wait(every_s / 2):
@@ -219,8 +219,13 @@ def init_group(rank: int, world_size: int, init_method: str, backend: str,
     """Join the process group; returns this rank's TPGroup, the gloo control group and the
     group the ranks meet on once loaded (all_loaded)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timeout)
+    if init_method.startswith("tcp://"):  # our store: on the master's host only
+        store = rendezvous_store(rank, world_size, init_method, timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     loading = dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=max(timeout_s, LOAD_TIMEOUT_S)))
