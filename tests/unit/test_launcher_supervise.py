@@ -102,3 +102,35 @@ def test_a_child_quiet_for_a_whole_window_starts_from_the_first_backoff():
         policy.restarting("v", 50.0, "died")  # a fourth within 100 s
     assert policy.restarting("v", 500.0, "died") == 1  # long after: 1 s again, not 8 s
     assert not policy.ready("v", 500.5) and policy.ready("v", 501.0)
+
+
+def test_tandem_up_ends_with_one_line_and_status_1_when_a_child_keeps_dying(monkeypatch,
+                                                                            capsys):
+    import signal
+
+    import tools.launcher
+    from tools.cli import main
+
+    class Failing:
+        stopped = False
+        gateway_url = "http://127.0.0.1:1"
+
+        def __init__(self, config, log):
+            pass
+
+        def start(self):
+            pass
+
+        def wait(self):
+            raise ClusterFailed("verifier-0 exited with code 1 and was already restarted 5 "
+                                "times in the last 600 s; stopping the cluster")
+
+        def stop(self):
+            Failing.stopped = True
+
+    monkeypatch.setattr(tools.launcher, "Cluster", Failing)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # keep pytest's SIGTERM
+    assert main(["up", "--drafts", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "tandem up: verifier-0 exited with code 1" in err and "Traceback" not in err
+    assert Failing.stopped
