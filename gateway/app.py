@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from gateway import schemas
-from gateway.auth import ApiKey, match_key
+from gateway.auth import ApiKey, add_docs, match_key
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewayConfig
 from gateway.errors import (
@@ -120,7 +120,10 @@ def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
         await channels.close()
         gw.tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="Tandem gateway", version="0.1.0", lifespan=lifespan)
+    # With keys, the API's description is theirs too: served by _add_docs behind a key.
+    hidden = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Tandem gateway", version="0.1.0", lifespan=lifespan,
+                  **(hidden if config.auth_enabled else {}))
     app.state.gateway = gw
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
@@ -132,6 +135,9 @@ def _add_routes(app: FastAPI, gw: _Gateway) -> None:
     async def guard(request: Request) -> None:
         await _authorize(gw, request)
 
+    async def key_only(request: Request) -> None:  # a key, no quota charge (docs, metrics)
+        _authenticate(gw, request)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         body = await _health(gw)
@@ -139,8 +145,10 @@ def _add_routes(app: FastAPI, gw: _Gateway) -> None:
             return JSONResponse({**body, "status": "draining"}, status_code=503)
         return JSONResponse(body)
 
+    if gw.config.auth_enabled:
+        add_docs(app, Depends(key_only))
     if not gw.config.metrics_port:  # else served on its own port (gateway/serve.py)
-        @app.get("/metrics")
+        @app.get("/metrics", dependencies=[Depends(key_only)])
         async def metrics() -> Response:
             return Response(telemetry.render(gw.metrics.registry),
                             media_type=CONTENT_TYPE_LATEST)

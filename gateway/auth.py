@@ -9,6 +9,8 @@ from a Kubernetes Secret) has one key per line; blank lines and `#` comments are
 `name` labels the key in logs and errors; `rpm` (requests per minute) overrides the gateway's
 `--rate-limit-rpm` for this key (0 = unlimited); `tpm` caps prompt + completion tokens per
 minute (0 or absent = unlimited). `tandem keys hash` prints such a line for a key on stdin.
+
+With keys configured, the API's description (/openapi.json, /docs, /redoc) needs one too.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PREFIX = "sha256:"
 _HEX = re.compile(r"[0-9a-f]{64}")
@@ -162,3 +165,22 @@ def load_keys_file(path: str | Path) -> tuple[ApiKey, ...]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read the API keys file {str(path)!r}: {exc}") from None
     return parse_keys_file(text, str(path))
+
+
+def add_docs(app: Any, guard: Any) -> None:
+    """/openapi.json, /docs and /redoc behind `guard` (FastAPI serves its own openly):
+    with keys configured they describe the API to key holders only."""
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+    from fastapi.responses import JSONResponse
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[guard])
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=[guard])
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+    @app.get("/redoc", include_in_schema=False, dependencies=[guard])
+    async def redoc():
+        return get_redoc_html(openapi_url="/openapi.json", title=app.title)
