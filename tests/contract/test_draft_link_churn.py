@@ -229,3 +229,34 @@ def test_the_draft_servers_pings_default_to_under_a_minute():
     for bad in (0, -1.0, float("nan"), "30"):
         with pytest.raises(ValueError):
             DraftConfig(keepalive_s=bad)
+
+
+def test_a_full_worker_sends_its_session_to_another_over_real_links():
+    """Worker A is full and refuses the session (RESOURCE_EXHAUSTED) on a link that stays
+    up: the session drafts from worker B, not from A again and again."""
+    async def main():
+        full = DraftWorker({Method.NGRAM: NgramProposer()},
+                           Limits(vocab_size=1000, max_context_length=256, max_sessions=1))
+        a = await draft_main.build_app(DraftConfig(port=0), full, common_pb2.WorkerInfo())
+        await a.server.start()
+        b = await ngram_server()
+        first, seq = session("first"), session("s")
+        side = DraftSide({s.session_id: s for s in (first, seq)}, 1000, 4, 4)
+        side.pool = draft_link.DraftPool([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"],
+                                         None, side.on_reply, side.on_link_broken)
+        try:
+            side.attach(first)  # takes A's only place
+            await until(lambda: len(first.drafts) == 4, 10)
+            side.attach(seq)
+            await until(lambda: seq.session_id not in side.links and seq.epoch > 0, 10)
+            side.commit(seq, seq.num_tokens, [], run_ahead=4)  # the next round re-attaches
+            await until(lambda: len(seq.drafts) == 4, 10)
+            assert side.links[seq.session_id].address == f"127.0.0.1:{b.port}"
+            assert side.links[first.session_id].alive  # A's link itself is fine
+        finally:
+            await side.close()
+            for app in (a, b):
+                await app.server.stop(None)
+                await app.worker.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

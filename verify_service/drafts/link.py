@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container
 
 import grpc
 
@@ -207,8 +207,10 @@ class DraftPool:
                 log.warning("draft discovery failed: %s", exc)
         return [a for a in found if self._skips.ready(a)]
 
-    async def get(self, hint: str = "") -> DraftLink | None:
-        order = await self.candidates()
+    async def get(self, hint: str = "", avoid: Container[str] = ()) -> DraftLink | None:
+        """A live link for a session, the hint first; none to the addresses in `avoid` (the
+        workers that refused this session or never drafted for it)."""
+        order = [a for a in await self.candidates() if a not in avoid]
         if hint in order:  # the gateway's pick first
             order.remove(hint)
             order.insert(0, hint)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Protocol
 
 from tandem.backoff import backoff_s
@@ -19,14 +18,14 @@ from tandem.spec import (
     Close,
     Commit,
     Control,
-    DraftToken,
     Features,
     Method,
     Open,
-    Proposal,
     Reply,
     SessionError,
 )
+from verify_service.drafts.checks import checked
+from verify_service.drafts.watch import REFUSALS, LinkWatch
 from verify_service.policy.feedback import Latency, note_link_round
 from verify_service.session.sequence import DRAFT_ATTACHES, Sequence
 
@@ -66,7 +65,7 @@ def _alive(link: Link) -> bool:
 class Links(Protocol):
     """Where links come from (DraftPool)."""
 
-    async def get(self, hint: str = "") -> Link | None: ...
+    async def get(self, hint: str = "", avoid: Container[str] = ()) -> Link | None: ...
 
     def mark_failed(self, address: str, link: Link | None = None) -> None: ...
 
@@ -89,6 +88,7 @@ class DraftSide:
         self._run_ahead: dict[str, int] = {}  # session -> the run-ahead its last commit set
         self._attaching: set[str] = set()
         self._clock = clock
+        self.watch = LinkWatch(clock)  # workers that refuse a session or never draft for it
 
     def linked(self, seq: Sequence) -> bool:
         return seq.session_id in self.links
@@ -123,7 +123,7 @@ class DraftSide:
         try:
             host = self.hosted.get(seq.link_method)  # a method served in this process
             link = host.link(self.on_reply, self.on_link_broken) if host is not None \
-                else await self.pool.get(seq.params.draft_address)
+                else await self._from_pool(seq)
         finally:
             self._attaching.discard(seq.session_id)
         if seq.finished or seq.session_id not in self.sessions:
@@ -155,7 +155,9 @@ class DraftSide:
                        grammar=p.grammar, grammar_start=len(p.prompt)))
         if run_ahead == 0:  # a session at k = 0: Open cannot say "none yet", a commit can
             link.send(Commit(seq.session_id, seq.epoch, seq.num_tokens, [], 0, None))
-        elif seq.local.in_verifier:  # auto opens when it asks: its first draft is timed from here
+            return
+        self.watch.asked(seq.session_id, seq.link_method)
+        if seq.local.in_verifier:  # auto opens when it asks: its first draft is timed from here
             self._asked_at[seq.session_id] = time.perf_counter()
 
     def commit(self, seq: Sequence, start: int, tokens: list[int],
@@ -172,6 +174,12 @@ class DraftSide:
         if link is not None and not _alive(link):  # broke without telling (see _attach)
             self._detach(seq, close=False)
             link = None
+        asking = self._asking(seq)
+        if not asking:
+            self.watch.quiet(seq.session_id)
+        elif link is not None and self.watch.silent(seq.session_id):
+            self._leave(seq, link, "sent no drafts for it")
+            link = None
         if link is None:
             self.attach(seq)
         else:
@@ -179,9 +187,31 @@ class DraftSide:
                 self._asked_at.pop(seq.session_id, None)
             else:
                 self._asked_at[seq.session_id] = time.perf_counter()
+            if asking:
+                self.watch.asked(seq.session_id, seq.link_method)
             link.send(Commit(seq.session_id, seq.epoch, start, tokens, run_ahead, features))
 
+    async def _from_pool(self, seq: Sequence) -> Link | None:
+        avoid = self.watch.avoided(seq.session_id)
+        if avoid is None:  # (never refused: any Links will do, one without `avoid` too)
+            return await self.pool.get(seq.params.draft_address)
+        return await self.pool.get(seq.params.draft_address, avoid)
+
+    def _asking(self, seq: Sequence) -> bool:
+        """Whether the session wants drafts from its link now (an auto session not until
+        a commit asks: verify_service/policy/auto.py)."""
+        default = 0 if seq.local.in_verifier else self.max_run_ahead
+        return self._run_ahead.get(seq.session_id, default) > 0
+
+    def _leave(self, seq: Sequence, link: Link, why: str) -> None:
+        """Move the session off a worker that fails it while its link is up: it stays away
+        from that worker for a while (watch.py); the next attach finds another, or none."""
+        log.info("draft %s %s %s: moving it", link.address, why, seq.session_id)
+        self.watch.avoid(seq.session_id, link.address)
+        self._detach(seq, close=True)
+
     def release(self, seq: Sequence) -> None:
+        self.watch.forget(seq.session_id)
         self._asked_at.pop(seq.session_id, None)
         self._run_ahead.pop(seq.session_id, None)
         link = self.links.pop(seq.session_id, None)
@@ -197,9 +227,11 @@ class DraftSide:
             return  # drafted (or failed) before the last divergence or re-attach
         if isinstance(reply, SessionError):
             log.info("draft %s gave up on %s: %s", link.address, seq.session_id, reply.message)
+            if reply.code in REFUSALS:  # full, or failing it: try another worker next
+                self.watch.avoid(seq.session_id, link.address)
             self._detach(seq, close=False)
             return
-        token = self._checked(seq, reply)
+        token = checked(seq, reply, self.vocab_size, self.top_n, self.max_run_ahead)
         if token is None:  # malformed or out of order: resynchronise this session only
             log.info("draft %s sent %s a proposal out of place (position %d, expected %d) or "
                      "malformed: re-attaching", link.address, seq.session_id, reply.position,
@@ -214,6 +246,7 @@ class DraftSide:
         else:
             seq.add_node(token, reply.tree.parent, reply.tree.path_prob, reply.tree.last)
         seq.link.attaches_left = DRAFT_ATTACHES  # this stream works
+        self.watch.quiet(seq.session_id)
         now = time.perf_counter()
         asked = self._asked_at.pop(seq.session_id, None)
         if asked is not None and now - asked < 0.5:  # the first draft since the commit
@@ -224,48 +257,11 @@ class DraftSide:
         self._last_arrival = now
         self.arrived.set()
 
-    def _checked(self, seq: Sequence, p: Proposal) -> DraftToken | None:
-        """The proposal's token if it is well formed and where it belongs, else None."""
-        if (bool(seq.params.tree) and not seq.local.in_verifier) != (p.tree is not None):
-            return None  # a chain token for a tree session, or a tree node for a chain one
-        if p.tree is None:
-            if p.position != seq.next_draft_position():
-                return None
-        elif not self._node_fits(seq, p):
-            return None
-        v, tok = self.vocab_size, p.token
-        if not 0 <= tok.token_id < v:
-            return None
-        ids, probs = tok.q_ids, tok.q_probs
-        if ids or probs:
-            # At most the top-N asked for (before any scan: a peer could send millions), each
-            # id once (a dense q would keep only one of its entries).
-            if len(ids) != len(probs) or len(ids) > self.top_n or len(set(ids)) != len(ids):
-                return None
-            if any(not 0 <= i < v for i in ids):
-                return None
-            if any(not math.isfinite(q) or q < 0 for q in probs) or abs(sum(probs) - 1) > 1e-3:
-                return None
-            if tok.token_id not in ids or probs[ids.index(tok.token_id)] <= 0:
-                return None
-            if p.tree is not None and sum(q > 0 for q in probs) > 1:
-                # The sibling rule (kernels/tree_rejection.py) is exact for one-hot candidates
-                # or independent draws; a tree's q cannot say which, so only one-hot is taken.
-                return None
-        return tok
-
-    def _node_fits(self, seq: Sequence, p: Proposal) -> bool:
-        """A tree node: the next of an unfinished tree, under an earlier node (or the root),
-        at its depth's position, with a probability for an estimate, within the size cap."""
-        node, n = p.tree, len(seq.drafts)
-        return (not seq.tree_complete and n < self.max_run_ahead and -1 <= node.parent < n
-                and p.position == seq.num_tokens + seq.node_depth(node.parent)
-                and math.isfinite(node.path_prob) and 0 <= node.path_prob <= 1)
-
     def _detach(self, seq: Sequence, close: bool) -> None:
         """Stop taking this session's proposals from its link. The epoch moves on, so what the
         old attach still has in flight fails the epoch check after a re-attach."""
         link = self.links.pop(seq.session_id)
+        self.watch.quiet(seq.session_id)
         if close:
             link.send(Close(seq.session_id))
         seq.drop_link_drafts()
@@ -277,6 +273,7 @@ class DraftSide:
         for session_id, owner in list(self.links.items()):
             if owner is link:
                 del self.links[session_id]
+                self.watch.quiet(session_id)
                 seq = self.sessions.get(session_id)
                 if seq is not None:
                     seq.drop_link_drafts()
