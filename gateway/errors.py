@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import traceback
 from types import MappingProxyType
 
 from fastapi import FastAPI, Request
@@ -112,11 +113,37 @@ def install_handlers(app: FastAPI) -> None:
         err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
         return err.response()
 
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in the gateway")
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
-
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Exception, on_unexpected)
+    # Not an Exception handler: Starlette re-raises after one, and the server then logs the
+    # exception's message, which may quote the request (a prompt, a schema, tool arguments).
+    app.add_middleware(_Unexpected)
+
+
+class _Unexpected:
+    """Any other exception: a 500 naming its type; logged with its traceback, not its
+    message (request text must not reach the logs)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            log.error("unhandled %s in the gateway (message withheld):\n%s", type(exc).__name__,
+                      "".join(traceback.format_tb(exc.__traceback__)).rstrip())
+            if not started:  # else the response is cut short: all a server can do then
+                await APIError(500, f"internal error: {type(exc).__name__}").response()(
+                    scope, receive, send)
