@@ -10,7 +10,8 @@ Commit / Close / Invalid and sends back whatever a Stream yields (Proposal or Se
 One worker serves every stream of the process, so each step batches ALL sessions that want
 drafting into one proposer call per method (one forward for the draft model). The step runs on
 a single-thread executor: the event loop stays free for stream traffic and health checks, and
-the proposers (with their KV caches) are only ever touched by that one thread.
+the proposers (with their KV caches) are only ever touched by that one thread, which also
+computes the sessions' grammar masks (from copies of their matchers: the loop commits to them).
 
 What an Open or a Commit does to a session is in control.py; how a proposer's result goes out
 as Proposals (chain or tree) is in proposals.py.
@@ -264,7 +265,8 @@ class DraftWorker:
         return jobs
 
     def _run_step(self, jobs: Jobs) -> dict[Method, list[DraftResult]]:
-        return run_step(self.proposers, jobs)  # (an attribute, so a test can break it)
+        """Forward thread: masks, then proposals (draft_service/step.py)."""
+        return run_step(self.proposers, jobs)
 
     def _apply(self, s: Session, generation: int, req: DraftRequest, res: DraftResult) -> None:
         if s.session_key not in self._sessions:
