@@ -1,10 +1,13 @@
 """TLS and mutual TLS on every gRPC hop: gateway -> verifier -> draft worker.
 
-One `TlsConfig` per process, from flags or TANDEM_TLS_* (in Kubernetes each pod mounts its own
-secret at the same path, so one set of names serves every role). A process serves with its
-certificate and presents the same one when it dials a peer. `require_client_cert` makes a
-server refuse clients whose certificate the CA did not sign (mTLS). `None` everywhere means
-plaintext, the default.
+One `TlsConfig` per process, from flags or TANDEM_TLS_* (in Kubernetes each role mounts its
+own certificate's secret at the same path, so one set of names serves every role). A process
+serves with its certificate and presents the same one when it dials a peer.
+`require_client_cert` makes a server refuse clients whose certificate the CA did not sign
+(mTLS); `client_names` then also refuses clients of another role: their certificate must name
+one of them (a verifier takes the gateway's, a draft worker the verifier's), so a draft
+worker's certificate cannot call a verifier as a gateway. `None` everywhere means plaintext,
+the default.
 
 Certificates are read when a server or channel is built: a rotated secret takes effect when
 the process restarts.
@@ -12,6 +15,7 @@ the process restarts.
 from __future__ import annotations
 
 import argparse
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +52,9 @@ class TlsConfig:
     ca_file: str = ""  # peers must chain to this; "" = the system roots (clients only)
     require_client_cert: bool = False  # mTLS: servers refuse clients the CA did not sign
     server_name: str = ""  # name checked in the server's certificate; "" = the dialled host
+    # mTLS: a client's certificate must also name one of these (DNS or URI SAN; the CN when it
+    # has no SAN): the roles allowed to call this server; () = any the CA signed
+    client_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("cert_file", "key_file", "ca_file", "server_name"):
@@ -65,6 +72,7 @@ class TlsConfig:
         if self.require_client_cert and not (self.cert_file and self.ca_file):
             raise ValueError("--tls-client-auth (mTLS) needs --tls-ca to verify clients with "
                              "and --tls-cert/--tls-key to serve with")
+        _check_client_names(self.client_names, self.require_client_cert)
         if self.server_name and (":" in self.server_name or
                                  any(c.isspace() for c in self.server_name)):
             raise ValueError(f"server_name must be a host name, got {self.server_name!r}")
@@ -83,6 +91,15 @@ def check_serving(tls: object) -> None:
     if tls is not None and not (isinstance(tls, TlsConfig) and tls.can_serve):
         raise ValueError("tls must be None or a TlsConfig with a certificate and key to serve "
                          "with (--tls-cert, --tls-key)")
+
+
+def _check_client_names(names: object, mtls: bool) -> None:
+    if not isinstance(names, tuple) or not all(
+            isinstance(n, str) and n and n == n.strip() and "," not in n for n in names):
+        raise ValueError(f"client_names must be a tuple of names, got {names!r}")
+    if names and not mtls:
+        raise ValueError("--tls-client-names needs --tls-client-auth: a server sees a client's "
+                         "certificate only when it requires one")
 
 
 def _read(path: str) -> bytes | None:
@@ -153,6 +170,10 @@ def add_tls_flags(parser: argparse.ArgumentParser, serves: bool = True) -> None:
         add_flag(group, "--tls-client-auth", "TANDEM_TLS_CLIENT_AUTH", False, boolean,
                  help="mutual TLS: refuse clients without a certificate signed by --tls-ca",
                  nargs="?", const=True, metavar="BOOL")
+        add_flag(group, "--tls-client-names", "TANDEM_TLS_CLIENT_NAMES", "",
+                 help="with --tls-client-auth: refuse clients whose certificate names none of "
+                      "these (comma-separated DNS or URI names: the roles that may call, e.g. "
+                      "a verifier takes the gateway's certificate only)", metavar="NAMES")
     add_flag(group, "--tls-server-name", "TANDEM_TLS_SERVER_NAME", "",
              help="name to verify in peers' certificates instead of the dialled host (workers "
                   "are dialled at their registered pod IPs, which certificates rarely name)",
@@ -164,8 +185,14 @@ def tls_from_args(args: argparse.Namespace) -> TlsConfig | None:
     values = {"cert_file": args.tls_cert or "", "key_file": args.tls_key or "",
               "ca_file": args.tls_ca or "",
               "require_client_cert": boolean(getattr(args, "tls_client_auth", False)),
-              "server_name": args.tls_server_name or ""}
+              "server_name": args.tls_server_name or "",
+              "client_names": split_names(getattr(args, "tls_client_names", "") or "")}
     return TlsConfig(**values) if any(values.values()) else None
+
+
+def split_names(text: str) -> tuple[str, ...]:
+    """'a, b' -> ('a', 'b')."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def tls_args(cfg: TlsConfig | None, serves: bool = True) -> list[str]:
@@ -178,4 +205,67 @@ def tls_args(cfg: TlsConfig | None, serves: bool = True) -> list[str]:
         args += [f"{flag}={value}"] if value else []
     if serves and cfg.require_client_cert:
         args.append("--tls-client-auth=true")
+    if serves and cfg.client_names:
+        args.append(f"--tls-client-names={','.join(cfg.client_names)}")
     return args
+
+
+def server_interceptors(cfg: TlsConfig | None) -> list:
+    """The interceptors a server built with `cfg` puts first: the client-role check when
+    cfg.client_names is set (none otherwise)."""
+    return [ClientNameInterceptor(cfg.client_names)] if cfg and cfg.client_names else []
+
+
+def peer_names(context) -> set[str]:
+    """The names of a call's client certificate: its DNS and URI SANs, else its CN."""
+    auth = context.auth_context()
+    names = {v.decode(errors="replace") for key in ("peer_dns", "peer_uri")
+             for v in auth.get(key, ())}
+    if not names:  # an older gRPC without peer_dns: the SANs, then the CN
+        names = {v.decode(errors="replace") for key in ("x509_subject_alternative_name",
+                                                        "x509_common_name")
+                 for v in auth.get(key, ())}
+    return names
+
+
+class ClientNameInterceptor(grpc.aio.ServerInterceptor):
+    """Every call, health and reflection included, ends PERMISSION_DENIED before its handler
+    runs unless the client's certificate names one of `names` (its role)."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names = frozenset(names)
+
+    async def _check(self, context) -> None:
+        if not peer_names(context) & self.names:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "this client's certificate is not of a role this server serves "
+                                f"(it must name one of {', '.join(sorted(self.names))})")
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        for attr, make in (("unary_unary", grpc.unary_unary_rpc_method_handler),
+                           ("stream_unary", grpc.stream_unary_rpc_method_handler),
+                           ("unary_stream", grpc.unary_stream_rpc_method_handler),
+                           ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+            behavior = getattr(handler, attr)
+            if behavior is not None:
+                return make(self._wrap(behavior),
+                            request_deserializer=handler.request_deserializer,
+                            response_serializer=handler.response_serializer)
+        return handler
+
+    def _wrap(self, behavior):
+        if inspect.isasyncgenfunction(behavior):
+            async def stream(request, context):
+                await self._check(context)
+                async for item in behavior(request, context):
+                    yield item
+            return stream
+
+        async def call(request, context):
+            await self._check(context)
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+        return call
