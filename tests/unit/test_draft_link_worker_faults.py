@@ -128,3 +128,24 @@ def test_results_keep_their_sessions_when_a_mask_fails_mid_batch():
         await worker.aclose()
     run(main())
 
+
+
+def test_a_grammar_view_masks_as_the_sessions_own_matcher_would(grammar_compiler, tokenizer):
+    """The copy taken on the loop, walked on the forward thread, gives the session's mask
+    (chain) and tree grammar; the session's own matcher does not move."""
+    from test_grammar import state
+
+    from draft_service.session import GrammarView
+    from tandem.grammar import GrammarKind, GrammarSpec
+    from tandem.spec import DraftRequest
+
+    st = state(grammar_compiler, GrammarSpec(GrammarKind.REGEX, r"(cat|car|dog)s?"))
+    ca = tokenizer("ca", add_special_tokens=False).input_ids
+    before, want = st.next_mask([]), st.next_mask(ca)
+    req = DraftRequest(session_key=1, token_ids=[1, *ca], num_committed=1, max_tokens=2)
+    chain = GrammarView(st.copy_after([]), tuple(ca), tree=False).apply(req)
+    tree = GrammarView(st.copy_after([]), tuple(ca), tree=True).apply(req)
+    assert torch.equal(chain.mask, want) and chain.grammar is None
+    assert torch.equal(tree.mask, want) and torch.equal(tree.grammar.mask_after([]), want)
+    assert not torch.equal(want, before)
+    assert torch.equal(st.next_mask([]), before)  # the session's own matcher stays put
