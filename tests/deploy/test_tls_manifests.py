@@ -1,7 +1,9 @@
-"""Deploy tier, TLS: the prod overlays run gRPC over mutual TLS from the Secret tandem-tls.
+"""Deploy tier, TLS: the prod overlays run gRPC over mutual TLS, each role from its own Secret
+tandem-tls-ROLE (issue 47: one certificate no longer serves every role).
 
-Checks the rendered manifests (components/tls): the Secret mounted read-only in every Tandem
-pod, TANDEM_TLS_* naming its cert-manager keys, mTLS on both worker pools, the names clients
+Checks the rendered manifests (components/tls): the role's Secret mounted read-only in every
+Tandem pod, TANDEM_TLS_* naming its cert-manager keys, mTLS on both worker pools that admits
+the calling role only (TANDEM_TLS_CLIENT_NAMES: the caller's Service name), the names clients
 verify matching the Services of the render, and probes a kubelet can run against a TLS port.
 The env is then fed to the real CLI, which must build a TlsConfig from it. Dev and the base
 stay plaintext. Broken overlays must be caught. Reuses test_manifests.py's rendering.
@@ -29,22 +31,24 @@ from test_manifests import (
 
 pytestmark = pytest.mark.deploy
 
-SECRET = "tandem-tls"
+SECRETS = {role: f"tandem-tls-{role}" for role in ("gateway", "verifier", "draft")}
 MOUNT = "/etc/tandem/tls"
 # TANDEM_TLS_* -> the cert-manager Secret key it must name
 FILES = {"TANDEM_TLS_CERT": "tls.crt", "TANDEM_TLS_KEY": "tls.key", "TANDEM_TLS_CA": "ca.crt"}
 # who dials whom: the client role -> the Service of the role it dials
 DIALS = {"gateway": "verifier", "verifier": "draft"}
+CALLERS = {server: client for client, server in DIALS.items()}  # the one role that may call
 PROD = [o for o in OVERLAYS if o.startswith("prod-")]
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
 
-def _secret_mount(dep, container) -> list[str]:
-    """Problems with the tandem-tls volume and its mount in one container."""
+def _secret_mount(dep, container, role) -> list[str]:
+    """Problems with the role's TLS volume and its mount in one container."""
     volumes = [v for v in pod_spec(dep).get("volumes", [])
-               if (v.get("secret") or {}).get("secretName") == SECRET]
-    if len(volumes) != 1:
-        return [f"{name_of(dep)}: {len(volumes)} volumes of Secret {SECRET}, want 1"]
+               if (v.get("secret") or {}).get("secretName") in SECRETS.values()]
+    names = [v["secret"]["secretName"] for v in volumes]
+    if names != [SECRETS[role]]:
+        return [f"{name_of(dep)}: TLS Secrets {names}, want its role's own, {SECRETS[role]}"]
     secret = volumes[0]["secret"]
     problems = []
     if secret.get("optional"):
@@ -54,17 +58,32 @@ def _secret_mount(dep, container) -> list[str]:
         problems.append(f"{name_of(dep)}: Secret items {sorted(keys)} miss a TLS key")
     mounts = [m for m in container.get("volumeMounts", []) if m["name"] == volumes[0]["name"]]
     if [(m["mountPath"], m.get("readOnly")) for m in mounts] != [(MOUNT, True)]:
-        problems.append(f"{name_of(dep)}: mount {SECRET} once, read-only, at {MOUNT}")
+        problems.append(f"{name_of(dep)}: mount {names[0]} once, read-only, at {MOUNT}")
     return problems
+
+
+def _service_names(docs, role) -> set[str]:
+    """The FQDNs of the Services of `role`'s pods: what its certificate names."""
+    peers = [d for d, _c, r in tandem_containers(docs) if r == role]
+    return {f"{s['metadata']['name']}.{namespace_of(s)}.svc"
+            for peer in peers for s in services_selecting(docs, peer)}
+
+
+def _client_names(docs, dep, role, env) -> list[str]:
+    """A worker admits the certificate of the one role that calls it, no other."""
+    got = {n.strip() for n in env.get("TANDEM_TLS_CLIENT_NAMES", "").split(",") if n.strip()}
+    want = _service_names(docs, CALLERS[role])
+    if not got or not got <= want:
+        return [f"{name_of(dep)}: TANDEM_TLS_CLIENT_NAMES {sorted(got)} must name the "
+                f"{CALLERS[role]} only: some of {sorted(want)}"]
+    return []
 
 
 def _server_name(docs, dep, role, env) -> list[str]:
     """The name a client verifies must be the FQDN of the Service it dials, in this render."""
     if role not in DIALS:
         return []
-    peers = [d for d, _c, r in tandem_containers(docs) if r == DIALS[role]]
-    want = {f"{s['metadata']['name']}.{namespace_of(s)}.svc"
-            for peer in peers for s in services_selecting(docs, peer)}
+    want = _service_names(docs, DIALS[role])
     got = env.get("TANDEM_TLS_SERVER_NAME")
     if got not in want:
         return [f"{name_of(dep)}: TANDEM_TLS_SERVER_NAME {got!r} is not one of {sorted(want)}"]
@@ -75,7 +94,7 @@ def check_tls(docs) -> list[str]:
     """Every Tandem pod on mTLS from the mounted Secret; [] when the render is right."""
     problems = []
     for dep, c, role in tandem_containers(docs):
-        problems += _secret_mount(dep, c)
+        problems += _secret_mount(dep, c, role)
         env = container_env(c, docs, namespace_of(dep))
         for var, key in FILES.items():
             if env.get(var) != f"{MOUNT}/{key}":
@@ -85,6 +104,7 @@ def check_tls(docs) -> list[str]:
             continue
         if env.get("TANDEM_TLS_CLIENT_AUTH", "").lower() not in ("true", "1", "yes", "on"):
             problems.append(f"{name_of(dep)}: a worker must require client certificates")
+        problems += _client_names(docs, dep, role, env)
         port = probed_port(dep, c)  # the gRPC port (an LWS leader: the rendezvous port)
         for probe in PROBES:
             handler = c.get(probe) or {}
@@ -109,7 +129,7 @@ def test_other_renders_stay_plaintext(target):
     for dep, c, _role in tandem_containers(docs):
         env = container_env(c, docs, namespace_of(dep))
         assert not [k for k in env if k.startswith("TANDEM_TLS_")], name_of(dep)
-        assert not any((v.get("secret") or {}).get("secretName") == SECRET
+        assert not any((v.get("secret") or {}).get("secretName") in SECRETS.values()
                        for v in pod_spec(dep).get("volumes", [])), name_of(dep)
 
 
@@ -143,7 +163,7 @@ def test_the_cli_builds_mtls_from_the_pods_env(overlay, tmp_path, monkeypatch):
         assert tls.cert_file == str(files / "tls.crt") and tls.ca_file == str(files / "ca.crt")
         assert tls.require_client_cert == (role in WORKER_ROLES), name_of(dep)
         if role in WORKER_ROLES:
-            assert tls.can_serve
+            assert tls.can_serve and tls.client_names, name_of(dep)
 
 
 
@@ -174,6 +194,22 @@ BROKEN = {
     "wrong-server-name": _patch("tandem-gateway", "gateway", """\
                       env:
                         - {name: TANDEM_TLS_SERVER_NAME, value: tandem-draft.tandem.svc}"""),
+    "shared-certificate": """
+        - patch: |-
+            apiVersion: apps/v1
+            kind: Deployment
+            metadata: {name: tandem-draft}
+            spec:
+              template:
+                spec:
+                  volumes:
+                    - {name: tls, secret: {secretName: tandem-tls-verifier}}""",
+    "no-client-names": _patch("tandem-verifier", "verifier", """\
+                      env:
+                        - {name: TANDEM_TLS_CLIENT_NAMES, $patch: delete}"""),
+    "drafts-call-verifiers": _patch("tandem-verifier", "verifier", """\
+                      env:
+                        - {name: TANDEM_TLS_CLIENT_NAMES, value: tandem-draft.tandem.svc}"""),
     "cert-elsewhere": _patch("tandem-verifier", "verifier", """\
                       env:
                         - {name: TANDEM_TLS_CERT, value: /etc/tls/tls.crt}"""),
