@@ -136,11 +136,16 @@ class GrammarState:
         return target
 
     def _fill(self, out: torch.Tensor, row: int) -> None:
-        if self.matcher.is_error():  # past llguidance's limits (whose mask would be EOS
-            # alone: a 200 with text the grammar never produced): the session cannot go on
-            raise GrammarFailed(f"grammar: {short_reason(self.matcher.get_error())}")
+        self._check()
         v = out[row]
         self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        self._check()  # the mask may hit a limit itself (a row too wide, a lexer shared by
+        # every copy of the grammar out of expressions): then it is empty
         if not bool(v.any()):
             for t in self.eos_ids:  # stopped, nothing more to say: it may only end
                 v[t // 32] |= 1 << (t % 32)
+
+    def _check(self) -> None:
+        if self.matcher.is_error():  # past llguidance's limits (whose mask would be EOS
+            # alone: a 200 with text the grammar never produced): the session cannot go on
+            raise GrammarFailed(f"grammar: {short_reason(self.matcher.get_error())}")

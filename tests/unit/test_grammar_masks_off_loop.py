@@ -99,3 +99,23 @@ def test_a_session_whose_masks_fail_ends_alone_with_why(error, reason):
     assert inputs[0].mask is not None and inputs[0].mask.shape == (1, WORDS)
     assert last.finish_reason == reason and last.error
     assert good_grammar.threads and good_grammar.threads[0].startswith("verify-masks")
+
+
+def test_a_grammar_that_breaks_at_its_first_mask_fails_instead_of_forcing_eos(tokenizer):
+    """The issue's poison regex: a few tokens in, llguidance's lexer runs out of expressions;
+    that lexer is shared by every copy of the compiled grammar, so the next session's very
+    first mask comes back empty with the matcher in error. That is a GrammarFailed (a 400),
+    not EOS alone (a 200 whose empty text the regex forbids)."""
+    from tandem.grammar.compiler import GrammarCompiler
+    from tandem.grammar.spec import GrammarKind, GrammarSpec
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    spec = GrammarSpec(GrammarKind.REGEX, "([a-z ]{1,50}){1,50}")
+    first = compiler.state_now(spec)
+    with pytest.raises(GrammarFailed, match="grammar: "):
+        for t in tokenizer.encode(" use commas to separate items in a sentence that is long",
+                                  add_special_tokens=False):
+            first.masks([])
+            first.commit([t])
+    with pytest.raises(GrammarFailed, match="too many expressions"):
+        compiler.state_now(spec).masks([])
