@@ -120,7 +120,7 @@ def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
         await channels.close()
         gw.tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    # With keys, the API's description is theirs too: served by _add_docs behind a key.
+    # With keys, the API's description is theirs too: served by add_docs behind a key.
     hidden = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Tandem gateway", version="0.1.0", lifespan=lifespan,
                   **(hidden if config.auth_enabled else {}))
@@ -302,5 +302,5 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
                                  stream=bool(req.stream))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await stream(events, meta, include_usage)
+        return await stream(events, meta, include_usage, request)
     return await collect(events, meta, request)

@@ -1,9 +1,10 @@
 """A session's events as the HTTP answer: one JSON body, or a server-sent event stream."""
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -39,16 +40,13 @@ async def collect(events: AsyncIterator, meta: ResponseMeta, request: Request) -
     parts: list[str] = []
     logprobs: list[TokenLogprobs] = []
     calls = None
-    async with aclosing(events):
+    async with aclosing(events), _cancelled_on_disconnect(request):
         async for ev in events:
             if isinstance(ev, ToolCalls):
                 calls = ev.calls
             elif isinstance(ev, TextDelta):
                 parts.append(ev.text)
                 logprobs.extend(ev.logprobs)
-                # Nobody to answer: stop (closing `events` cancels the verifier's work).
-                if await request.is_disconnected():
-                    raise APIError(499, "client disconnected", code="client_closed")
             elif isinstance(ev, Finished):
                 usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
                 fmt = meta.formatter()
@@ -60,18 +58,46 @@ async def collect(events: AsyncIterator, meta: ResponseMeta, request: Request) -
     raise APIError(502, "generation ended without a result")
 
 
+@asynccontextmanager
+async def _cancelled_on_disconnect(request: Request) -> AsyncIterator[None]:
+    """Cancels the work inside when the client goes away, as a 499. Watched apart from the
+    events: a tool call holds every event back until the end, and a prefill sends none.
+    (Closing the events then cancels the verifier's work.)"""
+    task, gone = asyncio.current_task(), False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass  # the rest of a body already read: nothing more comes but the disconnect
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        if hasattr(task, "uncancel"):  # 3.11+: this cancel is answered, not pending
+            task.uncancel()
+        raise APIError(499, "client disconnected", code="client_closed") from None
+    finally:
+        watcher.cancel()
+
+
 def _sse(obj: dict | str) -> str:
     data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
     return f"data: {data}\n\n"
 
 
-async def stream(events: AsyncIterator, meta: ResponseMeta,
-                 include_usage: bool) -> StreamingResponse:
+async def stream(events: AsyncIterator, meta: ResponseMeta, include_usage: bool,
+                 request: Request) -> StreamingResponse:
     """The response as server-sent events (stream=true), ending with `data: [DONE]`."""
     # Wait for the first event before answering: refusals (429, 503, a verifier's 400) then
     # arrive as real HTTP statuses instead of errors inside a 200 stream.
     try:
-        first = await anext(events)
+        async with _cancelled_on_disconnect(request):
+            first = await anext(events)
     except BaseException:
         await events.aclose()
         raise
