@@ -40,7 +40,7 @@ from gateway.errors import (
 )
 from gateway.generation import GenerationDeps, run_session
 from gateway.observe import observed, start_request_span
-from gateway.plan import GenerationPlan, build_plan
+from gateway.plan import GenerationPlan, build_plan, max_token_chars
 from gateway.quotas import Limits, RedisQuotas, metered
 from gateway.responses import ResponseMeta, collect, stream
 from gateway.routing import Router
@@ -84,6 +84,10 @@ class _Gateway:
     # thread, since a fast tokenizer must not be reconfigured by two threads at once.
     tokenizing: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         1, thread_name_prefix="tandem-tokenize"))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:  # bounds a prompt's tokens before tokenizing it
+        return max_token_chars(self.tokenizer)
 
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs (special tokens included: they were generated)."""
@@ -275,7 +279,8 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
         with trace.use_span(span, end_on_exit=False):
             plan, text = await build_plan(req, session_id, config=gw.config, router=gw.router,
                                           tokenizer=gw.tokenizer, grammars=gw.grammars,
-                                          tokenize_in=gw.tokenizing)
+                                          tokenize_in=gw.tokenizing,
+                                          max_token_chars=gw.max_token_chars)
             plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()),
                            tenant=_tenant(request))
             try:

@@ -47,11 +47,13 @@ class GenerationPlan:
 
 async def build_plan(req: schemas.GenerationRequest, session_id: str, *, config: GatewayConfig,
                      router: Router, tokenizer: Any, grammars: LazyCompiler | None = None,
-                     tokenize_in: Executor | None = None) -> tuple[GenerationPlan, TextStream]:
+                     tokenize_in: Executor | None = None, max_token_chars: int = 0
+                     ) -> tuple[GenerationPlan, TextStream]:
     """The plan for `req` and the TextStream that turns its tokens into the client's text;
     400 (APIError) for anything the request models alone could not reject. A grammar is
     compiled here (`grammars`), so one that cannot be is a 400 before any token. The prompt
-    is tokenized on `tokenize_in` (None: the loop's default pool), never on the event loop."""
+    is tokenized on `tokenize_in` (None: the loop's default pool), never on the event loop,
+    unless its text could not fit the context even at `max_token_chars` characters a token."""
     verifiers = await router.verifiers()
     # The live verifiers' limit wins; the config's covers verifiers that report none.
     max_spec = max((v.max_spec_tokens for v in verifiers), default=0)
@@ -62,6 +64,7 @@ async def build_plan(req: schemas.GenerationRequest, session_id: str, *, config:
     grammar, tools = constraint(req)
     if grammar is not None:
         await _check_grammar(grammar, grammars, "tools" if tools else "")
+    _check_text_fits(req, config.context_length, max_token_chars)
     ids, conversation = await asyncio.get_running_loop().run_in_executor(
         tokenize_in, schemas.prompt_token_ids, req, tokenizer,
         system_prompt(req.tools, tools) if tools else "")
@@ -167,6 +170,32 @@ async def _served(router: Router) -> set[str]:
 _LEGACY_METHODS = ("draft_model", "ngram")
 # The draft workers' model methods auto may take drafts from, by API name.
 AUTO_DRAFTS = tuple(m.api_name for m in sorted(AUTO_DRAFT_METHODS))
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token's text can have: the longest vocabulary entry (a
+    byte-level token spells one character per byte; a byte-fallback one, more)."""
+    return max(map(len, tokenizer.get_vocab()), default=0)
+
+
+def _check_text_fits(req: schemas.GenerationRequest, context_length: int,
+                     max_token_chars: int) -> None:
+    """400 for a prompt whose text needs more tokens than the context holds even if every
+    token were the longest: a 3 MiB body is refused at once instead of after seconds of
+    tokenizing, and never holds up the next tenant's prompt on the tokenizing thread."""
+    if not max_token_chars:
+        return
+    if isinstance(req, schemas.ChatCompletionRequest):
+        chars = sum(len(m.get("content") or "") for m in req.template_messages())
+    else:  # a string, or a list of them (token ids need no tokenizing)
+        prompt = req.prompt
+        texts = [prompt] if isinstance(prompt, str) else [
+            p for p in prompt or () if isinstance(p, str)]
+        chars = sum(map(len, texts))
+    if chars > context_length * max_token_chars:
+        raise bad_request(f"prompt: {chars} characters cannot fit in the context length of "
+                          f"{context_length} tokens", param="prompt",
+                          code="context_length_exceeded")
 
 
 def resolve_max_tokens(req: schemas.CompletionRequest | schemas.ChatCompletionRequest,

@@ -11,13 +11,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import llguidance
 import llguidance.hf
 
+from tandem.background import background_pool
 from tandem.errors import InvalidArgument
 from tandem.grammar.spec import GrammarSpec
 from tandem.grammar.state import GrammarState, short_reason
@@ -50,7 +51,8 @@ class GrammarCompiler:
         self._grammars = _Bounded(cache_size, cache_bytes)  # key -> LLMatcher
         self._errors = _Bounded(cache_size, cache_bytes)  # key -> GrammarError
         self._lock = threading.RLock()  # re-entered: a done compile's callback runs at once
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tandem-grammar")
+        # At a lower CPU priority: a tenant's slow compile must not slow every stream.
+        self._pool = background_pool(workers, "tandem-grammar")
         self._inflight: dict[str, Future] = {}  # key -> its compile under way
 
     def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
