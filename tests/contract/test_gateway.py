@@ -350,6 +350,29 @@ def test_prompts_are_tokenized_off_the_event_loop(redis_proc, tokenizer, prefix,
     assert noting.threads and all(t.startswith("tandem-tokenize") for t in noting.threads)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", lambda text: {"prompt": text}),
+    ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": "hi"},
+                                                        {"role": "user", "content": text}]})])
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(
+        redis_proc, tokenizer, prefix, fakes, text_ids, path, body):
+    """Text longer than the context could hold at the longest token per token (a 3 MiB
+    body: seconds on the tokenizing thread every tenant shares) is a 400 at once."""
+    noting = _ThreadNoting(tokenizer)
+    fake = fakes(continue_text(text_ids))
+    longest = max(map(len, tokenizer.get_vocab()))
+    with gateway(redis_proc, noting, prefix, static_verifiers=(fake.address,),
+                 context_length=64) as client:
+        resp = client.post(path, json={"model": MODEL, "max_tokens": 8,
+                                       **body("x" * (64 * longest + 1))})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "context_length_exceeded"
+        assert noting.threads == [] and fake.requests == []
+        resp = client.post(path, json={"model": MODEL, "max_tokens": 8, **body("x " * 70)})
+        assert resp.status_code == 400  # few enough characters, but still too many tokens
+        assert noting.threads  # ... which only tokenizing tells
+
+
 def test_chat_uses_the_template_and_passes_the_draft_worker(redis_proc, tokenizer, prefix,
                                                             fakes, text_ids):
     fake = fakes(continue_text(text_ids))
