@@ -300,7 +300,8 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     events = run_session(plan, gw.deps, text)
     key: ApiKey | None = getattr(request.state, "api_key", None)
     if key is not None and key.tpm:
-        events = metered(events, gw.limiter, key.identity, meta.prompt_tokens)
+        events = metered(events, gw.limiter, key.identity, meta.prompt_tokens, key.tpm,
+                         meta.prompt_tokens + plan.max_new_tokens)
     events = observed(events, span, gw.metrics, endpoint, meta.prompt_tokens)
     if plan.tools is not None:
         events = with_tool_calls(events, plan.tools, functools.partial(_captures, gw, plan),

@@ -6,14 +6,18 @@ Key layout (prefix defaults to "tandem"; every key expires):
                                                  `who` finished in minute `win` (INCRBY)
 
 `who` is gateway.sessions.identity: a key's digest prefix, or the client address without keys.
-Tokens are known only when a request ends, so they are counted then and enforced before the
-next request: one request may overrun the quota, the ones after it wait for the next window.
-Callers route these through a RedisBreaker and fail open on RedisError.
+A request's tokens are known only when it ends, so a token quota is held in advance: a
+request starts only while its window has tokens left, and reserves its prompt + max_tokens
+(at most what is left) in one atomic step; when it ends the reservation is settled to what it
+used. Concurrent requests therefore start only while their reservations fit, and a window
+goes over its quota by at most the unreserved part of the one request that took its last
+tokens. Callers route these through a RedisBreaker and fail open on RedisError.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.errors import rate_limited
 from gateway.generation import Finished, TextDelta
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,25 @@ class Limits:
 class Refusal:
     message: str
     retry_after_s: float  # until the window turns
+
+
+@dataclass(frozen=True)
+class Reservation:
+    window: int
+    tokens: int  # held in that window, settled when the request ends
+
+
+# Admit while tokens are left; hold the request's most (no more than is left), in one step so
+# that concurrent requests cannot all pass the check before any of them is counted.
+_RESERVE = """
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+local quota = tonumber(ARGV[1])
+if used >= quota then return {0, used} end
+local take = math.min(tonumber(ARGV[2]), quota - used)
+redis.call('INCRBY', KEYS[1], take)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return {take, used}
+"""
 
 
 class RedisQuotas:
@@ -87,6 +111,30 @@ class RedisQuotas:
                            "used", retry_after)
         return None
 
+    async def reserve(self, who: str, tokens: int, tpm: int) -> Reservation | Refusal:
+        """Hold up to `tokens` of `who`'s current window, or a Refusal when none is left."""
+        now = self._clock()
+        window = int(now // self.WINDOW_S)
+        take, used = await self._redis.eval(_RESERVE, 1, f"{self._key(who, window)}:tokens",
+                                            tpm, max(0, tokens), self.WINDOW_S + 1)
+        if take <= 0 and used >= tpm:
+            return Refusal(f"token quota exceeded: {used} of {tpm} tokens per minute used",
+                           (window + 1) * self.WINDOW_S - now)
+        return Reservation(window, int(take))
+
+    async def settle(self, who: str, held: Reservation, tokens: int) -> None:
+        """A request that held `held` used `tokens`: its window counts those instead. Once
+        the window has turned, only tokens beyond the reservation count (in the new one)."""
+        window = int(self._clock() // self.WINDOW_S)
+        delta = tokens - held.tokens if window == held.window else max(0, tokens - held.tokens)
+        if delta == 0:
+            return
+        key = f"{self._key(who, window)}:tokens"
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.incrby(key, delta)
+        pipe.expire(key, self.WINDOW_S + 1)
+        await pipe.execute()
+
     def hold(self, task: asyncio.Task) -> None:
         """Keep a charge running after its request is gone (a task needs a reference)."""
         self._charging.add(task)
@@ -103,12 +151,14 @@ class RedisQuotas:
         await pipe.execute()
 
 
-async def metered(events: AsyncIterator, quotas: RedisQuotas, who: str,
-                  prompt_tokens: int) -> AsyncIterator:
+async def metered(events: AsyncIterator, quotas: RedisQuotas, who: str, prompt_tokens: int,
+                  tpm: int = 0, most: int = 0) -> AsyncIterator:
     """Pass a session's events through, charging prompt + completion tokens as the Finished
     event goes by: before it is passed on, since a non-streaming caller stops reading there.
     A request that ends without one (the client went away, an error) is charged its prompt
-    and the tokens delivered so far, however it ends."""
+    and the tokens delivered so far, however it ends. With a quota (`tpm`), the request first
+    reserves `most` tokens, a 429 when none are left, and the charge settles that."""
+    held = await _reserve(quotas, who, most, tpm) if tpm else None
     delivered, charged = 0, False
     try:
         async with aclosing(events):
@@ -117,17 +167,32 @@ async def metered(events: AsyncIterator, quotas: RedisQuotas, who: str,
                     delivered += ev.tokens
                 elif isinstance(ev, Finished):
                     charged = True
-                    await _charge(quotas, who, prompt_tokens + ev.completion_tokens)
+                    await _charge(quotas, who, prompt_tokens + ev.completion_tokens, held)
                 yield ev
     finally:
         if not charged:  # shielded: the request's task may be being cancelled
-            task = asyncio.ensure_future(_charge(quotas, who, prompt_tokens + delivered))
+            task = asyncio.ensure_future(_charge(quotas, who, prompt_tokens + delivered, held))
             quotas.hold(task)
             await asyncio.shield(task)  # cancelled: the charge still completes (held)
 
 
-async def _charge(quotas: RedisQuotas, who: str, tokens: int) -> None:
+async def _reserve(quotas: RedisQuotas, who: str, most: int, tpm: int) -> Reservation | None:
     try:
-        await quotas.charge(who, tokens)
+        held = await quotas.reserve(who, most, tpm)
+    except (RedisError, OSError) as exc:  # fail open: charged when it ends, as without one
+        log.warning("token quota not reserved for %s: %s", who, exc)
+        return None
+    if isinstance(held, Refusal):
+        raise rate_limited(held.message, math.ceil(held.retry_after_s))
+    return held
+
+
+async def _charge(quotas: RedisQuotas, who: str, tokens: int,
+                  held: Reservation | None = None) -> None:
+    try:
+        if held is None:
+            await quotas.charge(who, tokens)
+        else:
+            await quotas.settle(who, held, tokens)
     except (RedisError, OSError) as exc:  # fail open, like the limiter
         log.warning("token quota not charged for %s: %s", who, exc)
