@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 Beat = tuple[asyncio.Task, asyncio.Event]
 MEMORY_EVERY_S = 15.0  # how often a worker reads Redis's INFO memory (tandem.redis_memory)
+# Per Redis call: a Redis that accepts connections but never answers must not hang the
+# heartbeats or a session's draft discovery (redis-py waits forever by default).
+REDIS_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,9 @@ def start_registration(reg: Registration, capacity: int, load: Callable[[], int]
     from tandem import redis_conn
     from tandem.registry import WorkerRecord, WorkerRegistry
 
-    client = redis_conn.client(reg.redis_url, reg.redis_password)
+    client = redis_conn.client(reg.redis_url, reg.redis_password,
+                               socket_connect_timeout=REDIS_TIMEOUT_S,
+                               socket_timeout=REDIS_TIMEOUT_S)
     registry = WorkerRegistry(client)
     worker_id = reg.worker_id or f"{reg.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
 
@@ -72,14 +77,17 @@ async def stop_registration(beat: Beat | None, timeout_s: float = 5.0) -> None:
         await asyncio.wait_for(asyncio.shield(task), timeout_s)
 
 
-def draft_discovery(redis_url: str, password: str = ""):
-    """An async callable listing live draft workers' addresses (for the verifier)."""
+def draft_discovery(redis_url: str, password: str = "", timeout_s: float = REDIS_TIMEOUT_S):
+    """An async callable listing live draft workers' addresses (for the verifier); it
+    raises within about `timeout_s` when Redis does not answer."""
     from tandem import redis_conn
     from tandem.registry import WorkerRegistry
 
-    registry = WorkerRegistry(redis_conn.client(redis_url, password))
+    registry = WorkerRegistry(redis_conn.client(
+        redis_url, password, socket_connect_timeout=timeout_s, socket_timeout=timeout_s))
 
-    async def discover() -> list[str]:
-        return [r.address for r in await registry.list("draft")]
+    async def discover() -> list[str]:  # the whole listing bounded, however many calls
+        records = await asyncio.wait_for(registry.list("draft"), 2 * timeout_s)
+        return [r.address for r in records]
 
     return discover
