@@ -77,16 +77,16 @@ def _check_streamed(calls: CallStream, text: str, found: list[dict]) -> None:
     """The streamed calls must be the ones the grammar reads (the same text, by two
     readers); a difference is a bug worth a log line, since the deltas are already out."""
     begun = calls.begun(text)
+    parsed = [(c["function"]["name"], c["function"]["arguments"]) for c in found]
     try:
         streamed = [(n, json.loads(a)) for n, a in begun]
+        same = streamed == [(n, json.loads(a)) for n, a in parsed]
     except (json.JSONDecodeError, RecursionError):
-        streamed = None
-    parsed = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found]
-    if streamed != parsed:  # names and sizes only: arguments are the user's data
+        same = False
+    if not same:  # names and sizes only: arguments are the user's data
         log.warning("streamed tool calls %s differ from the grammar's %s",
                     [(n, f"{len(a)} chars") for n, a in begun],
-                    [(c["function"]["name"], f"{len(c['function']['arguments'])} chars")
-                     for c in found])
+                    [(n, f"{len(a)} chars") for n, a in parsed])
 
 
 def chunk(chat_head: tuple, deltas: list[dict]) -> dict:
