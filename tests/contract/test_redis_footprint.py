@@ -12,7 +12,7 @@ from gateway.sessions import RedisSessionStore
 pytestmark = pytest.mark.contract
 
 PROMPT = list(range(20_000, 28_192))  # an 8K-token prompt: ~48 KB as JSON
-SESSIONS = 2_000
+SESSIONS = 10_000  # the count of requests
 
 
 def test_long_prompts_leave_a_small_footprint(redis_proc):
