@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/verify.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"V\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xa7\x02\n\x11SpeculationConfig\x12,\n\x06method\x18\x01 \x01(\x0e\x32\x1c.tandem.v1.SpeculationMethod\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x15\n\rdraft_address\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x38\n\x12typical_acceptance\x18\x05 \x01(\x0b\x32\x1c.tandem.v1.TypicalAcceptance\x12*\n\x0b\x64raft_shape\x18\x06 \x01(\x0e\x32\x15.tandem.v1.DraftShape\x12\x37\n\x11\x61uto_draft_method\x18\x07 \x01(\x0e\x32\x1c.tandem.v1.SpeculationMethod\"I\n\x11TypicalAcceptance\x12\x1b\n\x13posterior_threshold\x18\x01 \x01(\x02\x12\x17\n\x0fposterior_alpha\x18\x02 \x01(\x02\"\xb8\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x13\x63ommitted_token_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x08stopping\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StoppingCriteria\x12\x31\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1c.tandem.v1.SpeculationConfig\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12#\n\x07grammar\x18\t \x01(\x0b\x32\x12.tandem.v1.Grammar\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"~\n\nRoundStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x15\n\rdraft_wait_ms\x18\x04 \x01(\x02\x12\x11\n\tverify_ms\x18\x05 \x01(\x02\x12\x14\n\x0crejection_ms\x18\x06 \x01(\x02\"^\n\x0cSessionStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\r\n\x05lossy\x18\x04 \x01(\x08\"\xe6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rnum_committed\x18\x02 \x01(\r\x12$\n\x05round\x18\x03 \x01(\x0b\x32\x15.tandem.v1.RoundStats\x12\'\n\x06totals\x18\x04 \x01(\x0b\x32\x17.tandem.v1.SessionStats\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob*V\n\nDraftShape\x12\x1b\n\x17\x44RAFT_SHAPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44RAFT_SHAPE_CHAIN\x10\x01\x12\x14\n\x10\x44RAFT_SHAPE_TREE\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8d\x01\n\rVerifyService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x35\n\x04Info\x12\x16.tandem.v1.InfoRequest\x1a\x15.tandem.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/verify.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"V\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xa7\x02\n\x11SpeculationConfig\x12,\n\x06method\x18\x01 \x01(\x0e\x32\x1c.tandem.v1.SpeculationMethod\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x15\n\rdraft_address\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x38\n\x12typical_acceptance\x18\x05 \x01(\x0b\x32\x1c.tandem.v1.TypicalAcceptance\x12*\n\x0b\x64raft_shape\x18\x06 \x01(\x0e\x32\x15.tandem.v1.DraftShape\x12\x37\n\x11\x61uto_draft_method\x18\x07 \x01(\x0e\x32\x1c.tandem.v1.SpeculationMethod\"I\n\x11TypicalAcceptance\x12\x1b\n\x13posterior_threshold\x18\x01 \x01(\x02\x12\x17\n\x0fposterior_alpha\x18\x02 \x01(\x02\"\xd6\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x13\x63ommitted_token_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x08stopping\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StoppingCriteria\x12\x31\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1c.tandem.v1.SpeculationConfig\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12#\n\x07grammar\x18\t \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x1c\n\x14prediction_token_ids\x18\n \x03(\x05\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"~\n\nRoundStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x15\n\rdraft_wait_ms\x18\x04 \x01(\x02\x12\x11\n\tverify_ms\x18\x05 \x01(\x02\x12\x14\n\x0crejection_ms\x18\x06 \x01(\x02\"\xa6\x01\n\x0cSessionStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\r\n\x05lossy\x18\x04 \x01(\x08\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x05 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x06 \x01(\r\"\xe6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rnum_committed\x18\x02 \x01(\r\x12$\n\x05round\x18\x03 \x01(\x0b\x32\x15.tandem.v1.RoundStats\x12\'\n\x06totals\x18\x04 \x01(\x0b\x32\x17.tandem.v1.SessionStats\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob*V\n\nDraftShape\x12\x1b\n\x17\x44RAFT_SHAPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44RAFT_SHAPE_CHAIN\x10\x01\x12\x14\n\x10\x44RAFT_SHAPE_TREE\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8d\x01\n\rVerifyService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x35\n\x04Info\x12\x16.tandem.v1.InfoRequest\x1a\x15.tandem.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.verify_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTSHAPE']._serialized_start=1390
-  _globals['_DRAFTSHAPE']._serialized_end=1476
-  _globals['_FINISHREASON']._serialized_start=1478
-  _globals['_FINISHREASON']._serialized_end=1598
+  _globals['_DRAFTSHAPE']._serialized_start=1493
+  _globals['_DRAFTSHAPE']._serialized_end=1579
+  _globals['_FINISHREASON']._serialized_start=1581
+  _globals['_FINISHREASON']._serialized_end=1701
   _globals['_STOPPINGCRITERIA']._serialized_start=61
   _globals['_STOPPINGCRITERIA']._serialized_end=147
   _globals['_SPECULATIONCONFIG']._serialized_start=150
@@ -43,15 +43,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TYPICALACCEPTANCE']._serialized_start=447
   _globals['_TYPICALACCEPTANCE']._serialized_end=520
   _globals['_GENERATEREQUEST']._serialized_start=523
-  _globals['_GENERATEREQUEST']._serialized_end=835
-  _globals['_TOKENLOGPROB']._serialized_start=837
-  _globals['_TOKENLOGPROB']._serialized_end=931
-  _globals['_ROUNDSTATS']._serialized_start=933
-  _globals['_ROUNDSTATS']._serialized_end=1059
-  _globals['_SESSIONSTATS']._serialized_start=1061
-  _globals['_SESSIONSTATS']._serialized_end=1155
-  _globals['_GENERATERESPONSE']._serialized_start=1158
-  _globals['_GENERATERESPONSE']._serialized_end=1388
-  _globals['_VERIFYSERVICE']._serialized_start=1601
-  _globals['_VERIFYSERVICE']._serialized_end=1742
+  _globals['_GENERATEREQUEST']._serialized_end=865
+  _globals['_TOKENLOGPROB']._serialized_start=867
+  _globals['_TOKENLOGPROB']._serialized_end=961
+  _globals['_ROUNDSTATS']._serialized_start=963
+  _globals['_ROUNDSTATS']._serialized_end=1089
+  _globals['_SESSIONSTATS']._serialized_start=1092
+  _globals['_SESSIONSTATS']._serialized_end=1258
+  _globals['_GENERATERESPONSE']._serialized_start=1261
+  _globals['_GENERATERESPONSE']._serialized_end=1491
+  _globals['_VERIFYSERVICE']._serialized_start=1704
+  _globals['_VERIFYSERVICE']._serialized_end=1845
 # @@protoc_insertion_point(module_scope)
