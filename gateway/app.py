@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 from gateway import schemas
 from gateway.auth import ApiKey, add_docs, match_key
 from gateway.body_limit import BodyLimit
+from gateway.choices import choice_plan, run_choices
 from gateway.config import GatewayConfig
 from gateway.errors import (
     bad_request,
@@ -38,7 +39,9 @@ from gateway.errors import (
     rate_limited,
     unauthorized,
 )
+from gateway.fields import check_fields, known_fields
 from gateway.generation import GenerationDeps, run_session
+from gateway.logprobs import requested as requested_logprobs
 from gateway.observe import observed, start_request_span
 from gateway.plan import GenerationPlan, build_plan, max_token_chars
 from gateway.quotas import Limits, RedisQuotas, metered
@@ -247,6 +250,7 @@ async def _parse(request: Request, model: type[schemas.GenerationRequest]):
         raise bad_request("malformed JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    check_fields(data, known_fields(model), chat=model is schemas.ChatCompletionRequest)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -269,6 +273,40 @@ async def _captures(gw: _Gateway, plan: GenerationPlan, text: str) -> list[str]:
     return await asyncio.get_running_loop().run_in_executor(gw.tokenizing, parse)
 
 
+async def _record(gw: _Gateway, plan: GenerationPlan) -> None:
+    """A session record per choice (Redis trouble is logged: bookkeeping only)."""
+    for index in range(plan.best_of):
+        session_id = choice_plan(plan, index).session_id
+        try:
+            await gw.deps.store.create(session_id, model=gw.config.model_name,
+                                       prompt_token_ids=plan.prompt_token_ids)
+        except (RedisError, OSError) as exc:
+            log.warning("session %s not recorded: %s", session_id, exc)
+
+
+def _echo(gw: _Gateway, req: schemas.GenerationRequest, plan: GenerationPlan) -> str:
+    """completions' echo: the prompt as the client sent it (token ids: their text)."""
+    if not getattr(req, "echo", False):
+        return ""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return gw.tokenizer.decode(list(plan.prompt_token_ids),
+                               skip_special_tokens=req.skip_special_tokens)
+
+
+def _tool_calls(gw: _Gateway, req: schemas.GenerationRequest, plan: GenerationPlan):
+    """What turns one session's events into the client's when tools may be called."""
+    def wrap(events):
+        if plan.tools is None:
+            return events
+        return with_tool_calls(events, plan.tools, functools.partial(_captures, gw, plan),
+                               stream=bool(req.stream))
+    return wrap
+
+
 async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     req = await _parse(request, schemas.ChatCompletionRequest if chat
                        else schemas.CompletionRequest)
@@ -283,11 +321,7 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
                                           max_token_chars=gw.max_token_chars)
             plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()),
                            tenant=_tenant(request))
-            try:
-                await gw.deps.store.create(session_id, model=gw.config.model_name,
-                                           prompt_token_ids=plan.prompt_token_ids)
-            except (RedisError, OSError) as exc:
-                log.warning("session %s not recorded: %s", session_id, exc)
+            await _record(gw, plan)
     except BaseException as exc:  # refused before generating: the span ends here
         span.set_status(trace.StatusCode.ERROR, str(exc))
         span.end()
@@ -296,16 +330,19 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
         raise
     meta = ResponseMeta(chat, session_id, int(gw.clock()), gw.config.model_name,
                         len(plan.prompt_token_ids),
-                        None if plan.logprobs is None else gw.token_text)
-    events = run_session(plan, gw.deps, text)
+                        None if requested_logprobs(req) is None else gw.token_text, n=plan.n,
+                        echo=_echo(gw, req, plan))
+    wrap = _tool_calls(gw, req, plan)
+    # n > 1: every choice's events, merged (tool calls read per choice, before the merge)
+    events = (run_session(plan, gw.deps, text) if plan.best_of == 1
+              else run_choices(plan, gw.deps, text, wrap))
     key: ApiKey | None = getattr(request.state, "api_key", None)
     if key is not None and key.tpm:
         events = metered(events, gw.limiter, key.identity, meta.prompt_tokens, key.tpm,
-                         meta.prompt_tokens + plan.max_new_tokens)
+                         meta.prompt_tokens + plan.best_of * plan.max_new_tokens)
     events = observed(events, span, gw.metrics, endpoint, meta.prompt_tokens)
-    if plan.tools is not None:
-        events = with_tool_calls(events, plan.tools, functools.partial(_captures, gw, plan),
-                                 stream=bool(req.stream))
+    if plan.best_of == 1:
+        events = wrap(events)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream(events, meta, include_usage, request)

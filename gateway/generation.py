@@ -35,6 +35,7 @@ class TextDelta:
     text: str
     logprobs: tuple[TokenLogprobs, ...] = ()  # of the tokens this delta used, when asked
     tokens: int = 0  # completion tokens this delta used (what a quota charges if cut short)
+    index: int = 0  # the choice (n > 1)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class RoundEvent:
     round: int  # the session's round count so far (across failovers)
     committed: int  # tokens this round gave the client's session
     stats: RoundStats
+    index: int = 0  # the choice (n > 1)
 
     def as_dict(self) -> dict:
         s = self.stats
@@ -55,9 +57,14 @@ class RoundEvent:
 
 @dataclass(frozen=True)
 class Finished:
+    """The end of a session; of an n > 1 request, the end of the last choice, with the
+    totals and every choice's end in `choices` (gateway/choices.py)."""
+
     finish_reason: str
     completion_tokens: int
     speculation: dict
+    index: int = 0
+    choices: tuple = ()  # ChoiceEnd of every choice (n > 1), by index
 
 
 @dataclass
@@ -223,15 +230,19 @@ class _Failover:
         return ids
 
 
-async def run_session(plan: GenerationPlan, deps: GenerationDeps,
-                      text: TextStream) -> AsyncIterator[TextDelta | Finished]:
-    """Text deltas, then one Finished. Raises APIError (before or during the stream)."""
+async def run_session(plan: GenerationPlan, deps: GenerationDeps, text: TextStream,
+                      started: asyncio.Event | None = None
+                      ) -> AsyncIterator[TextDelta | Finished]:
+    """Text deltas, then one Finished. Raises APIError (before or during the stream).
+    `started` is set once the first round is in (the verifier has the prompt cached)."""
     runner = _Failover(plan, deps)
     store, session_id = deps.store, plan.session_id
     done = False
     try:
         async with aclosing(runner.tokens()) as token_stream:
             async for ids in token_stream:
+                if started is not None:
+                    started.set()
                 used = text.num_tokens
                 delta = text.push(ids)
                 # the logprobs of the tokens the text used (not those after a stop)

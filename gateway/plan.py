@@ -12,6 +12,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import bad_request
 from gateway.logprobs import requested as requested_logprobs
 from gateway.routing import Router, affinity_key
+from gateway.sampling_options import choices, sampling_params
 from gateway.structured import constraint
 from gateway.text import TextStream
 from gateway.tools import ToolPlan, system_prompt
@@ -43,6 +44,8 @@ class GenerationPlan:
     draft_shape: str | None = None  # "tree" or "chain" (medusa, eagle); None = the verifier's
     grammar: GrammarSpec | None = None  # structured output (gateway/structured.py)
     tools: ToolPlan | None = None  # the tools the text may call (chat)
+    n: int = 1  # choices returned
+    best_of: int = 1  # choices generated (>= n: the n with the highest logprob are kept)
 
 
 async def build_plan(req: schemas.GenerationRequest, session_id: str, *, config: GatewayConfig,
@@ -71,22 +74,32 @@ async def build_plan(req: schemas.GenerationRequest, session_id: str, *, config:
     max_new = resolve_max_tokens(req, len(ids), config.context_length,
                                          config.default_max_tokens)
     stop_ids = _stop_token_ids(req, tokenizer, config.eos_token_ids)
+    n, best_of = choices(req)
+    sampling = sampling_params(req, tokenizer)
+    if sampling.min_tokens > max_new:
+        raise bad_request(f"min_tokens: {sampling.min_tokens} is more than the {max_new} "
+                          "tokens to generate", param="min_tokens")
+    # best_of ranks the choices by their tokens' logprobs: ask for them even if not shown
+    logprobs = requested_logprobs(req)
     spec = req.speculation or schemas.SpeculationOptions()
     method = await _method(spec, router, config.method_preference)
     if spec.draft_shape == "tree" and not method.can_tree:
         raise bad_request(f"speculation.draft_shape 'tree' applies to methods medusa and "
                           f"eagle, not {method.api_name}", param="speculation.draft_shape")
     plan = GenerationPlan(
-        session_id=session_id, prompt_token_ids=tuple(ids), sampling=_sampling(req),
+        session_id=session_id, prompt_token_ids=tuple(ids), sampling=sampling,
         max_new_tokens=max_new, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
         method=method, draft_shape=spec.draft_shape,
         num_speculative_tokens=(spec.num_speculative_tokens
                                 if spec.num_speculative_tokens is not None
                                 else config.default_speculative_tokens),
         affinity_key=affinity_key(conversation), typical=_typical(spec),
-        logprobs=requested_logprobs(req), round_events=spec.events, grammar=grammar,
-        tools=tools)
-    return plan, TextStream(tokenizer, req.stop_strings(), stop_ids)
+        logprobs=0 if logprobs is None and best_of > n else logprobs,
+        round_events=spec.events, grammar=grammar, tools=tools, n=n, best_of=best_of)
+    return plan, TextStream(tokenizer, req.stop_strings(), stop_ids,
+                            include_stop=req.include_stop_str_in_output,
+                            skip_special_tokens=req.skip_special_tokens,
+                            min_tokens=sampling.min_tokens)
 
 
 async def _check_grammar(grammar: GrammarSpec, grammars: LazyCompiler | None,
@@ -122,15 +135,6 @@ def _stop_token_ids(req: schemas.GenerationRequest, tokenizer: Any,
     eos = tokenizer.eos_token_id
     own = () if req.ignore_eos else ((eos,) if eos is not None else ()) + eos_ids
     return tuple(dict.fromkeys(own + extra_stops))
-
-
-def _sampling(req: schemas.GenerationRequest) -> SamplingParams:
-    try:
-        return SamplingParams(1.0 if req.temperature is None else req.temperature,
-                              req.top_k or 0, 1.0 if req.top_p is None else req.top_p,
-                              req.seed)
-    except ValueError as exc:  # already range-checked by pydantic; kept as a safety net
-        raise bad_request(str(exc)) from None
 
 
 async def _method(spec: schemas.SpeculationOptions, router: Router,

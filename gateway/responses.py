@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from gateway import schemas
+from gateway.choices import ChoiceEnd
 from gateway.errors import APIError
 from gateway.generation import Finished, RoundEvent, TextDelta
 from gateway.logprobs import LogprobsFormatter, TokenLogprobs
@@ -27,6 +28,8 @@ class ResponseMeta:
     model: str
     prompt_tokens: int
     decode: Callable[[int], str] | None = None  # a token's text; None = no logprobs asked
+    n: int = 1  # choices returned (best_of more may be generated: collect keeps the n best)
+    echo: str = ""  # completions' echo: the prompt's text, before each choice's
 
     def formatter(self) -> LogprobsFormatter | None:
         return None if self.decode is None else LogprobsFormatter(self.chat, self.decode)
@@ -35,27 +38,50 @@ class ResponseMeta:
         return self.chat, self.session_id, self.created, self.model
 
 
+@dataclass
+class _Choice:
+    """What one choice's events add up to."""
+
+    parts: list[str]
+    logprobs: list[TokenLogprobs]
+    calls: list[dict] | None = None
+
+
 async def collect(events: AsyncIterator, meta: ResponseMeta, request: Request) -> dict:
     """The whole response as one body (stream=false)."""
-    parts: list[str] = []
-    logprobs: list[TokenLogprobs] = []
-    calls = None
+    got: dict[int, _Choice] = {}
     async with aclosing(events), _cancelled_on_disconnect(request):
         async for ev in events:
+            c = got.setdefault(getattr(ev, "index", 0), _Choice([meta.echo], []))
             if isinstance(ev, ToolCalls):
-                calls = ev.calls
+                c.calls = ev.calls
             elif isinstance(ev, TextDelta):
-                parts.append(ev.text)
-                logprobs.extend(ev.logprobs)
+                c.parts.append(ev.text)
+                c.logprobs.extend(ev.logprobs)
             elif isinstance(ev, Finished):
-                usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
-                fmt = meta.formatter()
-                args = (meta.session_id, meta.created, meta.model, "".join(parts), ev.finish_reason,
-                        usage, ev.speculation, None if fmt is None else fmt.format(logprobs))
-                if meta.chat:
-                    return schemas.chat_response(*args, tool_calls=calls)
-                return schemas.completion_response(*args)
+                return _body(meta, got, ev)
     raise APIError(502, "generation ended without a result")
+
+
+def _body(meta: ResponseMeta, got: dict[int, _Choice], fin: Finished) -> dict:
+    ends = fin.choices or (ChoiceEnd(0, fin.finish_reason, fin.completion_tokens,
+                                     fin.speculation),)
+    # best_of: the n choices whose tokens are likeliest (vLLM's order: best first)
+    kept = sorted(ends, key=lambda e: -e.logprob)[:meta.n] if len(ends) > meta.n else ends
+    choices = []
+    for index, end in enumerate(kept):
+        c = got.get(end.index) or _Choice([meta.echo], [])
+        fmt = meta.formatter()
+        logprobs = None if fmt is None else fmt.format(c.logprobs)
+        if meta.chat:
+            choices.append(schemas.chat_choice(index, "".join(c.parts), end.finish_reason,
+                                               logprobs, c.calls))
+        else:
+            choices.append(schemas.completion_choice(index, "".join(c.parts),
+                                                     end.finish_reason, logprobs))
+    usage = schemas.usage_dict(meta.prompt_tokens, fin.completion_tokens)
+    return schemas.response_body(meta.chat, meta.session_id, meta.created, meta.model, choices,
+                                 usage, fin.speculation)
 
 
 @asynccontextmanager
@@ -104,12 +130,15 @@ async def stream(events: AsyncIterator, meta: ResponseMeta, include_usage: bool,
 
     async def body() -> AsyncIterator[str]:
         async with aclosing(events):
-            if meta.chat:
-                yield _sse(schemas.stream_chunk(*meta.head(), role=True))
-            ev, fmt = first, meta.formatter()
+            for index in range(meta.n):
+                if meta.chat:
+                    yield _sse(schemas.stream_chunk(*meta.head(), role=True, index=index))
+                elif meta.echo:
+                    yield _sse(schemas.stream_chunk(*meta.head(), text=meta.echo, index=index))
+            ev, fmts = first, [meta.formatter() for _ in range(meta.n)]
             try:
                 while ev is not None:
-                    for chunk in _chunks(ev, meta, include_usage, fmt):
+                    for chunk in _chunks(ev, meta, include_usage, fmts):
                         yield _sse(chunk)
                     ev = await anext(events, None)
             except APIError as exc:  # mid-stream failure: OpenAI-style error event
@@ -120,17 +149,22 @@ async def stream(events: AsyncIterator, meta: ResponseMeta, include_usage: bool,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _chunks(ev: TextDelta | RoundEvent | ToolCallDeltas | Finished, meta: ResponseMeta,
-            include_usage: bool, fmt: LogprobsFormatter | None) -> list[dict]:
+def _chunks(ev: TextDelta | RoundEvent | ToolCallDeltas | ChoiceEnd | Finished,
+            meta: ResponseMeta, include_usage: bool,
+            fmts: list[LogprobsFormatter | None]) -> list[dict]:
     if isinstance(ev, ToolCallDeltas):
-        return [chunk(meta.head(), ev.deltas)]
+        return [chunk(meta.head(), ev.deltas, ev.index)]
     if isinstance(ev, RoundEvent):
-        return [schemas.round_chunk(*meta.head(), ev.as_dict())]
+        event = ev.as_dict() if meta.n == 1 else {"index": ev.index, **ev.as_dict()}
+        return [schemas.round_chunk(*meta.head(), event)]
     if isinstance(ev, TextDelta):
-        return [schemas.stream_chunk(*meta.head(), text=ev.text,
+        fmt = fmts[ev.index]
+        return [schemas.stream_chunk(*meta.head(), text=ev.text, index=ev.index,
                                      logprobs=None if fmt is None else fmt.format(ev.logprobs))]
+    last = schemas.stream_chunk(*meta.head(), finish=ev.finish_reason, index=ev.index)
+    if isinstance(ev, ChoiceEnd):  # a choice ended; the request goes on
+        return [last]
     usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
-    last = schemas.stream_chunk(*meta.head(), finish=ev.finish_reason)
     if include_usage:
         return [last, schemas.usage_chunk(*meta.head(), usage, ev.speculation)]
     return [{**last, "usage": usage, "speculation": ev.speculation}]

@@ -2,7 +2,8 @@
 
 Requests are parsed strictly: "10" is not an int and true is not 1, so a client's type bug
 comes back as a 400 naming the field instead of silently meaning something else. Fields the
-gateway cannot honour (penalties, best_of > 1, ...) are rejected, not ignored.
+gateway cannot honour are refused, never ignored: gateway/fields.py answers every field the
+models do not declare (a no-op, a default-only value, or "Unrecognized request argument").
 """
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.errors import bad_request
 from gateway.logprobs import MAX_TOP_LOGPROBS
+from gateway.sampling_options import SamplingFields
 from gateway.structured_models import (
+    FunctionDef,
+    FunctionName,
     NamedToolChoice,
     ResponseFormat,
     StructuredOutputs,
@@ -54,12 +58,14 @@ class SpeculationOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] | None = None  # vLLM's; only off is served
 
 
-class GenerationRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class GenerationRequest(SamplingFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (the sampling controls,
+    n and best_of come from SamplingFields)."""
 
     model_config = _STRICT
     model: str | None = None
@@ -71,11 +77,9 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
-    n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculation: SpeculationOptions | None = None
-    user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's older spellings of structured_outputs' json / regex / choice / grammar.
@@ -83,12 +87,6 @@ class GenerationRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Accepted only at their no-op values (see check_unsupported).
-    best_of: int | None = None
-    echo: bool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -99,7 +97,7 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    suffix: str | None = None
+    echo: bool = False  # the prompt's text before each choice's
 
 
 class TextPart(BaseModel):
@@ -139,6 +137,25 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # The legacy spelling of tools / tool_choice (map_functions turns them into those).
+    functions: list[FunctionDef] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
+
+    def map_functions(self) -> None:
+        """functions / function_call as tools / tool_choice (one call at a time, as the
+        legacy API returned); the answer comes back as tool_calls."""
+        if self.functions is None:
+            if self.function_call is not None:
+                raise bad_request("function_call: requires functions", param="function_call")
+            return
+        if self.tools is not None or self.tool_choice is not None:
+            raise bad_request("functions: give tools or functions, not both", param="functions")
+        self.tools = [Tool(type="function", function=f) for f in self.functions]
+        fc = self.function_call
+        self.tool_choice = (NamedToolChoice(type="function", function=fc)
+                            if isinstance(fc, FunctionName) else fc)
+        if self.parallel_tool_calls is None:
+            self.parallel_tool_calls = False
 
     def template_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
@@ -151,9 +168,8 @@ class ChatCompletionRequest(GenerationRequest):
 
 def check_common(req: GenerationRequest, *, max_spec_tokens: int) -> None:
     """Checks that pydantic cannot express; each raises a 400 naming the field."""
-    if req.n is not None and req.n != 1:
-        raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n",
-                          code="unsupported_value")
+    if isinstance(req, ChatCompletionRequest):
+        req.map_functions()
     stops = req.stop_strings()
     if any(not s for s in stops):
         raise bad_request("stop: stop strings must be non-empty", param="stop")
@@ -171,19 +187,9 @@ def check_common(req: GenerationRequest, *, max_spec_tokens: int) -> None:
         raise bad_request(
             f"speculation.num_speculative_tokens must be in [0, {max_spec_tokens}], "
             f"got {spec.num_speculative_tokens}", param="speculation.num_speculative_tokens")
-    check_unsupported(req)
-
-
-def check_unsupported(req: GenerationRequest) -> None:
-    checks = [("best_of", req.best_of not in (None, 1)), ("echo", bool(req.echo)),
-              ("presence_penalty", bool(req.presence_penalty)),
-              ("frequency_penalty", bool(req.frequency_penalty)),
-              ("logit_bias", bool(req.logit_bias)),
-              ("suffix", bool(getattr(req, "suffix", None)))]
-    for name, is_set in checks:
-        if is_set:
-            raise bad_request(f"{name}: not supported by this server", param=name,
-                              code="unsupported_parameter")
+    if getattr(req, "echo", False) and req.logprobs is not None:
+        raise bad_request("echo: with logprobs it needs the prompt's logprobs, which this "
+                          "server does not compute", param="echo", code="unsupported_value")
 
 
 def prompt_token_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Any,
@@ -246,36 +252,52 @@ def _envelope(session_id: str, obj: str, created: int, model: str, choices: list
     return {"id": session_id, "object": obj, "created": created, "model": model, "choices": choices}
 
 
+def completion_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def chat_choice(index: int, text: str, finish: str, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:  # OpenAI: no content beside the calls
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+def response_body(chat: bool, session_id: str, created: int, model: str, choices: list[dict],
+                  usage: dict, speculation: dict) -> dict:
+    """A whole (stream=false) response with these choices."""
+    body = _envelope(session_id, "chat.completion" if chat else "text_completion", created,
+                     model, choices)
+    return {**body, "usage": usage, "speculation": speculation}
+
+
 def completion_response(session_id: str, created: int, model: str, text: str, finish: str,
                         usage: dict, speculation: dict, logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    body = _envelope(session_id, "text_completion", created, model, [choice])
-    return {**body, "usage": usage, "speculation": speculation}
+    return response_body(False, session_id, created, model,
+                         [completion_choice(0, text, finish, logprobs)], usage, speculation)
 
 
 def chat_response(session_id: str, created: int, model: str, text: str, finish: str,
                   usage: dict, speculation: dict, logprobs: dict | None = None,
                   tool_calls: list[dict] | None = None) -> dict:
-    message: dict = {"role": "assistant", "content": text}
-    if tool_calls:  # OpenAI: no content beside the calls
-        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    body = _envelope(session_id, "chat.completion", created, model, [choice])
-    return {**body, "usage": usage, "speculation": speculation}
+    return response_body(True, session_id, created, model,
+                         [chat_choice(0, text, finish, logprobs, tool_calls)], usage,
+                         speculation)
 
 
 def stream_chunk(chat: bool, session_id: str, created: int, model: str, *, text: str | None = None,
                  role: bool = False, finish: str | None = None,
-                 logprobs: dict | None = None) -> dict:
+                 logprobs: dict | None = None, index: int = 0) -> dict:
     """One streamed choice: a text delta (with its tokens' logprobs when asked for), the
     assistant role opener, or the finish."""
     if chat:
         delta: dict = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return _envelope(session_id, "chat.completion.chunk", created, model, [choice])
-    choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return _envelope(session_id, "text_completion", created, model, [choice])
 
 

@@ -23,7 +23,13 @@ class TextStream:
     """
 
     def __init__(self, tokenizer: Decoder, stop_strings: Sequence[str] = (),
-                 stop_token_ids: Sequence[int] = ()):
+                 stop_token_ids: Sequence[int] = (), *, include_stop: bool = False,
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
+        # include_stop (vLLM's include_stop_str_in_output): the stop string, or the stop
+        # token's text, stays in the text; min_tokens: no stop counts before that many tokens.
+        self._options = (include_stop, skip_special_tokens, min_tokens)
+        self._include, self._skip_special, self._min_tokens = self._options
+        self._search_from = -1  # where stop strings may start, once min_tokens are out
         self._tok = tokenizer
         self._ids: list[int] = []
         self._prefix = self._read = 0
@@ -38,8 +44,14 @@ class TextStream:
         self.num_tokens = 0
         self._done = False  # the text is final: nothing more is ever shown
 
+    def fresh(self) -> TextStream:
+        """A new stream with the same settings (one per choice of an n > 1 request)."""
+        include, skip, min_tokens = self._options
+        return TextStream(self._tok, self._stops, tuple(self._stop_ids), include_stop=include,
+                          skip_special_tokens=skip, min_tokens=min_tokens)
+
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self._tok.decode(self._ids[start:end], skip_special_tokens=True)
+        return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; returns the text that may be shown now."""
@@ -47,8 +59,10 @@ class TextStream:
             return ""
         for t in token_ids:
             self.num_tokens += 1
-            if t in self._stop_ids:  # the stop/eos token itself is never shown
-                self.stopped = True
+            if t in self._stop_ids and self.num_tokens >= self._min_tokens:
+                self.stopped = True  # the stop/eos token is shown only with include_stop
+                if self._include:
+                    self._ids.append(t)
                 break
             self._ids.append(t)
         prefix_text = self._decode(self._prefix, self._read)
@@ -84,14 +98,26 @@ class TextStream:
                 lo = mid + 1
         return hi
 
+    def _stop_search_start(self) -> int | None:
+        """Where to look for stop strings; None before min_tokens tokens (vLLM checks no
+        stop until then: one ending at or after the min_tokens-th token counts)."""
+        if self._search_from < 0:
+            if self.num_tokens < self._min_tokens:
+                return None
+            before = self._decode(0, self._min_tokens - 1) if self._min_tokens > 1 else ""
+            self._search_from = max(0, len(before) - self._hold)
+        return max(self._emitted, self._search_from)
+
     def _release(self, final: bool) -> str:
-        hits = [i for i in (self.text.find(s, self._emitted) for s in self._stops) if i >= 0]
+        start = self._stop_search_start()
+        hits = [] if start is None else [
+            i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
         if hits:
             self.stopped = True
             at = min(hits)
             end = min(at + len(s) for s in self._stops if self.text.startswith(s, at))
             self.num_tokens = self._tokens_covering(end)
-            self.text = self.text[:at]
+            self.text = self.text[:end if self._include else at]
             final = self._done = True
         end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
         out, self._emitted = self.text[self._emitted:end], end

@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ToolCalls:
     calls: list[dict]  # OpenAI's message.tool_calls
+    index: int = 0  # the choice (n > 1)
 
 
 @dataclass(frozen=True)
 class ToolCallDeltas:
     deltas: list[dict]  # OpenAI's delta.tool_calls entries
+    index: int = 0  # the choice (n > 1)
 
 
 async def with_tool_calls(events: AsyncIterator, plan: ToolPlan,
@@ -89,10 +91,10 @@ def _check_streamed(calls: CallStream, text: str, found: list[dict]) -> None:
                     [(n, f"{len(a)} chars") for n, a in parsed])
 
 
-def chunk(chat_head: tuple, deltas: list[dict]) -> dict:
+def chunk(chat_head: tuple, deltas: list[dict], index: int = 0) -> dict:
     """A streamed chunk of tool-call deltas (OpenAI's shape)."""
     _, session_id, created, model = chat_head
-    choice = {"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None,
+    choice = {"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
               "finish_reason": None}
     return {"id": session_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [choice]}

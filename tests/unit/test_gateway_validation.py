@@ -92,7 +92,7 @@ BAD_COMPLETIONS = [
     ("unknown draft shape", _completion(speculation={"method": "eagle",
                                                      "draft_shape": "forest"}),
      ["speculation.draft_shape"]),
-    ("n = 2", _completion(n=2), ["n", "n=1"]),
+    ("n above 16", _completion(n=17), ["n", "16"]),
     ("n = 0", _completion(n=0), ["n"]),
     ("max_tokens as a string", _completion(max_tokens="10"), ["max_tokens"]),
     ("max_tokens as a float", _completion(max_tokens=1.5), ["max_tokens"]),
@@ -105,7 +105,8 @@ BAD_COMPLETIONS = [
     ("logprobs above 20", _completion(logprobs=21), ["logprobs"]),
     ("logprobs negative", _completion(logprobs=-1), ["logprobs"]),
     ("logprobs as a bool", _completion(logprobs=True), ["logprobs"]),
-    ("best_of unsupported", _completion(best_of=3), ["best_of"]),
+    ("best_of below n", _completion(n=3, best_of=2), ["best_of", "n"]),
+    ("best_of above n streamed", _completion(best_of=3, stream=True), ["best_of", "stream"]),
 ]
 
 
@@ -130,7 +131,7 @@ BAD_CHATS = [
     ("max_completion_tokens 0", _chat(max_completion_tokens=0), ["max_completion_tokens"]),
     ("max_completion_tokens beyond context", _chat(max_completion_tokens=CONTEXT),
      ["max_completion_tokens", "context"]),
-    ("n = 3", _chat(n=3), ["n"]),
+    ("n = 17", _chat(n=17), ["n"]),
     ("top_p > 1", _chat(top_p=2), ["top_p"]),
     ("temperature as a bool", _chat(temperature=True), ["temperature"]),
 ]
