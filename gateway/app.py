@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 from gateway import schemas
 from gateway.auth import ApiKey, add_docs, match_key
 from gateway.body_limit import BodyLimit
-from gateway.choices import choice_plan, run_choices
+from gateway.choices import record_choices, run_choices
 from gateway.config import GatewayConfig
 from gateway.errors import (
     bad_request,
@@ -273,30 +273,6 @@ async def _captures(gw: _Gateway, plan: GenerationPlan, text: str) -> list[str]:
     return await asyncio.get_running_loop().run_in_executor(gw.tokenizing, parse)
 
 
-async def _record(gw: _Gateway, plan: GenerationPlan) -> None:
-    """A session record per choice (Redis trouble is logged: bookkeeping only)."""
-    for index in range(plan.best_of):
-        session_id = choice_plan(plan, index).session_id
-        try:
-            await gw.deps.store.create(session_id, model=gw.config.model_name,
-                                       prompt_token_ids=plan.prompt_token_ids)
-        except (RedisError, OSError) as exc:
-            log.warning("session %s not recorded: %s", session_id, exc)
-
-
-def _echo(gw: _Gateway, req: schemas.GenerationRequest, plan: GenerationPlan) -> str:
-    """completions' echo: the prompt as the client sent it (token ids: their text)."""
-    if not getattr(req, "echo", False):
-        return ""
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    return gw.tokenizer.decode(list(plan.prompt_token_ids),
-                               skip_special_tokens=req.skip_special_tokens)
-
-
 def _tool_calls(gw: _Gateway, req: schemas.GenerationRequest, plan: GenerationPlan):
     """What turns one session's events into the client's when tools may be called."""
     def wrap(events):
@@ -321,7 +297,7 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
                                           max_token_chars=gw.max_token_chars)
             plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()),
                            tenant=_tenant(request))
-            await _record(gw, plan)
+            await record_choices(gw.deps.store, plan, gw.config.model_name)
     except BaseException as exc:  # refused before generating: the span ends here
         span.set_status(trace.StatusCode.ERROR, str(exc))
         span.end()
@@ -331,7 +307,7 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     meta = ResponseMeta(chat, session_id, int(gw.clock()), gw.config.model_name,
                         len(plan.prompt_token_ids),
                         None if requested_logprobs(req) is None else gw.token_text, n=plan.n,
-                        echo=_echo(gw, req, plan))
+                        echo=schemas.echo_text(req, plan.prompt_token_ids, gw.tokenizer))
     wrap = _tool_calls(gw, req, plan)
     # n > 1: every choice's events, merged (tool calls read per choice, before the merge)
     events = (run_session(plan, gw.deps, text) if plan.best_of == 1

@@ -11,9 +11,13 @@ them to choice 0's verifier. With a seed, choice i samples with a seed derived f
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from typing import Any
+
+from redis.exceptions import RedisError
 
 from gateway.errors import APIError
 from gateway.generation import Finished, GenerationDeps, TextDelta, run_session
@@ -22,6 +26,7 @@ from gateway.sampling_options import choice_seed
 from gateway.schemas import speculation_stats
 from gateway.text import TextStream
 
+log = logging.getLogger(__name__)
 _DONE = object()
 
 
@@ -42,6 +47,16 @@ def choice_plan(plan: GenerationPlan, index: int) -> GenerationPlan:
         return plan
     return replace(plan, session_id=f"{plan.session_id}-{index}",
                    sampling=replace(plan.sampling, seed=choice_seed(plan.sampling.seed, index)))
+
+
+async def record_choices(store: Any, plan: GenerationPlan, model: str) -> None:
+    """A session record per choice (Redis trouble is logged: bookkeeping only)."""
+    for index in range(plan.best_of):
+        session_id = choice_plan(plan, index).session_id
+        try:
+            await store.create(session_id, model=model, prompt_token_ids=plan.prompt_token_ids)
+        except (RedisError, OSError) as exc:
+            log.warning("session %s not recorded: %s", session_id, exc)
 
 
 def combined_stats(plan: GenerationPlan, ends: list[ChoiceEnd]) -> dict:
