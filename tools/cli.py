@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     path = msub.add_parser("path", help="print the checkpoint directory a --model resolves to")
     _add_model_args(path)
     path.set_defaults(func=_cmd_models_path)
+    from tools.convert_head import register as register_convert_head
+
+    register_convert_head(msub)
 
     gen = sub.add_parser("generate", help="generate locally with the target runner (no services)")
     gen.add_argument("prompt", help="the user message (or raw text with --raw)")

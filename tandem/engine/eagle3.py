@@ -98,6 +98,8 @@ class Eagle3Head:
         m.vocab_map = (torch.arange(len(d2t)) + d2t).to(m.device)  # draft row -> target id
         self.card: dict = {}
         self.layer_ids: tuple[int, ...] | None = None  # the config's, if it names them
+        # vLLM's and speculators' variant: the residual is the normed hidden input, not it
+        self.norm_before_residual = False
 
     @property
     def cfg(self) -> LlamaConfig:
@@ -124,9 +126,11 @@ class Eagle3Head:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [m, vocab] float32, outputs [n, hidden]
         m = self.model
         layer, h = m.layers[0], hidden.to(m.dtype)
-        x = torch.cat([m._rms_norm(m.embed[input_ids], layer.input_norm),
-                       m._rms_norm(h, self.hidden_norm)], -1)  # [n, 2 * hidden]
+        normed = m._rms_norm(h, self.hidden_norm)
+        x = torch.cat([m._rms_norm(m.embed[input_ids], layer.input_norm), normed],
+                      -1)  # [n, 2 * hidden]
         cos, sin = m.rope_at(positions)
         (k_cache, v_cache), = kv_cache
-        out = m.decoder_layer(h, layer, cos, sin, meta, k_cache, v_cache, x=x)
+        residual = normed if self.norm_before_residual else h
+        out = m.decoder_layer(residual, layer, cos, sin, meta, k_cache, v_cache, x=x)
         return self.draft_logits(out[logits_indices]), out

@@ -42,11 +42,19 @@ _IGNORABLE = ("rotary_emb.inv_freq",)
 
 
 def layer_ids_of(config: dict) -> tuple[int, ...] | None:
-    """The target layer ids a head's config names (top level or under eagle_config)."""
+    """The target layer ids a head's config names (top level or under eagle_config), in
+    Tandem's reading (id i: the output of layer i). A speculators-format config names them
+    in vLLM's (id i: the stream entering layer i), one more: converted here."""
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return None if ids is None else tuple(int(i) for i in ids)
+    if ids is None:
+        return None
+    if config.get("speculators_model_type"):
+        from tandem.engine.eagle_speculators import tandem_layer_ids
+
+        return tandem_layer_ids(ids)
+    return tuple(int(i) for i in ids)
 
 
 def is_eagle3(root: Path) -> bool:
@@ -59,6 +67,8 @@ def is_eagle3(root: Path) -> bool:
         cfg = json.loads((root / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    if "speculators_model_type" in cfg:
+        return cfg["speculators_model_type"] == "eagle3"
     if any("eagle3" in a.lower() for a in cfg.get("architectures") or ()) or (
             "draft_vocab_size" in cfg or layer_ids_of(cfg) is not None):
         return True
@@ -67,9 +77,11 @@ def is_eagle3(root: Path) -> bool:
     return any(n.startswith("midlayer.") for n in _read_weights(root))
 
 
-def _check_names(root: Path, weights: dict[str, torch.Tensor]) -> None:
-    missing = sorted(set(_EXPECTED) - set(weights))
-    unknown = sorted(n for n in set(weights) - set(_EXPECTED) - set(_OPTIONAL)
+def _check_names(root: Path, weights: dict[str, torch.Tensor], qk_norm: bool = False) -> None:
+    expected = set(_EXPECTED) | ({f"midlayer.self_attn.{n}_norm.weight" for n in "qk"}
+                                 if qk_norm else set())  # a Qwen3 layer's
+    missing = sorted(expected - set(weights))
+    unknown = sorted(n for n in set(weights) - expected - set(_OPTIONAL)
                      if not n.endswith(_IGNORABLE))
     if missing or unknown:
         raise ModelError(f"{root} is not an EAGLE-3 head: " + "; ".join(
@@ -94,27 +106,56 @@ def draft_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def load_eagle3(root: Path, target: ModelPaths | None = None, dtype=torch.float32,
                 device="cpu") -> Eagle3Head:
-    """The published EAGLE-3 head at `root`; `target` lends its embedding when the head ships
-    none (and is checked against the head's widths)."""
+    """The published EAGLE-3 head at `root` (or one in the speculators format: tandem.engine.
+    eagle_speculators); `target` lends its embedding when the head ships none (and is
+    checked against the head's widths)."""
     root = Path(root)
     config = json.loads((root / "config.json").read_text())
-    for unknown in ("norm_before_residual", "target_hidden_size"):  # variants not served
-        if config.get(unknown) not in (None, False, config.get("hidden_size")):
-            raise ModelError(f"{root}: EAGLE-3 config field {unknown} = "
-                             f"{config[unknown]!r} is not supported")
+    if config.get("speculators_model_type"):
+        from tandem.engine.eagle_speculators import load_speculators
+
+        return load_speculators(root, target, dtype, device)
+    th = config.get("target_hidden_size")
+    if th not in (None, config.get("hidden_size")):  # a variant not served
+        raise ModelError(f"{root}: EAGLE-3 config field target_hidden_size = {th!r} is not "
+                         "supported")
+    head = build_eagle3(root, config, _read_weights(root), target, dtype, device)
+    head.layer_ids = layer_ids_of(config)
+    head.card = {"format": "eagle-3 (published)", "source": str(root),
+                 "layer_ids": list(head.layer_ids) if head.layer_ids else "default",
+                 "draft_vocab": len(head.model.vocab_map)}
+    return head
+
+
+def build_eagle3(root: Path, config: dict, weights: dict[str, torch.Tensor],
+                 target: ModelPaths | None, dtype=torch.float32, device="cpu") -> Eagle3Head:
+    """An Eagle3Head of `config` (a flat HF-style dict: the layer's widths, draft_vocab_size,
+    norm_before_residual) over `weights` in the published names (`midlayer.*`, d2t, t2d)."""
     cfg = LlamaConfig.from_hf({**config, "tie_word_embeddings": False})
     if cfg.num_layers != 1:
         raise ModelError(f"{root}: an EAGLE-3 head has one decoder layer, its config says "
                          f"{cfg.num_layers}")
-    weights = _read_weights(root)
-    _check_names(root, weights)
+    _check_names(root, weights, cfg.qk_norm)
     lm_rows = weights["lm_head.weight"].shape[0]
     if config.get("draft_vocab_size", lm_rows) != lm_rows or len(weights["d2t"]) != lm_rows:
         raise ModelError(f"{root}: lm_head.weight has {lm_rows} rows, d2t "
                          f"{len(weights['d2t'])}, draft_vocab_size "
                          f"{config.get('draft_vocab_size')}")
     d2t = draft_map(weights["d2t"], weights["t2d"], cfg.vocab_size)
-    embed = weights.get("embed_tokens.weight")
+    embed = _embedding(root, cfg, weights.get("embed_tokens.weight"), target)
+    named = {("layers.0." + n.removeprefix("midlayer.")
+              if n.startswith("midlayer.") and "hidden_norm" not in n else n): t
+             for n, t in weights.items() if n not in ("d2t", "t2d")}
+    named["hidden_norm.weight"] = named.pop("midlayer.hidden_norm.weight")
+    head = Eagle3Head(cfg, {**named, "embed_tokens.weight": embed}, d2t, dtype, device)
+    head.norm_before_residual = bool(config.get("norm_before_residual"))
+    head.model.tune_kernels()
+    return head
+
+
+def _embedding(root: Path, cfg: LlamaConfig, embed: torch.Tensor | None,
+               target: ModelPaths | None) -> torch.Tensor:
+    """The head's shipped embedding, else the target's (checked against the head's widths)."""
     if target is not None:
         tcfg = LlamaConfig.from_hf(read_hf_config(target))
         if (tcfg.hidden_size, tcfg.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
@@ -127,14 +168,4 @@ def load_eagle3(root: Path, target: ModelPaths | None = None, dtype=torch.float3
         raise ModelError(f"{root} is an EAGLE-3 head without embed_tokens.weight: it embeds "
                          "with the target's, so pass the target checkpoint "
                          "(--tokenizer TARGET_DIR)")
-    named = {("layers.0." + n.removeprefix("midlayer.")
-              if n.startswith("midlayer.") and "hidden_norm" not in n else n): t
-             for n, t in weights.items() if n not in ("d2t", "t2d")}
-    named["hidden_norm.weight"] = named.pop("midlayer.hidden_norm.weight")
-    head = Eagle3Head(cfg, {**named, "embed_tokens.weight": embed}, d2t, dtype, device)
-    head.layer_ids = layer_ids_of(config)
-    head.card = {"format": "eagle-3 (published)", "source": str(root),
-                 "layer_ids": list(head.layer_ids) if head.layer_ids else "default",
-                 "draft_vocab": lm_rows}
-    head.model.tune_kernels()
-    return head
+    return embed

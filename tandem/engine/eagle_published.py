@@ -47,13 +47,28 @@ def _read_weights(root: Path) -> dict[str, torch.Tensor]:
 
 def load_published(root: Path, target: ModelPaths, dtype=torch.float32,
                    device="cpu") -> EagleHead:
-    """The published head at `root`, over `target`'s embeddings and LM head."""
+    """The published head at `root`, over `target`'s embeddings and LM head (a head in the
+    speculators format: tandem.engine.eagle_speculators)."""
     root = Path(root)
-    cfg = LlamaConfig.from_hf(json.loads((root / "config.json").read_text()))
+    config = json.loads((root / "config.json").read_text())
+    if config.get("speculators_model_type"):
+        from tandem.engine.eagle_speculators import load_speculators
+
+        return load_speculators(root, target, dtype, device)
+    head = build_published(root, config, _read_weights(root), target, dtype, device)
+    head.card = {"format": "eagle-1/2 (published)", "source": str(root),
+                 "target": str(target.root)}
+    return head
+
+
+def build_published(root: Path, config: dict, weights: dict[str, torch.Tensor],
+                    target: ModelPaths, dtype=torch.float32, device="cpu") -> EagleHead:
+    """An EagleHead of `config` (the layer's HF config) over `weights` in the published names
+    (`fc.*` over [embedding ; feature], `layers.0.*`) and `target`'s embedding and LM head."""
+    cfg = LlamaConfig.from_hf(config)
     if cfg.num_layers != 1:
         raise ModelError(f"{root}: an EAGLE-1/2 head has one decoder layer, its config says "
                          f"{cfg.num_layers}")
-    weights = _read_weights(root)
     expected = {"fc.weight", "fc.bias", *(f"layers.0.{n}" for n in _LAYER)}
     missing = sorted(expected - {"fc.bias"} - set(weights))
     unknown = sorted(n for n in set(weights) - expected - set(_OPTIONAL)
@@ -86,7 +101,5 @@ def load_published(root: Path, target: ModelPaths, dtype=torch.float32,
     head.fc_bias = None if bias is None else bias.to(device=head.model.device, dtype=dtype)
     head.model.layers[0].input_norm = None  # the fused input goes straight in
     head.out_norm = False  # the layer's output is the feature the LM head reads
-    head.card = {"format": "eagle-1/2 (published)", "source": str(root),
-                 "target": str(target.root)}
     head.model.tune_kernels()
     return head

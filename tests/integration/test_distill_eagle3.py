@@ -38,7 +38,9 @@ def test_eagle3_distill_trains_resumes_and_serves(tmp_path, target_paths):
     assert steps >= 1 and 0 <= card["progress"]["top1_step3"] <= 1
     assert held["prompts"] == 2 and 0 <= held["top1_step1"] <= 1
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # 8 layers: 1, N/2-1, N-4
+    # 8 layers: Tandem's ids 1, N/2-1, N-4, written in vLLM's reading (one more)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["speculators_model_type"] == "eagle3"
     prop = EagleProposer.load(ModelPaths(out), 8 << 20, target=ModelPaths(target))
     req = DraftRequest("k", seqs[0].ids[:6].tolist(), 6, 1, features=seqs[0].features[:5].float())
     (res,) = prop.propose([req])

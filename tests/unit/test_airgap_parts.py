@@ -135,7 +135,7 @@ def test_unbundle_refuses_a_corrupt_return_through_the_cli(tmp_path, capsys):
 def test_the_script_imports_only_torch_transformers_safetensors_and_the_stdlib():
     siblings = {p.stem for p in SCRIPTS}
     assert siblings == {"airgap_train", "airgap_parts", "airgap_data", "airgap_head",
-                        "airgap_head3", "airgap_fit", "airgap_prompts"}
+                        "airgap_head3", "airgap_fit", "airgap_prompts", "airgap_speculators"}
     tops = set()
     for path in SCRIPTS:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -109,8 +109,8 @@ def test_missing_unknown_and_misfit_tensors_are_named(tmp_path, target):
     write_head(tmp_path / "b", w)
     with pytest.raises(ModelError, match=r"fc.weight has shape \(32, 64\)"):
         load_eagle3(tmp_path / "b", target)
-    write_head(tmp_path / "c", head_weights(), norm_before_residual=True)
-    with pytest.raises(ModelError, match="norm_before_residual = True is not supported"):
+    write_head(tmp_path / "c", head_weights(), target_hidden_size=64)
+    with pytest.raises(ModelError, match="target_hidden_size = 64 is not supported"):
         load_eagle3(tmp_path / "c", target)
 
 

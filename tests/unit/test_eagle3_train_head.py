@@ -50,11 +50,15 @@ def exported(tmp_path_factory):
     return target, head, root / "head"
 
 
-def test_export_has_the_published_layout(exported):
+def test_export_has_the_speculators_layout(exported):
     _, head, out = exported
     w = load_file(str(out / "model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    # vLLM's reading (the stream entering layer i): Tandem's ids (1, 3, 4) plus one
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["speculators_model_type"] == "eagle3" and "layers.0.hidden_norm.weight" in w
+    assert cfg["transformer_layer_config"]["rope_theta"] == 500.0
+    assert not any(n.startswith("midlayer.") for n in w)
     assert cfg["draft_vocab_size"] == len(DRAFT_IDS) and (out / EAGLE3_CARD).is_file()
     assert (torch.arange(len(w["d2t"])) + w["d2t"]).tolist() == list(DRAFT_IDS)
     assert w["t2d"].sum() == len(DRAFT_IDS) and "embed_tokens.weight" not in w

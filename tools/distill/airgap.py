@@ -25,7 +25,7 @@ from tandem.models import DEFAULT_TARGET, ModelError
 # The stand-alone script and the sibling modules it imports (torch, transformers, safetensors
 # and the standard library only), copied into every bundle.
 SCRIPTS = tuple(Path(__file__).with_name(f"airgap_{n}.py") for n in (
-    "train", "parts", "data", "head", "head3", "fit", "prompts"))
+    "train", "parts", "data", "head", "head3", "fit", "prompts", "speculators"))
 MAX_UPLOAD_MIB = 64
 
 

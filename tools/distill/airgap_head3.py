@@ -21,6 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:  # imported as tools.distill.airgap_head3 (tandem's side, tests)
+    from .airgap_speculators import speculators_config, write_eagle3
+except ImportError:  # run from the bundle: its sibling files
+    from airgap_speculators import speculators_config, write_eagle3
+
 EAGLE3_CARD = "tandem_eagle3.json"  # not tandem_eagle.json: that name marks Tandem's EAGLE-1
 _LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -142,11 +147,8 @@ class Head3(nn.Module):
                 **{p + n + ".weight": m.weight for m, n in self.layer_params()}}
 
     def export(self, out: Path, target_hf_cfg: dict, card: dict) -> None:
-        """Write the published EAGLE-3 layout (fp16, no embedding: the target lends its own)
-        with d2t / t2d and Tandem's card beside it."""
-        from safetensors.torch import save_file
-
-        out.mkdir(parents=True, exist_ok=True)
+        """Write the head in the speculators format (fp16, no embedding: the target lends its
+        own; tools/distill/airgap_speculators.py) with d2t / t2d and Tandem's card beside."""
         ids = torch.tensor(self.draft_ids)
         order = torch.argsort(ids)  # d2t is an offset table: rows sorted by target id
         names = {**self.named(), "lm_head.weight": self.lm_head.weight[order]}
@@ -156,22 +158,13 @@ class Head3(nn.Module):
         t2d = torch.zeros(self.geo["vocab_size"], dtype=torch.bool)
         t2d[sorted_ids] = True
         tensors["t2d"] = t2d
-        save_file(tensors, str(out / "model.safetensors"))
-        keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-                "vocab_size", "max_position_embeddings", "hidden_act", "bos_token_id",
-                "eos_token_id")
-        cfg = {k: target_hf_cfg[k] for k in keep if k in target_hf_cfg}
-        # The RoPE base, spelled for runtimes that read only rope_theta (transformers 5
-        # writes it inside rope_parameters).
-        theta = (target_hf_cfg.get("rope_parameters") or {}).get("rope_theta")
-        if theta is not None:
-            cfg.setdefault("rope_theta", theta)
-        cfg.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-                   num_hidden_layers=1, draft_vocab_size=len(ids), torch_dtype="float16",
-                   tie_word_embeddings=False,
-                   eagle_aux_hidden_state_layer_ids=list(self.layer_ids))
-        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        target = card.get("target") if isinstance(card.get("target"), dict) else {}
+        verifier = {"name_or_path": target.get("name") or target_hf_cfg.get("_name_or_path"),
+                    "architectures": target_hf_cfg.get("architectures") or []}
+        # Tandem's ids (the output of layer i) in vLLM's reading (the stream entering i + 1)
+        config = speculators_config(target_hf_cfg, len(ids), [i + 1 for i in self.layer_ids],
+                                    verifier)
+        write_eagle3(out, config, tensors)
         (out / EAGLE3_CARD).write_text(json.dumps(card, indent=2))
 
 

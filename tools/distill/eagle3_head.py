@@ -39,16 +39,20 @@ class Eagle3TrainHead(Head3):
         """The module back from an exported head (fp16 weights, as served; the target's
         embedding), so that the trainer's validation can score a written head."""
         from tandem.engine.checkpoint import load_tensors
+        from tandem.engine.eagle3_published import layer_ids_of
+        from tandem.engine.eagle_speculators import layer_config
 
         root = Path(root)
         config = json.loads((root / "config.json").read_text())
-        cfg = LlamaConfig.from_hf({**config, "tie_word_embeddings": False})
-        t = load_tensors(ModelPaths(root))
+        layer = layer_config(root, config) if config.get("speculators_model_type") else config
+        cfg = LlamaConfig.from_hf({**layer, "tie_word_embeddings": False})
+        t = {("midlayer." + n.removeprefix("layers.0.") if n.startswith("layers.0.") else n): w
+             for n, w in load_tensors(ModelPaths(root)).items()}
         ids = (torch.arange(len(t["d2t"])) + t["d2t"]).tolist()
         vocab = DraftVocab(tuple(ids), cfg.vocab_size, 0)
         embed = load_tensors(target)["embed_tokens.weight"]
         head = cls(cfg, vocab, embed, t["lm_head.weight"].float(),
-                   tuple(config["eagle_aux_hidden_state_layer_ids"]))
+                   layer_ids_of(config))
         with torch.no_grad():
             for name, p in head.named().items():
                 p.copy_(t[name].float())
