@@ -12,6 +12,7 @@ from tandem.envflags import add_flag, add_log_level_flag
 from tandem.netaddr import advertised
 from tandem.redis_conn import add_password_flag
 from tandem.tls import add_tls_flags, tls_from_args
+from tandem.vllm_compat import add_vllm_aliases
 
 # (field, type, help) of the flags that read TANDEM_DRAFT_<FIELD>; defaults come from
 # DraftConfig so they are stated once.
@@ -24,7 +25,8 @@ _FLAGS = (
     ("threads", int, "torch CPU threads"),
     ("max_sessions", int, "sessions held at once, over all streams"),
     ("max_run_ahead", int, "default draft tokens outstanding per session"),
-    ("max_spec_tokens", int, "largest run-ahead (draft tokens per round) a verifier may ask for"),
+    ("max_spec_tokens", int, "largest run-ahead (draft tokens per round) a verifier may ask "
+                             "for (vLLM's name: --num-speculative-tokens)"),
     ("top_n", int, "default size of the truncated q sent with each draft token"),
     ("max_top_n", int, "largest top-N a verifier may ask for"),
     ("kv_cache_mb", int, "draft KV cache budget in MiB"),
@@ -71,6 +73,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     for name, kind, text in _FLAGS:
         add_flag(p, "--" + name.replace("_", "-"), "TANDEM_DRAFT_" + name.upper(), defaults[name],
                  kind, text)
+    add_vllm_aliases(p)  # --num-speculative-tokens: --max-spec-tokens
+    p.add_argument("--max-model-len", dest="max_context_length", type=int,
+                   default=argparse.SUPPRESS, help="vLLM's name of --max-context-length")
     add_flag(p, "--redis-url", "REDIS_URL", "", help="register in this Redis worker registry")
     add_password_flag(p)
     add_flag(p, "--worker-id", "TANDEM_DRAFT_WORKER_ID", "",

@@ -6,7 +6,7 @@ import sys
 import time
 
 from tandem.device import add_device_flags
-from tandem.envflags import add_flag, env
+from tandem.envflags import add_flag
 from tandem.models import DEFAULT_TARGET, OFFLINE_MODELS, ModelError
 from tandem.tls import add_tls_flags, tls_from_args
 
@@ -113,18 +113,20 @@ def _cmd_generate(args) -> int:
 def _cmd_up(args) -> int:
     import signal
 
-    from tools.launcher import Cluster, ClusterConfig, demo_completion
+    from tools.launcher import Cluster, demo_completion
     from tools.supervisor import ClusterFailed
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    config = ClusterConfig(num_drafts=args.drafts, num_verifiers=args.verifiers,
-                           gateway_host=args.host, gateway_port=args.port, model=args.model,
-                           draft_model=args.draft_model,
-                           redis_url=env("REDIS_URL", ""), threads=args.threads,
-                           tls=tls_from_args(args), device=args.device, dtype=args.dtype)
+    try:
+        from tools.up_flags import up_config
+
+        config = up_config(args, tls_from_args(args))
+    except ValueError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 2
     cluster = Cluster(config, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("starting the Tandem cluster ...", file=sys.stderr, flush=True)
     try:
@@ -232,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="draft model (default: the shipped draft); with --model, one of another "
                   "tokenizer drafts only the tokens both vocabularies share")
     add_flag(up, "--threads", "TANDEM_THREADS", 1, int, help="torch threads per worker process")
+    from tools.up_flags import add_up_spec_flags
+
+    add_up_spec_flags(up)
     add_device_flags(up, "TANDEM_UP")  # passed to the verifier and draft processes
     up.add_argument("--demo", default="", metavar="PROMPT",
                     help="send this chat message once the cluster is up and print the reply")

@@ -15,15 +15,16 @@ import json
 import shutil
 from pathlib import Path
 
-from tandem.engine.eagle import EAGLE_CARD
-from tandem.models import ModelError
-from tools.distill.airgap_head3 import EAGLE3_CARD
 from tools.distill.airgap_speculators import (
     LAYER_KEYS,
     SPECULATORS_VERSION,
     speculators_config,
     write_eagle3,
 )
+
+# No torch at import: `tandem --help` registers this command without it.
+EAGLE_CARD = "tandem_eagle.json"  # tandem.engine.eagle.EAGLE_CARD
+EAGLE3_CARD = "tandem_eagle3.json"  # tools.distill.airgap_head3.EAGLE3_CARD
 
 
 def _verifier(src: Path, target: str) -> dict:
@@ -49,6 +50,7 @@ def convert_head(src: Path, dst: Path, target: str = "", log=print) -> Path:
     from tandem.engine.eagle3_published import is_eagle3, layer_ids_of
     from tandem.engine.eagle_published import _read_weights, is_published_eagle
     from tandem.engine.eagle_speculators import speculators_type
+    from tandem.models import ModelError
 
     src, dst = Path(src), Path(dst)
     if dst.exists() and any(dst.iterdir()):
@@ -127,6 +129,8 @@ def register(models_sub) -> None:
 
 def _run(args) -> int:
     import sys
+
+    from tandem.models import ModelError
 
     try:
         convert_head(Path(args.src), Path(args.dst), args.target,

@@ -51,6 +51,11 @@ class ClusterConfig:
     # else CUDA when present); anything else is passed as --device / --dtype.
     device: str = "auto"
     dtype: str = "auto"
+    # More flags for every verifier and draft worker (vLLM's flags and --speculative-config,
+    # tandem.vllm_compat), and the gateway's --method-preference ("" = its default).
+    verifier_args: tuple[str, ...] = ()
+    draft_args: tuple[str, ...] = ()
+    method_preference: str = ""
 
     def __post_init__(self):
         if self.num_drafts < 0 or self.num_verifiers < 1:
@@ -151,17 +156,19 @@ class Cluster:
         host = _dialable(cfg.worker_host)
         for i in range(cfg.num_drafts):
             port, mport = free_port(host), free_port(host)
-            extra = self._draft_args()
+            extra = self._draft_args() + list(cfg.draft_args)
             extra += ["--metrics-port", str(mport)]
             self._start_worker(f"draft-{i}", ["draft", "--port", str(port), *common, *extra],
                                port, mport)
         for i in range(cfg.num_verifiers):
             port, mport = free_port(host), free_port(host)
             extra = ["--model", cfg.model] if cfg.model else []
-            extra += ["--metrics-port", str(mport), *self._eagle3_args()[0]]
+            extra += ["--metrics-port", str(mport), *self._eagle3_args()[0],
+                      *cfg.verifier_args]
             self._start_worker(f"verifier-{i}", ["verifier", "--port", str(port), *common,
                                                  *extra], port, mport)
         extra = ["--model", cfg.model] if cfg.model else []
+        extra += ["--method-preference", cfg.method_preference] if cfg.method_preference else []
         proc = self._spawn("gateway", ["gateway", "--host", cfg.gateway_host, "--port",
                                        str(cfg.gateway_port), "--redis-url", self.redis_url,
                                        # One host: its draft workers share the verifier's

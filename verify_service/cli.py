@@ -12,6 +12,12 @@ from tandem.engine.graph_modes import GRAPH_MODES
 from tandem.envflags import add_flag, add_log_level_flag, boolean, csv, env
 from tandem.redis_conn import add_password_flag
 from tandem.tls import add_tls_flags, tls_from_args
+from tandem.vllm_compat import (
+    add_speculative_config_flag,
+    add_vllm_aliases,
+    parse_speculative_config,
+    verifier_overrides,
+)
 from verify_service.config import DRAFT_SHAPES, HISTORY_PLACES, VerifierConfig
 
 _DEFAULTS = VerifierConfig()
@@ -26,7 +32,13 @@ _INT_FLAGS = {
     "max_num_seqs": "sessions verified together in one batched round",
     "prefill_chunk_tokens": "chunked prefill: prompt tokens computed per step beside decoding "
                             "sessions, 0 = off",
-    "max_spec_tokens": "cap on draft tokens verified per session per round (0..32)",
+    "max_spec_tokens": "cap on draft tokens verified per session per round (0..32); vLLM's "
+                       "name --num-speculative-tokens is the same flag",
+    "max_model_len": "longest context of a session, prompt and output (vLLM's flag); 0 = the "
+                     "model's max_position_embeddings",
+    "max_ngram_size": "n-gram drafts match the last n tokens, n at most this (vLLM's "
+                      "prompt_lookup_max)",
+    "min_ngram_size": "... and n at least this (vLLM's prompt_lookup_min)",
     "top_n": "size of the sparse draft distribution asked from draft workers",
     "calibrate_reps": "timed forwards per token count at start-up, seeding the cost curve "
                       "k is chosen from (0: a built-in table)",
@@ -70,6 +82,11 @@ def register(sub, colocate=None) -> None:
     for name, text in _INT_FLAGS.items():
         add_flag(p, "--" + name.replace("_", "-"), f"TANDEM_VERIFIER_{name.upper()}",
                  getattr(_DEFAULTS, name), int, help=text)
+    add_vllm_aliases(p)
+    add_flag(p, "--enable-prefix-caching", "TANDEM_VERIFIER_ENABLE_PREFIX_CACHING",
+             _DEFAULTS.enable_prefix_caching, boolean, action=argparse.BooleanOptionalAction,
+             help="reuse the KV blocks of a prompt prefix already computed (vLLM's flag)")
+    add_speculative_config_flag(p)
     add_flag(p, "--max-draft-wait-ms", "TANDEM_VERIFIER_MAX_DRAFT_WAIT_MS",
              _DEFAULTS.max_draft_wait_ms, float,
              help="longest a round waits for draft tokens still in flight")
@@ -139,11 +156,22 @@ def register(sub, colocate=None) -> None:
     p.set_defaults(func=functools.partial(_run, colocate=colocate))
 
 
-def _run(args: argparse.Namespace, colocate=None) -> int:
+def config_from_args(args: argparse.Namespace) -> VerifierConfig:
+    """The VerifierConfig of parsed flags; --speculative-config (vLLM's JSON) sets the fields
+    it names over them (tandem.vllm_compat)."""
     fields = {f.name for f in dataclasses.fields(VerifierConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    config = VerifierConfig(**values, draft_addresses=tuple(args.drafts),
-                            tls=tls_from_args(args))
+    if args.speculative_config:
+        values.update(verifier_overrides(parse_speculative_config(args.speculative_config)))
+    return VerifierConfig(**values, draft_addresses=tuple(args.drafts),
+                          tls=tls_from_args(args))
+
+
+def _run(args: argparse.Namespace, colocate=None) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"tandem verifier: {exc}") from None
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.threads:

@@ -48,6 +48,16 @@ class VerifierConfig:
     max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS
     max_draft_wait_ms: float = 25.0
     top_n: int = 8
+    # Longest context a session may reach (prompt and output); 0 = the model's
+    # max_position_embeddings (vLLM's --max-model-len).
+    max_model_len: int = 0
+    # Reuse the KV blocks of a prompt prefix already computed (vLLM's
+    # --enable-prefix-caching); off: every prompt is computed in full.
+    enable_prefix_caching: bool = True
+    # The verifier's n-gram drafts match the last n tokens, n from max down to min (vLLM's
+    # prompt_lookup_max / prompt_lookup_min).
+    max_ngram_size: int = 3
+    min_ngram_size: int = 1
     draft_addresses: tuple[str, ...] = ()
     redis_url: str = ""
     # Used when redis_url carries none (REDIS_PASSWORD); kept out of repr and logs.
@@ -149,6 +159,12 @@ class VerifierConfig:
         if self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be >= 0 (0 = off), got "
                              f"{self.prefill_chunk_tokens}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0 (0 = the model's), got "
+                             f"{self.max_model_len}")
+        if not 1 <= self.min_ngram_size <= self.max_ngram_size:
+            raise ValueError(f"need 1 <= min_ngram_size <= max_ngram_size, got "
+                             f"{self.min_ngram_size}, {self.max_ngram_size}")
         for name in ("kv_cache_mb", "max_sessions", "max_num_seqs", "top_n",
                      "layer_skip_kv_mb"):
             if getattr(self, name) < 1:

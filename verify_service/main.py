@@ -29,6 +29,7 @@ from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
 from tandem.models import ModelPaths, generation_eos_ids, resolve_model, tokenizer_hash
 from tandem.netaddr import advertised, join_host_port
+from tandem.proposers.ngram import NgramProposer
 from tandem.proposers.suffix import SuffixConfig
 from tandem.registration import Registration, start_registration, stop_registration
 from tandem.spec import Method
@@ -168,6 +169,15 @@ def _load_target(config: VerifierConfig, paths: ModelPaths,
     return model
 
 
+def _max_model_len(config: VerifierConfig, model: LlamaModel) -> int:
+    """--max-model-len, at most the model's context (vLLM refuses more too)."""
+    limit = model.cfg.max_position_embeddings
+    if config.max_model_len > limit:
+        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {limit}")
+    return config.max_model_len or limit
+
+
 async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelPaths,
                         tp: TPLeader | None = None) -> tuple[Engine, VerifierMetrics]:
     """The verify path over the target: its KV cache, Medusa heads if configured, the
@@ -179,7 +189,7 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs, features_cached=True,
                                 prefill_chunk_tokens=config.prefill_chunk_tokens,
                                 max_spec_tokens=config.max_spec_tokens,
-                                max_model_len=model.cfg.max_position_embeddings,
+                                max_model_len=_max_model_len(config, model),
                                 kv_window=model.cfg.kv_window)
     if medusa is not None:
         log.info("medusa: %d heads, a tree of %d nodes", medusa.cfg.num_heads,
@@ -190,7 +200,8 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     calibrated, solo = await timed_curve(runner, config.max_spec_tokens,
                                          config.calibrate_reps)
     # with graphs, the cache's last block is theirs (padding rows write there)
-    blocks = BlockManager(runner.num_blocks - (graphs is not None), runner.block_size)
+    blocks = BlockManager(runner.num_blocks - (graphs is not None), runner.block_size,
+                          prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(blocks, sched_cfg,
                           CostModel({q: ms for q, ms in calibrated.items() if q in solo}),
                           tree_reach=medusa.cfg.reach if medusa is not None else (),
@@ -206,6 +217,9 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     history = (HistoryDrafts(config.max_spec_tokens or 1, SuffixConfig(
         per_tenant=True, cache_tokens=config.suffix_cache_tokens))
         if config.history_drafts == "verifier" else None)
+    if history is not None:  # vLLM's prompt_lookup_max / _min
+        history.proposers[Method.NGRAM] = NgramProposer(
+            config.max_ngram_size, config.max_spec_tokens or 1, config.min_ngram_size)
     return Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics,
                   history), metrics
 

@@ -88,13 +88,15 @@ class NgramProposer:
 
     method = Method.NGRAM
 
-    def __init__(self, max_ngram_size: int = 3, max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS):
-        if max_ngram_size < 1 or max_spec_tokens < 1:
+    def __init__(self, max_ngram_size: int = 3, max_spec_tokens: int = DEFAULT_MAX_SPEC_TOKENS,
+                 min_ngram_size: int = 1):
+        if max_ngram_size < 1 or max_spec_tokens < 1 or min_ngram_size < 1:
             raise ValueError(
-                f"max_ngram_size and max_spec_tokens must be >= 1, got "
-                f"{max_ngram_size}, {max_spec_tokens}"
+                f"max_ngram_size, min_ngram_size and max_spec_tokens must be >= 1, got "
+                f"{max_ngram_size}, {min_ngram_size}, {max_spec_tokens}"
             )
         self.max_ngram_size = max_ngram_size
+        self.min_ngram_size = min_ngram_size  # vLLM's prompt_lookup_min
         self.max_spec_tokens = max_spec_tokens
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
@@ -102,7 +104,8 @@ class NgramProposer:
         for req in requests:
             n = req.max_ngram_size or self.max_ngram_size
             k = min(req.max_tokens, self.max_spec_tokens)
-            ids, size = ngram_match(req.token_ids, n, k) if k > 0 else ([], 0)
+            ids, size = (ngram_match(req.token_ids, n, k, min(self.min_ngram_size, n))
+                         if k > 0 else ([], 0))
             results.append(DraftResult([DraftToken(t) for t in ids],
                                        scores=confidences(size, len(ids))))
         return results

@@ -159,3 +159,11 @@ def test_cli_convert_head_and_up_take_the_layers_from_the_config(tmp_path, targe
     args = Cluster(ClusterConfig(model=str(target.root), eagle=str(tmp_path / "out")),
                    log=lambda *_: None)._eagle3_args()[0]
     assert args == ["--eagle-feature-layers", "1,2,4", "--medusa", "off"]
+
+
+def test_converter_card_names_are_the_formats():
+    from tandem.engine.eagle import EAGLE_CARD
+    from tools import convert_head as c
+    from tools.distill.airgap_head3 import EAGLE3_CARD
+
+    assert (c.EAGLE_CARD, c.EAGLE3_CARD) == (EAGLE_CARD, EAGLE3_CARD)
