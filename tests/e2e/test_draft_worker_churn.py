@@ -56,7 +56,7 @@ def test_sessions_survive_a_killed_and_a_drained_worker(target_paths):
 
     def supervise():  # what `tandem up` runs (Cluster.wait)
         while not stop.is_set():
-            cluster.supervise_drafts()
+            cluster.supervise()
             time.sleep(0.2)
 
     try:
@@ -78,7 +78,9 @@ def test_sessions_survive_a_killed_and_a_drained_worker(target_paths):
         killed = time.monotonic()
         os.kill(procs["draft-1"].pid, signal.SIGUSR1)  # `tandem drain`
         address = cluster.addresses["draft-0"]
-        while not grpc_healthy(address):
+        deadline = time.monotonic() + 120
+        while not grpc_healthy(address):  # the supervisor starts it again
+            assert time.monotonic() < deadline, "the killed draft worker never came back"
             time.sleep(0.1)
         back = time.monotonic()
         for t in threads:
