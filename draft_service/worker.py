@@ -7,14 +7,10 @@ max_run_ahead, while the next verification is in flight.
 
 Transport-agnostic: the gRPC servicer turns DraftControl messages into tandem.spec's Open /
 Commit / Close / Invalid and sends back whatever a Stream yields (Proposal or SessionError).
-One worker serves every stream of the process, so each step batches ALL sessions that want
-drafting into one proposer call per method (one forward for the draft model). The step runs on
-a single-thread executor: the event loop stays free for stream traffic and health checks, and
-the proposers (with their KV caches) are only ever touched by that one thread, which also
-computes the sessions' grammar masks (from copies of their matchers: the loop commits to them).
-
-What an Open or a Commit does to a session is in control.py; how a proposer's result goes out
-as Proposals (chain or tree) is in proposals.py.
+Each step batches ALL sessions that want drafting into one proposer call per method, on one
+executor thread: the loop stays free for streams and health checks, and only that thread
+touches the proposers (and their KV caches) and computes the grammar masks (from copies of
+the matchers: the loop commits to them). Open / Commit: control.py; Proposals: proposals.py.
 """
 from __future__ import annotations
 
