@@ -12,6 +12,7 @@ Draft workers are optional: a session without proposals simply decodes plainly.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -74,9 +75,12 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def submit(self, params: GenerateParams, grammar=None) -> asyncio.Queue[RoundOutput]:
         """Admit a session (`grammar`: its tandem.grammar.GrammarState, structured output)."""
-        local = self.history is not None and self.history.serves(params.method)
-        scales = self.history.prior_scales(params.method, params.sampling.is_greedy) \
-            if local else {}
+        if params.prediction and self.history is None:  # drafted here or nowhere
+            params = dataclasses.replace(params, prediction=())
+        predicted = bool(params.prediction)
+        local = self.history is not None and self.history.serves(params.method, predicted)
+        scales = self.history.prior_scales(params.method, params.sampling.is_greedy,
+                                           predicted) if local else {}
         seq, queue = self.table.admit(params, grammar=grammar,
                                       local=LocalProposals(in_verifier=local),
                                       est=Estimates(source_scale=scales))

@@ -18,6 +18,7 @@ from tandem.grammar.compiler import LazyCompiler
 from tandem.grpc_limits import MAX_SESSION_ID_CHARS, MAX_STOP_TOKEN_IDS
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
+from tandem.spec.methods import AUTO_DRAFT_METHODS
 from tandem.telemetry import VerifierMetrics
 from tandem.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.engine import Engine
@@ -47,12 +48,14 @@ def _check_sizes(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerInfo) -
     if len(prompt) + max_new > ctx:
         raise InvalidArgument(f"prompt ({len(prompt)}) + max_new_tokens ({max_new}) exceeds the "
                               f"context {ctx}")
-    if len(req.committed_token_ids) > ctx:  # (and below max_new_tokens: GenerateParams)
-        raise InvalidArgument(f"committed_token_ids has {len(req.committed_token_ids)} ids, "
-                              f"more than the context {ctx}")
+    for name in ("committed_token_ids", "prediction_token_ids"):
+        if len(getattr(req, name)) > ctx:  # (committed: below max_new_tokens, GenerateParams)
+            raise InvalidArgument(f"{name} has {len(getattr(req, name))} ids, more than the "
+                                  f"context {ctx}")
     v = info.vocab_size
     for name, ids in (("prompt_token_ids", req.prompt_token_ids),
                       ("committed_token_ids", req.committed_token_ids),
+                      ("prediction_token_ids", req.prediction_token_ids),
                       ("stop_token_ids", stops)):
         bad = [t for t in ids if not 0 <= t < v]
         if bad:
@@ -66,6 +69,10 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
     """Validates a request against the model's limits; InvalidArgument says what is wrong."""
     _check_sizes(req, info)
     sampling = SamplingParams.from_wire(req.sampling)
+    bad = [t for t in sampling.token_ids() if t >= info.vocab_size]
+    if bad:
+        raise InvalidArgument(f"sampling controls name ids outside the vocabulary "
+                              f"[0, {info.vocab_size}): {bad[:5]}")
     spec = req.speculation
     method = Method.from_wire(spec.method)
     if method is Method.UNSPECIFIED:
@@ -73,6 +80,11 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
     if spec.num_speculative_tokens > info.max_spec_tokens:
         raise InvalidArgument(f"num_speculative_tokens {spec.num_speculative_tokens} exceeds "
                          f"{info.max_spec_tokens}")
+    typical = spec.HasField("typical_acceptance")
+    auto_draft = (Method.from_wire(spec.auto_draft_method)
+                  if spec.auto_draft_method != Method.UNSPECIFIED else None)
+    method, auto_draft, prediction = _with_prediction(
+        method, auto_draft, tuple(req.prediction_token_ids), typical)
     return GenerateParams(
         session_id=req.session_id, prompt=tuple(req.prompt_token_ids),
         committed=tuple(req.committed_token_ids), sampling=sampling,
@@ -81,11 +93,26 @@ def params_from_proto(req: verify_pb2.GenerateRequest, info: common_pb2.WorkerIn
         num_speculative_tokens=spec.num_speculative_tokens, draft_address=spec.draft_address,
         tenant=spec.tenant, typical=(
             (spec.typical_acceptance.posterior_threshold, spec.typical_acceptance.posterior_alpha)
-            if spec.HasField("typical_acceptance") else None),
+            if typical else None),
         logprobs=req.top_logprobs if req.logprobs else None,
         tree=_tree(spec.draft_shape, method, tree_methods), grammar=_grammar(req),
-        auto_draft=(Method.from_wire(spec.auto_draft_method)
-                    if spec.auto_draft_method != Method.UNSPECIFIED else None))
+        auto_draft=auto_draft, prediction=prediction)
+
+
+def _with_prediction(method: Method, auto_draft: Method | None, prediction: tuple[int, ...],
+                     typical: bool) -> tuple[Method, Method | None, tuple[int, ...]]:
+    """(method, auto_draft, prediction) of a session with a prediction. none, ngram, suffix and
+    auto draft it in the verifier beside their own proposals (verify_service/drafts/history.py).
+    A model method prefers the prediction where it matches: draft_model and eagle run as auto
+    linked to their worker (asked only while no free proposal matches), medusa as auto (its
+    heads likewise); mtp, layer_skip and lossy typical acceptance ignore the prediction."""
+    if not prediction or method in (Method.NONE, Method.NGRAM, Method.SUFFIX, Method.AUTO):
+        return method, auto_draft, prediction
+    if method in AUTO_DRAFT_METHODS:
+        return Method.AUTO, method, prediction
+    if method is Method.MEDUSA and not typical:
+        return Method.AUTO, None, prediction
+    return method, auto_draft, ()
 
 
 def _grammar(req: verify_pb2.GenerateRequest) -> GrammarSpec | None:
@@ -110,7 +137,9 @@ def output_to_proto(out: RoundOutput) -> verify_pb2.GenerateResponse:
             draft_wait_ms=out.draft_wait_ms, verify_ms=out.verify_ms,
             rejection_ms=out.rejection_ms),
         totals=verify_pb2.SessionStats(rounds=out.rounds, drafted_tokens=out.drafted_total,
-                                       accepted_tokens=out.accepted_total, lossy=out.lossy),
+                                       accepted_tokens=out.accepted_total, lossy=out.lossy,
+                                       accepted_prediction_tokens=out.prediction_accepted,
+                                       rejected_prediction_tokens=out.prediction_rejected),
         finish_reason=_FINISH[out.finish_reason],
         logprobs=[verify_pb2.TokenLogprob(
             token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.errors import AlreadyExists, ResourceExhausted
+from tandem.proposers.prediction import PREDICTION
 from tandem.telemetry import VerifierMetrics
 from verify_service.forward.step import StepTimings, TokenLogprob
 from verify_service.policy.scheduler import Scheduler
@@ -38,6 +39,8 @@ class RoundOutput:
     finish_reason: str | None
     error: str = ""  # finish_reason "error" / "fault": why (the servicer ends the call with it)
     lossy: bool = False  # typical acceptance was used: not the target's distribution
+    prediction_accepted: int = 0  # the session's prediction drafts kept so far (SessionStats)
+    prediction_rejected: int = 0  # ... and verified but not kept
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when asked for
 
 
@@ -96,6 +99,9 @@ class SessionTable:
                                               st.accepted + kept)
         st.lossy |= bool(drafted) and seq.params.typical is not None \
             and not seq.params.sampling.is_greedy
+        if drafted and seq.local.source is PREDICTION:  # (rejected: verified, not kept)
+            st.prediction_accepted += kept
+            st.prediction_rejected += drafted - kept
         if self.metrics is not None:
             self.metrics.observe_round(drafted, kept, wait_ms,
                                        timings.forward_ms, timings.rejection_ms)
@@ -122,5 +128,5 @@ def round_output(seq: Sequence, new: list[int], drafted: int, accepted: int, wai
         bonus=bonus, draft_wait_ms=wait_ms, verify_ms=timings.forward_ms,
         rejection_ms=timings.rejection_ms, rounds=st.rounds, drafted_total=st.drafted,
         accepted_total=st.accepted, finish_reason=seq.finish_reason, error=seq.error,
-        lossy=st.lossy,
-        logprobs=logprobs)
+        lossy=st.lossy, prediction_accepted=st.prediction_accepted,
+        prediction_rejected=st.prediction_rejected, logprobs=logprobs)

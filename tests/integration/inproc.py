@@ -40,7 +40,8 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
                  stop=(), batch=64, medusa=None, max_spec_tokens=4, cost=None, logprobs=None,
                  rounds=None, prefill_chunk_tokens=0, tree=None, features_cached=False,
                  forwarded=None, step_cost=None, history=None, kv_window=0, block_size=16,
-                 num_blocks=512, grammar=None, make_runner=None, auto_draft=None):
+                 num_blocks=512, grammar=None, make_runner=None, auto_draft=None,
+                 predictions=None):
     """Generate every prompt through the engine with `method`'s proposer in a DraftWorker
     (or the engine's own Medusa heads): (token lists, drafted, accepted, link). `logprobs`
     asks for them; `rounds`, a list, receives every RoundOutput per prompt; `tree` is
@@ -51,7 +52,8 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
     SchedulerConfig.kv_window (KV blocks past a sliding window released as it goes);
     grammar: (GrammarSpec, GrammarCompiler): every session follows that grammar;
     make_runner(num_blocks, block_size): the target's runner (a tensor-parallel leader's);
-    auto_draft: GenerateParams.auto_draft (auto also takes the worker's drafts)."""
+    auto_draft: GenerateParams.auto_draft (auto also takes the worker's drafts);
+    predictions: one GenerateParams.prediction per prompt (Predicted Outputs)."""
     async def main():
         runner = (make_runner(num_blocks, block_size) if make_runner is not None else
                   ModelRunner(target_model, num_blocks, block_size,
@@ -82,7 +84,7 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
             sampling=sampling,
             max_new_tokens=max_new, stop_token_ids=frozenset(stop), method=method,
             logprobs=logprobs, tree=tree, grammar=grammar and grammar[0],
-            auto_draft=auto_draft),
+            auto_draft=auto_draft, prediction=tuple(predictions[i]) if predictions else ()),
             grammar and grammar[1].state_now(grammar[0]))
             for i, p in enumerate(prompts)]
         results, drafted, accepted = [], 0, 0

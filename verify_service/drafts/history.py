@@ -4,12 +4,19 @@ session of these methods never opens a draft link and never waits for a network 
 round it gets a fresh proposal over its committed tokens, with every token's estimated chance
 of being reached (`Sequence.draft_reach`), from which the scheduler sizes the round: long
 drafts when the match is long and has held, none when nothing matches.
+
+A request's prediction (Predicted Outputs, GenerateParams.prediction) is one more such
+source (tandem/proposers/prediction.py), whatever the method: with `none` the only one, with
+ngram, suffix and auto one proposal beside theirs (auto.pick takes the one that promises the
+most tokens per ms). A model method's session with a prediction is run by the servicer as
+auto (verify_service/server.py), so it lands here too.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from tandem.proposers.ngram import NgramProposer
+from tandem.proposers.prediction import PREDICTION, PredictionProposer, Source
 from tandem.proposers.suffix import SuffixConfig, SuffixProposer
 from tandem.spec import DraftRequest, Method, Proposer
 from tandem.spec.methods import HISTORY_SOURCES
@@ -27,9 +34,11 @@ class HistoryDrafts:
         # One suffix cache per tenant, as the draft worker's default: one API key's text never
         # drafts (or speeds up) another's.
         suffix = suffix or SuffixConfig(per_tenant=True)
-        self.proposers: dict[Method, Proposer] = {
+        self.prediction = PredictionProposer(max_spec_tokens=max_tokens)
+        self.proposers: dict[Method | Source, Proposer] = {
             Method.NGRAM: NgramProposer(max_spec_tokens=max_tokens),
-            Method.SUFFIX: SuffixProposer(suffix, max_spec_tokens=max_tokens)}
+            Method.SUFFIX: SuffixProposer(suffix, max_spec_tokens=max_tokens),
+            PREDICTION: self.prediction}
         # What finished sessions measured of each source (accepted / expected: their
         # Sequence.est.source_scale), smoothed: a new session starts from it rather than from the
         # proposers' raw estimates, which a short request has no rounds to correct. Kept apart
@@ -38,8 +47,9 @@ class HistoryDrafts:
         self.scale: dict[tuple[Method, bool], float] = {}
 
     @staticmethod
-    def serves(method: Method) -> bool:
-        return method in HISTORY_METHODS
+    def serves(method: Method, prediction: bool = False) -> bool:
+        """Whether a session of `method` (with a prediction or not) drafts here."""
+        return method in HISTORY_METHODS or prediction
 
     def fill(self, seqs: list[Sequence], k_allowed: Callable[[Sequence], int]) -> None:
         """Each session's (local, speculating, with no drafts yet) proposals for this round,
@@ -47,10 +57,13 @@ class HistoryDrafts:
         proposer's own confidence per token). verify_service/policy/auto.py picks among them. A
         proposer that fails or finds no match proposes nothing."""
         ks = {seq.session_id: k for seq in seqs if (k := k_allowed(seq)) > 0}
-        by_method: dict[Method, list[Sequence]] = {}
+        by_method: dict[Method | Source, list[Sequence]] = {}
         for seq in seqs:
             if seq.session_id in ks:
-                for method in _sources(seq.params.method):
+                if seq.params.prediction:  # (once: later calls find it open)
+                    self.prediction.open(seq.session_id, seq.params.prediction,
+                                         len(seq.params.prompt))
+                for method in _sources(seq.params.method, bool(seq.params.prediction)):
                     by_method.setdefault(method, []).append(seq)
         for method, group in by_method.items():
             reqs = [DraftRequest(session_key=seq.session_id, token_ids=seq.tokens,
@@ -62,11 +75,12 @@ class HistoryDrafts:
                     seq.local.offer(method, LocalProposal(
                         list(res.tokens), None, [float(r) for r in res.scores[:len(res.tokens)]]))
 
-    def prior_scales(self, method: Method, greedy: bool = True) -> dict[Method, float]:
-        """The corrections a new session of `method` starts from, per source it drafts from
-        (Sequence.est.source_scale)."""
-        sources = (*_sources(method), Method.MEDUSA) if method is Method.AUTO else \
-            _sources(method)
+    def prior_scales(self, method: Method, greedy: bool = True, prediction: bool = False
+                     ) -> dict[Method | Source, float]:
+        """The corrections a new session of `method` (with a prediction or not) starts from,
+        per source it drafts from (Sequence.est.source_scale)."""
+        sources = _sources(method, prediction)
+        sources = (*sources, Method.MEDUSA) if method is Method.AUTO else sources
         return {m: self.scale.get((m, greedy), 1.0) for m in sources}
 
     def finish(self, seq: Sequence) -> None:
@@ -77,13 +91,15 @@ class HistoryDrafts:
             if source in seq.est.drafted_from:  # a source never used says nothing new
                 key = (source, seq.params.sampling.is_greedy)
                 self.scale[key] = 0.7 * self.scale.get(key, 1.0) + 0.3 * scale
-        for m in _sources(method):
+        for m in _sources(method, bool(seq.params.prediction)):
             proposer = self.proposers[m]
             proposer.release(seq.session_id)
             if isinstance(proposer, Learner) and seq.finish_reason != "abort":
                 proposer.learn(seq.params.tenant, seq.tokens)
 
 
-def _sources(method: Method) -> tuple[Method, ...]:
-    """The proposers a session of `method` drafts from (auto: both)."""
-    return HISTORY_SOURCES if method is Method.AUTO else (method,)
+def _sources(method: Method, prediction: bool = False) -> tuple[Method | Source, ...]:
+    """The proposers a session of `method` drafts from (auto: both; a prediction: it too)."""
+    own = HISTORY_SOURCES if method is Method.AUTO else \
+        (method,) if method in HISTORY_METHODS else ()
+    return (*own, PREDICTION) if prediction else own

@@ -2,7 +2,7 @@
 asks before each step). Pure Python, like the scheduler."""
 from __future__ import annotations
 
-from tandem.spec.methods import HISTORY_SOURCES
+from tandem.proposers.prediction import FREE_SOURCES
 from verify_service.drafts.side import DraftSide
 from verify_service.policy.scheduler import Scheduler, probing
 from verify_service.session.sequence import Sequence
@@ -19,7 +19,7 @@ def missing(seq: Sequence, scheduler: Scheduler, drafts: DraftSide) -> int:
     it would not use is never waited for, nor a probe's (its chain did not pay its wait)."""
     if seq.local.in_verifier:
         asked = drafts.asked(seq)
-        if not asked or probing(seq) or any(m in seq.local.proposals for m in HISTORY_SOURCES):
+        if not asked or probing(seq) or any(m in seq.local.proposals for m in FREE_SOURCES):
             return 0
         # the one past k is for the bonus token (unless the run-ahead cap took it)
         return max(1, asked - 1) - len(seq.remote)

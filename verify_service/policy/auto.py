@@ -30,9 +30,9 @@ Pure Python, like the scheduler.
 """
 from __future__ import annotations
 
+from tandem.proposers.prediction import FREE_SOURCES
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import best_rate, choose_tree_size
-from tandem.spec.methods import HISTORY_SOURCES
 from verify_service.policy.feedback import note_link_round
 from verify_service.policy.scheduler import EXPLORE_EVERY, Scheduler
 from verify_service.session.sequence import LocalProposal, Sequence
@@ -53,7 +53,7 @@ def wants_heads(seq: Sequence, num_drafts: int) -> bool:
     this round verifies the history's drafts, nor until the history has missed a few rounds
     in a row (see the module docstring)."""
     return (seq.params.method is Method.AUTO and seq.local.history_misses >= HEADS_AFTER_MISSES
-            and not (num_drafts and seq.local.source in HISTORY_SOURCES))
+            and not (num_drafts and seq.local.source in FREE_SOURCES))
 
 
 def heads_proposal(scheduler: Scheduler, seq: Sequence, drafts, parents) -> LocalProposal:
@@ -88,7 +88,7 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
     verifier), so that the estimates can move.
     Called after the round was recorded: stats.rounds counts the next round."""
     remote = seq.params.auto_draft
-    if remote is None or seq.finished or seq.local.source in HISTORY_SOURCES or (
+    if remote is None or seq.finished or seq.local.source in FREE_SOURCES or (
             seq.local.history_misses < HEADS_AFTER_MISSES and seq.local.source is not remote):
         return 0
     k_allowed = scheduler.k_allowed(seq)
@@ -106,7 +106,7 @@ def pick(scheduler: Scheduler, seq: Sequence, asked: int = 0) -> None:
     for; waited for and none came is a late round)."""
     proposals, seq.local.proposals = seq.local.proposals, {}
     seq.local.source = None
-    matched = any(m in proposals for m in HISTORY_SOURCES)
+    matched = any(m in proposals for m in FREE_SOURCES)
     seq.local.history_misses = 0 if matched else seq.local.history_misses + 1
     k_allowed = scheduler.k_allowed(seq)
     if seq.remote and seq.params.auto_draft is not None:

@@ -38,6 +38,9 @@ class GenerateParams:
     # auto only: the model method of the draft worker at draft_address whose drafts auto may
     # also take (verify_service/policy/auto.py); None: auto drafts in the verifier alone.
     auto_draft: Method | None = None
+    # Predicted Outputs: the text the client expects, tokenized; a draft only, proposed by the
+    # verifier (tandem/proposers/prediction.py) whatever the method. () = none.
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:

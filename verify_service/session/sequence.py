@@ -48,6 +48,9 @@ class SessionStats:
     drafted: int = 0
     accepted: int = 0
     lossy: bool = False  # a round verified drafts by typical acceptance
+    # Drafts from the prediction (GenerateParams.prediction) kept, and verified but not kept.
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
 
 
 @dataclass
@@ -167,8 +170,8 @@ class Sequence:
         return len(self.params.prompt) + len(self.output)
 
     @property
-    def speculating(self) -> bool:
-        return self.params.method is not Method.NONE
+    def speculating(self) -> bool:  # (a prediction is a draft even with method none)
+        return self.params.method is not Method.NONE or bool(self.params.prediction)
 
     @property
     def link_method(self) -> Method:
