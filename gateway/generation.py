@@ -65,6 +65,8 @@ class Finished:
     speculation: dict
     index: int = 0
     choices: tuple = ()  # ChoiceEnd of every choice (n > 1), by index
+    # With a prediction: its tokens accepted and rejected (gateway/prediction.py); else None.
+    prediction: tuple[int, int] | None = None
 
 
 @dataclass
@@ -112,6 +114,13 @@ class _Failover:
         unused = max(0, accepted - shown)  # accepted drafts the client never got
         return speculation_stats(self.plan.method, t.rounds, t.drafted_tokens,
                                  t.accepted_tokens - unused, used, t.lossy)
+
+    def prediction(self) -> tuple[int, int] | None:
+        """The prediction's tokens accepted and rejected over every call (None: none)."""
+        if not self.plan.prediction_token_ids:
+            return None
+        t = self._ended_totals + self._call_totals
+        return t.accepted_prediction_tokens, t.rejected_prediction_tokens
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         cfg, loop = self.deps.config, asyncio.get_running_loop()
@@ -260,7 +269,7 @@ async def run_session(plan: GenerationPlan, deps: GenerationDeps, text: TextStre
         done = True
         await _safe("finish", store.finish(session_id, status="finished", finish_reason=reason))
         used = text.num_tokens if text.stopped else len(runner.committed)
-        yield Finished(reason, used, runner.stats(used))
+        yield Finished(reason, used, runner.stats(used), prediction=runner.prediction())
     except APIError as exc:
         done = True
         await _safe("finish", store.finish(session_id, status="failed", error=exc.message))

@@ -11,6 +11,7 @@ from gateway import schemas
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request
 from gateway.logprobs import requested as requested_logprobs
+from gateway.prediction import prediction_token_ids
 from gateway.routing import Router, affinity_key
 from gateway.sampling_options import choices, sampling_params
 from gateway.structured import constraint
@@ -44,6 +45,7 @@ class GenerationPlan:
     draft_shape: str | None = None  # "tree" or "chain" (medusa, eagle); None = the verifier's
     grammar: GrammarSpec | None = None  # structured output (gateway/structured.py)
     tools: ToolPlan | None = None  # the tools the text may call (chat)
+    prediction_token_ids: tuple[int, ...] = ()  # Predicted Outputs: a draft only
     n: int = 1  # choices returned
     best_of: int = 1  # choices generated (>= n: the n with the highest logprob are kept)
 
@@ -74,6 +76,8 @@ async def build_plan(req: schemas.GenerationRequest, session_id: str, *, config:
     max_new = resolve_max_tokens(req, len(ids), config.context_length,
                                          config.default_max_tokens)
     stop_ids = _stop_token_ids(req, tokenizer, config.eos_token_ids)
+    prediction = await prediction_token_ids(req.prediction, tokenizer, config.context_length,
+                                            max_token_chars, tokenize_in)
     n, best_of = choices(req)
     sampling = sampling_params(req, tokenizer)
     if sampling.min_tokens > max_new:
@@ -95,7 +99,8 @@ async def build_plan(req: schemas.GenerationRequest, session_id: str, *, config:
                                 else config.default_speculative_tokens),
         affinity_key=affinity_key(conversation), typical=_typical(spec),
         logprobs=0 if logprobs is None and best_of > n else logprobs,
-        round_events=spec.events, grammar=grammar, tools=tools, n=n, best_of=best_of)
+        round_events=spec.events, grammar=grammar, tools=tools, n=n, best_of=best_of,
+        prediction_token_ids=prediction)
     return plan, TextStream(tokenizer, req.stop_strings(), stop_ids,
                             include_stop=req.include_stop_str_in_output,
                             skip_special_tokens=req.skip_special_tokens,

@@ -15,6 +15,7 @@ from gateway.choices import ChoiceEnd
 from gateway.errors import APIError
 from gateway.generation import Finished, RoundEvent, TextDelta
 from gateway.logprobs import LogprobsFormatter, TokenLogprobs
+from gateway.prediction import usage_details
 from gateway.tool_events import ToolCallDeltas, ToolCalls, chunk
 
 
@@ -79,7 +80,8 @@ def _body(meta: ResponseMeta, got: dict[int, _Choice], fin: Finished) -> dict:
         else:
             choices.append(schemas.completion_choice(index, "".join(c.parts),
                                                      end.finish_reason, logprobs))
-    usage = schemas.usage_dict(meta.prompt_tokens, fin.completion_tokens)
+    usage = {**schemas.usage_dict(meta.prompt_tokens, fin.completion_tokens),
+             **usage_details(fin.prediction)}
     return schemas.response_body(meta.chat, meta.session_id, meta.created, meta.model, choices,
                                  usage, fin.speculation)
 
@@ -164,7 +166,8 @@ def _chunks(ev: TextDelta | RoundEvent | ToolCallDeltas | ChoiceEnd | Finished,
     last = schemas.stream_chunk(*meta.head(), finish=ev.finish_reason, index=ev.index)
     if isinstance(ev, ChoiceEnd):  # a choice ended; the request goes on
         return [last]
-    usage = schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens)
+    usage = {**schemas.usage_dict(meta.prompt_tokens, ev.completion_tokens),
+             **usage_details(ev.prediction)}
     if include_usage:
         return [last, schemas.usage_chunk(*meta.head(), usage, ev.speculation)]
     return [{**last, "usage": usage, "speculation": ev.speculation}]

@@ -68,10 +68,14 @@ class Totals:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     lossy: bool = False
+    accepted_prediction_tokens: int = 0  # of accepted_tokens, the prediction's (v1.2)
+    rejected_prediction_tokens: int = 0  # the prediction's drafts verified and not kept
 
     def __add__(self, other: Totals) -> Totals:
         return Totals(self.rounds + other.rounds, self.drafted_tokens + other.drafted_tokens,
-                      self.accepted_tokens + other.accepted_tokens, self.lossy or other.lossy)
+                      self.accepted_tokens + other.accepted_tokens, self.lossy or other.lossy,
+                      self.accepted_prediction_tokens + other.accepted_prediction_tokens,
+                      self.rejected_prediction_tokens + other.rejected_prediction_tokens)
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,8 @@ class Round:
 def _round(resp: verify_pb2.GenerateResponse) -> Round:
     t = resp.totals
     return Round(tuple(resp.token_ids),
-                 Totals(t.rounds, t.drafted_tokens, t.accepted_tokens, t.lossy),
+                 Totals(t.rounds, t.drafted_tokens, t.accepted_tokens, t.lossy,
+                        t.accepted_prediction_tokens, t.rejected_prediction_tokens),
                  _FINISH.get(resp.finish_reason, ""),
                  resp.finish_reason == verify_pb2.FINISH_REASON_ABORT,
                  tuple(TokenLogprobs(lp.token_id, lp.logprob,
@@ -136,7 +141,8 @@ def build_request(plan: GenerationPlan, committed: Sequence[int], draft_address:
             draft_shape=_DRAFT_SHAPES[plan.draft_shape],
             auto_draft_method=int(auto_draft) if auto_draft is not None else 0),
         logprobs=plan.logprobs is not None, top_logprobs=plan.logprobs or 0,
-        grammar=None if plan.grammar is None else common_pb2.Grammar(**plan.grammar.to_wire()))
+        grammar=None if plan.grammar is None else common_pb2.Grammar(**plan.grammar.to_wire()),
+        prediction_token_ids=plan.prediction_token_ids)
 
 
 class GenerateCall:
