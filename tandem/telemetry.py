@@ -111,11 +111,52 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
-class VerifierMetrics:
-    """vLLM spec-decode counters, round phases, and the gauges the autoscalers read."""
+class VllmSpecDecodeMetrics:
+    """vLLM v1's spec-decode counters under vLLM's own names, labels and meaning
+    (vllm/v1/spec_decode/metrics.py), so that vLLM's dashboards and scripts read a verifier
+    as they read vLLM: per verification round of a session with drafts, num_drafts + 1,
+    num_draft_tokens + the drafts verified, num_accepted_tokens + those accepted, and
+    num_accepted_tokens_per_pos{position=i} + 1 for each accepted position i (so the
+    positions sum to num_accepted_tokens). Labels model_name (the served model) and engine
+    ("0": one engine per verifier process); positions 0..num_positions - 1 exist from the
+    start, at 0, as vLLM's do."""
 
-    def __init__(self):
+    PREFIX = "vllm:spec_decode_"
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, num_positions: int = 0):
+        self.labels = {"model_name": model_name, "engine": "0"}
+        names = list(self.labels)
+
+        def counter(name: str, text: str) -> Counter:
+            return Counter(self.PREFIX + name, text, names, registry=registry).labels(
+                **self.labels)
+
+        self.num_drafts = counter("num_drafts", "Number of spec decoding drafts.")
+        self.num_draft_tokens = counter("num_draft_tokens", "Number of draft tokens.")
+        self.num_accepted_tokens = counter("num_accepted_tokens",
+                                           "Number of accepted tokens.")
+        self.per_pos = Counter(self.PREFIX + "num_accepted_tokens_per_pos",
+                               "Accepted tokens per draft position.", [*names, "position"],
+                               registry=registry)
+        for pos in range(num_positions):
+            self.per_pos.labels(**self.labels, position=str(pos))
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verification round of one session that verified `drafted` >= 1 drafts."""
+        self.num_drafts.inc()
+        self.num_draft_tokens.inc(drafted)
+        self.num_accepted_tokens.inc(accepted)
+        for pos in range(accepted):
+            self.per_pos.labels(**self.labels, position=str(pos)).inc()
+
+
+class VerifierMetrics:
+    """vLLM spec-decode counters (Tandem's names, and vLLM's own: VllmSpecDecodeMetrics),
+    round phases, and the gauges the autoscalers read."""
+
+    def __init__(self, model_name: str = "tandem", num_positions: int = 0):
         r = self.registry = CollectorRegistry()
+        self.vllm = VllmSpecDecodeMetrics(r, model_name, num_positions)
         self.num_drafts = Counter("tandem_spec_num_drafts", "Rounds that verified >= 1 draft "
                                   "token", registry=r)
         self.num_draft_tokens = Counter("tandem_spec_num_draft_tokens",
@@ -152,6 +193,7 @@ class VerifierMetrics:
             self.num_accepted_tokens.inc(accepted)
             for pos in range(accepted):
                 self.accepted_per_pos.labels(position=str(pos)).inc()
+            self.vllm.observe(drafted, accepted)
         self.round_phase.labels(phase="draft_wait").observe(wait_ms / 1e3)
         self.round_phase.labels(phase="verify").observe(verify_ms / 1e3)
         self.round_phase.labels(phase="rejection").observe(rejection_ms / 1e3)

@@ -87,6 +87,9 @@ def register(sub, colocate=None) -> None:
              _DEFAULTS.enable_prefix_caching, boolean, action=argparse.BooleanOptionalAction,
              help="reuse the KV blocks of a prompt prefix already computed (vLLM's flag)")
     add_speculative_config_flag(p)
+    add_flag(p, "--served-model-name", "TANDEM_VERIFIER_SERVED_MODEL_NAME", "",
+             help="model_name label of vLLM's spec-decode metrics (vLLM's flag; default: the "
+                  "gateway's default name of --model)")
     add_flag(p, "--max-draft-wait-ms", "TANDEM_VERIFIER_MAX_DRAFT_WAIT_MS",
              _DEFAULTS.max_draft_wait_ms, float,
              help="longest a round waits for draft tokens still in flight")

@@ -58,6 +58,9 @@ class VerifierConfig:
     # prompt_lookup_max / prompt_lookup_min).
     max_ngram_size: int = 3
     min_ngram_size: int = 1
+    # The model_name label of vLLM's spec-decode metrics (vLLM's --served-model-name; "" = the
+    # gateway's default: the model directory's name).
+    served_model_name: str = ""
     draft_addresses: tuple[str, ...] = ()
     redis_url: str = ""
     # Used when redis_url carries none (REDIS_PASSWORD); kept out of repr and logs.

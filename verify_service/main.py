@@ -8,6 +8,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -27,7 +28,13 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.grammar.compiler import LazyCompiler, compiler_for
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
-from tandem.models import ModelPaths, generation_eos_ids, resolve_model, tokenizer_hash
+from tandem.models import (
+    DEFAULT_TARGET,
+    ModelPaths,
+    generation_eos_ids,
+    resolve_model,
+    tokenizer_hash,
+)
 from tandem.netaddr import advertised, join_host_port
 from tandem.proposers.ngram import NgramProposer
 from tandem.proposers.suffix import SuffixConfig
@@ -169,6 +176,12 @@ def _load_target(config: VerifierConfig, paths: ModelPaths,
     return model
 
 
+def served_name(model: str) -> str:
+    """The model name a checkpoint directory or offline name is served as (the gateway's
+    default --served-model-name)."""
+    return DEFAULT_TARGET if model in ("", "default") else (Path(model).name or model)
+
+
 def _max_model_len(config: VerifierConfig, model: LlamaModel) -> int:
     """--max-model-len, at most the model's context (vLLM refuses more too)."""
     limit = model.cfg.max_position_embeddings
@@ -210,7 +223,9 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     eng_cfg = EngineConfig(max_sessions=config.max_sessions,
                            max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n,
                            forced_drafts=config.forced_drafts)
-    metrics = VerifierMetrics()
+    # vLLM's spec-decode series carry the served model's name, as the gateway reports it
+    metrics = VerifierMetrics(model_name=config.served_model_name or served_name(config.model),
+                              num_positions=config.max_spec_tokens)
     metrics.bind_load(running=lambda: len(scheduler.running),
                       waiting=lambda: len(scheduler.waiting),
                       kv_usage=lambda: scheduler.blocks.usage)

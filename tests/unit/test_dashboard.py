@@ -14,7 +14,7 @@ from tandem.telemetry import DraftMetrics, GatewayMetrics, VerifierMetrics, rend
 pytestmark = pytest.mark.unit
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/monitoring/grafana-dashboard.json"
 SCRAPE_LABELS = {"le", "pod", "namespace", "instance", "job", "container"}
-_METRIC = re.compile(r"\btandem_[a-z0-9_]+")
+_METRIC = re.compile(r"\b(?:tandem_|vllm:)[a-z0-9_:]+")  # ours, and vLLM's spec-decode names
 _GROUPING = re.compile(r"\b(?:by|without|ignoring|on)\s*\(([^)]*)\)")
 _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 
@@ -50,7 +50,7 @@ def problems(dashboard: dict, samples: dict[str, set[str]]) -> list[str]:
             expr = target["expr"]
             names = _METRIC.findall(expr)
             if not names:
-                found.append(f"{panel['title']}: no tandem metric in {expr!r}")
+                found.append(f"{panel['title']}: no exported metric in {expr!r}")
             unknown = [n for n in names if n not in samples]
             found += [f"{panel['title']}: {n} is not exported" for n in unknown]
             labels = set().union(*(samples.get(n, set()) for n in names)) | SCRAPE_LABELS
@@ -65,6 +65,7 @@ def test_every_panel_reads_exported_series():
     assert problems(dashboard, exported()) == []
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("acceptance by draft position", "tokens committed per round", "round phases",
+                  "mean acceptance length",
                   "time to first token", "inter-token", "kv cache", "queue depth"):
         assert topic in titles, topic
 
