@@ -1,4 +1,4 @@
-"""Sampling core: logits -> probabilities (temperature / top-k / top-p) -> token ids.
+"""Sampling core: logits -> probabilities (temperature / min-p / top-k / top-p) -> token ids.
 
 The rejection sampler needs the *distributions* p and q, not just sampled tokens, so the
 filters here produce a probability tensor and sampling is a separate step.
@@ -10,6 +10,8 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
+
+from kernels.logits_processors import apply_min_p
 
 
 def _check_2d(name: str, t: torch.Tensor) -> None:
@@ -82,8 +84,10 @@ def logits_to_probs(
     temperature: torch.Tensor,  # [N] float32, 0 = greedy
     top_k: torch.Tensor,  # [N] int64, 0 = off
     top_p: torch.Tensor,  # [N] float32, 1 = off
+    min_p: torch.Tensor | None = None,  # [N] float32, 0 = off; None: off everywhere
 ) -> torch.Tensor:  # [N, V] float32
-    """Per-row sampling distribution; greedy rows are one-hot at the argmax."""
+    """Per-row sampling distribution (temperature, min-p, top-k, top-p, in vLLM's order);
+    greedy rows are one-hot at the argmax."""
     _check_sampling_inputs(logits, temperature, top_k, top_p)
     logits = logits.float()
     temperature = temperature.to(device=logits.device, dtype=torch.float32)
@@ -92,6 +96,9 @@ def logits_to_probs(
     greedy = temperature < 1e-5
     # Divide greedy rows by 1 instead of 0; their row is replaced by a one-hot below.
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    if min_p is not None:
+        _check_per_row("min_p", min_p, logits.shape[0])
+        scaled = apply_min_p(scaled, min_p)
     scaled = _apply_top_k_top_p(
         scaled, top_k.to(logits.device, torch.int64), top_p.to(logits.device, torch.float32)
     )

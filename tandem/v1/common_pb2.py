@@ -24,27 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\r\n\x0bInfoRequest\"\x8d\x02\n\nWorkerInfo\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_length\x18\x05 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\r\x12\x17\n\x0fmax_spec_tokens\x18\x07 \x01(\r\x12\x11\n\tmax_top_n\x18\x08 \x01(\r\x12-\n\x07methods\x18\t \x03(\x0e\x32\x1c.tandem.v1.SpeculationMethod\x12\x0f\n\x07version\x18\n \x01(\t\"\xa4\x01\n\x07Grammar\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.tandem.v1.Grammar.Kind\x12\x0e\n\x06source\x18\x02 \x01(\t\"b\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x01\x12\x0e\n\nKIND_REGEX\x10\x02\x12\x0f\n\x0bKIND_CHOICE\x10\x03\x12\r\n\tKIND_LARK\x10\x04*\xce\x02\n\x11SpeculationMethod\x12\"\n\x1eSPECULATION_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATION_METHOD_NONE\x10\x01\x12\"\n\x1eSPECULATION_METHOD_DRAFT_MODEL\x10\x02\x12\x1c\n\x18SPECULATION_METHOD_NGRAM\x10\x03\x12\x1c\n\x18SPECULATION_METHOD_EAGLE\x10\x04\x12\x1d\n\x19SPECULATION_METHOD_SUFFIX\x10\x05\x12\x1a\n\x16SPECULATION_METHOD_MTP\x10\x06\x12!\n\x1dSPECULATION_METHOD_LAYER_SKIP\x10\x07\x12\x1d\n\x19SPECULATION_METHOD_MEDUSA\x10\x08\x12\x1b\n\x17SPECULATION_METHOD_AUTO\x10\t*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_ROLE_DRAFT\x10\x01\x12\x18\n\x14WORKER_ROLE_VERIFIER\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\x8b\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0b \x03(\x05\x12+\n\tbad_words\x18\x0c \x03(\x0b\x32\x18.tandem.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\r\n\x0bInfoRequest\"\x8d\x02\n\nWorkerInfo\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_length\x18\x05 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\r\x12\x17\n\x0fmax_spec_tokens\x18\x07 \x01(\r\x12\x11\n\tmax_top_n\x18\x08 \x01(\r\x12-\n\x07methods\x18\t \x03(\x0e\x32\x1c.tandem.v1.SpeculationMethod\x12\x0f\n\x07version\x18\n \x01(\t\"\xa4\x01\n\x07Grammar\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.tandem.v1.Grammar.Kind\x12\x0e\n\x06source\x18\x02 \x01(\t\"b\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x01\x12\x0e\n\nKIND_REGEX\x10\x02\x12\x0f\n\x0bKIND_CHOICE\x10\x03\x12\r\n\tKIND_LARK\x10\x04*\xce\x02\n\x11SpeculationMethod\x12\"\n\x1eSPECULATION_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATION_METHOD_NONE\x10\x01\x12\"\n\x1eSPECULATION_METHOD_DRAFT_MODEL\x10\x02\x12\x1c\n\x18SPECULATION_METHOD_NGRAM\x10\x03\x12\x1c\n\x18SPECULATION_METHOD_EAGLE\x10\x04\x12\x1d\n\x19SPECULATION_METHOD_SUFFIX\x10\x05\x12\x1a\n\x16SPECULATION_METHOD_MTP\x10\x06\x12!\n\x1dSPECULATION_METHOD_LAYER_SKIP\x10\x07\x12\x1d\n\x19SPECULATION_METHOD_MEDUSA\x10\x08\x12\x1b\n\x17SPECULATION_METHOD_AUTO\x10\t*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_ROLE_DRAFT\x10\x01\x12\x18\n\x14WORKER_ROLE_VERIFIER\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIONMETHOD']._serialized_start=645
-  _globals['_SPECULATIONMETHOD']._serialized_end=979
-  _globals['_WORKERROLE']._serialized_start=981
-  _globals['_WORKERROLE']._serialized_end=1071
-  _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=132
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=134
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=188
-  _globals['_INFOREQUEST']._serialized_start=190
-  _globals['_INFOREQUEST']._serialized_end=203
-  _globals['_WORKERINFO']._serialized_start=206
-  _globals['_WORKERINFO']._serialized_end=475
-  _globals['_GRAMMAR']._serialized_start=478
-  _globals['_GRAMMAR']._serialized_end=642
-  _globals['_GRAMMAR_KIND']._serialized_start=544
-  _globals['_GRAMMAR_KIND']._serialized_end=642
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SPECULATIONMETHOD']._serialized_start=982
+  _globals['_SPECULATIONMETHOD']._serialized_end=1316
+  _globals['_WORKERROLE']._serialized_start=1318
+  _globals['_WORKERROLE']._serialized_end=1408
+  _globals['_SAMPLINGPARAMS']._serialized_start=38
+  _globals['_SAMPLINGPARAMS']._serialized_end=433
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=376
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=424
+  _globals['_TOKENSEQUENCE']._serialized_start=435
+  _globals['_TOKENSEQUENCE']._serialized_end=469
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=471
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=525
+  _globals['_INFOREQUEST']._serialized_start=527
+  _globals['_INFOREQUEST']._serialized_end=540
+  _globals['_WORKERINFO']._serialized_start=543
+  _globals['_WORKERINFO']._serialized_end=812
+  _globals['_GRAMMAR']._serialized_start=815
+  _globals['_GRAMMAR']._serialized_end=979
+  _globals['_GRAMMAR_KIND']._serialized_start=881
+  _globals['_GRAMMAR_KIND']._serialized_end=979
 # @@protoc_insertion_point(module_scope)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from verify_service.forward.step import StepInput
+from verify_service.forward.step import History, StepInput
 from verify_service.policy import auto
 
 if TYPE_CHECKING:
@@ -36,7 +36,15 @@ class InputBuilder:
             # The heads cost a few ms: only the nodes the next round may verify.
             propose_tree=self._head_nodes(s, heads_ms), propose_chain=not seq.params.tree,
             typical=None if seq.params.sampling.is_greedy else seq.params.typical,
-            logprobs=seq.params.logprobs, mask=mask)
+            logprobs=seq.params.logprobs, mask=mask, history=self._history(seq))
+
+    @staticmethod
+    def _history(seq: Sequence) -> History | None:
+        """The prefix the sampling controls read, for a session that has any."""
+        p = seq.params
+        if not p.sampling.has_controls:
+            return None
+        return History(p.prompt, tuple(seq.output), p.stop_token_ids)
 
     def _head_nodes(self, s: ScheduledSeq, heads_ms: float) -> int:
         """Medusa nodes the step drafts for the session's next round: a medusa session's
@@ -53,6 +61,7 @@ class InputBuilder:
         only: greedy is the same either way; seeded tokens are keyed samples, rejection.py)."""
         s = seq.params.sampling
         return (k >= 1 and len(seq.drafts) > k and not s.is_greedy and s.seed is None
+                and not s.has_controls  # each row is processed over its own round's prefix
                 and not seq.params.tree  # a tree's nodes beyond k are not the next draft
                 and seq.params.logprobs is None  # a carried row has no logits to report
                 and seq.grammar is None  # masks are made per round, from the root

@@ -3,7 +3,8 @@ Verdict per session out (accepted drafts, then the recovered or bonus token, or 
 carried), for every path a round can take.
 
     judge(inputs, logits)
-      1. grammar masks on the raw rows (forbidden tokens -inf, as plain constrained sampling)
+      1. grammar masks on the raw rows (forbidden tokens -inf, as plain constrained sampling),
+         then the sampling controls, each row over its own prefix (forward/controls.py)
       2. the step's SamplingMetadata, batched once: per row for the distributions, per session
          for the verdicts
       3. a step where every session is greedy and emits: argmax matching, no distributions
@@ -31,6 +32,7 @@ from kernels.sampling import keyed_seed, logits_to_probs, make_generator, sample
 from tandem.grammar.masks import apply_masks
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken
+from verify_service.forward.controls import apply_controls
 from verify_service.forward.step import StepInput
 
 
@@ -51,6 +53,7 @@ class SamplingMetadata:
     temperature: torch.Tensor  # [num_rows] float32, each session's logits rows in order
     top_k: torch.Tensor  # [num_rows] int64, 0 = off
     top_p: torch.Tensor  # [num_rows] float32, 1 = off
+    min_p: torch.Tensor  # [num_rows] float32, 0 = off
     is_greedy: torch.Tensor  # [batch_size] bool
     seeds: tuple[int | None, ...]  # [batch_size]
     first_sampled_pos: tuple[int, ...]  # [batch_size] absolute position of the first token
@@ -67,6 +70,7 @@ class SamplingMetadata:
         return cls(per_row([p.temperature for p in params], torch.float32),
                    per_row([p.top_k for p in params], torch.int64),
                    per_row([p.top_p for p in params], torch.float32),
+                   per_row([p.min_p for p in params], torch.float32),
                    torch.tensor([p.is_greedy for p in params], dtype=torch.bool),
                    tuple(p.seed for p in params), tuple(first_sampled_pos))
 
@@ -145,6 +149,7 @@ def judge(
         return []
     if logits is not None:
         logits = apply_masks(logits, [s.mask for s in inputs], [s.num_logits for s in inputs])
+        logits = apply_controls(logits, inputs)
     if all(s.sampling.is_greedy and s.sample_bonus and s.carried is None and s.token_ids
            for s in inputs):
         return _greedy(inputs, logits)
@@ -159,7 +164,7 @@ def _target_probs(
 ) -> torch.Tensor:  # [sum(k_i + 1), vocab] carried rows spliced in before their session's rows
     if logits is None:  # carried sessions whose drafts vanished: no forward
         return torch.stack([s.carried for s in inputs])
-    probs = logits_to_probs(logits, meta.temperature, meta.top_k, meta.top_p)
+    probs = logits_to_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p)
     if all(s.carried is None for s in inputs):
         return probs
     parts, at = [], 0

@@ -17,6 +17,16 @@ from tandem.spec import DraftToken, Features
 
 
 @dataclass(frozen=True)
+class History:
+    """What the sampling controls read of a session (SamplingParams.has_controls): its
+    prompt and committed output before the round, and the stop token ids min_tokens bans."""
+
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
 class StepInput:
     """One session's verification input: a chain of drafts, or a tree when `parents` describes
     one (index of each draft's parent among the drafts, -1 = the round's root)."""
@@ -39,6 +49,9 @@ class StepInput:
     # Structured output: [k + 1, ceil(vocab / 32)] int32 grammar bitmasks of the root and each
     # draft's position (tandem.grammar.state); None = free text.
     mask: torch.Tensor | None = None
+    # The sampling controls' view of the session (None: it has none): each verified row is
+    # processed over this history and the drafts before it on its path (forward/controls.py)
+    history: History | None = None
 
     def __post_init__(self):
         if self.logprobs is not None and self.carried is not None:

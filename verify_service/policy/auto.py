@@ -130,8 +130,23 @@ def grammar_forced(seq: Sequence, k_allowed: int) -> None:
     and `": "`) are drafts of confidence ~1 at no cost; they replace the round's proposal
     unless it already starts with them."""
     forced = seq.grammar.forced[:k_allowed] if seq.grammar is not None else []
-    if not forced or [d.token_id for d in seq.drafts[:len(forced)]] == forced:
+    if not forced:
+        return
+    if [d.token_id for d in seq.drafts[:len(forced)]] == forced:
+        _forced_q(seq, len(forced))
         return
     seq.local.source = None
     seq.take_drafts([DraftToken(t) for t in forced], None,
                     [FORCED_REACH ** (i + 1) for i in range(len(forced))])
+
+
+def _forced_q(seq: Sequence, n: int) -> None:
+    """A proposal that already starts with the n forced tokens keeps its drafts, but their q
+    is one-hot: whatever the proposer sampled, the round verifies the forced token there
+    (any other would have been replaced), so that is the distribution it was drawn from."""
+    parents = seq.draft_parents or tuple(range(-1, len(seq.drafts) - 1))
+    lead = next((j for j in range(n) if parents[j] != j - 1), n)  # the chain part
+    if all(not d.q_ids for d in seq.drafts[:lead]):
+        return
+    drafts = [DraftToken(d.token_id) for d in seq.drafts[:lead]] + seq.drafts[lead:]
+    seq.take_drafts(drafts, seq.draft_parents)
