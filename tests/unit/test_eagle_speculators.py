@@ -139,6 +139,8 @@ def test_variants_are_refused_and_norm_before_residual_is_served(tmp_path, targe
     (nbr / "config.json").write_text(json.dumps(cfg))
     a, b = (load_eagle3(d, target) for d in (plain, nbr))
     assert not a.norm_before_residual and b.norm_before_residual
+    with pytest.raises(AssertionError):  # and it changes what the head computes
+        _same_proposals(plain, nbr, target)
 
 
 def test_tandem_private_eagle1_heads_are_refused_with_the_reason(tmp_path):
@@ -167,3 +169,28 @@ def test_converter_card_names_are_the_formats():
     from tools.distill.airgap_head3 import EAGLE3_CARD
 
     assert (c.EAGLE_CARD, c.EAGLE3_CARD) == (EAGLE_CARD, EAGLE3_CARD)
+
+
+def test_speculators_eagle1_proposes_what_the_published_layout_does(tmp_path):
+    from test_eagle_published import _head, _target
+
+    target = _target(tmp_path / "target")
+    _head(tmp_path / "pub")
+    out = convert_head(tmp_path / "pub", tmp_path / "spec", log=lambda *_: None)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle" and cfg["fusion_bias"] is True
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {"fusion_fc.weight", "fusion_fc.bias", "transformer.mlp.up_proj.weight"} <= names
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, VOCAB, (9,), generator=gen).tolist()
+    feats = torch.randn(len(tokens) - 1, H, generator=gen)
+    a, b = (EagleProposer.load(ModelPaths(d), 1 << 20, target=target)
+            for d in (tmp_path / "pub", out))
+    assert b.head.card["format"] == "eagle-1/2 (speculators)"
+    assert _drafts(a, tokens, feats) == _drafts(b, tokens, feats)
+    with pytest.raises(ModelError, match="pass the target checkpoint"):
+        EagleProposer.load(ModelPaths(out), 1 << 20)
+    cfg["layernorms"] = True
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match="layernorms = true"):
+        EagleProposer.load(ModelPaths(out), 1 << 20, target=target)
