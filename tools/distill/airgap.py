@@ -207,7 +207,7 @@ def _readme(cfg: BundleConfig) -> str:
             "    tandem distill unbundle --head-dir RETURNED --out HEAD_DIR [--target TARGET]\n"
             "    tandem up --eagle HEAD_DIR\n\n"
             f"The script trains an {cfg.method} head unless --method says otherwise "
-            "(eagle3: three target layers, the published EAGLE-3 layout).\n")
+            "(eagle3: three target layers, written in the speculators format vLLM loads).\n")
 
 
 def unbundle(returned: Path, out: Path, log=print, target: str = DEFAULT_TARGET) -> Path:

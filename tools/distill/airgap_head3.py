@@ -1,6 +1,6 @@
 """The EAGLE-3 head (Li et al. 2025) as a trainable module, its training-time test, batches and
-losses, and its export in the published EAGLE-3 layout that tandem.engine.eagle3_published
-serves (and vLLM / SGLang read). Torch, safetensors and the standard library only: the
+losses, and its export in the speculators format (airgap_speculators.py) that tandem.engine
+serves (and vLLM reads). Torch, safetensors and the standard library only: the
 air-gapped script (airgap_train.py --method eagle3) trains it, and tandem's trainer
 (tools/distill/eagle3_head.py) subclasses it, so both train the same module.
 

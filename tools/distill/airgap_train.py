@@ -13,7 +13,7 @@ Run it inside the directory `tandem distill bundle` wrote (no network, no tandem
    every answer position (shards in OUT/data);
 3. trains a one-layer EAGLE head on them (the layout tools/distill/eagle_head.py exports and
    tandem.engine.eagle serves), or with --method eagle3 an EAGLE-3 head on three target
-   layers (the published layout, airgap_head3.py), checkpointing to OUT/train_state.pt;
+   layers (the speculators format, airgap_head3.py), checkpointing to OUT/train_state.pt;
 4. writes the head to OUT/head and splits it into OUT/return (parts of at most --part-mib MiB,
    manifest.json, figures.json). Bring OUT/return back and run
    `tandem distill unbundle --head-dir RETURN --out HEAD`.

@@ -64,7 +64,7 @@ def _add_distill(sub) -> None:
     p.add_argument("--method", choices=("draft_model", "eagle", "eagle3", "medusa"),
                    default="draft_model",
                    help="what to train: an independent draft model, an EAGLE head, an EAGLE-3 "
-                   "head (three target layers, published layout) or Medusa heads on the "
+                   "head (three target layers, speculators format) or Medusa heads on the "
                    "target's features [%(default)s]")
     p.add_argument("--out", type=Path, default=None,
                    help="output draft directory (required unless bundle/unbundle)")

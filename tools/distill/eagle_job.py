@@ -55,7 +55,7 @@ class EagleJob:
     # target's last layer: new data then adds to what earlier data taught.
     init_head: Path | None = None
     # An EAGLE-3 head (tools.distill.eagle3): three-layer features added to the same cache
-    # by a teacher-forced pass, the training-time test, the published EAGLE-3 layout.
+    # by a teacher-forced pass, the training-time test, exported in the speculators format.
     eagle3: bool = False
 
     def __post_init__(self):
@@ -142,8 +142,9 @@ def _feature_data(job: EagleJob, paths, tokenizer, at, log) -> list:
 
 
 def _export(job: EagleJob, paths, head, stats: dict, seqs: list, tokens: int) -> None:
-    """The head in its published layout with its card (data, progress, learning curve and
-    every command that trained these weights) and the target's tokenizer files."""
+    """The head in its format (EAGLE-3: the speculators format) with its card (data,
+    progress, learning curve and every command that trained these weights) and the target's
+    tokenizer files."""
     command = job.command or shlex.join(["tandem", *sys.argv[1:]])
     data_stats = {"sequences": len(seqs), "positions": tokens,
                   "generated_tokens": sum(len(s.ids) - s.gen_start for s in seqs)}
