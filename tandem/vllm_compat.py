@@ -119,6 +119,10 @@ def verifier_overrides(spec: SpeculativeConfig) -> dict:
     if spec.method == "medusa":
         out["medusa"] = spec.model
     if spec.tandem_method == "eagle":
+        if spec.method == "eagle3" and not (Path(spec.model) / "config.json").is_file():
+            raise ValueError(f"--speculative-config: method eagle3 reads the head's layers "
+                             f"from {spec.model}/config.json, which is not here: give the "
+                             "head's directory, or --eagle-feature-layers")
         out["eagle_feature_layers"] = eagle_feature_layers(spec.model)
         if out["eagle_feature_layers"] != "final":
             out["medusa"] = "off"  # Medusa heads read the final hidden state

@@ -85,6 +85,8 @@ def test_errors_name_what_is_wrong():
     for text, message in cases:
         with pytest.raises(ValueError, match=message):
             parse_speculative_config(text)
+    with pytest.raises(ValueError, match="config.json, which is not here"):
+        verifier("--speculative-config", '{"method": "eagle3", "model": "/no/such/head"}')
     args = build_parser().parse_args(["verifier", "--speculative-config", '{"foo": 1}'])
     with pytest.raises(SystemExit, match="unknown keys foo"):
         args.func(args)
