@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import PurePath
 
 from tandem.device import DTYPE_CHOICES, check_device_spec
 from tandem.engine.graph_modes import GRAPH_MODES
@@ -125,6 +126,21 @@ class VerifierConfig:
         if self.draft_shape == "tree" or device_type == "cuda":
             return frozenset({Method.MEDUSA, Method.EAGLE, Method.AUTO})
         return frozenset({Method.MEDUSA, Method.AUTO})  # auto: its heads' proposals
+
+    def context_len(self, model_limit: int) -> int:
+        """--max-model-len, at most the model's context (vLLM refuses more too)."""
+        if self.max_model_len > model_limit:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_limit}")
+        return self.max_model_len or model_limit
+
+    def metrics_model_name(self) -> str:
+        """The model_name label of vLLM's metrics: --served-model-name, else the gateway's
+        default name of --model (its directory's name)."""
+        if self.served_model_name:
+            return self.served_model_name
+        return DEFAULT_TARGET if self.model in ("", "default") else (
+            PurePath(self.model).name or self.model)
 
     def __post_init__(self):
         check_serving(self.tls)

@@ -8,7 +8,6 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -28,13 +27,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.grammar.compiler import LazyCompiler, compiler_for
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
-from tandem.models import (
-    DEFAULT_TARGET,
-    ModelPaths,
-    generation_eos_ids,
-    resolve_model,
-    tokenizer_hash,
-)
+from tandem.models import ModelPaths, generation_eos_ids, resolve_model, tokenizer_hash
 from tandem.netaddr import advertised, join_host_port
 from tandem.proposers.ngram import NgramProposer
 from tandem.proposers.suffix import SuffixConfig
@@ -176,21 +169,6 @@ def _load_target(config: VerifierConfig, paths: ModelPaths,
     return model
 
 
-def served_name(model: str) -> str:
-    """The model name a checkpoint directory or offline name is served as (the gateway's
-    default --served-model-name)."""
-    return DEFAULT_TARGET if model in ("", "default") else (Path(model).name or model)
-
-
-def _max_model_len(config: VerifierConfig, model: LlamaModel) -> int:
-    """--max-model-len, at most the model's context (vLLM refuses more too)."""
-    limit = model.cfg.max_position_embeddings
-    if config.max_model_len > limit:
-        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings {limit}")
-    return config.max_model_len or limit
-
-
 async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelPaths,
                         tp: TPLeader | None = None) -> tuple[Engine, VerifierMetrics]:
     """The verify path over the target: its KV cache, Medusa heads if configured, the
@@ -202,7 +180,7 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs, features_cached=True,
                                 prefill_chunk_tokens=config.prefill_chunk_tokens,
                                 max_spec_tokens=config.max_spec_tokens,
-                                max_model_len=_max_model_len(config, model),
+                                max_model_len=config.context_len(model.cfg.max_position_embeddings),
                                 kv_window=model.cfg.kv_window)
     if medusa is not None:
         log.info("medusa: %d heads, a tree of %d nodes", medusa.cfg.num_heads,
@@ -224,7 +202,7 @@ async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelP
                            max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n,
                            forced_drafts=config.forced_drafts)
     # vLLM's spec-decode series carry the served model's name, as the gateway reports it
-    metrics = VerifierMetrics(model_name=config.served_model_name or served_name(config.model),
+    metrics = VerifierMetrics(model_name=config.metrics_model_name(),
                               num_positions=config.max_spec_tokens)
     metrics.bind_load(running=lambda: len(scheduler.running),
                       waiting=lambda: len(scheduler.waiting),

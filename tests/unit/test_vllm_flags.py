@@ -124,16 +124,15 @@ def test_min_ngram_size_is_honoured():
     assert NgramProposer(3, 8, 2).propose([req])[0].tokens == []
 
 
-def test_max_model_len_is_at_most_the_model_s():
-    from types import SimpleNamespace
-
+def test_max_model_len_is_at_most_the_model_s_and_the_metrics_name():
     from verify_service.config import VerifierConfig
-    from verify_service.main import _max_model_len
 
-    model = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=100))
-    assert _max_model_len(VerifierConfig(), model) == 100
-    assert _max_model_len(VerifierConfig(max_model_len=50), model) == 50
+    assert VerifierConfig().context_len(100) == 100
+    assert VerifierConfig(max_model_len=50).context_len(100) == 50
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 100"):
-        _max_model_len(VerifierConfig(max_model_len=200), model)
+        VerifierConfig(max_model_len=200).context_len(100)
+    assert VerifierConfig(model="/ckpt/my-model/").metrics_model_name() == "my-model"
+    assert verifier("--served-model-name", "x").metrics_model_name() == "x"
+    assert VerifierConfig(model="default").metrics_model_name() == VerifierConfig().model
     with pytest.raises(ValueError, match="min_ngram_size"):
         VerifierConfig(max_ngram_size=2, min_ngram_size=3)
