@@ -7,7 +7,19 @@ import asyncio
 import uuid
 
 import pytest
-from test_gateway import EOS, MODEL, STOP, FakeVerifier, LoopThread, chunked, gateway, sse_events
+from test_gateway import (
+    EOS,
+    MODEL,
+    STOP,
+    FakeVerifier,
+    LoopThread,
+    chunked,
+    gateway,
+    make_app,
+    sse_events,
+    uvicorn_server,
+    wait_for,
+)
 
 from gateway.sampling_options import choice_seed
 from tandem.v1 import verify_pb2
@@ -184,3 +196,36 @@ def test_best_of_keeps_the_choices_with_the_highest_logprob(redis_proc, tokenize
     (best,) = shown.json()["choices"]
     assert best["text"] == WORDS[1] * REPEAT
     assert best["logprobs"]["token_logprobs"] == [LOGPROB[1]] * tokens_of(tokenizer, 1)
+
+
+def test_a_client_that_leaves_cancels_every_choice(redis_proc, tokenizer, prefix, fakes):
+    import httpx
+
+    fake = fakes(by_choice(tokenizer, delay=0.2))
+    app = make_app(redis_proc, tokenizer, prefix, static_verifiers=(fake.address,))
+    with uvicorn_server(app) as base, httpx.Client(base_url=base, timeout=10) as http:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 32, "n": 3, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")
+            assert wait_for(lambda: len(fake.requests) == 3)  # all three are running
+        assert wait_for(lambda: fake.cancelled == 3), "a choice's call outlived its client"
+
+
+def test_the_official_client_reads_n_choices(redis_proc, tokenizer, prefix, fakes):
+    import openai
+
+    fake = fakes(by_choice(tokenizer))
+    app = make_app(redis_proc, tokenizer, prefix, static_verifiers=(fake.address,))
+    with uvicorn_server(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=20)
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2, seed=3,
+            presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"42": 1}, max_tokens=32)
+        assert [c.message.content for c in chat.choices] == [w * REPEAT for w in WORDS[:2]]
+        texts = ["", ""]
+        for chunk in client.completions.create(model=MODEL, prompt="Hi", n=2, stream=True,
+                                               max_tokens=32):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+        assert texts == [w * REPEAT for w in WORDS[:2]]
