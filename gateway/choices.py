@@ -107,6 +107,7 @@ async def run_choices(plan: GenerationPlan, deps: GenerationDeps, text: TextStre
 async def _merged(plan: GenerationPlan, queue: asyncio.Queue, k: int) -> AsyncIterator:
     ends: dict[int, ChoiceEnd] = {}
     logprob = [0.0] * k
+    predicted: list[tuple[int, int]] = []  # each choice's prediction tokens kept, rejected
     while len(ends) < k:
         i, ev = await queue.get()
         if isinstance(ev, Exception):
@@ -119,6 +120,8 @@ async def _merged(plan: GenerationPlan, queue: asyncio.Queue, k: int) -> AsyncIt
         if isinstance(ev, TextDelta):
             logprob[i] += sum(e.logprob for e in ev.logprobs)
         if isinstance(ev, Finished):
+            if ev.prediction is not None:
+                predicted.append(ev.prediction)
             ends[i] = ChoiceEnd(i, ev.finish_reason, ev.completion_tokens, ev.speculation,
                                 logprob[i])
             if len(ends) < k:
@@ -128,4 +131,5 @@ async def _merged(plan: GenerationPlan, queue: asyncio.Queue, k: int) -> AsyncIt
     last = ends[i]
     yield Finished(last.finish_reason, sum(e.completion_tokens for e in ends.values()),
                    combined_stats(plan, list(ends.values())), index=i,
-                   choices=tuple(ends[j] for j in range(k)))
+                   choices=tuple(ends[j] for j in range(k)),
+                   prediction=tuple(map(sum, zip(*predicted))) if predicted else None)

@@ -229,3 +229,21 @@ def test_the_official_client_reads_n_choices(redis_proc, tokenizer, prefix, fake
             for c in chunk.choices:
                 texts[c.index] += c.text
         assert texts == [w * REPEAT for w in WORDS[:2]]
+
+
+def test_prediction_counts_are_summed_over_the_choices(redis_proc, tokenizer, prefix, fakes):
+    async def script(fake, request, context):
+        async for resp in by_choice(tokenizer)(fake, request, context):
+            resp.totals.accepted_prediction_tokens = 2
+            resp.totals.rejected_prediction_tokens = 1
+            yield resp
+
+    fake = fakes(script)
+    with gateway(redis_proc, tokenizer, prefix, static_verifiers=(fake.address,)) as client:
+        resp = client.post("/v1/completions", json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 32, "n": 3,
+            "prediction": {"type": "content", "content": WORDS[0] * REPEAT}})
+    assert resp.status_code == 200, resp.text
+    assert all(r.prediction_token_ids for r in fake.requests)
+    assert resp.json()["usage"]["completion_tokens_details"] == {
+        "accepted_prediction_tokens": 6, "rejected_prediction_tokens": 3}
