@@ -36,6 +36,7 @@ from gateway.structured_models import (
     StructuredOutputs,
     Tool,
     ToolCall,
+    ToolCallFunction,
 )
 from tandem.spec.methods import API_NAMES
 
@@ -123,17 +124,23 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function": the legacy spelling of a tool turn (with `functions`), read as "tool"
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's earlier calls
     tool_call_id: str | None = None  # a tool turn: which call it answers
+    function_call: ToolCallFunction | None = None  # legacy: an assistant turn's one call
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
         # As OpenAI: only an assistant turn may omit its content (it then carried tool calls).
         if self.content is None and self.role != "assistant":  # (which may carry tool calls)
             raise ValueError(f"content is required for a {self.role} message")
+        if self.function_call is not None and not self.tool_calls:
+            self.tool_calls = [ToolCall(function=self.function_call)]
+        if self.role == "function":
+            self.role = "tool"
         return self
 
     def text(self) -> str:

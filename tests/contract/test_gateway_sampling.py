@@ -169,3 +169,23 @@ def test_functions_are_served_as_tools(redis_proc, tokenizer, prefix, verifier):
     assert call["function"] == {"name": "get_weather", "arguments": args}
     assert fake.requests[0].HasField("grammar")  # the function's arguments constrain the text
     assert both.status_code == 400 and both.json()["error"]["param"] == "functions"
+
+
+def test_a_legacy_function_turn_is_shown_as_a_tool_turn(redis_proc, tokenizer, prefix,
+                                                        verifier):
+    fake = verifier(tokenizer.encode(" ok", add_special_tokens=False))
+    call = {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    legacy = [{"role": "user", "content": "w?"},
+              {"role": "assistant", "content": None, "function_call": call},
+              {"role": "function", "name": "get_weather", "content": "sunny"}]
+    current = [{"role": "user", "content": "w?"},
+               {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": call}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    with gateway(redis_proc, tokenizer, prefix, static_verifiers=(fake.address,)) as client:
+        for messages in (legacy, current):
+            resp = client.post("/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 8, "messages": messages})
+            assert resp.status_code == 200, resp.text
+    old, new = (tuple(r.prompt_token_ids) for r in fake.requests)
+    assert old == new and "Oslo" in tokenizer.decode(list(old))
