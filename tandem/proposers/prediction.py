@@ -8,7 +8,8 @@ variable, added a docstring) the position is lost; each round then looks for the
 recent tokens in the prediction, as suffix decoding does: the longest match of the output's
 tail wins, and among equally long ones the nearest after the spot where the output last
 followed the prediction (an edit usually goes on where it left off), else the nearest before
-it. The proposal follows the match.
+it. A match of fewer than MIN_MATCH tokens counts only within NEAR tokens after that spot. The
+proposal follows the match.
 
 Each token's reach (its estimated chance to be accepted) is p^(i+1), p growing with the
 tokens the output has followed the prediction since the last (re)alignment: a fresh
@@ -46,6 +47,12 @@ PREDICTION = Source.PREDICTION
 # prediction. While one of them proposes, auto neither runs its heads nor asks its worker.
 FREE_SOURCES = (*HISTORY_SOURCES, PREDICTION)
 MAX_MATCH = 32  # longest tail compared when re-aligning
+# A re-alignment needs this many matching tokens, or fewer (down to 1) within NEAR tokens
+# after where the output last followed the prediction: there a short match is the edit's
+# own end (a renamed word, then the text goes on), elsewhere it is chance (prose that
+# shares a " the" with the code).
+MIN_MATCH = 3
+NEAR = 16
 MAX_CONFIDENCE = 0.97
 
 
@@ -88,6 +95,11 @@ class Alignment:
         idx = ends[:, None] - 2 - np.arange(depth - 1)  # [n, depth - 1]
         ok = (idx >= 0) & (pred[np.maximum(idx, 0)] == tail)
         match = 1 + np.cumprod(ok, axis=1).sum(axis=1) if depth > 1 else np.ones(len(ends), int)
+        near = (ends >= self.last) & (ends <= self.last + NEAR)
+        valid = (match >= MIN_MATCH) | near
+        if not valid.any():
+            return
+        ends, match = ends[valid], match[valid]
         best = ends[match == match.max()]
         after = best[best >= self.last]
         self.pos = int(after[0] if len(after) else best[-1])

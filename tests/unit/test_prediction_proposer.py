@@ -108,3 +108,12 @@ def test_the_prediction_on_the_wire_and_what_each_method_makes_of_it():
         params(Method.NONE, prediction_token_ids=(5, 100))
     with pytest.raises(InvalidArgument, match="prediction_token_ids"):
         params(Method.NONE, prediction_token_ids=(5,) * 65)
+
+
+def test_a_short_match_far_from_where_it_left_off_is_no_realignment():
+    pred = [1, 2, 3, 4, 5, *range(100, 140), 8, 9, 70, 71]
+    p = opened(pred)
+    assert propose(p, [1, 2])[0] == [3, 4, 5, 100]
+    assert propose(p, [1, 2, 60, 61, 8, 9])[0] == []  # "8 9": 2 tokens, 40 away: chance
+    q = opened(pred)
+    assert propose(q, [1, 2, 60, 3])[0] == [4, 5, 100, 101]  # near: the edit's end
