@@ -71,3 +71,27 @@ def grammar_compiler(tokenizer):
     from tandem.grammar.compiler import GrammarCompiler
 
     return GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
+
+@pytest.fixture(scope="session")
+def gemma_paths():
+    """The offline Gemma 3 270M checkpoint (a second family and tokenizer)."""
+    from tandem.models import ModelPaths, fetch_model
+
+    return ModelPaths(fetch_model("gemma3-270m"))
+
+
+@pytest.fixture(scope="session")
+def gemma_model(gemma_paths):
+    """Loaded once for every module that runs it (cross-tokenizer drafts, layer skip, the
+    checkpoint's own checks): nothing mutates a loaded model."""
+    from tandem.engine.llama import LlamaModel
+
+    return LlamaModel.load(gemma_paths)
+
+
+@pytest.fixture(scope="session")
+def gemma_tokenizer(gemma_paths):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gemma_paths.root))

@@ -12,9 +12,8 @@ from inproc import gateway_cluster
 
 from draft_service.config import DraftConfig
 from kernels.sampling import logits_to_probs
-from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
-from tandem.models import ModelPaths, fetch_model, resolve_model
+from tandem.models import resolve_model
 from tandem.proposers.bridged import BridgedProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
@@ -27,11 +26,8 @@ PROMPTS = ["Name three rivers in Europe.", "Repeat exactly: the cat sat on the m
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    from transformers import AutoTokenizer
-
-    paths = ModelPaths(fetch_model(GEMMA))
-    return paths, LlamaModel.load(paths), AutoTokenizer.from_pretrained(str(paths.root))
+def gemma(gemma_paths, gemma_model, gemma_tokenizer):
+    return gemma_paths, gemma_model, gemma_tokenizer
 
 
 @pytest.fixture(scope="module")

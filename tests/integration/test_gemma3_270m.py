@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from tandem.engine.generate import LocalGenerator
-from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
-from tandem.models import ModelPaths, fetch_model, generation_eos_ids
+from tandem.models import ModelPaths, generation_eos_ids
 from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -18,15 +17,14 @@ PROMPTS = ["Name three rivers in Europe.", "Repeat exactly: the cat sat on the m
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def gemma(gemma_paths, gemma_model, gemma_tokenizer):
+    from transformers import AutoModelForCausalLM
 
-    paths = ModelPaths(fetch_model("gemma3-270m"))
-    tok = AutoTokenizer.from_pretrained(str(paths.root))
+    paths, tok = gemma_paths, gemma_tokenizer
     hf = AutoModelForCausalLM.from_pretrained(str(paths.root), dtype=torch.float32).eval()
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                    tokenize=True, return_dict=False) for p in PROMPTS]
-    return paths, tok, hf, LlamaModel.load(paths), ids
+    return paths, tok, hf, gemma_model, ids
 
 
 def test_the_gguf_is_a_gemma3_checkpoint_tandem_serves(gemma):

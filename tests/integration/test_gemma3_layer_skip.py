@@ -10,9 +10,8 @@ from inproc import run_sessions
 
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.layer_skip import SHIPPED_DIR, find_skip_set, resolve_skip_set
-from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
-from tandem.models import ModelPaths, fetch_model, generation_eos_ids
+from tandem.models import generation_eos_ids
 from tandem.proposers.layer_skip import LayerSkipProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
@@ -30,14 +29,10 @@ TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    from transformers import AutoTokenizer
-
-    paths = ModelPaths(fetch_model("gemma3-270m"))
-    tok = AutoTokenizer.from_pretrained(str(paths.root))
+def gemma(gemma_paths, gemma_model, gemma_tokenizer):
+    paths, model, tok = gemma_paths, gemma_model, gemma_tokenizer
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                    tokenize=True, return_dict=False) for p in PROMPTS]
-    model = LlamaModel.load(paths)
     plain = LocalGenerator(ModelRunner(model, 64, 16)).generate(
         ids, GREEDY, TOKENS, generation_eos_ids(paths))
     return paths, model, ids, plain
