@@ -10,10 +10,9 @@ from typing import Any
 from gateway import schemas
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request
-from gateway.logprobs import requested as requested_logprobs
 from gateway.prediction import prediction_token_ids
 from gateway.routing import Router, affinity_key
-from gateway.sampling_options import choices, sampling_params
+from gateway.sampling_options import sampling_fields
 from gateway.structured import constraint
 from gateway.text import TextStream
 from gateway.tools import ToolPlan, system_prompt
@@ -78,33 +77,26 @@ async def build_plan(req: schemas.GenerationRequest, session_id: str, *, config:
     stop_ids = _stop_token_ids(req, tokenizer, config.eos_token_ids)
     prediction = await prediction_token_ids(req.prediction, tokenizer, config.context_length,
                                             max_token_chars, tokenize_in)
-    n, best_of = choices(req)
-    sampling = sampling_params(req, tokenizer)
-    if sampling.min_tokens > max_new:
-        raise bad_request(f"min_tokens: {sampling.min_tokens} is more than the {max_new} "
-                          "tokens to generate", param="min_tokens")
-    # best_of ranks the choices by their tokens' logprobs: ask for them even if not shown
-    logprobs = requested_logprobs(req)
+    drawn = sampling_fields(req, tokenizer, max_new)  # sampling, n, best_of, logprobs
     spec = req.speculation or schemas.SpeculationOptions()
     method = await _method(spec, router, config.method_preference)
     if spec.draft_shape == "tree" and not method.can_tree:
         raise bad_request(f"speculation.draft_shape 'tree' applies to methods medusa and "
                           f"eagle, not {method.api_name}", param="speculation.draft_shape")
     plan = GenerationPlan(
-        session_id=session_id, prompt_token_ids=tuple(ids), sampling=sampling,
+        session_id=session_id, prompt_token_ids=tuple(ids), **drawn,
         max_new_tokens=max_new, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
         method=method, draft_shape=spec.draft_shape,
         num_speculative_tokens=(spec.num_speculative_tokens
                                 if spec.num_speculative_tokens is not None
                                 else config.default_speculative_tokens),
         affinity_key=affinity_key(conversation), typical=_typical(spec),
-        logprobs=0 if logprobs is None and best_of > n else logprobs,
-        round_events=spec.events, grammar=grammar, tools=tools, n=n, best_of=best_of,
+        round_events=spec.events, grammar=grammar, tools=tools,
         prediction_token_ids=prediction)
     return plan, TextStream(tokenizer, req.stop_strings(), stop_ids,
                             include_stop=req.include_stop_str_in_output,
                             skip_special_tokens=req.skip_special_tokens,
-                            min_tokens=sampling.min_tokens)
+                            min_tokens=plan.sampling.min_tokens)
 
 
 async def _check_grammar(grammar: GrammarSpec, grammars: LazyCompiler | None,

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field
 
 from gateway.errors import bad_request
+from gateway.logprobs import requested as requested_logprobs
 from tandem.sampling_params import SamplingParams
 
 # The verifier's bounds (tandem.sampling_params), so the 400 names the field here.
@@ -58,6 +59,19 @@ def choice_seed(seed: int | None, index: int) -> int | None:
         return seed
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") & _SEED_MASK
+
+
+def sampling_fields(req: Any, tokenizer: Any, max_new_tokens: int) -> dict:
+    """The GenerationPlan fields these controls decide: sampling, n, best_of, logprobs."""
+    n, best_of = choices(req)
+    sampling = sampling_params(req, tokenizer)
+    if sampling.min_tokens > max_new_tokens:
+        raise bad_request(f"min_tokens: {sampling.min_tokens} is more than the "
+                          f"{max_new_tokens} tokens to generate", param="min_tokens")
+    logprobs = requested_logprobs(req)
+    if logprobs is None and best_of > n:
+        logprobs = 0  # best_of ranks the choices by their tokens' logprobs: not shown
+    return {"sampling": sampling, "n": n, "best_of": best_of, "logprobs": logprobs}
 
 
 def sampling_params(req: Any, tokenizer: Any) -> SamplingParams:
