@@ -189,3 +189,33 @@ def test_a_legacy_function_turn_is_shown_as_a_tool_turn(redis_proc, tokenizer, p
             assert resp.status_code == 200, resp.text
     old, new = (tuple(r.prompt_token_ids) for r in fake.requests)
     assert old == new and "Oslo" in tokenizer.decode(list(old))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_choice_reads_its_own_tool_call(redis_proc, tokenizer, prefix, verifier, stream):
+    args = json.dumps({"city": "Oslo"})
+    fake = verifier(tokenizer.encode(args, add_special_tokens=False))
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    with gateway(redis_proc, tokenizer, prefix, static_verifiers=(fake.address,)) as client:
+        resp = client.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 32, "messages": [{"role": "user", "content": "w?"}],
+            "tools": [tool], "n": 2, "stream": stream,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert resp.status_code == 200, resp.text
+    if not stream:
+        choices = resp.json()["choices"]
+        assert [c["index"] for c in choices] == [0, 1]
+        for c in choices:
+            assert c["finish_reason"] == "tool_calls"
+            assert [t["function"] for t in c["message"]["tool_calls"]] == [
+                {"name": "get_weather", "arguments": args}]
+        return
+    argued, finishes = ["", ""], {}
+    for ev in sse_events(resp.text):
+        for c in ev["choices"]:
+            for delta in c["delta"].get("tool_calls") or ():
+                argued[c["index"]] += delta["function"].get("arguments") or ""
+            if c["finish_reason"]:
+                finishes[c["index"]] = c["finish_reason"]
+    assert argued == [args, args] and finishes == {0: "tool_calls", 1: "tool_calls"}
