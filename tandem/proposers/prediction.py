@@ -13,7 +13,9 @@ proposal follows the match.
 
 Each token's reach (its estimated chance to be accepted) is p^(i+1), p growing with the
 tokens the output has followed the prediction since the last (re)alignment: a fresh
-1-token re-alignment is a guess (p = 2/3), a long run is nearly certain (p <= 0.97).
+1-token re-alignment is a guess (p = 2/3), a long run is nearly certain (p <= 0.97); halved
+for each time the output already went elsewhere from the same spot (a model caught in a loop
+comes back to it and leaves it again).
 Proposals are deterministic, so q is one-hot: they go through the normal rejection path and
 the output stays the target's (greedy: identical; sampled: distributed as plain decoding).
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -67,6 +69,7 @@ class Alignment:
     aligned: bool = True  # the output follows the prediction at pos (at first: from its start)
     run: int = 0  # tokens followed since the last (re)alignment (the match length included)
     last: int = 0  # the prediction's index where the output last followed it
+    misses: dict[int, int] = field(default_factory=dict)  # prediction index -> diverged there
 
     def consume(self, output: Sequence[int]) -> None:
         """Follow the output tokens committed since the last call."""
@@ -76,6 +79,8 @@ class Alignment:
                 self.pos, self.run = self.pos + 1, self.run + 1
                 self.last = self.pos
             else:
+                if self.aligned:
+                    self.misses[self.pos] = self.misses.get(self.pos, 0) + 1
                 self.aligned, self.run = False, 0
         self.seen = len(output)
         if not self.aligned:
@@ -111,7 +116,7 @@ class Alignment:
         if not self.aligned or max_tokens < 1:
             return [], []
         tokens = self.prediction[self.pos:self.pos + max_tokens].tolist()
-        p = min(MAX_CONFIDENCE, 1.0 - 1.0 / (self.run + 2))
+        p = min(MAX_CONFIDENCE, 1.0 - 1.0 / (self.run + 2)) * 0.5 ** self.misses.get(self.pos, 0)
         return tokens, [p ** (i + 1) for i in range(len(tokens))]
 
 

@@ -117,3 +117,18 @@ def test_a_short_match_far_from_where_it_left_off_is_no_realignment():
     assert propose(p, [1, 2, 60, 61, 8, 9])[0] == []  # "8 9": 2 tokens, 40 away: chance
     q = opened(pred)
     assert propose(q, [1, 2, 60, 3])[0] == [4, 5, 100, 101]  # near: the edit's end
+
+
+def test_a_spot_the_output_keeps_leaving_is_proposed_with_less_confidence():
+    pred = [*range(10, 20), 1, 2, 3, 4, 5, 6, *range(30, 40)]
+    p = opened(pred)
+    loop = [1, 2, 3, 4, 5, 6, 7]  # the model loops where the prediction goes on to 30
+    out = list(range(10, 20))
+    reach = []
+    for _ in range(3):
+        out += loop
+        tokens, r = propose(p, out[:-1])  # re-aligned on "1 ... 6": the same spot each time
+        assert tokens[0] == 30
+        reach.append(r[0])
+        propose(p, out)
+    assert reach[1] < 0.6 * reach[0] and reach[2] < 0.6 * reach[1]
