@@ -185,7 +185,7 @@ def test_the_draft_side_files_the_workers_tokens_apart_and_waits_only_when_usefu
         def __init__(self, link):
             self.link = link
 
-        async def get(self, hint=""):
+        async def get(self, hint="", avoid=()):
             return self.link
 
         def mark_failed(self, address, link=None):

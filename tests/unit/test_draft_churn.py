@@ -34,7 +34,7 @@ class Pool:
     def __init__(self, link):
         self.link, self.up, self.gets = link, False, 0
 
-    async def get(self, hint=""):
+    async def get(self, hint="", avoid=()):
         self.gets += 1
         return self.link if self.up else None
 

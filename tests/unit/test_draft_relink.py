@@ -27,7 +27,7 @@ class Pool:
     def __init__(self, *links):
         self.links, self.gets = list(links), 0
 
-    async def get(self, hint=""):
+    async def get(self, hint="", avoid=()):
         self.gets += 1
         return self.links.pop(0) if self.links else None
 

@@ -53,8 +53,9 @@ class OnePool:
     def __init__(self, link):
         self.link = link
 
-    async def get(self, hint=""):
-        return self.link if self.link.alive else None
+    async def get(self, hint="", avoid=()):  # DraftPool.get: none when its one is avoided
+        alive = self.link.alive and getattr(self.link, "address", None) not in avoid
+        return self.link if alive else None
 
     def mark_failed(self, address, link=None):  # DraftPool's signature: nothing to mark
         pass

@@ -192,10 +192,8 @@ class DraftSide:
             link.send(Commit(seq.session_id, seq.epoch, start, tokens, run_ahead, features))
 
     async def _from_pool(self, seq: Sequence) -> Link | None:
-        avoid = self.watch.avoided(seq.session_id)
-        if avoid is None:  # (never refused: any Links will do, one without `avoid` too)
-            return await self.pool.get(seq.params.draft_address)
-        return await self.pool.get(seq.params.draft_address, avoid)
+        avoid = self.watch.avoided(seq.session_id)  # the workers that refused it, if any
+        return await self.pool.get(seq.params.draft_address, () if avoid is None else avoid)
 
     def _asking(self, seq: Sequence) -> bool:
         """Whether the session wants drafts from its link now (an auto session not until
