@@ -18,34 +18,22 @@ from kernels.attention import default_block_size
 from tandem import __version__, redis_conn, telemetry
 from tandem.device import place
 from tandem.drain import DrainSignal, set_health
-from tandem.engine.block_manager import BlockManager
-from tandem.engine.cuda_graphs import graph_decoder
 from tandem.engine.exact_dtype import load_target
 from tandem.engine.llama import LlamaModel
-from tandem.engine.medusa import load_for
-from tandem.engine.model_runner import ModelRunner
 from tandem.grammar.compiler import LazyCompiler, compiler_for
 from tandem.grpc_limits import max_message_bytes, message_options
 from tandem.grpc_status import StatusInterceptor
 from tandem.models import ModelPaths, generation_eos_ids, resolve_model, tokenizer_hash
 from tandem.netaddr import advertised, join_host_port
-from tandem.proposers.ngram import NgramProposer
-from tandem.proposers.suffix import SuffixConfig
 from tandem.registration import Registration, start_registration, stop_registration
 from tandem.spec import Method
-from tandem.spec.cost import CostModel, StepCost
-from tandem.telemetry import VerifierMetrics
 from tandem.tls import add_port, server_interceptors
 from tandem.v1 import common_pb2, verify_pb2_grpc
-from verify_service.config import SchedulerConfig, VerifierConfig
-from verify_service.drafts.history import HistoryDrafts
+from verify_service.assemble import build_engine
+from verify_service.config import VerifierConfig
 from verify_service.drafts.link import DraftPool
 from verify_service.drafts.side import Host
-from verify_service.engine import Engine, EngineConfig
-from verify_service.forward.executor import Executor
-from verify_service.forward.features import feature_layers
-from verify_service.policy.calibration import timed_curve
-from verify_service.policy.scheduler import Scheduler
+from verify_service.engine import Engine
 from verify_service.server import SERVICE_NAME, VerifyServicer
 from verify_service.tp.group import TPLeader, start_for
 
@@ -135,7 +123,7 @@ async def start_verifier(config: VerifierConfig, model: LlamaModel | None = None
     # 0 = the device's block size; the in-process layer-skip worker uses the same
     config = dataclasses.replace(
         config, block_size=config.block_size or default_block_size(model.device))
-    engine, metrics = await _build_engine(config, model, paths, tp)
+    engine, metrics = await build_engine(config, model, paths, tp)
     # layer skip drafts over the target's whole weights, which no rank of a group holds
     colocated = None if colocate is None or tp else await colocate(model, paths, config)
     remote = _wire_drafts(engine, config, model, discover, colocated)
@@ -167,54 +155,6 @@ def _load_target(config: VerifierConfig, paths: ModelPaths,
         raise ValueError(f"config.batch_invariant={config.batch_invariant} but the model given "
                          f"was loaded with batch_invariant={model.batch_invariant}")
     return model
-
-
-async def _build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelPaths,
-                        tp: TPLeader | None = None) -> tuple[Engine, VerifierMetrics]:
-    """The verify path over the target: its KV cache, Medusa heads if configured, the
-    executor, the cost curves (timed now unless calibrate_reps is 0), scheduler, engine."""
-    medusa = load_for(model, paths, config.medusa)
-    runner = (tp.make_runner if tp else functools.partial(ModelRunner.with_memory, model))(
-        config.kv_cache_mb << 20, config.block_size, keep_features=True,
-        feature_layers=feature_layers(config.eagle_feature_layers, model, medusa))
-    sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs, features_cached=True,
-                                prefill_chunk_tokens=config.prefill_chunk_tokens,
-                                max_spec_tokens=config.max_spec_tokens,
-                                max_model_len=config.context_len(model.cfg.max_position_embeddings),
-                                kv_window=model.cfg.kv_window)
-    if medusa is not None:
-        log.info("medusa: %d heads, a tree of %d nodes", medusa.cfg.num_heads,
-                 len(medusa.cfg.choices))
-    # a graph replays rank 0's forward alone, without its workers' steps: never under TP
-    graphs = None if tp else graph_decoder(config.cuda_graphs, runner, config.gpu_check_result)
-    executor = Executor(runner, medusa, graphs)
-    calibrated, solo = await timed_curve(runner, config.max_spec_tokens,
-                                         config.calibrate_reps)
-    # with graphs, the cache's last block is theirs (padding rows write there)
-    blocks = BlockManager(runner.num_blocks - (graphs is not None), runner.block_size,
-                          prefix_caching=config.enable_prefix_caching)
-    scheduler = Scheduler(blocks, sched_cfg,
-                          CostModel({q: ms for q, ms in calibrated.items() if q in solo}),
-                          tree_reach=medusa.cfg.reach if medusa is not None else (),
-                          chain_reach=medusa.cfg.chain_reach if medusa is not None else (),
-                          step_cost=StepCost(dict(calibrated) if config.batch_plan else {}))
-    eng_cfg = EngineConfig(max_sessions=config.max_sessions,
-                           max_draft_wait_ms=config.max_draft_wait_ms, top_n=config.top_n,
-                           forced_drafts=config.forced_drafts)
-    # vLLM's spec-decode series carry the served model's name, as the gateway reports it
-    metrics = VerifierMetrics(model_name=config.metrics_model_name(),
-                              num_positions=config.max_spec_tokens)
-    metrics.bind_load(running=lambda: len(scheduler.running),
-                      waiting=lambda: len(scheduler.waiting),
-                      kv_usage=lambda: scheduler.blocks.usage)
-    history = (HistoryDrafts(config.max_spec_tokens or 1, SuffixConfig(
-        per_tenant=True, cache_tokens=config.suffix_cache_tokens))
-        if config.history_drafts == "verifier" else None)
-    if history is not None:  # vLLM's prompt_lookup_max / _min
-        history.proposers[Method.NGRAM] = NgramProposer(
-            config.max_ngram_size, config.max_spec_tokens or 1, config.min_ngram_size)
-    return Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics,
-                  history), metrics
 
 
 def _wire_drafts(engine: Engine, config: VerifierConfig, model: LlamaModel, discover,

@@ -191,8 +191,8 @@ def test_the_verifier_flag_is_checked_and_refuses_medusa_beside_it(monkeypatch):
 def test_the_verifier_keeps_what_its_flag_names_and_refuses_layers_it_lacks(target):
     import asyncio
 
+    from verify_service.assemble import build_engine as _build_engine
     from verify_service.config import VerifierConfig
-    from verify_service.main import _build_engine
 
     model = LlamaModel.load(target)
 
