@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from gateway import schemas
-from gateway.auth import ApiKey, add_docs, match_key
+from gateway.auth import ApiKey, add_docs, authenticate, tenant_of
 from gateway.body_limit import BodyLimit
 from gateway.choices import record_choices, run_choices
 from gateway.config import GatewayConfig
@@ -37,10 +37,10 @@ from gateway.errors import (
     from_validation_error,
     install_handlers,
     rate_limited,
-    unauthorized,
 )
 from gateway.fields import check_fields, known_fields
 from gateway.generation import GenerationDeps, run_session
+from gateway.health import health_body
 from gateway.logprobs import requested as requested_logprobs
 from gateway.observe import observed, start_request_span
 from gateway.plan import GenerationPlan, build_plan, max_token_chars
@@ -143,11 +143,11 @@ def _add_routes(app: FastAPI, gw: _Gateway) -> None:
         await _authorize(gw, request)
 
     async def key_only(request: Request) -> None:  # a key, no quota charge (docs, metrics)
-        _authenticate(gw, request)
+        authenticate(gw.config, request)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        body = await _health(gw)
+        body = await health_body(gw)
         if gw.draining.is_set():
             return JSONResponse({**body, "status": "draining"}, status_code=503)
         return JSONResponse(body)
@@ -180,23 +180,9 @@ def begin_drain(app: FastAPI) -> None:
     app.state.gateway.draining.set()
 
 
-def _authenticate(gw: _Gateway, request: Request) -> ApiKey | None:
-    """The presented key's ApiKey; None when keys are not configured."""
-    if not gw.config.auth_enabled:
-        return None
-    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-    presented = presented.strip()
-    if scheme.lower() != "bearer" or not presented:
-        raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-    key = match_key(presented, gw.config.api_keys)
-    if key is None:
-        raise unauthorized("invalid API key")
-    return key
-
-
 async def _authorize(gw: _Gateway, request: Request) -> None:
     """API key (when configured), then its quotas (else the global rate limit)."""
-    key = _authenticate(gw, request)
+    key = authenticate(gw.config, request)
     request.state.api_key = key  # for _tenant and the token meter
     who = key.identity if key else client_identity(request.client.host if request.client
                                                    else None)
@@ -208,36 +194,6 @@ async def _authorize(gw: _Gateway, request: Request) -> None:
         return
     if refusal is not None:
         raise rate_limited(refusal.message, math.ceil(refusal.retry_after_s))
-
-
-def _tenant(request: Request) -> str:
-    """Who the draft side may keep state for: the key's digest when keys are configured
-    (already checked by _authorize), else anonymous."""
-    key: ApiKey | None = getattr(request.state, "api_key", None)
-    return key.identity if key else ""
-
-
-async def _health(gw: _Gateway) -> dict:
-    """Redis filling or full makes the status "degraded", never a 503: requests are still
-    served (limits fail open), and failing the liveness probe of every gateway would restart
-    them all without freeing a byte of Redis."""
-    from tandem import redis_memory
-
-    try:
-        redis_ok = bool(await gw.breaker.call(gw.redis.ping))
-    except RedisError:
-        redis_ok = False
-    verifiers = await gw.router.verifiers() if redis_ok else []
-    memory = None
-    if redis_ok:  # not through the breaker: a Redis that refuses INFO must not open it
-        watch = redis_memory.watch_of(gw.redis, gw.metrics.redis_memory)
-        memory = await watch.read(lambda: asyncio.wait_for(
-            redis_memory.read_memory(gw.redis), gw.config.redis_timeout_s))
-    state = memory.state if memory is not None else "ok"
-    return {"status": "ok" if state == "ok" else "degraded",
-            "redis": state if redis_ok else "unavailable",
-            "redis_memory": memory.report() if memory is not None else None,
-            "verifiers": len(verifiers), "model": gw.config.model_name}
 
 
 async def _parse(request: Request, model: type[schemas.GenerationRequest]):
@@ -296,7 +252,7 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
                                           tokenize_in=gw.tokenizing,
                                           max_token_chars=gw.max_token_chars)
             plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()),
-                           tenant=_tenant(request))
+                           tenant=tenant_of(request))
             await record_choices(gw.deps.store, plan, gw.config.model_name)
     except BaseException as exc:  # refused before generating: the span ends here
         span.set_status(trace.StatusCode.ERROR, str(exc))

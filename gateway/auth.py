@@ -184,3 +184,27 @@ def add_docs(app: Any, guard: Any) -> None:
     @app.get("/redoc", include_in_schema=False, dependencies=[guard])
     async def redoc():
         return get_redoc_html(openapi_url="/openapi.json", title=app.title)
+
+
+def authenticate(config, request) -> ApiKey | None:
+    """The presented key's ApiKey; None when keys are not configured (config: a
+    GatewayConfig; request: a Starlette Request)."""
+    from gateway.errors import unauthorized
+
+    if not config.auth_enabled:
+        return None
+    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    presented = presented.strip()
+    if scheme.lower() != "bearer" or not presented:
+        raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    key = match_key(presented, config.api_keys)
+    if key is None:
+        raise unauthorized("invalid API key")
+    return key
+
+
+def tenant_of(request) -> str:
+    """Who the draft side may keep state for: the key's digest when keys are configured
+    (already checked by the gateway's authorization), else anonymous."""
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    return key.identity if key else ""
