@@ -37,6 +37,7 @@ from gateway.errors import (
     from_validation_error,
     install_handlers,
     rate_limited,
+    redacted_reason,
 )
 from gateway.fields import check_fields, known_fields
 from gateway.generation import GenerationDeps, run_session
@@ -255,7 +256,7 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
                            tenant=tenant_of(request))
             await record_choices(gw.deps.store, plan, gw.config.model_name)
     except BaseException as exc:  # refused before generating: the span ends here
-        span.set_status(trace.StatusCode.ERROR, str(exc))
+        span.set_status(trace.StatusCode.ERROR, redacted_reason(exc))
         span.end()
         gw.metrics.requests.labels(endpoint=endpoint,
                                    status=str(getattr(exc, "status", "error"))).inc()

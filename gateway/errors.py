@@ -147,3 +147,11 @@ class _Unexpected:
             if not started:  # else the response is cut short: all a server can do then
                 await APIError(500, f"internal error: {type(exc).__name__}").response()(
                     scope, receive, send)
+
+
+def redacted_reason(exc: BaseException) -> str:
+    """What a trace or the session record may keep of a refusal: its status and code, not
+    its message, which may quote the request (a tool name, a grammar, a prompt's length)."""
+    if isinstance(exc, APIError):
+        return f"{exc.status} {exc.code or exc.type}"
+    return type(exc).__name__

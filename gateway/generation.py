@@ -17,7 +17,7 @@ import grpc
 from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, rate_limited, unavailable
+from gateway.errors import APIError, rate_limited, redacted_reason, unavailable
 from gateway.logprobs import TokenLogprobs
 from gateway.plan import GenerationPlan, auto_draft_method
 from gateway.routing import Assignment, Router
@@ -154,8 +154,8 @@ class _Failover:
                 return
             except VerifierLost as exc:
                 log.warning("session %s: verifier %s failed (%s); %d tokens committed, resuming",
-                            self.plan.session_id, assignment.verifier.address, exc,
-                            len(self.committed))
+                            self.plan.session_id, assignment.verifier.address,
+                            exc.code.name if exc.code else "lost", len(self.committed))
                 excluded.append(assignment.verifier.address)
                 last = exc
                 losses += not exc.refused
@@ -272,7 +272,8 @@ async def run_session(plan: GenerationPlan, deps: GenerationDeps, text: TextStre
         yield Finished(reason, used, runner.stats(used), prediction=runner.prediction())
     except APIError as exc:
         done = True
-        await _safe("finish", store.finish(session_id, status="failed", error=exc.message))
+        await _safe("finish", store.finish(session_id, status="failed",
+                                           error=redacted_reason(exc)))
         raise
     finally:
         if not done:  # the client went away: record it without awaiting a cancelled task

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 
-from gateway.errors import APIError
+from gateway.errors import APIError, redacted_reason
 from gateway.generation import Finished, TextDelta
 from tandem import telemetry
 
@@ -63,7 +63,7 @@ async def observed(events: AsyncIterator, span: trace.Span, metrics: telemetry.G
             yield ev
     except APIError as exc:
         outcome = str(exc.status)
-        span.set_status(trace.StatusCode.ERROR, exc.message)
+        span.set_status(trace.StatusCode.ERROR, redacted_reason(exc))
         raise
     except BaseException:
         outcome = "cancelled"

@@ -688,6 +688,18 @@ def test_verifier_invalid_argument_is_400_with_its_message(redis_proc, tokenizer
     assert "sequence beyond max_context" in resp.json()["error"]["message"]
 
 
+def test_a_failed_sessions_record_keeps_its_status_not_its_message(redis_proc, tokenizer,
+                                                                    prefix, fakes):
+    """An error's message may quote the request: the client gets it, the session record in
+    Redis keeps the status and code only (issue 47: user text stays in its own answer)."""
+    fake = fakes(fail_with(grpc.StatusCode.INVALID_ARGUMENT, "grammar: near 'S3CRET-USER-TEXT'"))
+    with gateway(redis_proc, tokenizer, prefix, static_verifiers=(fake.address,)) as client:
+        resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        record = asyncio.run(_session(redis_proc, prefix, fake.requests[0].session_id))
+    assert resp.status_code == 400 and "S3CRET-USER-TEXT" in resp.json()["error"]["message"]
+    assert record.status == "failed" and record.error == "400 invalid_request"
+
+
 def test_speculative_token_limit_comes_from_the_verifier_info(redis_proc, tokenizer, prefix,
                                                               fakes, text_ids):
     fake = fakes(continue_text(text_ids), max_spec_tokens=4)
