@@ -14,7 +14,6 @@ import json
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -23,6 +22,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from fastapi.testclient import TestClient
+from loopthread import LoopThread  # noqa: F401 (the other gateway tests import it here)
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -46,29 +46,6 @@ STOP = verify_pb2.FINISH_REASON_STOP
 # ---- fixtures: loop thread, Redis, tokenizer-derived tokens --------------------------------
 
 
-class LoopThread:
-    """An event loop in a daemon thread: fake servers live there, independent of the app."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coro, timeout: float = 10.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-
-
-@pytest.fixture(scope="session")
-def loop_thread():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
 @pytest.fixture(scope="session")
 def redis_proc():
     with start_redis() as proc:
@@ -80,12 +57,6 @@ def text_ids(tokenizer) -> list[int]:
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     assert tokenizer.decode(ids) == TEXT
     return ids
-
-
-@pytest.fixture()
-def prefix() -> str:
-    """A fresh Redis namespace per test: no cross-test state, no FLUSHALL needed."""
-    return f"t{uuid.uuid4().hex[:8]}"
 
 
 # ---- fake verifier -----------------------------------------------------------------------

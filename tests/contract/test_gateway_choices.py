@@ -4,7 +4,6 @@ best_of keeping the choices whose tokens are likeliest (issue 48)."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
 from test_gateway import (
@@ -12,7 +11,6 @@ from test_gateway import (
     MODEL,
     STOP,
     FakeVerifier,
-    LoopThread,
     chunked,
     gateway,
     make_app,
@@ -31,16 +29,6 @@ LOGPROB = [-3.0, -0.5, -1.0, -2.0]
 REPEAT = 6  # each choice writes its word this often (two tokens a round)
 
 
-@pytest.fixture(scope="module")
-def loop_thread():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
-@pytest.fixture()
-def prefix() -> str:
-    return f"t{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture()

@@ -4,14 +4,12 @@ echo) shape what the client sees; the legacy functions become tools (issue 48)."
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 from test_gateway import (
     EOS,
     MODEL,
     FakeVerifier,
-    LoopThread,
     gateway,
     responses,
     sse_events,
@@ -26,16 +24,6 @@ CONTROLS = {"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_pen
             "allowed_token_ids": [7, 42, 99, EOS], "bad_words": ["world", " foo bar"]}
 
 
-@pytest.fixture(scope="module")
-def loop_thread():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
-@pytest.fixture()
-def prefix() -> str:
-    return f"t{uuid.uuid4().hex[:8]}"
 
 
 def speaking(ids: list[int]):
