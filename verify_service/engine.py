@@ -169,10 +169,12 @@ class Engine:
 
     async def _execute_isolated(self, scheduled: list[ScheduledSeq], inputs: list[StepInput]
                                 ) -> tuple[list[RoundOutcome | None], StepTimings]:
-        """Each session of a failed step alone: the ones that fail again are aborted, the rest
-        go on. Safe to repeat: a retry writes the same KV slots, and seeded draws are keyed
-        by position."""
+        """Each session of a failed step alone (safe: a retry writes the same KV slots, seeded
+        draws are keyed by position). One failing again while another passes ends "fault"
+        (its input: a 500, not replayed); if all fail the step is broken (a dead rank, the
+        device): they are aborted, for the gateway to resume elsewhere."""
         outcomes: list[RoundOutcome | None] = []
+        failed: list[tuple[ScheduledSeq, BaseException]] = []
         total = StepTimings(0.0, 0.0)
         for s, one in zip(scheduled, inputs):
             try:
@@ -180,13 +182,16 @@ class Engine:
             except BaseException as exc:
                 if not recoverable(exc):
                     raise
-                log.exception("session %s failed its verification step; ending it",
-                              s.seq.session_id)  # not replayed elsewhere: see SessionFailed
-                self._end(s.seq, "fault", f"verification failed ({type(exc).__name__})")
+                log.exception("session %s failed its verification step", s.seq.session_id)
+                failed.append((s, exc))
                 outcome, t = None, StepTimings(0.0, 0.0)
             outcomes.append(outcome)
             total = StepTimings(total.forward_ms + t.forward_ms,
                                 total.rejection_ms + t.rejection_ms)
+        alone = len(failed) < len(scheduled)  # others passed: these failed of themselves
+        for s, exc in failed:
+            self._end(s.seq, *(("fault", f"verification failed ({type(exc).__name__})")
+                               if alone else ("abort",)))
         return outcomes, total
 
     async def _wait_for_drafts(self) -> float:

@@ -64,6 +64,8 @@ def speculative(target_model, heads, method, prompts, sampling, stop):
         kw = {"history": HistoryDrafts(8), "max_spec_tokens": 8}
     elif method is Method.MEDUSA:
         kw = {"medusa": heads, "max_spec_tokens": 16, "cost": CostModel(dict(FLAT))}
+    else:  # a flat cost: rounds verify the drafts even when few land (allowed_token_ids
+        kw = {"cost": CostModel(dict(FLAT))}  # leaves the unconstrained draft model few)
     proposers = {Method.DRAFT_MODEL: DraftModelProposer(ModelRunner(target_model, 256, 16)),
                  Method.NGRAM: NgramProposer()}
     got, drafted, accepted, _ = run_sessions(target_model, proposers, method, prompts,

@@ -298,6 +298,35 @@ def test_a_failing_session_is_failed_alone(target_model, tokenizer, reference, e
     assert bad == [] and bad_reason == "fault"
 
 
+class BrokenExecutor(Executor):
+    """Every forward fails, whatever it holds: a dead tensor-parallel rank, a lost device."""
+
+    def execute(self, inputs):
+        raise RuntimeError("gloo: connection reset by peer")
+
+
+def test_a_step_that_fails_for_everyone_aborts_them_for_failover(target_model, tokenizer,
+                                                                 reference):
+    """No session is to blame when each fails alone too: they are aborted (the gateway
+    resumes them on another verifier), not failed as a 500."""
+    prompts, _ = reference
+
+    async def main():
+        sched = Scheduler(BlockManager(128, 16), SchedulerConfig(), CostModel())
+        engine = Engine(BrokenExecutor(ModelRunner(target_model, 128, 16)), sched,
+                        EngineConfig(), target_model.cfg.vocab_size)
+        loop_task = asyncio.create_task(engine.run())
+        queues = [engine.submit(GenerateParams(
+            session_id=f"s{i}", prompt=tuple(p), committed=(), sampling=GREEDY,
+            max_new_tokens=N_NEW, stop_token_ids=frozenset({tokenizer.eos_token_id}),
+            method=Method.NONE)) for i, p in enumerate(prompts[:2])]
+        reasons = [(await asyncio.wait_for(q.get(), 60)).finish_reason for q in queues]
+        loop_task.cancel()
+        return reasons
+
+    assert asyncio.run(main()) == ["abort", "abort"]
+
+
 def test_seeded_sampling_depends_on_the_seed_only(target_model, tokenizer, reference):
     """A seeded session's token at each position is the target's sample under that position's
     keyed noise: the same text with good drafts, bad drafts, a draft that dies at once, and

@@ -245,7 +245,7 @@ def test_draft_shape_on_the_wire_and_its_defaults():
         session_id, prompt_token_ids, max_new_tokens, stop_token_ids = "s", (1,), 4, ()
         ignore_eos, method, num_speculative_tokens, tenant = False, Method.EAGLE, 0, ""
         typical, logprobs, sampling, draft_shape = None, None, SamplingParams(), "chain"
-        grammar = None
+        grammar, prediction_token_ids = None, ()
 
     assert build_request(Plan(), [], "").speculation.draft_shape == chain
     Plan.draft_shape = None
