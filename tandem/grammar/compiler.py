@@ -53,6 +53,8 @@ class GrammarCompiler:
         self._lock = threading.RLock()  # re-entered: a done compile's callback runs at once
         # At a lower CPU priority: a tenant's slow compile must not slow every stream.
         self._pool = background_pool(workers, "tandem-grammar")
+        # A new session's matcher moved to its committed tokens and its first mask tried.
+        self.masking = background_pool(workers, "tandem-grammar-admit")
         self._inflight: dict[str, Future] = {}  # key -> its compile under way
 
     def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
@@ -191,10 +193,21 @@ class LazyCompiler:
         return self._compiler
 
     async def state(self, spec: GrammarSpec, committed: tuple[int, ...] = ()) -> GrammarState:
-        """A session's grammar at its committed tokens; GrammarError if it cannot compile,
-        InvalidArgument if the committed tokens do not follow it."""
+        """A session's grammar at its committed tokens, with its first mask tried, off the
+        loop: GrammarError if it cannot compile, InvalidArgument if the committed tokens do
+        not follow it, GrammarFailed if its first mask already breaks llguidance's limits
+        (a row too wide, a lexer out of expressions): refused at admission, that session
+        never holds up a step's batch with a mask that fails."""
         c = await self.get()
-        return c.state_now(spec, committed, await c.matcher_async(spec))
+        matcher = await c.matcher_async(spec)
+        return await asyncio.get_running_loop().run_in_executor(
+            c.masking, _ready_state, c, spec, committed, matcher)
+
+
+def _ready_state(c: GrammarCompiler, spec: GrammarSpec, committed, matcher) -> GrammarState:
+    state = c.state_now(spec, committed, matcher)
+    state.masks([])  # raises GrammarFailed; the matcher ends where it was
+    return state
 
 
 def compiler_for(root: Path, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarCompiler:

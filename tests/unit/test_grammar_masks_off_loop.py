@@ -119,3 +119,23 @@ def test_a_grammar_that_breaks_at_its_first_mask_fails_instead_of_forcing_eos(to
             first.commit([t])
     with pytest.raises(GrammarFailed, match="too many expressions"):
         compiler.state_now(spec).masks([])
+
+
+def test_a_grammar_whose_first_mask_breaks_is_refused_at_admission(tokenizer):
+    """LazyCompiler.state (the verifier's admission) tries the first mask off the loop: a
+    session that could only fail never enters a step's batch, where every session would
+    wait for its mask."""
+    from tandem.grammar.compiler import GrammarCompiler, LazyCompiler
+    from tandem.grammar.spec import GrammarKind, GrammarSpec
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    lazy = LazyCompiler(lambda: compiler)
+    spec = GrammarSpec(GrammarKind.REGEX, "([a-z ]{1,50}){1,50}")
+    first = asyncio.run(lazy.state(spec))  # fine at first
+    with pytest.raises(GrammarFailed):  # its walk exhausts the lexer all copies share
+        for t in tokenizer.encode(" use commas to separate items in a sentence that is long",
+                                  add_special_tokens=False):
+            first.masks([])
+            first.commit([t])
+    with pytest.raises(GrammarFailed, match="too many expressions"):
+        asyncio.run(lazy.state(spec))
