@@ -155,3 +155,13 @@ def redacted_reason(exc: BaseException) -> str:
     if isinstance(exc, APIError):
         return f"{exc.status} {exc.code or exc.type}"
     return type(exc).__name__
+
+
+def check_chars_fit(param: str, chars: int, context_length: int, max_token_chars: int) -> None:
+    """400 for text (a prompt, a prediction) that needs more tokens than the context holds
+    even if every token were the longest one (`max_token_chars`; 0: not checked): refused
+    before it is tokenized, which for a huge body takes seconds."""
+    if max_token_chars and chars > context_length * max_token_chars:
+        raise bad_request(f"{param}: {chars} characters cannot fit in the context length of "
+                          f"{context_length} tokens", param=param,
+                          code="context_length_exceeded")

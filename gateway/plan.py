@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway import schemas
 from gateway.config import GatewayConfig
-from gateway.errors import bad_request
+from gateway.errors import bad_request, check_chars_fit
 from gateway.prediction import prediction_token_ids
 from gateway.routing import Router, affinity_key
 from gateway.sampling_options import sampling_fields
@@ -184,7 +184,7 @@ def _check_text_fits(req: schemas.GenerationRequest, context_length: int,
     """400 for a prompt whose text needs more tokens than the context holds even if every
     token were the longest: a 3 MiB body is refused at once instead of after seconds of
     tokenizing, and never holds up the next tenant's prompt on the tokenizing thread."""
-    if not max_token_chars:
+    if not max_token_chars:  # not checked: do not even count
         return
     if isinstance(req, schemas.ChatCompletionRequest):
         chars = sum(len(m.get("content") or "") for m in req.template_messages())
@@ -193,10 +193,7 @@ def _check_text_fits(req: schemas.GenerationRequest, context_length: int,
         texts = [prompt] if isinstance(prompt, str) else [
             p for p in prompt or () if isinstance(p, str)]
         chars = sum(map(len, texts))
-    if chars > context_length * max_token_chars:
-        raise bad_request(f"prompt: {chars} characters cannot fit in the context length of "
-                          f"{context_length} tokens", param="prompt",
-                          code="context_length_exceeded")
+    check_chars_fit("prompt", chars, context_length, max_token_chars)
 
 
 def resolve_max_tokens(req: schemas.CompletionRequest | schemas.ChatCompletionRequest,

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from gateway.errors import bad_request
+from gateway.errors import bad_request, check_chars_fit
 
 
 class PredictionPart(BaseModel):
@@ -50,10 +50,7 @@ async def prediction_token_ids(prediction: Prediction | None, tokenizer: Any,
     text = "" if prediction is None else prediction.text()
     if not text:
         return ()
-    if max_token_chars and len(text) > context_length * max_token_chars:
-        raise bad_request(f"prediction: {len(text)} characters cannot fit in the context "
-                          f"length of {context_length} tokens", param="prediction",
-                          code="context_length_exceeded")
+    check_chars_fit("prediction", len(text), context_length, max_token_chars)
     ids = await asyncio.get_running_loop().run_in_executor(
         tokenize_in, lambda: tokenizer(text, add_special_tokens=False).input_ids)
     if len(ids) > context_length:
