@@ -93,14 +93,10 @@ def _write_eagle1(src: Path, dst: Path, config: dict, verifier: dict) -> None:
     from safetensors.torch import save_file
 
     from tandem.engine.eagle_published import _read_weights
+    from tandem.engine.eagle_speculators import EAGLE1_PREFIXES, renamed
 
-    weights = {}
-    for name, t in _read_weights(src).items():
-        if name.startswith("fc."):
-            name = "fusion_fc." + name.removeprefix("fc.")
-        elif name.startswith("layers.0."):
-            name = "transformer." + name.removeprefix("layers.0.")
-        weights[name] = t.contiguous()
+    weights = {name: t.contiguous() for name, t in renamed(
+        _read_weights(src), [(b, a) for a, b in EAGLE1_PREFIXES]).items()}
     layer = {k: config[k] for k in LAYER_KEYS if config.get(k) is not None}
     layer.update(model_type="llama", num_hidden_layers=1)
     out = {"architectures": ["EagleSpeculator"], "speculators_model_type": "eagle",

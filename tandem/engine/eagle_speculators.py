@@ -36,6 +36,21 @@ from tandem.models import ModelError, ModelPaths
 TYPES = ("eagle3", "eagle")
 _IGNORED = ("verifier_norm.weight", "verifier_lm_head.weight")
 _VARIANTS = ("norm_before_fc", "fc_norm", "norm_output")  # eagle3 options not served
+# An EAGLE-1 head's tensor name prefixes: (speculators', the published cnets layout's).
+EAGLE1_PREFIXES = (("fusion_fc.", "fc."), ("transformer.", "layers.0."))
+
+
+def renamed(weights: dict, pairs) -> dict:
+    """`weights` with each name's first matching prefix `a` of (a, b) in `pairs` made `b`;
+    EAGLE1_PREFIXES reads a speculators EAGLE-1 head, its pairs reversed write one."""
+    out = {}
+    for name, t in weights.items():
+        for a, b in pairs:
+            if name.startswith(a):
+                name = b + name.removeprefix(a)
+                break
+        out[name] = t
+    return out
 
 
 def speculators_type(root: Path) -> str | None:
@@ -140,13 +155,7 @@ def _load_eagle1(root: Path, config: dict, layer: dict, target: ModelPaths | Non
     if target is None:
         raise ModelError(f"{root} is a speculators EAGLE-1 head: it drafts with the target's "
                          "LM head, so pass the target checkpoint (--tokenizer TARGET_DIR)")
-    weights = {}
-    for name, t in _read(root).items():
-        if name.startswith("fusion_fc."):
-            name = "fc." + name.removeprefix("fusion_fc.")
-        elif name.startswith("transformer."):
-            name = "layers.0." + name.removeprefix("transformer.")
-        weights[name] = t
+    weights = renamed(_read(root), EAGLE1_PREFIXES)
     head = build_published(root, {**layer, "num_hidden_layers": 1}, weights, target, dtype,
                            device)
     head.card = {"format": "eagle-1/2 (speculators)", "source": str(root),
