@@ -1,0 +1,109 @@
+"""The validation's comparison: simulate each measured cell, error per figure, a markdown
+table, a JSON file and a plot (simulated against measured)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+METRICS = ("throughput_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
+TOLERANCE = {"throughput_tok_s": 0.15, "ttft_ms_p50": 0.15, "tpot_ms_p50": 0.15,
+             "ttft_ms_p99": 0.25, "tpot_ms_p99": 0.25}
+
+
+def _rounds(out: Path) -> list[dict]:
+    path = out / "rounds.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def acceptance_table(rounds: list[dict]):
+    from tools.plan.acceptance import from_rounds
+    by: dict[str, list[tuple[int, int]]] = {}
+    for r in rounds:
+        by.setdefault(r["method"], []).append((r["drafted"], r["accepted"]))
+    return {m: from_rounds(rs) for m, rs in by.items()}
+
+
+def engine_profile(profile_name: str, rounds: list[dict]):
+    """The calibrated profile, with the engine's per-step work after the forward (sampling,
+    rejection: the rounds' rejection_ms, median) as its step overhead."""
+    from tools.plan.profile import load_profile
+    profile = load_profile(profile_name)
+    rej = [r["rejection_ms"] for r in rounds if r.get("rejection_ms")]
+    if rej:
+        profile = dataclasses.replace(profile, step_overhead_ms=round(statistics.median(rej), 3))
+    return profile
+
+
+def compare(args, cells: dict, out: Path) -> list[dict]:
+    from tools.plan.config import SimConfig
+    from tools.plan.sim import simulate
+
+    rounds = _rounds(out)
+    table, profile = acceptance_table(rounds), engine_profile(args.profile, rounds)
+    (out / "acceptance.json").write_text(json.dumps(
+        {m: {"position_rates": a.position_rates, "propose_rate": a.propose_rate,
+             "rounds": a.rounds} for m, a in table.items()}, indent=1) + "\n")
+    rows = []
+    for key, meas in cells.items():
+        method, load = key.split("|")
+        c = int(load[2:]) if load.startswith("c=") else 0
+        cfg = SimConfig(method=method, concurrency=c, rate=0.0 if c else args.rate,
+                        requests=meas["requests"], max_tokens=args.max_tokens,
+                        prompt_tokens=max(1, round(meas["prompt_tokens_mean"])),
+                        drafts=1, seed=args.seed)
+        sim = simulate(cfg, profile, table.get(method))
+        err = {m: (sim[m] - meas[m]) / meas[m] if meas[m] else 0.0 for m in METRICS}
+        rows.append({"method": method, "load": load, "measured": meas,
+                     "simulated": {m: sim[m] for m in (*METRICS, "acceptance_length_mean")},
+                     "error": err, "within": {m: abs(err[m]) <= TOLERANCE[m] for m in METRICS}})
+    (out / "validate.json").write_text(json.dumps(
+        {"profile": profile.to_json(), "rows": rows}, indent=1) + "\n")
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| method | load | " + " | ".join(f"{m} meas / sim (err)" for m in METRICS) + " |"
+    lines = [head, "|" + "---|" * (2 + len(METRICS))]
+    for r in rows:
+        cells = []
+        for m in METRICS:
+            mark = "" if r["within"][m] else " **miss**"
+            cells.append(f"{r['measured'][m]:.1f} / {r['simulated'][m]:.1f} "
+                         f"({r['error'][m]:+.0%}){mark}")
+        lines.append(f"| {r['method']} | {r['load']} | " + " | ".join(cells) + " |")
+    n = sum(len(METRICS) for _ in rows)
+    ok = sum(sum(r["within"].values()) for r in rows)
+    lines.append(f"\n{ok} of {n} cells within tolerance (15% throughput and p50s, 25% p99s).")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 4))
+    methods = sorted({r["method"] for r in rows})
+    for ax, m in zip(axes, METRICS):
+        for i, meth in enumerate(methods):
+            pts = [(r["measured"][m], r["simulated"][m]) for r in rows if r["method"] == meth]
+            ax.scatter(*zip(*pts), label=meth, color=f"C{i}")
+        hi = max(max(r["measured"][m], r["simulated"][m]) for r in rows) * 1.1
+        tol = TOLERANCE[m]
+        ax.plot([0, hi], [0, hi], "k-", lw=0.8)
+        ax.fill_between([0, hi], [0, hi * (1 - tol)], [0, hi * (1 + tol)], color="0.85")
+        ax.set(title=m, xlabel="measured", ylabel="simulated", xlim=(0, hi), ylim=(0, hi))
+    axes[0].legend(fontsize=8)
+    fig.suptitle("tandem plan validate: simulation against the local cluster (band: tolerance)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def write_report(args, rows: list[dict], out: Path) -> None:
+    md = markdown(rows)
+    (out / "validate.md").write_text(md + "\n")
+    plot(rows, out / "validate.png")
+    print(md)

@@ -1,0 +1,168 @@
+"""`tandem plan validate`: start the local cluster (`tandem up`'s), drive it at several loads
+with several methods, record every round (the SSE `speculation_round` events), then simulate
+the same setups with the acceptance those rounds measured and compare, cell by cell.
+
+Run it alone on the host (other benchmarks skew both sides):
+  flock /tmp/tandem-bench.lock tandem plan validate --out docs/results/plan-validate-DATE
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tools.bench.sse import CHAT_PATH, achunks, choice_text
+
+PROMPTS = Path(__file__).resolve().parents[1] / "bench" / "prompts.jsonl"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _csv(kind):
+    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
+
+
+def add_validate_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--methods", type=_csv(str), default=("none", "ngram", "suffix",
+                                                         "draft_model"))
+    p.add_argument("--concurrency", type=_csv(int), default=(1, 4, 16),
+                   help="closed-loop loads (comma-separated)")
+    p.add_argument("--rate", type=float, default=1.0,
+                   help="a Poisson load, requests/s (0: none)")
+    p.add_argument("--requests", type=int, default=12, help="requests per cell")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--profile", default="cpu-host", help="the simulation's cost profile")
+    p.add_argument("--port", type=int, default=8127, help="the cluster's gateway port")
+    p.add_argument("--url", default="", help="an already running gateway (no start/stop)")
+    p.add_argument("--out", default="plan-validate", help="directory for the results")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _prompts() -> list[dict]:
+    return [json.loads(x) for x in PROMPTS.read_text().splitlines() if x.strip()]
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: dict, method: str,
+               max_tokens: int) -> dict:
+    """One streamed request: its times (s, perf_counter), tokens and recorded rounds."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt["prompt"]}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            "speculation": {"method": method, "events": True}}
+    start, first, last, usage, rounds = time.perf_counter(), None, None, {}, []
+    async with client.stream("POST", url + CHAT_PATH, json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"gateway answered {r.status_code}: {(await r.aread())[:300]}")
+        async for obj in achunks(r.aiter_lines()):
+            if "speculation_round" in obj:
+                ev = obj["speculation_round"]
+                rounds.append({"method": method, "workload": prompt["category"],
+                               "drafted": ev["drafted"], "accepted": ev["accepted"],
+                               "verify_ms": ev.get("verify_ms", 0.0),
+                               "rejection_ms": ev.get("rejection_ms", 0.0)})
+            if "".join(choice_text(c) for c in obj.get("choices", [])):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+            if obj.get("usage"):
+                usage = obj["usage"]
+    n = usage.get("completion_tokens", 0)
+    return {"start": start, "first": first or start, "last": last or start, "tokens": n,
+            "prompt_tokens": usage.get("prompt_tokens", 0), "rounds": rounds}
+
+
+async def _cell(url: str, method: str, concurrency: int, arrivals: list[float] | None,
+                n: int, max_tokens: int, prompts: list[dict]) -> list[dict]:
+    """n requests closed-loop at `concurrency`, or at the given arrival times (s)."""
+    todo = list(enumerate(prompts[i % len(prompts)] for i in range(n)))
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4)) as client:
+        if arrivals is not None:
+            t0 = time.perf_counter()
+
+            async def timed(i, p):
+                await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+                return await _one(client, url, p, method, max_tokens)
+            return list(await asyncio.gather(*(timed(i, p) for i, p in todo)))
+        queue, out = list(todo), []
+
+        async def worker():
+            while queue:
+                _, p = queue.pop(0)
+                out.append(await _one(client, url, p, method, max_tokens))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return out
+
+
+def measured(runs: list[dict]) -> dict:
+    from tools.bench.stats import percentile
+    start = min(r["start"] for r in runs)
+    end = max(r["last"] for r in runs)
+    ttft = [(r["first"] - r["start"]) * 1e3 for r in runs]
+    tpot = [(r["last"] - r["first"]) * 1e3 / (r["tokens"] - 1) for r in runs if r["tokens"] > 1]
+    return {"throughput_tok_s": sum(r["tokens"] for r in runs) / max(end - start, 1e-9),
+            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+            "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
+            "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in runs),
+            "requests": len(runs)}
+
+
+def loads(args) -> list[tuple[str, int, float]]:
+    out = [(f"c={c}", c, 0.0) for c in args.concurrency]
+    return out + ([(f"rate={args.rate:g}/s", 0, args.rate)] if args.rate else [])
+
+
+def drive(args, url: str, out: Path) -> dict:
+    """Every (method, load) cell against the running cluster; the rounds to rounds.jsonl."""
+    from tqdm import tqdm
+
+    from tools.plan.config import SimConfig
+    from tools.plan.sim import make_requests
+
+    prompts, cells = _prompts(), {}
+    asyncio.run(_cell(url, "none", 1, None, 2, 8, prompts))  # warm-up
+    todo = [(m, ld) for m in args.methods for ld in loads(args)]
+    bar = tqdm(todo, desc="validate", file=sys.stderr)
+    with open(out / "rounds.jsonl", "w") as rounds, bar:
+        for method, (name, c, rate) in bar:
+            bar.set_postfix_str(f"{method} {name}")
+            arrivals = None
+            if rate:
+                cfg = SimConfig(method=method, rate=rate, requests=args.requests, seed=args.seed,
+                                drafts=1)
+                reqs = make_requests(cfg, random.Random(args.seed))
+                arrivals = [r.arrival_ms / 1e3 for r in reqs]
+            runs = asyncio.run(_cell(url, method, c, arrivals, args.requests, args.max_tokens,
+                                     prompts))
+            for r in runs:
+                for ev in r.pop("rounds"):
+                    rounds.write(json.dumps(ev) + "\n")
+            cells[f"{method}|{name}"] = measured(runs)
+    return cells
+
+
+def run_validation(args) -> int:
+    from tools.plan.report import compare, write_report
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.url:
+        cells = drive(args, args.url, out)
+    else:
+        from tools.launcher import Cluster, ClusterConfig
+        cluster = Cluster(ClusterConfig(gateway_port=args.port),
+                          log=lambda m: print(m, file=sys.stderr, flush=True))
+        try:
+            cluster.start()
+            cells = drive(args, cluster.gateway_url, out)
+        finally:
+            cluster.stop()
+    (out / "measured.json").write_text(json.dumps(cells, indent=1) + "\n")
+    rows = compare(args, cells, out)
+    write_report(args, rows, out)
+    return 0
