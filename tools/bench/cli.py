@@ -7,6 +7,7 @@
   tandem bench --workload repetitive     # questions asked again, code edits: suffix vs ngram
   tandem bench --workload copy           # copy-heavy tasks: ngram / suffix / auto vs plain
   tandem bench --workload copy --history verifier --repeats 1 --arms ngram,suffix,auto --docs ''
+  tandem bench --workload categories     # short answers by category: none/ngram/suffix/auto
   tandem bench --report results/bench-2026-11-21/results.json   # re-render only
   tandem bench --device cuda:1           # peers, cost timings and the cluster on one GPU
 """
@@ -82,12 +83,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docs", default="docs/results",
                    help="write <docs>/benchmarks.md and <docs>/img (default %(default)s); "
                    "'' to skip")
-    p.add_argument("--workload", choices=("standard", "repetitive", "copy"), default="standard",
+    p.add_argument("--workload", choices=("standard", "repetitive", "copy", "categories"),
+                   default="standard",
                    help="standard: every method on the prompt set; repetitive: chat questions "
                         "and code edits asked again (plain, ngram, suffix, transformers plain "
                         "and prompt lookup), written to <docs>/benchmarks-repetitive.md; copy: "
                         "copy-heavy tasks and chat (plain, ngram, suffix, auto; drafted in the "
-                        "verifier and by a worker), written to <docs>/benchmarks-copy.md")
+                        "verifier and by a worker), written to <docs>/benchmarks-copy.md; "
+                        "categories: short answers by category (tools/bench/categories.py)")
     p.add_argument("--repeats", type=int, default=None, help="repetitive / copy workload: "
                    "times each request is asked (default 3 / 2)")
     p.add_argument("--history", type=_names, default=("verifier", "worker"),
@@ -133,6 +136,13 @@ def cmd_bench(args) -> int:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
     docs = Path(args.docs) if args.docs else None
+    if args.workload == "categories":
+        from tools.bench.categories import run_workload as run_categories
+
+        run_categories(args.first_reps, args.max_tokens or 192,
+                       Path(args.out or "results/categories") / "results.json", args.arms,
+                       tuple(int(i) for i in (args.prompts or ())))
+        return 0
     if args.workload == "copy":
         from tools.bench.copy_heavy import rerender, run_workload
 
