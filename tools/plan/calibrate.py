@@ -5,9 +5,7 @@ from steps of b sessions x 1 token; the draft step by batch from the draft model
 (the shipped draft unless --draft-model); the hop from a loopback TCP round trip."""
 from __future__ import annotations
 
-import socket
 import statistics
-import threading
 import time
 
 from tools.plan.profile import Profile
@@ -64,28 +62,28 @@ def batch_curve(runner, batches=BATCHES, context: int = 64, reps: int = 3) -> di
 
 
 def hop_ms(samples: int = 200) -> float:
-    """Half the median loopback TCP round trip of a small message (ms)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
+    """Half the median round trip of a unary gRPC call over loopback (the health check: a
+    tiny message through the same stack the draft link uses), in ms."""
+    from concurrent import futures
 
-    def echo():
-        conn, _ = srv.accept()
-        with conn:
-            while data := conn.recv(64):
-                conn.sendall(data)
-    threading.Thread(target=echo, daemon=True).start()
-    cli = socket.create_connection(srv.getsockname())
-    cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    rtts = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        cli.sendall(b"x" * 32)
-        cli.recv(64)
-        rtts.append((time.perf_counter() - t0) * 1e3)
-    cli.close()
-    srv.close()
-    return statistics.median(rtts) / 2
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            rtts = []
+            for _ in range(samples):
+                t0 = time.perf_counter()
+                stub.Check(health_pb2.HealthCheckRequest())
+                rtts.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        server.stop(0)
+    return statistics.median(rtts[10:]) / 2
 
 
 def calibrate_host(model: str = "", draft_model: str = "", threads: int = 1, reps: int = 3,

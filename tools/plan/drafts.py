@@ -37,6 +37,7 @@ class DraftWorker:
         self.lanes: dict[str, tuple[DraftLane, object]] = {}  # session id -> (lane, Sequence)
         self.busy_ms = 0.0  # drafting time so far (a colocated verifier pays it)
         self.steps = 0
+        self.batch_sum = 0  # sessions per step, summed: the queue depth its HPA scales on
         self._wake = env.event()
         env.process(self._run())
 
@@ -79,6 +80,7 @@ class DraftWorker:
             yield self.env.timeout(ms)
             self.busy_ms += ms
             self.steps += 1
+            self.batch_sum += len(batch)
             arrive = self.env.now + self.profile.hop_ms()
             for (lane, _), epoch in zip(batch, epochs):
                 if lane.epoch == epoch:  # not voided while the step ran

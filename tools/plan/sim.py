@@ -27,6 +27,8 @@ class SimStats:
     steps: int = 0
     busy_ms: float = 0.0  # verifier forward time, all verifiers
     preemptions: int = 0
+    waiting_sum: int = 0  # sessions queued for admission, summed over verifier steps
+    kv_usage_sum: float = 0.0  # KV cache fraction in use, summed over verifier steps
 
 
 def load_trace(path: str) -> list[Request]:
@@ -159,6 +161,10 @@ def summarize(cfg: SimConfig, profile: Profile, acc: MethodAcceptance, dep: Depl
         "accepted_tokens": sum(s.accepted for s in ss),
         "preemptions": dep.stats.preemptions, "verifier_steps": dep.stats.steps,
         "verifier_utilization": dep.stats.busy_ms / (span_s * 1e3 * cfg.verifiers),
+        "waiting_sessions_mean": dep.stats.waiting_sum / max(1, dep.stats.steps),
+        "kv_cache_usage_mean": dep.stats.kv_usage_sum / max(1, dep.stats.steps),
+        "draft_batch_mean": (sum(w.batch_sum for w in dep.workers)
+                             / max(1, sum(w.steps for w in dep.workers))),
         "wall_s": wall_s, "requests_per_wall_s": len(ss) / max(wall_s, 1e-9),
         "profile": {"name": profile.name, "source": profile.source},
         "acceptance": {"position_rates": list(acc.position_rates),

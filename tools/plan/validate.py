@@ -37,11 +37,15 @@ def add_validate_flags(p: argparse.ArgumentParser) -> None:
                    help="a Poisson load, requests/s (0: none)")
     p.add_argument("--requests", type=int, default=12, help="requests per cell")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--profile", default="cpu-host", help="the simulation's cost profile")
+    p.add_argument("--profile", default="calibrate",
+                   help="the simulation's cost profile; 'calibrate' (default): measure this "
+                        "host now, before starting the cluster (out/profile.json)")
     p.add_argument("--port", type=int, default=8127, help="the cluster's gateway port")
     p.add_argument("--url", default="", help="an already running gateway (no start/stop)")
     p.add_argument("--out", default="plan-validate", help="directory for the results")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--from-measured", action="store_true",
+                   help="no cluster: compare out/measured.json and out/rounds.jsonl again")
 
 
 def _prompts() -> list[dict]:
@@ -151,6 +155,18 @@ def run_validation(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.from_measured:
+        if args.profile == "calibrate":
+            args.profile = str(out / "profile.json")
+        cells = json.loads((out / "measured.json").read_text())
+        write_report(args, compare(args, cells, out), out)
+        return 0
+    if args.profile == "calibrate":
+        from tools.plan.calibrate import calibrate_host
+        from tools.plan.profile import save_profile
+        print("calibrating this host ...", file=sys.stderr, flush=True)
+        save_profile(calibrate_host(reps=3), out / "profile.json")
+        args.profile = str(out / "profile.json")
     if args.url:
         cells = drive(args, args.url, out)
     else:

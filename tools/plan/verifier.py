@@ -102,6 +102,8 @@ class SimVerifier:
             yield self.env.timeout(ms)
             self.stats.steps += 1
             self.stats.busy_ms += ms
+            self.stats.waiting_sum += len(self.scheduler.waiting)  # what the HPA scales on
+            self.stats.kv_usage_sum += self.scheduler.blocks.usage
             observe_cost(self.scheduler, out.scheduled, wait,
                          SimpleNamespace(forward_ms=ms, rejection_ms=0.0, heads_ms=0.0))
             for s in out.scheduled:
