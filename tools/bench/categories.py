@@ -21,6 +21,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
+
 from tools.bench.category_prompts import CATEGORIES, COPY_HEAVY, TASKS
 from tools.bench.copy_heavy import ask, key_of, served_model
 from tools.bench.copy_report import copy_share
@@ -30,9 +32,23 @@ ARMS = ("none", "ngram", "suffix", "auto")
 SINGLE = ("ngram", "suffix")  # the single methods `auto` is held against
 
 
+def _ask(url: str, prompt: str, arm: str, tokens: int, temp: float, name: str,
+         tries: int = 3) -> dict:
+    """One request; a 5xx (a worker restarting on a starved host) is asked again."""
+    for i in range(tries):
+        try:
+            return ask(url, prompt, arm, tokens, temp, model=name)
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code < 500 or i == tries - 1:
+                raise
+            time.sleep(5.0)
+    raise AssertionError("unreachable")
+
+
 def run(passes: int = 2, tokens: int = 192, arms: tuple[str, ...] = ARMS,
-        picks: tuple[int, ...] = (), log=print) -> list[dict]:
-    """Every prompt (or those in picks) x arm x pass, rotated; the rows."""
+        picks: tuple[int, ...] = (), log=print, save=None) -> list[dict]:
+    """Every prompt (or those in picks) x arm x pass, rotated; the rows (save(rows) after
+    each prompt, so a run cut short keeps what it measured)."""
     env = {"TANDEM_VERIFIER_SUFFIX_CACHE_TOKENS": "0",
            "TANDEM_VERIFIER_ENABLE_PREFIX_CACHING": "false",
            "TANDEM_API_KEYS": ",".join(key_of(a) for a in arms)}
@@ -50,13 +66,16 @@ def run(passes: int = 2, tokens: int = 192, arms: tuple[str, ...] = ARMS,
                     continue
                 k = (i + p) % len(arms)
                 for arm in arms[k:] + arms[:k]:
-                    res = ask(url, prompt, arm, tokens, temp, model=name)
+                    res = _ask(url, prompt, arm, tokens, temp, name)
                     rows.append({"pass": p, "prompt": i, "category": category, "arm": arm,
                                  "temperature": temp, **res})
                     log(f"pass {p} prompt {i} ({category}) {arm}: {res['tokens']} tokens "
                         f"{res['tokens'] / res['wall_s']:.1f} tok/s accepted "
                         f"{res['spec'].get('accepted_tokens')}/"
-                        f"{res['spec'].get('drafted_tokens')}")
+                        f"{res['spec'].get('drafted_tokens')} in {res['spec'].get('rounds')} "
+                        f"rounds")
+                if save is not None:
+                    save(rows)
     finally:
         cluster.stop()
     return rows
@@ -115,10 +134,14 @@ def run_workload(passes: int, tokens: int, out: Path, arms: tuple[str, ...] = ()
                  picks: tuple[int, ...] = ()) -> str:
     arms = ("none", *[a for a in (arms or ARMS) if a != "none"])
     started = time.strftime("%Y-%m-%d %H:%M")
-    rows = run(passes, tokens, arms, picks)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": started, "tokens": tokens, "passes": passes,
-                               "arms": arms, "rows": rows}, indent=2))
+
+    def save(rows: list[dict]) -> None:
+        out.write_text(json.dumps({"date": started, "tokens": tokens, "passes": passes,
+                                   "arms": arms, "rows": rows}, indent=2))
+
+    rows = run(passes, tokens, arms, picks, save=save)
+    save(rows)
     table = markdown(rows)
     print(table)
     print(f"wrote {out}")
