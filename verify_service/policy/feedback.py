@@ -19,9 +19,9 @@ if TYPE_CHECKING:  # torch stays out of the policy's imports
 
 def observe_cost(scheduler: Scheduler, scheduled: list[ScheduledSeq], wait_ms: float,
                  timings: StepTimings) -> None:
-    """Every decode step feeds the batch plan's step curve: the whole step, its wait for
-    drafts included (what a batch's drafts really cost it: on a shared host the draft
-    worker's share of the cores shows up there too).
+    """Every decode step feeds the batch plan's step curve: its forward and rejection, and
+    apart its wait for drafts (paid by the sessions asked for drafts, StepCost.wait_ms; on a
+    shared host the draft worker's share of the cores shows up in both).
     Single-session rounds feed the cost model: the whole round, drafting wait and
     sampling included, is what k really costs. Except a draft worker's tree: it is drafted
     only after the commit, so its wait is the session's own (Sequence.est.tree_wait_ms, which
@@ -29,7 +29,7 @@ def observe_cost(scheduler: Scheduler, scheduled: list[ScheduledSeq], wait_ms: f
     an auto session's wait for its draft worker (auto.remote_run_ahead adds it)."""
     if not any(x.is_prefill for x in scheduled):  # the batch plan's curve: whole steps
         scheduler.step_cost.observe(sum(len(x.token_ids) for x in scheduled),
-                                    wait_ms + timings.forward_ms + timings.rejection_ms)
+                                    timings.forward_ms + timings.rejection_ms, wait_ms)
     s = scheduled[0]
     if drafted_tree(s.seq) or s.seq.local.in_verifier:  # auto prices its worker's wait itself
         wait_ms = 0.0
