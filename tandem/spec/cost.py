@@ -7,10 +7,10 @@ time we measure. The best k maximises E(k) / cost(k + 1). Drafting overlaps veri
 """
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from tandem.spec.batch_plan import plan_batch  # noqa: F401  (the batch plan: its own module)
 
 # The cap on draft tokens per session per round (k), unless configured: a verifier's
 # max_spec_tokens (the cost model picks each round's k up to it), a draft worker's (the most
@@ -118,6 +118,11 @@ class StepCost:
 
     calibrated: dict[int, float] = field(default_factory=dict)
     observed: dict[int, float] = field(default_factory=dict)
+    # What a step waits for draft workers' drafts, per whole batch asked (EMA of a step's
+    # wait over the share of its sessions asked, `asked_share`, which the scheduler sets
+    # before each step): a draft worker's session that drafts pays wait_ms / batch.
+    wait_ms: float = 0.0
+    asked_share: float = 0.0
     _recency: _Recency = field(default_factory=_Recency, init=False, repr=False)
 
     def __post_init__(self):
@@ -128,7 +133,12 @@ class StepCost:
     def known(self) -> bool:
         return bool(self.calibrated)
 
-    def observe(self, num_tokens: int, elapsed_ms: float) -> None:
+    def observe(self, num_tokens: int, elapsed_ms: float, wait_ms: float | None = None) -> None:
+        """A step's time over num_tokens; with wait_ms, elapsed_ms is its forward alone and
+        the wait is learnt apart (it is paid by the sessions asked, not by every row)."""
+        if wait_ms is not None and math.isfinite(wait_ms) and self.asked_share > 0:
+            sample = max(0.0, wait_ms) / self.asked_share
+            self.wait_ms = (1 - _EMA) * self.wait_ms + _EMA * sample if self.wait_ms else sample
         if not _valid(elapsed_ms):
             return
         old = self.observed.get(num_tokens)
@@ -184,30 +194,6 @@ def _interpolate(curve: dict[int, float], q: int) -> float:
             return c0 + (c1 - c0) * (q - q0) / (q1 - q0)
     (q0, c0), (q1, c1) = pts[-2], pts[-1]
     return c1 + max(0.0, (c1 - c0) / (q1 - q0)) * (q - q1)
-
-
-def plan_batch(gains: Sequence[Sequence[float]], cost: Callable[[int], float]) -> list[int]:
-    """Drafts per session for one batch step (SmartSpec's goodput rule): gains[i][j] is the
-    expected tokens session i's (j+1)-th draft adds (parents first, its single-session k at
-    most). Drafts are taken best gain first, each session's in order, and the batch keeps
-    the m of them that maximises tokens per ms: (B + sum of their gains) / cost(B + m).
-    When the step is compute-bound a draft must be nearly sure to pay for its row."""
-    b = len(gains)
-    counts, best_counts = [0] * b, [0] * b
-    base_cost = max(_MIN_MS, cost(b))
-    best, total, worst_cost = b / base_cost, float(b), base_cost
-    heap = [(-g[0], i) for i, g in enumerate(gains) if g]
-    heapq.heapify(heap)
-    m = 0
-    while heap:
-        neg, i = heapq.heappop(heap)
-        total, counts[i], m = total - neg, counts[i] + 1, m + 1
-        if counts[i] < len(gains[i]):
-            heapq.heappush(heap, (-gains[i][counts[i]], i))
-        worst_cost = max(worst_cost, cost(b + m))  # more tokens never cost less
-        if total / worst_cost > best * 1.001:  # prefer fewer drafts on near-ties
-            best, best_counts = total / worst_cost, list(counts)
-    return best_counts
 
 
 def choose_k(alpha: float, k_allowed: int, cost: CostModel) -> int:

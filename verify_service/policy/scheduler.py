@@ -17,6 +17,7 @@ from tandem.spec.cost import (
     plan_batch,
 )
 from verify_service.config import SchedulerConfig
+from verify_service.policy.batch import AcceptancePool, from_worker, gains, wait_entry
 from verify_service.session.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
@@ -58,6 +59,7 @@ class Scheduler:
         self.cost = cost  # single-session rounds: what k costs one session alone
         self.step_cost = step_cost or StepCost()  # whole steps: what drafts cost a batch
         self._caps: dict[str, int] = {}  # this step's batch plan: drafts per session at most
+        self.pool = AcceptancePool()  # each method's acceptance over its sessions (the plan's)
         # Medusa: estimated chance each node of the tree (in order) is reached under greedy;
         # and each node of its chain (the heads' top-1 tokens).
         self.tree_reach, self.chain_reach = tree_reach, chain_reach
@@ -148,27 +150,38 @@ class Scheduler:
         return self.tree_reach if seq.params.tree else self.chain_reach
 
     def plan(self) -> dict[str, int]:
-        """Drafts per decoding session this step, when several share it: a draft's row must
-        pay for itself in the batch's tokens per ms, not just in its own session's (a
-        compute-bound batch step grows with every row). {} for one session alone."""
-        decoding = [s for s in self.running
-                    if s.sched.status is SeqStatus.RUNNING and not s.sched.prefill_left]
+        """Drafts per decoding session this step, when several share it: a draft's row (and
+        the wait for a draft worker's drafts) must pay for itself in the batch's tokens per
+        ms, not just in its own session's; a method whose drafts lose is off for the step.
+        {} for one session alone (tandem/spec/batch_plan.py, verify_service/policy/batch.py)."""
+        decoding = self._decoding()
         if len(decoding) < 2 or not self.step_cost.known:
             return {}
-        gains = [self._gains(s, self._solo_k(s)) for s in decoding]
         b = len(decoding)
-        counts = plan_batch(gains, lambda t: self.step_cost.cost(t, anchor=b))
+        counts = plan_batch([self._gains(s, self._solo_k(s)) for s in decoding],
+                            lambda t: self.step_cost.cost(t, anchor=b),
+                            wait_entry(decoding, self.step_cost.wait_ms),
+                            [s.params.method for s in decoding])
         return {s.session_id: k for s, k in zip(decoding, counts)}
+
+    def _decoding(self) -> list[Sequence]:
+        return [s for s in self.running
+                if s.sched.status is SeqStatus.RUNNING and not s.sched.prefill_left]
 
     def _gains(self, seq: Sequence, k: int) -> list[float]:
         """Expected extra tokens from each of the session's first k drafts."""
-        reach = self.reach(seq) if k else None
-        if reach is not None:
-            return reach[:k]
-        return [seq.est.acceptance_ema ** (j + 1) for j in range(k)]
+        return gains(seq, k, self.reach(seq) if k else None, self.pool)
+
+    def _asked_share(self) -> float:
+        """The share of the decoding sessions a draft worker was asked for drafts for (by the
+        last plan): who the step just waited for (StepCost.observe learns the wait by it)."""
+        decoding = self._decoding()
+        asked = sum(1 for s in decoding if from_worker(s) and self.desired_k(s) > 0)
+        return asked / len(decoding) if decoding else 0.0
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
+        self.step_cost.asked_share = self._asked_share()
         self._caps = self.plan()
         scheduled = self._schedule_running(preempted)
         budget = self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in scheduled)
@@ -281,6 +294,8 @@ class Scheduler:
         if sched.partial:  # a prefill chunk: its slots are final, the rest is still to come
             self.blocks.commit(seq.session_id, sched.start_pos + len(sched.token_ids))
             return
+        if sched.num_drafts and from_worker(seq):
+            self.pool.learn(seq.params.method, sched.num_drafts, num_accepted)
         if sched.num_drafts > num_accepted:
             self.blocks.rollback(seq.session_id, sched.num_drafts - num_accepted)
         if path:

@@ -1,0 +1,72 @@
+"""What the batch plan (Scheduler.plan, tandem/spec/batch_plan.py) reads off the sessions: each
+draft's expected gain, what a session's drafts make the step wait, and each method's
+acceptance pooled over its sessions. Pure Python, like the scheduler.
+
+Why pooled: a session's own acceptance starts at a prior (Estimates.acceptance_ema, 0.7) and
+takes a dozen rounds to move, which is most of a short answer; under load every session of a
+method at that prior made the plan verify drafts the method did not deliver. A fresh session
+leans on what its method's other sessions measured, its own rounds weighing more as they come.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.spec import Method
+from verify_service.session.sequence import Sequence
+
+POOL_DECAY = 0.98  # per round with drafts: the pool follows the current sessions
+OWN_WEIGHT_DRAFTS = 16  # drafts of its own after which a session trusts its own estimate
+
+
+def from_worker(seq: Sequence) -> bool:
+    """A session whose chain of drafts comes from a draft worker (the step waits for it)."""
+    return not (seq.local.in_verifier or seq.params.method.in_verifier or seq.params.tree)
+
+
+@dataclass
+class AcceptancePool:
+    """Per method, decayed sums over its sessions' rounds of accepted drafts and of accepted
+    plus rejected (a round that stops short rejects one): accepted / that estimates the
+    per-token acceptance, as update_acceptance does per session."""
+
+    sums: dict[Method, tuple[float, float]] = field(default_factory=dict)
+
+    def learn(self, method: Method, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        acc, n = self.sums.get(method, (0.0, 0.0))
+        trials = accepted + (1 if accepted < drafted else 0)
+        self.sums[method] = (POOL_DECAY * acc + accepted, POOL_DECAY * n + trials)
+
+    def rate(self, method: Method) -> float | None:
+        acc, n = self.sums.get(method, (0.0, 0.0))
+        return acc / n if n >= 1.0 else None
+
+
+def chain_acceptance(seq: Sequence, pool: AcceptancePool) -> float:
+    """The per-token acceptance the plan prices a worker chain at: the session's own EMA,
+    leaning on its method's pool until it has drafted OWN_WEIGHT_DRAFTS tokens."""
+    pooled = pool.rate(seq.params.method)
+    if pooled is None:
+        return seq.est.acceptance_ema
+    w = min(1.0, seq.stats.drafted / OWN_WEIGHT_DRAFTS)
+    return w * seq.est.acceptance_ema + (1 - w) * pooled
+
+
+def gains(seq: Sequence, k: int, reach: list[float] | None, pool: AcceptancePool
+          ) -> list[float]:
+    """Expected extra tokens from each of the session's first k drafts."""
+    if not k:
+        return []
+    if reach is not None:
+        return reach[:k]
+    a = chain_acceptance(seq, pool) if from_worker(seq) else seq.est.acceptance_ema
+    return [a ** (j + 1) for j in range(k)]
+
+
+def wait_entry(seqs: list[Sequence], wait_ms: float) -> list[float]:
+    """Each session's share of the step's wait for drafts, paid once if it verifies any: the
+    verifier waits for the slowest session asked, scaled by the share of the batch asked
+    (verify_service/drafts/waits.py), so each worker session asked adds wait_ms / batch."""
+    share = wait_ms / max(1, len(seqs))
+    return [share if from_worker(s) else 0.0 for s in seqs]
