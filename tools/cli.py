@@ -84,8 +84,8 @@ def _cmd_up(args) -> int:
         print(f"Tandem is up: OpenAI API at {cluster.gateway_url}/v1 (Ctrl-C stops it)",
               flush=True)
         if args.demo:
-            reply = demo_completion(cluster.gateway_url, args.demo)
-            print(f"\n> {args.demo}\n{reply['choices'][0]['message']['content']}\n"
+            text, reply = demo_completion(cluster.gateway_url, args.demo)
+            print(f"\n> {args.demo}\n{text}\n"
                   f"usage: {reply.get('usage')}\nspeculation: {reply.get('speculation')}",
                   flush=True)
         if not args.exit_after_demo:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class ClusterConfig:
     verifier_args: tuple[str, ...] = ()
     draft_args: tuple[str, ...] = ()
     method_preference: str = ""
+    gateway_args: tuple[str, ...] = ()  # more flags for the gateway (--chat-template)
 
     def __post_init__(self):
         if self.num_drafts < 0 or self.num_verifiers < 1:
@@ -174,7 +176,8 @@ class Cluster:
                                        # One host: its draft workers share the verifier's
                                        # compute (gateway.config.auto_model_drafts).
                                        "--auto-model-drafts", "off",
-                                       *tls_args(cfg.tls, serves=False), *extra])
+                                       *tls_args(cfg.tls, serves=False), *extra,
+                                       *cfg.gateway_args])
         self._wait(f"gateway ({self.gateway_url})", proc,
                    lambda: http_healthy(self.gateway_url + "/health"))
         self.metrics_urls["gateway"] = self.gateway_url + "/metrics"
@@ -263,10 +266,22 @@ class Cluster:
             time.sleep(0.5)
 
 
-def demo_completion(gateway_url: str, prompt: str, max_tokens: int = 48) -> dict:
-    body = json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens,
-                       "temperature": 0, "messages": [{"role": "user", "content": prompt}]})
-    req = urllib.request.Request(gateway_url + "/v1/chat/completions", data=body.encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read())
+def demo_completion(gateway_url: str, prompt: str, max_tokens: int = 48) -> tuple[str, dict]:
+    """The reply's text and body: a chat message, or, for a model without a chat template (a
+    base model: chat is a 400), the prompt continued by /v1/completions."""
+    def post(path: str, body: dict) -> dict:
+        req = urllib.request.Request(gateway_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read())
+
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens, "temperature": 0}
+    try:
+        reply = post("/v1/chat/completions",
+                     {**body, "messages": [{"role": "user", "content": prompt}]})
+        return reply["choices"][0]["message"]["content"], reply
+    except urllib.error.HTTPError as exc:
+        if exc.code != 400 or b"chat_template_missing" not in exc.read():
+            raise
+    reply = post("/v1/completions", {**body, "prompt": prompt})
+    return prompt + reply["choices"][0]["text"], reply

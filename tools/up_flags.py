@@ -28,6 +28,9 @@ def add_up_spec_flags(up) -> None:
     up.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=None, help="the verifiers' prefix caching (vLLM's flag; default on)")
     add_speculative_config_flag(up)
+    add_flag(up, "--chat-template", "TANDEM_GATEWAY_CHAT_TEMPLATE", "",
+             help="the gateway's chat template: a Jinja file or the template inline (vLLM's "
+                  "flag); unset = the checkpoint's; with neither, chat completions get 400")
 
 
 def up_config(args, tls=None):
@@ -40,7 +43,9 @@ def up_config(args, tls=None):
     fields = dict(num_drafts=args.drafts, num_verifiers=args.verifiers, gateway_host=args.host,
                   gateway_port=args.port, model=args.model, draft_model=args.draft_model,
                   eagle=args.eagle, redis_url=env("REDIS_URL", ""), threads=args.threads,
-                  tls=tls, device=args.device, dtype=args.dtype)
+                  tls=tls, device=args.device, dtype=args.dtype,
+                  gateway_args=("--chat-template", args.chat_template) if args.chat_template
+                  else ())
     vargs = as_flags({k: v for k, v in verifier.items() if v is not None})
     if args.enable_prefix_caching is not None:
         vargs.append(("--" if args.enable_prefix_caching else "--no-") + "enable-prefix-caching")

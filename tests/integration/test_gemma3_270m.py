@@ -12,8 +12,9 @@ from tandem.models import ModelPaths, generation_eos_ids
 from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
-PROMPTS = ["Name three rivers in Europe.", "Repeat exactly: the cat sat on the mat.",
-           "What is 12 times 7?"]
+# The base model (no chat template): prompts it continues
+PROMPTS = ["Three rivers in Europe are the", "the cat sat on the mat. the cat sat on the",
+           "12 times 7 is"]
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +23,8 @@ def gemma(gemma_paths, gemma_model, gemma_tokenizer):
 
     paths, tok = gemma_paths, gemma_tokenizer
     hf = AutoModelForCausalLM.from_pretrained(str(paths.root), dtype=torch.float32).eval()
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=False) for p in PROMPTS]
+    assert not tok.chat_template  # a base model: chat needs --chat-template
+    ids = [tok(p).input_ids for p in PROMPTS]
     return paths, tok, hf, gemma_model, ids
 
 

@@ -23,16 +23,16 @@ from verify_service.main import start_verifier
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0)
-PROMPTS = ["Name three rivers in Europe.", "Repeat exactly: the cat sat on the mat.",
-           "Write one sentence about the sea."]
+# The base model (no chat template): prompts it continues
+PROMPTS = ["Three rivers in Europe are the", "the cat sat on the mat. the cat sat on the",
+           "The sea is"]
 TOKENS = 40
 
 
 @pytest.fixture(scope="module")
 def gemma(gemma_paths, gemma_model, gemma_tokenizer):
     paths, model, tok = gemma_paths, gemma_model, gemma_tokenizer
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=False) for p in PROMPTS]
+    ids = [tok(p).input_ids for p in PROMPTS]
     plain = LocalGenerator(ModelRunner(model, 64, 16)).generate(
         ids, GREEDY, TOKENS, generation_eos_ids(paths))
     return paths, model, ids, plain
