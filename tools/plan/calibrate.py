@@ -95,12 +95,13 @@ def calibrate_host(model: str = "", draft_model: str = "", threads: int = 1, rep
     batch = batch_curve(target, reps=reps)
     del target
     draft = batch_curve(_runner(draft_model, 128, threads, draft=True), reps=reps)
-    # the per-session cost of a batch over one session's q-token forward: its overhead
-    seq_ms = max(0.0, (batch.get(32, 0) - verify.get(32, 0)) / 31) if batch and 32 in verify \
-        else 0.0
+    # what b sessions cost beyond one session's forward over b tokens
+    from tools.plan.profile import interpolate
+    extra = {b: max(0.0, ms - interpolate(verify, b)) for b, ms in batch.items()}
     return Profile(
         name=name, source=f"measured on this host by `tandem plan calibrate` "
         f"({time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {threads} torch thread(s))",
-        verify_ms=verify, draft_ms=draft or {1: 5.0}, seq_overhead_ms=round(seq_ms, 3),
+        verify_ms=verify, draft_ms=draft or {1: 5.0}, seq_overhead_ms=0.0,
+        batch_extra_ms=extra or {1: 0.0},
         net_latency_ms=round(hop_ms(), 4), step_overhead_ms=0.0,
         notes=f"batch steps (b sessions x 1 token, ms): {batch}")

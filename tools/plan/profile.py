@@ -64,6 +64,9 @@ class Profile:
     kv_tokens: int = 65_536
     block_size: int = 16
     colocated_draft: bool = False
+    # Extra ms of a step by its sessions beyond one session's forward over as many tokens
+    # (attention and bookkeeping per sequence): b sessions x 1 token minus 1 x b tokens.
+    batch_extra_ms: dict[int, float] = field(default_factory=lambda: {1: 0.0})
     price_verifier_hr: float = 0.0  # $ per verifier pod hour (sizing reports)
     price_draft_hr: float = 0.0
     notes: str = ""
@@ -71,6 +74,7 @@ class Profile:
     def __post_init__(self):
         object.__setattr__(self, "verify_ms", _curve(self.verify_ms))
         object.__setattr__(self, "draft_ms", _curve(self.draft_ms))
+        object.__setattr__(self, "batch_extra_ms", _curve(self.batch_extra_ms or {1: 0.0}))
         if not self.verify_ms or not self.draft_ms:
             raise ValueError("a profile needs at least one point of verify_ms and draft_ms")
         for name in ("kv_ms_per_ktok", "step_overhead_ms", "seq_overhead_ms", "net_latency_ms",
@@ -84,8 +88,9 @@ class Profile:
     def step_ms(self, tokens: int, seqs: int, context_tokens: int) -> float:
         """One verifier step: `tokens` new tokens over `seqs` sessions attending over
         `context_tokens` cached tokens in all."""
-        return (interpolate(self.verify_ms, tokens) + self.step_overhead_ms
-                + self.seq_overhead_ms * seqs + self.kv_ms_per_ktok * context_tokens / 1e3)
+        return (interpolate(self.verify_ms, tokens) + interpolate(self.batch_extra_ms, seqs)
+                + self.step_overhead_ms + self.seq_overhead_ms * seqs
+                + self.kv_ms_per_ktok * context_tokens / 1e3)
 
     def draft_step_ms(self, batch: int) -> float:
         return interpolate(self.draft_ms, batch)

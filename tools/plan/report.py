@@ -25,15 +25,42 @@ def acceptance_table(rounds: list[dict]):
     return {m: from_rounds(rs) for m, rs in by.items()}
 
 
-def engine_profile(profile_name: str, rounds: list[dict]):
-    """The calibrated profile, with the engine's per-step work after the forward (sampling,
-    rejection: the rounds' rejection_ms, median) as its step overhead."""
-    from tools.plan.profile import load_profile
-    profile = load_profile(profile_name)
+def _by_load(rounds: list[dict], loads: list[str]) -> dict[str, list[dict]]:
+    """The method none's rounds by load: their "load" key, or (older files) the cells' order,
+    every none cell having run the same requests and tokens (one round per token)."""
+    none = [r for r in rounds if r["method"] == "none"]
+    if all("load" in r for r in none):
+        return {ld: [r for r in none if r["load"] == ld] for ld in loads}
+    n = len(none) // max(1, len(loads))
+    return {ld: none[i * n:(i + 1) * n] for i, ld in enumerate(loads)}
+
+
+def run_profile(profile_name: str, rounds: list[dict], loads: list[str]):
+    """The profile the comparison simulates with: the calibrated curve's SHAPE, its LEVEL and
+    the batch's extra cost from the verifier's own steps during the run (the rounds'
+    verify_ms of method none at 1 and b sessions: what StepCost does in the verifier), the
+    median rejection_ms as the step's work after the forward. A host shared with other jobs
+    swings too much between a calibration and a run for the calibration's level to hold."""
+    from tools.plan.profile import interpolate, load_profile
+    base = load_profile(profile_name)
+    step = {ld: statistics.median(r["verify_ms"] for r in rs)
+            for ld, rs in _by_load(rounds, loads).items() if rs}
+    if "c=1" not in step:
+        return base
+    scale = step["c=1"] / interpolate(base.verify_ms, 1)
+    verify = {q: ms * scale for q, ms in base.verify_ms.items()}
+    extra = {1: 0.0}
+    for ld, ms in step.items():
+        if ld.startswith("c=") and ld != "c=1":
+            b = int(ld[2:])
+            extra[b] = max(0.0, ms - interpolate(verify, b))
     rej = [r["rejection_ms"] for r in rounds if r.get("rejection_ms")]
-    if rej:
-        profile = dataclasses.replace(profile, step_overhead_ms=round(statistics.median(rej), 3))
-    return profile
+    return dataclasses.replace(
+        base, verify_ms=verify, batch_extra_ms=extra, seq_overhead_ms=0.0,
+        step_overhead_ms=round(statistics.median(rej), 3) if rej else base.step_overhead_ms,
+        source=f"{base.source}; scaled x{scale:.2f} and batch extra {extra} from the run's "
+               f"own none steps (verify_ms median by load: "
+               f"{ {k: round(v, 1) for k, v in step.items()} })")
 
 
 def compare(args, cells: dict, out: Path) -> list[dict]:
@@ -41,7 +68,8 @@ def compare(args, cells: dict, out: Path) -> list[dict]:
     from tools.plan.sim import simulate
 
     rounds = _rounds(out)
-    table, profile = acceptance_table(rounds), engine_profile(args.profile, rounds)
+    loads = [k.split("|")[1] for k in cells if k.startswith("none|")]
+    table, profile = acceptance_table(rounds), run_profile(args.profile, rounds, loads)
     (out / "acceptance.json").write_text(json.dumps(
         {m: {"position_rates": a.position_rates, "propose_rate": a.propose_rate,
              "rounds": a.rounds} for m, a in table.items()}, indent=1) + "\n")

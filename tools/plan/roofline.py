@@ -59,6 +59,11 @@ def shape_of(config: str) -> Shape:
     return Shape(params, 2 * n * kv * hd * 2, 3 * h * 2)
 
 
+def label(config: str) -> str:
+    """A shape's name: the built-in's, else the checkpoint directory's."""
+    return config if config in SHAPES else (Path(config).parent.name or Path(config).name)
+
+
 def forward_ms(shape: Shape, gpu: dict, tokens: int) -> float:
     """A forward over `tokens` new tokens: compute- or weight-bandwidth-bound."""
     compute = 2 * shape.params * tokens / (gpu["tflops"] * 1e12 * MFU) * 1e3
@@ -70,7 +75,7 @@ def roofline_profile(gpu: str, model_config: str, draft_gpu: str = "",
                      draft_config: str = "llama-3.2-1b", colocated: bool = False) -> Profile:
     if gpu not in GPUS or (draft_gpu and draft_gpu not in GPUS):
         raise ValueError(f"unknown GPU {gpu!r}/{draft_gpu!r}; known: {', '.join(GPUS)}")
-    g, dg = GPUS[gpu], GPUS[draft_gpu or gpu]
+    g, dg = GPUS[gpu], GPUS[gpu if colocated else (draft_gpu or gpu)]
     target, draft = shape_of(model_config), shape_of(draft_config)
     counts = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
     kv_mem = g["mem_gb"] * 1e9 * MEM_FOR_KV - 2 * target.params
@@ -80,11 +85,11 @@ def roofline_profile(gpu: str, model_config: str, draft_gpu: str = "",
         raise ValueError(f"{model_config} does not fit one {g['name']}")
     where = f"on the verifier's {g['name']}" if colocated else f"on {dg['name']}"
     return Profile(
-        name=f"roofline-{gpu}-{Path(model_config).stem}" + ("-colocated" if colocated else
+        name=f"roofline-{gpu}-{label(model_config)}" + ("-colocated" if colocated else
                                                             f"-draft-{draft_gpu or gpu}"),
         source=(f"roofline (data sheet: {g['tflops']} TFLOP/s bf16, {g['tbps']} TB/s; MFU "
                 f"{MFU}, bandwidth efficiency {BW_EFF}, {STEP_OVERHEAD_MS} ms per step); "
-                f"draft {Path(draft_config).stem} {where}"),
+                f"draft {label(draft_config)} {where}"),
         verify_ms={t: round(forward_ms(target, g, t), 4) for t in counts},
         draft_ms={b: round(forward_ms(draft, dg, b) + DRAFT_OVERHEAD_MS, 4)
                   for b in (1, 2, 4, 8, 16, 32, 64, 128)},

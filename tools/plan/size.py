@@ -6,7 +6,6 @@ the metrics deploy/k8s/base/hpa.yaml scales on."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -23,6 +22,8 @@ def add_size_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-config", default="llama-3.1-8b", help="target config.json")
     p.add_argument("--draft-config", default="llama-3.2-1b", help="draft config.json")
     p.add_argument("--method", default="draft_model", choices=METHODS[1:])
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="the requests' k cap (0: the verifiers' 16)")
     p.add_argument("--colocated", action="store_true",
                    help="drafts on the verifiers' GPUs (EAGLE heads): no draft pods")
     p.add_argument("--profile", default="", help="a profile JSON instead of the roofline")
@@ -54,7 +55,8 @@ def _profile(args):
 def _sim(args, profile, acc, method: str, **load) -> dict:
     from tools.plan.sim import simulate
     base = dict(method=method, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                requests=args.requests, max_num_seqs=args.max_num_seqs, drafts=0)
+                requests=args.requests, max_num_seqs=args.max_num_seqs, drafts=0,
+                num_speculative_tokens=args.num_speculative_tokens if method != "none" else 0)
     return simulate(SimConfig(**{**base, **load}), profile, acc if method != "none" else None)
 
 
@@ -122,8 +124,6 @@ def run_size(args) -> int:
     from tools.plan.size_report import write_size_report
 
     profile = _profile(args)
-    if args.method == "eagle" and not args.colocated and not args.profile:
-        profile = dataclasses.replace(profile, colocated_draft=False)
     acc = load_acceptance(args.acceptance, args.method)
     plain, spec = cheapest(args, profile, acc, "none"), cheapest(args, profile, acc, args.method)
     rows = k_per_load(args, profile, acc)

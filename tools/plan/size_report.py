@@ -23,7 +23,9 @@ def hpa_patch(args, result: dict) -> str:
     """minReplicas: the pods the traffic needs; maxReplicas: twice that (bursts); targets: the
     per-pod queue and KV figures the simulation saw at that size, so the HPA adds a pod
     before the SLO is at risk."""
-    spec = result.get(args.method) or result.get("none")
+    spec, plain = result.get(args.method), result.get("none")
+    if plain and (not spec or (plain.get("usd_per_mtok") or 0) < (spec.get("usd_per_mtok") or 0)):
+        spec = plain  # speculation does not pay here: no draft pool
     if not spec:
         return "# no configuration meets the SLO: nothing to patch\n"
     r, v, d = spec["result"], spec["verifiers"], spec["drafts"]
@@ -34,7 +36,8 @@ def hpa_patch(args, result: dict) -> str:
     doc = f"""# kustomize patch for deploy/k8s/overlays/{args.overlay} (SIMULATION: {name})
 # traffic {args.traffic_rate} req/s, prompt {args.prompt_tokens} / answer {args.max_tokens}
 # tokens, SLO p99 TTFT {args.slo_ttft_ms:g} ms, p99 TPOT {args.slo_tpot_ms:g} ms,
-# method {args.method}
+# method {args.method}; sized for {"no speculation (cheaper here: scale tandem-draft to 0)"
+                                    if spec is plain else args.method}
 apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler
 metadata:

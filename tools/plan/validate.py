@@ -67,6 +67,7 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: dict, method: str,
             if "speculation_round" in obj:
                 ev = obj["speculation_round"]
                 rounds.append({"method": method, "workload": prompt["category"],
+                               "round": ev.get("round", 0),
                                "drafted": ev["drafted"], "accepted": ev["accepted"],
                                "verify_ms": ev.get("verify_ms", 0.0),
                                "rejection_ms": ev.get("rejection_ms", 0.0)})
@@ -145,7 +146,7 @@ def drive(args, url: str, out: Path) -> dict:
                                      prompts))
             for r in runs:
                 for ev in r.pop("rounds"):
-                    rounds.write(json.dumps(ev) + "\n")
+                    rounds.write(json.dumps({**ev, "load": name}) + "\n")
             cells[f"{method}|{name}"] = measured(runs)
     return cells
 

@@ -98,7 +98,7 @@ class SimVerifier:
             if out.empty:
                 yield self.env.timeout(5.0)  # blocks held by sessions about to finish
                 continue
-            ms = self._step_ms(out.scheduled)
+            ms = self._step_ms(out.scheduled, wait)
             yield self.env.timeout(ms)
             self.stats.steps += 1
             self.stats.busy_ms += ms
@@ -109,12 +109,15 @@ class SimVerifier:
             for s in out.scheduled:
                 self._apply(s, wait)
 
-    def _step_ms(self, scheduled: list[ScheduledSeq]) -> float:
+    def _step_ms(self, scheduled: list[ScheduledSeq], wait_ms: float) -> float:
+        """The forward; on a device shared with drafts (colocated), also the drafting done
+        since the last step that the wait for drafts did not already cover (one device runs
+        one at a time)."""
         tokens = sum(len(s.token_ids) for s in scheduled)
         context = sum(s.start_pos for s in scheduled)
         ms = self.profile.step_ms(tokens, len(scheduled), context)
-        drafted = sum(w.busy_ms for w in self.colocated)  # a shared device runs one at a time
-        ms += drafted - self._charged_ms
+        drafted = sum(w.busy_ms for w in self.colocated)
+        ms += max(0.0, drafted - self._charged_ms - wait_ms)
         self._charged_ms = drafted
         return ms
 
