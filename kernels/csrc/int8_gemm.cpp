@@ -212,14 +212,19 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   const int64_t nb = M == 1 ? 1 : 2;
   const int64_t tiles = (blocks + nb - 1) / nb;
 #if TANDEM_WIDE
-  if (M > 1 && blocks % 2 == 0) {  // several rows: zmm tiles of up to kWideRows rows
+  if (M > 1) {  // several rows: zmm tiles of up to kWideRows rows (an odd last block: ymm)
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       float buf[kWideRows * 2 * kBlock];
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * 2 * kBlock, R = std::min(2 * kBlock, N - n0);
-        for (int64_t m = 0; m < M; m += kWideRows) {
-          const int64_t rows = std::min(kWideRows, M - m);
-          rows16(xp + m * K, K, rows, qp, sp, zp, groups, group, 2 * t, buf, 2 * kBlock);
+        const bool pair = 2 * t + 1 < blocks;
+        for (int64_t m = 0; m < M; m += pair ? kWideRows : kTileRows) {
+          const int64_t rows = std::min(pair ? kWideRows : kTileRows, M - m);
+          if (pair) {
+            rows16(xp + m * K, K, rows, qp, sp, zp, groups, group, 2 * t, buf, 2 * kBlock);
+          } else {
+            rows_tile<1>(xp + m * K, K, rows, qp, sp, zp, groups, group, 2 * t, buf, 2 * kBlock);
+          }
           for (int64_t i = 0; i < rows; ++i)
             std::copy(buf + i * 2 * kBlock, buf + i * 2 * kBlock + R, op + (m + i) * N + n0);
         }
