@@ -53,7 +53,11 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
     grammar: (GrammarSpec, GrammarCompiler): every session follows that grammar;
     make_runner(num_blocks, block_size): the target's runner (a tensor-parallel leader's);
     auto_draft: GenerateParams.auto_draft (auto also takes the worker's drafts);
-    predictions: one GenerateParams.prediction per prompt (Predicted Outputs)."""
+    predictions: one GenerateParams.prediction per prompt (Predicted Outputs); `sampling`
+    and `stop` may be lists, one per prompt (sessions with different controls, one batch)."""
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    stops = stop if isinstance(stop, list) else [stop] * len(prompts)
+
     async def main():
         runner = (make_runner(num_blocks, block_size) if make_runner is not None else
                   ModelRunner(target_model, num_blocks, block_size,
@@ -81,8 +85,8 @@ def run_sessions(target_model, proposers, method, prompts, sampling, max_new, di
         loop = asyncio.create_task(engine.run())
         queues = [engine.submit(GenerateParams(
             session_id=f"s{i}", prompt=tuple(p), committed=(),
-            sampling=sampling,
-            max_new_tokens=max_new, stop_token_ids=frozenset(stop), method=method,
+            sampling=samplings[i],
+            max_new_tokens=max_new, stop_token_ids=frozenset(stops[i]), method=method,
             logprobs=logprobs, tree=tree, grammar=grammar and grammar[0],
             auto_draft=auto_draft, prediction=tuple(predictions[i]) if predictions else ()),
             grammar and grammar[1].state_now(grammar[0]))
