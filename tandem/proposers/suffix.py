@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.proposers.ngram import confidences, ngram_match
 from tandem.spec import DraftRequest, DraftResult, DraftToken, Method
 from tandem.spec.cost import DEFAULT_MAX_SPEC_TOKENS
 
@@ -212,6 +213,19 @@ class SuffixConfig:
             raise ValueError(f"suffix spec_factor must be a finite number > 0, got {factor!r}")
 
 
+def _shorter_match(context: Sequence[int], anchor: int, k: int) -> Speculation:
+    """Prompt lookup below the anchor: where no occurrence shares `anchor` tokens with the
+    tail (the first decode step, whose tail is the chat template's and the first token; the
+    round after a copy broke off), the most recent one sharing fewer, with n-gram lookup's
+    estimates (tandem/proposers/ngram.py): a short match drafts little, and the session's
+    correction for suffix learns what such matches are worth."""
+    if anchor < 2 or len(context) < 2:
+        return _NOTHING
+    tokens, held = ngram_match(context, anchor - 1, k)
+    probs = confidences(held, len(tokens))
+    return Speculation(tokens, sum(probs), held, probs) if tokens else _NOTHING
+
+
 class SuffixProposer:
     """Suffix decoding behind the Proposer (and Learner) interface. State: each open session's
     own token log, and per scope a cache of finished sessions' text (fed by learn())."""
@@ -246,6 +260,8 @@ class SuffixProposer:
             other = speculate(cache.log, req.token_ids, k, live_start=cache.live_start, **knobs)
             if other.score > best.score:
                 best = other
+        if not best.tokens and k > 0:
+            best = _shorter_match(req.token_ids, c.anchor, k)
         return DraftResult([DraftToken(t) for t in best.tokens], scores=best.probs)
 
     def release(self, session_key: Hashable) -> None:

@@ -37,8 +37,8 @@ def _heads(sched, seq, n=6):
     seq.local.proposals[Method.MEDUSA] = auto.heads_proposal(sched, seq, drafts, parents)
 
 
-def _history(seq, source, reach):
-    seq.local.offer(source, LocalProposal([DraftToken(7 + i) for i in range(len(reach))],
+def _history(seq, source, reach, first=7):
+    seq.local.offer(source, LocalProposal([DraftToken(first + i) for i in range(len(reach))],
                                           None, list(reach)))
 
 
@@ -73,7 +73,8 @@ def test_a_weak_history_match_loses_to_the_heads_and_the_rates_decide():
 def test_a_long_proposal_does_not_win_on_its_sum_when_it_costs_more_than_it_brings():
     sched, seq = _setup()
     _history(seq, Method.SUFFIX, [0.9, 0.85, 0.8])
-    _history(seq, Method.NGRAM, [0.9, 0.5, 0.4, 0.3, 0.3, 0.3, 0.3, 0.3])  # sums higher
+    # sums higher; other tokens (one proposal that starts with the other is taken whole)
+    _history(seq, Method.NGRAM, [0.9, 0.5, 0.4, 0.3, 0.3, 0.3, 0.3, 0.3], first=50)
     proposals = seq.local.proposals
     assert sum(proposals[Method.NGRAM].reach) > sum(proposals[Method.SUFFIX].reach)
     auto.pick(sched, seq)
