@@ -37,6 +37,15 @@ _CHAT = {"echo": (False,), "add_generation_prompt": (True,),
          "documents": (), "chat_template": (), "chat_template_kwargs": (),
          "mm_processor_kwargs": ()}
 _COMPLETIONS = {"suffix": ("",), "add_special_tokens": (True,)}
+# Why a field is served at its default only, where its name does not say (in the 400).
+WHY = MappingProxyType({
+    "prompt_logprobs": "the verifier computes no logprobs for prompt tokens",
+    "use_beam_search": "no beam search", "length_penalty": "no beam search",
+    "logits_processors": "no user code runs in the verifier",
+    "echo": "chat has no prompt text to echo",
+    "chat_template": "the served chat template is used as it is",
+    "reasoning_effort": "the served models do not reason",
+})
 DEFAULT_ONLY = MappingProxyType({
     "chat": MappingProxyType({**_BOTH, **_CHAT}),
     "completions": MappingProxyType({**_BOTH, **_COMPLETIONS}),
@@ -65,8 +74,9 @@ def check_fields(data: dict, known: frozenset[str], *, chat: bool) -> None:
             continue
         if name in defaults:
             if not _is_default(value, defaults[name]):
+                why = f": {WHY[name]}" if name in WHY else ""
                 raise bad_request(f"{name}: not supported by this server (only its default "
-                                  f"{_shown(defaults[name])} is accepted)", param=name,
+                                  f"{_shown(defaults[name])} is accepted){why}", param=name,
                                   code="unsupported_parameter")
             continue
         raise bad_request(f"Unrecognized request argument supplied: {name}", param=name,
