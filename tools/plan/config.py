@@ -17,6 +17,7 @@ class Request:
     prompt_tokens: int
     max_tokens: int
     conversation: str = ""
+    prompt_id: int = -1  # requests with the same id send the same prompt (-1: its own)
 
     def __post_init__(self):
         if self.arrival_ms < 0 or self.prompt_tokens < 1 or self.max_tokens < 1:
@@ -47,6 +48,11 @@ class SimConfig:
     max_draft_wait_ms: float = 25.0
     batch_plan: bool = True
     shared_prefix_tokens: int = 0  # leading prompt tokens every request shares (a system prompt)
+    # A fixed set of prompts by their lengths (tokens), sent in turn (request i sends prompt
+    # i mod n); empty: every request its own prompt of prompt_tokens. warm_prefixes: the
+    # verifiers' prefix caches hold those prompts already (a cluster that has served them).
+    prompt_lengths: tuple[int, ...] = ()
+    warm_prefixes: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -72,7 +78,9 @@ class SimConfig:
             raise ValueError(f"--method {self.method} needs --drafts >= 1 (a draft pool)")
         if self.max_draft_wait_ms < 0:
             raise ValueError(f"--max-draft-wait-ms must be >= 0, got {self.max_draft_wait_ms}")
-        if self.shared_prefix_tokens >= self.prompt_tokens:
+        if any(n < 1 for n in self.prompt_lengths):
+            raise ValueError(f"prompt lengths must be >= 1, got {self.prompt_lengths}")
+        if self.shared_prefix_tokens >= min(self.prompt_lengths or (self.prompt_tokens,)):
             raise ValueError(f"--shared-prefix-tokens {self.shared_prefix_tokens} must be "
                              f"below --prompt-tokens {self.prompt_tokens}")
 

@@ -12,16 +12,26 @@ TOLERANCE = {"throughput_tok_s": 0.15, "ttft_ms_p50": 0.15, "tpot_ms_p50": 0.15,
              "ttft_ms_p99": 0.25, "tpot_ms_p99": 0.25}
 
 
-def _rounds(out: Path) -> list[dict]:
-    path = out / "rounds.jsonl"
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def _rounds(out: Path) -> list[dict]:
+    return _jsonl(out / "rounds.jsonl")
+
+
 def acceptance_table(rounds: list[dict]):
+    """Per method, and per (method, load) where the rounds say their load: the suffix cache
+    and prefix cache grow as cells run, so a later cell's workload is not an earlier one's."""
     from tools.plan.acceptance import from_rounds
-    by: dict[str, list[tuple[int, int]]] = {}
+    by: dict = {}
     for r in rounds:
-        by.setdefault(r["method"], []).append((r["drafted"], r["accepted"]))
+        pair = (r["drafted"], r["accepted"])
+        by.setdefault(r["method"], []).append(pair)
+        if "load" in r:
+            by.setdefault((r["method"], r["load"]), []).append(pair)
     return {m: from_rounds(rs) for m, rs in by.items()}
 
 
@@ -35,7 +45,24 @@ def _by_load(rounds: list[dict], loads: list[str]) -> dict[str, list[dict]]:
     return {ld: none[i * n:(i + 1) * n] for i, ld in enumerate(loads)}
 
 
-def run_profile(profile_name: str, rounds: list[dict], loads: list[str]):
+def _with_prefills(verify: dict[int, float], prefills: list[dict]) -> dict[int, float]:
+    """The curve from 32 tokens up replaced by a least-squares line through the warm-up's cold
+    prefills (ms by prompt tokens), when there are some."""
+    pts = [(p["prompt_tokens"], p["verify_ms"]) for p in prefills if p.get("verify_ms")]
+    if len(pts) < 3:
+        return verify
+    mq = statistics.mean(q for q, _ in pts)
+    mm = statistics.mean(m for _, m in pts)
+    var = sum((q - mq) ** 2 for q, _ in pts) or 1.0
+    slope = max(0.0, sum((q - mq) * (m - mm) for q, m in pts) / var)
+    small = {q: ms for q, ms in verify.items() if q < 32}
+    line = {q: max(mm + slope * (q - mq), max(small.values(), default=0.0))
+            for q in (32, 64, 128, 256, 512, 1024)}
+    return {**small, **line}
+
+
+def run_profile(profile_name: str, rounds: list[dict], loads: list[str],
+                prefills: list[dict] = ()):
     """The profile the comparison simulates with: the calibrated curve's SHAPE, its LEVEL and
     the batch's extra cost from the verifier's own steps during the run (the rounds'
     verify_ms of method none at 1 and b sessions: what StepCost does in the verifier), the
@@ -54,6 +81,7 @@ def run_profile(profile_name: str, rounds: list[dict], loads: list[str]):
         if ld.startswith("c=") and ld != "c=1":
             b = int(ld[2:])
             extra[b] = max(0.0, ms - interpolate(verify, b))
+    verify = _with_prefills(verify, prefills)
     rej = [r["rejection_ms"] for r in rounds if r.get("rejection_ms")]
     return dataclasses.replace(
         base, verify_ms=verify, batch_extra_ms=extra, seq_overhead_ms=0.0,
@@ -69,10 +97,13 @@ def compare(args, cells: dict, out: Path) -> list[dict]:
 
     rounds = _rounds(out)
     loads = [k.split("|")[1] for k in cells if k.startswith("none|")]
-    table, profile = acceptance_table(rounds), run_profile(args.profile, rounds, loads)
+    prefills = _jsonl(out / "prefill.jsonl")
+    lengths = tuple(p["prompt_tokens"] for p in prefills if p["prompt_tokens"])
+    table, profile = acceptance_table(rounds), run_profile(args.profile, rounds, loads, prefills)
     (out / "acceptance.json").write_text(json.dumps(
-        {m: {"position_rates": a.position_rates, "propose_rate": a.propose_rate,
-             "rounds": a.rounds} for m, a in table.items()}, indent=1) + "\n")
+        {m if isinstance(m, str) else "|".join(m): {
+            "position_rates": a.position_rates, "propose_rate": a.propose_rate,
+            "rounds": a.rounds} for m, a in table.items()}, indent=1) + "\n")
     rows = []
     for key, meas in cells.items():
         method, load = key.split("|")
@@ -80,8 +111,9 @@ def compare(args, cells: dict, out: Path) -> list[dict]:
         cfg = SimConfig(method=method, concurrency=c, rate=0.0 if c else args.rate,
                         requests=meas["requests"], max_tokens=args.max_tokens,
                         prompt_tokens=max(1, round(meas["prompt_tokens_mean"])),
+                        prompt_lengths=lengths, warm_prefixes=bool(lengths),
                         drafts=1, seed=args.seed)
-        sim = simulate(cfg, profile, table.get(method))
+        sim = simulate(cfg, profile, table.get((method, load)) or table.get(method))
         err = {m: (sim[m] - meas[m]) / meas[m] if meas[m] else 0.0 for m in METRICS}
         rows.append({"method": method, "load": load, "measured": meas,
                      "simulated": {m: sim[m] for m in (*METRICS, "acceptance_length_mean")},

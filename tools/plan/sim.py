@@ -55,11 +55,12 @@ def make_requests(cfg: SimConfig, rng: random.Random) -> list[Request]:
     --rate; arrival 0 under --concurrency, where the clients pace them)."""
     if cfg.trace:
         return load_trace(cfg.trace)
-    t, out = 0.0, []
-    for _ in range(cfg.requests):
+    t, out, fixed = 0.0, [], cfg.prompt_lengths
+    for i in range(cfg.requests):
         if cfg.rate:
             t += rng.expovariate(cfg.rate) * 1e3
-        out.append(Request(t, cfg.prompt_tokens, cfg.max_tokens))
+        out.append(Request(t, fixed[i % len(fixed)], cfg.max_tokens, prompt_id=i % len(fixed))
+                   if fixed else Request(t, cfg.prompt_tokens, cfg.max_tokens))
     return out
 
 
@@ -84,13 +85,24 @@ class Deployment:
         self.affinity: dict[str, SimVerifier] = {}
         self.shared = tuple(self.rng.randrange(_VOCAB) for _ in range(cfg.shared_prefix_tokens))
         self.sessions: list[SimSession] = []
+        if cfg.warm_prefixes:
+            for v in self.verifiers:
+                for i, n in enumerate(cfg.prompt_lengths):
+                    blocks, prompt = v.scheduler.blocks, self.prompt(Request(0, n, 1, prompt_id=i))
+                    blocks.allocate("warm", prompt)
+                    blocks.commit("warm", len(prompt))
+                    blocks.free("warm")
+
+    def prompt(self, req: Request) -> tuple[int, ...]:
+        """The request's prompt ids: the shared prefix, then its own (one per prompt id)."""
+        rng = self.rng if req.prompt_id < 0 else random.Random(f"{self.cfg.seed}/{req.prompt_id}")
+        return self.shared + tuple(rng.randrange(_VOCAB)
+                                   for _ in range(req.prompt_tokens - len(self.shared)))
 
     def submit(self, req: Request):
         """A SimPy process: the request through the gateway to a verifier, until it ends."""
         n = len(self.sessions)
-        own = tuple(self.rng.randrange(_VOCAB)
-                    for _ in range(req.prompt_tokens - len(self.shared)))
-        sess = SimSession(f"s{n}", req, self.shared + own, self.env.now,
+        sess = SimSession(f"s{n}", req, self.prompt(req), self.env.now,
                           gateway_ms=self.profile.gateway_ms / 2, finished=self.env.event())
         self.sessions.append(sess)
         yield self.env.timeout(self.profile.gateway_ms / 2 + self.profile.hop_ms())

@@ -130,7 +130,14 @@ def drive(args, url: str, out: Path) -> dict:
     from tools.plan.sim import make_requests
 
     prompts, cells = _prompts(), {}
-    asyncio.run(_cell(url, "none", 1, None, 2, 8, prompts))  # warm-up
+    # warm-up: every prompt once, cold (their prefills time the verify curve at their length;
+    # from then on every cell finds them in the prefix cache, as the simulation is told)
+    warm = asyncio.run(_cell(url, "none", 1, None, len(prompts), 2, prompts))
+    with open(out / "prefill.jsonl", "w") as f:
+        for i, r in enumerate(warm):
+            first = r["rounds"][0] if r["rounds"] else {}
+            f.write(json.dumps({"prompt": i, "prompt_tokens": r["prompt_tokens"],
+                                "verify_ms": first.get("verify_ms", 0.0)}) + "\n")
     todo = [(m, ld) for m in args.methods for ld in loads(args)]
     bar = tqdm(todo, desc="validate", file=sys.stderr)
     with open(out / "rounds.jsonl", "w") as rounds, bar:
