@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_draft(sub)
     register_gateway(sub)
     register_bench(sub)
+    from tools.plan.cli import register as register_plan
+
+    register_plan(sub)
     from tools.distill.cli import register as register_distill
 
     register_distill(sub)
