@@ -83,3 +83,19 @@ def test_unknown_method_is_an_argparse_error(capsys):
         main(["plan", "simulate", "--method", "magic", "--concurrency", "1"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_validation_overheads_and_prefill_line():
+    from tools.plan.report import _with_prefills
+    from tools.plan.validate import overheads
+
+    rounds = [{"verify_ms": 40.0, "rejection_ms": 2.0}] + [
+        {"verify_ms": 20.0, "rejection_ms": 2.0}] * 7
+    run = {"start": 0.0, "first": 0.1, "last": 0.1 + 7 * 0.030, "tokens": 8, "rounds": rounds}
+    got = overheads([run, run])
+    assert got["gateway_ms"] == pytest.approx(100 - 42)  # TTFT beyond the first round
+    assert got["step_gap_ms"] == pytest.approx(30 - 22)  # a token beyond its round
+    curve = _with_prefills({1: 10.0, 17: 20.0, 64: 999.0},
+                           [{"prompt_tokens": q, "verify_ms": 5 + q} for q in (40, 80, 120)])
+    assert curve[1] == 10.0 and curve[17] == 20.0  # the small sizes keep the calibrated shape
+    assert curve[64] == pytest.approx(69.0) and curve[256] == pytest.approx(261.0)

@@ -18,6 +18,10 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _rounds(out: Path) -> list[dict]:
     return _jsonl(out / "rounds.jsonl")
 
@@ -62,14 +66,14 @@ def _with_prefills(verify: dict[int, float], prefills: list[dict]) -> dict[int, 
 
 
 def run_profile(profile_name: str, rounds: list[dict], loads: list[str],
-                prefills: list[dict] = ()):
+                prefills: list[dict] = (), overhead: dict | None = None):
     """The profile the comparison simulates with: the calibrated curve's SHAPE, its LEVEL and
     the batch's extra cost from the verifier's own steps during the run (the rounds'
     verify_ms of method none at 1 and b sessions: what StepCost does in the verifier), the
     median rejection_ms as the step's work after the forward. A host shared with other jobs
     swings too much between a calibration and a run for the calibration's level to hold."""
     from tools.plan.profile import interpolate, load_profile
-    base = load_profile(profile_name)
+    base, overhead = load_profile(profile_name), overhead or {}
     step = {ld: statistics.median(r["verify_ms"] for r in rs)
             for ld, rs in _by_load(rounds, loads).items() if rs}
     if "c=1" not in step:
@@ -83,12 +87,15 @@ def run_profile(profile_name: str, rounds: list[dict], loads: list[str],
             extra[b] = max(0.0, ms - interpolate(verify, b))
     verify = _with_prefills(verify, prefills)
     rej = [r["rejection_ms"] for r in rounds if r.get("rejection_ms")]
+    per_step = (statistics.median(rej) if rej else base.step_overhead_ms) + \
+        (overhead.get("step_gap_ms") or 0.0)
     return dataclasses.replace(
         base, verify_ms=verify, batch_extra_ms=extra, seq_overhead_ms=0.0,
-        step_overhead_ms=round(statistics.median(rej), 3) if rej else base.step_overhead_ms,
+        step_overhead_ms=round(per_step, 3),
+        gateway_ms=round(overhead.get("gateway_ms") or base.gateway_ms, 3),
         source=f"{base.source}; scaled x{scale:.2f} and batch extra {extra} from the run's "
                f"own none steps (verify_ms median by load: "
-               f"{ {k: round(v, 1) for k, v in step.items()} })")
+               f"{ {k: round(v, 1) for k, v in step.items()} }); overheads {overhead}")
 
 
 def compare(args, cells: dict, out: Path) -> list[dict]:
@@ -99,7 +106,8 @@ def compare(args, cells: dict, out: Path) -> list[dict]:
     loads = [k.split("|")[1] for k in cells if k.startswith("none|")]
     prefills = _jsonl(out / "prefill.jsonl")
     lengths = tuple(p["prompt_tokens"] for p in prefills if p["prompt_tokens"])
-    table, profile = acceptance_table(rounds), run_profile(args.profile, rounds, loads, prefills)
+    table, profile = acceptance_table(rounds), run_profile(args.profile, rounds, loads, prefills,
+                                                            _json(out / "overhead.json"))
     (out / "acceptance.json").write_text(json.dumps(
         {m if isinstance(m, str) else "|".join(m): {
             "position_rates": a.position_rates, "propose_rate": a.propose_rate,

@@ -117,6 +117,22 @@ def measured(runs: list[dict]) -> dict:
             "requests": len(runs)}
 
 
+def overheads(runs: list[dict]) -> dict:
+    """Median ms of a first token beyond its round's forward and rejection (gateway_ms), and
+    of a later token beyond its round's (step_gap_ms), over single-session requests."""
+    first, gap = [], []
+    for r in runs:
+        rs = r["rounds"]
+        if not rs or r["tokens"] < 2:
+            continue
+        first.append((r["first"] - r["start"]) * 1e3 - rs[0]["verify_ms"] - rs[0]["rejection_ms"])
+        later = statistics.median(x["verify_ms"] + x["rejection_ms"] for x in rs[1:] or rs)
+        gap.append((r["last"] - r["first"]) * 1e3 / (r["tokens"] - 1) - later)
+    return {"gateway_ms": max(0.0, statistics.median(first)) if first else None,
+            "step_gap_ms": max(0.0, statistics.median(gap)) if gap else None,
+            "requests": len(first)}
+
+
 def loads(args) -> list[tuple[str, int, float]]:
     out = [(f"c={c}", c, 0.0) for c in args.concurrency]
     return out + ([(f"rate={args.rate:g}/s", 0, args.rate)] if args.rate else [])
@@ -138,6 +154,10 @@ def drive(args, url: str, out: Path) -> dict:
             first = r["rounds"][0] if r["rounds"] else {}
             f.write(json.dumps({"prompt": i, "prompt_tokens": r["prompt_tokens"],
                                 "verify_ms": first.get("verify_ms", 0.0)}) + "\n")
+    # and once more, warm: what a request costs beyond the verifier's forwards (the gateway,
+    # Redis, gRPC, the engine loop): the simulation's gateway_ms and per-step overhead
+    again = asyncio.run(_cell(url, "none", 1, None, len(prompts), 8, prompts))
+    (out / "overhead.json").write_text(json.dumps(overheads(again), indent=1) + "\n")
     todo = [(m, ld) for m in args.methods for ld in loads(args)]
     bar = tqdm(todo, desc="validate", file=sys.stderr)
     with open(out / "rounds.jsonl", "w") as rounds, bar:
