@@ -210,6 +210,17 @@ def write_kv(
     value_cache.view(-1, kvh, dim).index_copy_(0, slot_mapping, value)
 
 
+def gather_blocks(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[batch, kv_heads, max_seqlen_k, dim]: each sequence's cache blocks copied whole, in
+    table order (the same values as a gather of meta.kv_slots, a quarter of its time here:
+    one copy per block, not one per slot; a batched step ran it in every layer)."""
+    batch, num_blocks = meta.block_tables.shape
+    _, block_size, kvh, dim = cache.shape
+    rows = cache.index_select(0, meta.block_tables.reshape(-1))
+    return rows.view(batch, num_blocks * block_size, kvh, dim)[:, :meta.max_seqlen_k
+                                                                ].transpose(1, 2)
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -225,11 +236,8 @@ def paged_attention(
     if heads % kvh:
         raise ValueError(f"num_heads {heads} is not a multiple of num_kv_heads {kvh}")
     batch, max_q = meta.q_rows.shape
-    flat_k = key_cache.view(-1, kvh, dim)
-    flat_v = value_cache.view(-1, kvh, dim)
     # [batch, kv_heads, max_k, dim]: each sequence's keys gathered through its block table.
-    k = flat_k[meta.kv_slots].transpose(1, 2)
-    v = flat_v[meta.kv_slots].transpose(1, 2)
+    k, v = gather_blocks(key_cache, meta), gather_blocks(value_cache, meta)
     if batch == 1:
         q = query[None].transpose(1, 2)  # no padding needed
     else:
