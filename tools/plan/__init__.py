@@ -1,0 +1,1 @@
+"""`tandem plan`: capacity planning by simulation (docs/reference/plan.md)."""

@@ -19,10 +19,32 @@ def _pick(result: dict, method: str) -> str:
             f"${usd} |")
 
 
+def _hpa(name: str, v: int, metrics: list[tuple[str, str, str]]) -> str:
+    """One HPA's bounds and Pods-metric targets: (metric, averageValue, comment) each. At
+    least 2 pods, as the base: the PodDisruptionBudget keeps one while a node drains."""
+    rows = "".join(f"""    - type: Pods
+      pods:
+        metric:
+          name: {m}
+        target:
+          type: AverageValue
+          averageValue: {value}   # {note}
+""" for m, value, note in metrics)
+    return f"""apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {name}
+spec:
+  minReplicas: {max(2, v)}   # sized: {v}
+  maxReplicas: {2 * max(2, v)}
+  metrics:
+{rows}"""
+
+
 def hpa_patch(args, result: dict) -> str:
     """minReplicas: the pods the traffic needs; maxReplicas: twice that (bursts); targets: the
-    per-pod queue and KV figures the simulation saw at that size, so the HPA adds a pod
-    before the SLO is at risk."""
+    per-pod queue and KV figures the simulation saw at that size, with headroom, so the HPA
+    adds a pod before the SLO is at risk."""
     spec, plain = result.get(args.method), result.get("none")
     if plain and (not spec or (plain.get("usd_per_mtok") or 0) < (spec.get("usd_per_mtok") or 0)):
         spec = plain  # speculation does not pay here: no draft pool
@@ -31,54 +53,23 @@ def hpa_patch(args, result: dict) -> str:
     r, v, d = spec["result"], spec["verifiers"], spec["drafts"]
     waiting = max(1, math.ceil(r["waiting_sessions_mean"] * 1.5))
     kv = min(900, max(500, round(r["kv_cache_usage_mean"] * 1000 * 1.25)))
-    queue = max(1, math.ceil(r["draft_batch_mean"] * 1.5))
-    name = result["profile"]["name"]
-    doc = f"""# kustomize patch for deploy/k8s/overlays/{args.overlay} (SIMULATION: {name})
-# traffic {args.traffic_rate} req/s, prompt {args.prompt_tokens} / answer {args.max_tokens}
-# tokens, SLO p99 TTFT {args.slo_ttft_ms:g} ms, p99 TPOT {args.slo_tpot_ms:g} ms,
-# method {args.method}; sized for {"no speculation (cheaper here: scale tandem-draft to 0)"
-                                    if spec is plain else args.method}
-apiVersion: autoscaling/v2
-kind: HorizontalPodAutoscaler
-metadata:
-  name: tandem-verifier
-spec:
-  minReplicas: {v}
-  maxReplicas: {2 * v}
-  metrics:
-    - type: Pods
-      pods:
-        metric:
-          name: tandem_verifier_waiting_sessions
-        target:
-          type: AverageValue
-          averageValue: "{waiting}"   # simulated mean {r['waiting_sessions_mean']:.2f} at {v} pods
-    - type: Pods
-      pods:
-        metric:
-          name: tandem_verifier_kv_cache_usage_ratio
-        target:
-          type: AverageValue
-          averageValue: {kv}m   # simulated mean {r['kv_cache_usage_mean']:.2f}
-"""
-    if d and not result["profile"]["name"].endswith("colocated"):
-        doc += f"""---
-apiVersion: autoscaling/v2
-kind: HorizontalPodAutoscaler
-metadata:
-  name: tandem-draft
-spec:
-  minReplicas: {d}
-  maxReplicas: {2 * d}
-  metrics:
-    - type: Pods
-      pods:
-        metric:
-          name: tandem_draft_queue_depth
-        target:
-          type: AverageValue
-          averageValue: "{queue}"   # simulated sessions per draft step {r['draft_batch_mean']:.2f}
-"""
+    sized = "no speculation (cheaper here: scale tandem-draft to 0)" if spec is plain \
+        else args.method
+    doc = (f"# kustomize patch for deploy/k8s/overlays/{args.overlay} (SIMULATION: "
+           f"{result['profile']['name']})\n# traffic {args.traffic_rate} req/s, prompt "
+           f"{args.prompt_tokens} / answer {args.max_tokens} tokens, SLO p99 TTFT "
+           f"{args.slo_ttft_ms:g} ms, p99 TPOT {args.slo_tpot_ms:g} ms,\n# method "
+           f"{args.method}; sized for {sized}\n")
+    doc += _hpa("tandem-verifier", v, [
+        ("tandem_verifier_waiting_sessions", f'"{waiting}"',
+         f"simulated mean {r['waiting_sessions_mean']:.2f} at {v} pods"),
+        ("tandem_verifier_kv_cache_usage_ratio", f"{kv}m",
+         f"simulated mean {r['kv_cache_usage_mean']:.2f}")])
+    if d and spec is not plain and not result["profile"]["name"].endswith("colocated"):
+        queue = max(1, math.ceil(r["draft_batch_mean"] * 1.5))
+        doc += "---\n" + _hpa("tandem-draft", d, [
+            ("tandem_draft_queue_depth", f'"{queue}"',
+             f"simulated sessions per draft step {r['draft_batch_mean']:.2f}")])
     return doc
 
 
