@@ -1,0 +1,136 @@
+"""A short load A/B through the gateway: every method against plain at each concurrency, and
+plain of this tree against plain of another checkout (`--base`), interleaved within one run.
+
+  python -m tools.bench.load_ab --levels 1,4,16,32 --methods none,ngram,suffix,draft_model,auto
+  python -m tools.bench.load_ab --levels 16 --methods none --base /tmp/base --reps 3
+
+Each (level, rep) runs every arm once, the arms rotated per rep so none always goes first;
+an arm's figure is its tokens over its wall time summed over the reps; ratios are to plain
+(`none`) of this tree at the same level. Greedy, `ignore_eos`, the suffix caches off (every
+ask a first ask), one verifier and one draft worker at --threads 1, as `tandem bench`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tools.bench.client import chat_body, stream_chat
+from tools.bench.config import SUFFIX_CACHE_OFF, load_prompts
+from tools.bench.host import children_log_to
+from tools.launcher import Cluster, ClusterConfig, free_port
+
+
+class RootedCluster(Cluster):
+    """A cluster whose processes run the code of the checkout at `root`."""
+
+    def __init__(self, root: Path, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.root = root
+
+    def _popen(self, args: list[str]) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(self.root), **self.env)
+        return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], env=env,
+                                cwd=self.root, start_new_session=True,
+                                stdout=self.output, stderr=self.output)
+
+
+def start(root: Path, dtype: str, log: Path) -> Cluster:
+    cluster = RootedCluster(root, ClusterConfig(num_drafts=1, num_verifiers=1,
+                                                gateway_port=free_port(), dtype=dtype),
+                            log=lambda m: None, env=dict(SUFFIX_CACHE_OFF))
+    with children_log_to(log):
+        cluster.start()
+    return cluster
+
+
+def one(url: str, prompts: list[dict], n: int, method: str, tokens: int, offset: int) -> dict:
+    """n sessions at once: their tokens, the wall time, and their rounds and drafts."""
+    bodies = [chat_body(prompts[(offset + i) % len(prompts)]["prompt"], tokens, 0.0, method, 16)
+              for i in range(n)]
+
+    async def go():
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4)) as client:
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*(stream_chat(client, url, b) for b in bodies))
+            return outs, time.perf_counter() - t0
+
+    outs, wall = asyncio.run(go())
+    spec = [o["speculation"] for o in outs]
+    return {"tokens": sum(o["tokens"] for o in outs), "wall_s": round(wall, 3),
+            **{k: sum(s.get(k, 0) for s in spec)
+               for k in ("rounds", "drafted_tokens", "accepted_tokens")}}
+
+
+def run(args, clusters: dict[str, Cluster]) -> list[dict]:
+    prompts, rows = load_prompts(), []
+    arms = [("new", m) for m in args.methods] + [("base", "none")] * ("base" in clusters)
+    for n in args.levels:
+        for rep in range(args.reps):
+            shift = rep % len(arms)
+            for name, method in arms[shift:] + arms[:shift]:
+                try:
+                    r = one(clusters[name].gateway_url, prompts, n, method, args.tokens, rep * n)
+                except Exception as exc:  # recorded; the other cells still run
+                    r = {"error": repr(exc)[:300]}
+                rows.append({"tree": name, "level": n, "rep": rep, "method": method, **r})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """tok/s per (tree, level, method) over the reps, and the ratio to this tree's plain."""
+    tps: dict[tuple, float] = {}
+    for key in {(r["tree"], r["level"], r["method"]) for r in rows}:
+        mine = [r for r in rows if (r["tree"], r["level"], r["method"]) == key
+                and "error" not in r]
+        if not mine:
+            continue
+        tps[key] = sum(r["tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+    out = {}
+    for (tree, level, method), v in sorted(tps.items()):
+        plain = tps.get(("new", level, "none"))
+        out[f"{tree} x{level} {method}"] = {"tok_s": round(v, 1),
+                                            "vs_plain": round(v / plain, 3) if plain else None}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--levels", default="1,4,16,32")
+    p.add_argument("--methods", default="none,ngram,suffix,draft_model,auto")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--base", default="", help="another checkout whose plain runs beside ours")
+    p.add_argument("--out", default="results/load_ab.json")
+    args = p.parse_args()
+    args.levels = [int(x) for x in args.levels.split(",")]
+    args.methods = args.methods.split(",")
+    out = Path(args.out)
+    roots = {"new": Path.cwd(), **({"base": Path(args.base)} if args.base else {})}
+    clusters: dict[str, Cluster] = {}
+    try:
+        for name, root in roots.items():
+            clusters[name] = start(root, args.dtype, out.with_suffix(f".{name}.log"))
+        start_s = time.time()
+        rows = run(args, clusters)
+        result = {"args": vars(args), "wall_s": round(time.time() - start_s),
+                  "summary": summary(rows), "rows": rows}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(json.dumps(result["summary"], indent=1))
+    finally:
+        for c in clusters.values():
+            c.stop()
+
+
+if __name__ == "__main__":
+    main()
