@@ -58,6 +58,7 @@ from tandem.proposers.suffix import SuffixProposer
 from tandem.registration import Beat, Registration, start_registration, stop_registration
 from tandem.spec import Method, Proposer
 from tandem.tls import add_port, server_interceptors
+from tandem.tracing import grpc_server_interceptors
 from tandem.v1 import common_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,8 @@ async def build_app(config: DraftConfig, worker: DraftWorker | None = None,
                     info: common_pb2.WorkerInfo | None = None) -> DraftApp:
     if worker is None:
         worker, info = build_worker(config)
-    server = grpc.aio.server(interceptors=[*server_interceptors(config.tls),
+    server = grpc.aio.server(interceptors=[*grpc_server_interceptors(),
+                                           *server_interceptors(config.tls),
                                            StatusInterceptor()], options=[
         # Speculate streams live for hours: let verifiers keep them alive with pings
         # (MIN_PING_INTERVAL_MS is read here, at build time: tests lower it).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from tandem import telemetry
+from tandem import telemetry, tracing
 from tandem.spec import Close, Control, Open, Reply, SessionError
 
 
@@ -24,7 +24,7 @@ class SessionSpans:
             session_id = cmd.session_id
             self.end(session_id)  # a reopen replaces the session
             self.spans[session_id] = self.tracer.start_span(
-                telemetry.SPAN_DRAFT, context=telemetry.extract_context(cmd.trace_context),
+                telemetry.SPAN_DRAFT, context=tracing.extract(cmd.trace_context),
                 kind=trace.SpanKind.SERVER, attributes={telemetry.ATTR_SESSION: session_id})
             self.tokens[session_id] = 0
         elif isinstance(cmd, Close):

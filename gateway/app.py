@@ -44,7 +44,7 @@ from gateway.fields import check_fields, known_fields
 from gateway.generation import GenerationDeps, run_session
 from gateway.health import health_body
 from gateway.logprobs import requested as requested_logprobs
-from gateway.observe import observed, start_request_span
+from gateway.observe import annotate_request, observed
 from gateway.plan import GenerationPlan, build_plan, max_token_chars
 from gateway.quotas import Limits, RedisQuotas, metered
 from gateway.responses import ResponseMeta, collect, stream
@@ -58,7 +58,7 @@ from gateway.sessions import (
 )
 from gateway.tool_events import with_tool_calls
 from gateway.verifier import ChannelPool
-from tandem import telemetry
+from tandem import telemetry, tracing
 from tandem.grammar.compiler import GrammarCompiler, LazyCompiler
 from tandem.registry import WorkerRegistry
 from tandem.telemetry import GatewayMetrics
@@ -81,7 +81,6 @@ class _Gateway:
     started: int
     grammars: LazyCompiler  # structured output: grammars compiled for the tokenizer
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
-    tracer: Any = field(default_factory=lambda: telemetry.tracer("gateway"))
     # Set by a stop or drain signal (gateway/serve.py), from the main thread: /health
     # answers 503 from then on so readiness drops; requests are still served.
     draining: threading.Event = field(default_factory=threading.Event)
@@ -103,6 +102,7 @@ def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
                clock: Callable[[], float] = time.time) -> FastAPI:
     """The gateway as an ASGI app. `tokenizer` is a Hugging Face tokenizer of the target."""
     p = config.redis_prefix
+    tracing.instrument_redis(redis)
     tokenizer = with_chat_template(tokenizer, config.chat_template)
     breaker = RedisBreaker(timeout_s=config.redis_timeout_s, cooldown_s=config.redis_cooldown_s)
     channels = ChannelPool(config)
@@ -138,6 +138,7 @@ def create_app(config: GatewayConfig, *, redis: aioredis.Redis, tokenizer: Any,
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     _add_routes(app, gw)
+    tracing.instrument_app(app)
     return app
 
 
@@ -249,19 +250,16 @@ async def _generate(gw: _Gateway, request: Request, *, chat: bool):
         require_chat_template(gw.tokenizer)
     session_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     endpoint = "chat" if chat else "completions"
-    span = start_request_span(gw.tracer, request.headers, chat=chat, session_id=session_id, req=req)
+    span = annotate_request(chat=chat, session_id=session_id, req=req)
     try:
-        with trace.use_span(span, end_on_exit=False):
-            plan, text = await build_plan(req, session_id, config=gw.config, router=gw.router,
-                                          tokenizer=gw.tokenizer, grammars=gw.grammars,
-                                          tokenize_in=gw.tokenizing,
-                                          max_token_chars=gw.max_token_chars)
-            plan = replace(plan, trace_metadata=tuple(telemetry.inject_context(span).items()),
-                           tenant=tenant_of(request))
-            await record_choices(gw.deps.store, plan, gw.config.model_name)
-    except BaseException as exc:  # refused before generating: the span ends here
+        plan, text = await build_plan(req, session_id, config=gw.config, router=gw.router,
+                                      tokenizer=gw.tokenizer, grammars=gw.grammars,
+                                      tokenize_in=gw.tokenizing,
+                                      max_token_chars=gw.max_token_chars)
+        plan = replace(plan, tenant=tenant_of(request))
+        await record_choices(gw.deps.store, plan, gw.config.model_name)
+    except BaseException as exc:  # refused before generating
         span.set_status(trace.StatusCode.ERROR, redacted_reason(exc))
-        span.end()
         gw.metrics.requests.labels(endpoint=endpoint,
                                    status=str(getattr(exc, "status", "error"))).inc()
         raise

@@ -37,7 +37,6 @@ class GenerationPlan:
     num_speculative_tokens: int
     affinity_key: str | None = None
     tenant: str = ""  # a digest of the API key (auth on), else "": scopes suffix caches
-    trace_metadata: tuple[tuple[str, str], ...] = ()  # W3C context for the verifier call
     typical: tuple[float, float] | None = None  # LOSSY typical acceptance (medusa only)
     logprobs: int | None = None  # each token's logprob with this many top ones; None = off
     round_events: bool = False  # stream a speculation_round chunk per verification round

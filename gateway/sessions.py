@@ -23,10 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from opentelemetry import trace
 from redis.exceptions import RedisError
 
-from tandem import telemetry
 from tandem.backoff import KeyedBackoff
 
 STATUSES = ("queued", "running", "resuming", "finished", "failed", "cancelled")
@@ -218,18 +216,12 @@ class Guarded:
     def __init__(self, target: Any, breaker: RedisBreaker):
         self._target = target
         self._breaker = breaker
-        self._tracer = telemetry.tracer("gateway.redis")
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._target, name)
         if not inspect.iscoroutinefunction(attr):
             return attr
-        op = f"{type(self._target).__name__}.{name}"
 
         async def guarded(*args, **kwargs):
-            # One client span per store operation (each may be several Redis commands).
-            with self._tracer.start_as_current_span(
-                    telemetry.SPAN_REDIS.format(op=op), kind=trace.SpanKind.CLIENT,
-                    attributes={telemetry.DB_SYSTEM: "redis", telemetry.DB_OPERATION: op}):
-                return await self._breaker.call(attr, *args, **kwargs)
+            return await self._breaker.call(attr, *args, **kwargs)
         return guarded

@@ -7,6 +7,7 @@ client gets (`APIError`). Failover itself lives in gateway/generation.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -164,7 +165,11 @@ class GenerateCall:
         if resp is grpc.aio.EOF:
             raise VerifierLost("stream ended without a finish reason",
                                grpc.StatusCode.UNAVAILABLE)
-        return _round(resp)
+        rnd = _round(resp)
+        if rnd.finish_reason:  # the last message: read the call's end, which ends its span
+            with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError):
+                await asyncio.wait_for(self._call.read(), timeout=min(self._stall_timeout_s, 1))
+        return rnd
 
     def cancel(self) -> None:
         self._call.cancel()  # no-op when the call already ended
@@ -199,8 +204,7 @@ class ChannelPool:
                  auto_draft: Method | None = None) -> GenerateCall:
         """Start Generate on `address`, resuming after `committed` tokens."""
         call = self.stub(address).Generate(
-            build_request(plan, committed, draft_address, auto_draft), timeout=timeout,
-            metadata=plan.trace_metadata or None)
+            build_request(plan, committed, draft_address, auto_draft), timeout=timeout)
         return GenerateCall(call, self._config.stall_timeout_s)
 
     async def describe_verifier(self, address: str) -> WorkerRecord:

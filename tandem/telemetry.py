@@ -4,25 +4,24 @@ Tracing follows the standard OTEL_* environment: OTEL_TRACES_EXPORTER=otlp|conso
 OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL (or their _TRACES_ forms) =
 http/protobuf (the default, port 4318) or grpc (port 4317); with neither exporter nor endpoint
 set, tracing is off (no-op tracer).
-W3C trace context travels in HTTP headers, gRPC metadata, and OpenSession.trace_context.
+The spans of HTTP, gRPC and Redis and the W3C context between services come from the
+OpenTelemetry instrumentation packages (tandem/tracing.py); the names here are Tandem's own.
 Metrics use one prometheus_client registry per service object (no process-global state).
 """
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 log = logging.getLogger(__name__)
 
 # ---- span names and attributes (OpenTelemetry GenAI semantic conventions + ours) ----------
-SPAN_GATEWAY = "gateway {operation}"
 SPAN_VERIFY = "verify"
 SPAN_DRAFT = "draft"
-SPAN_REDIS = "redis {op}"
 EVENT_ROUND = "tandem.round"
 GEN_AI_OPERATION = "gen_ai.operation.name"
 GEN_AI_SYSTEM = "gen_ai.system"
@@ -41,8 +40,6 @@ ATTR_DRAFT_WAIT_MS = "tandem.round.draft_wait_ms"
 ATTR_VERIFY_MS = "tandem.round.verify_ms"
 ATTR_REJECTION_MS = "tandem.round.rejection_ms"
 ATTR_TOKENS_DRAFTED = "tandem.draft.tokens"
-DB_SYSTEM = "db.system"
-DB_OPERATION = "db.operation.name"
 
 
 def setup_tracing(service_name: str) -> bool:
@@ -50,7 +47,8 @@ def setup_tracing(service_name: str) -> bool:
     exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "").lower()
     endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-    if exporter_name == "none" or (not exporter_name and not endpoint):
+    disabled = os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    if disabled or exporter_name == "none" or (not exporter_name and not endpoint):
         return False
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -88,22 +86,6 @@ def otlp_exporter():
 
 def tracer(component: str) -> trace.Tracer:
     return trace.get_tracer(f"tandem.{component}")
-
-
-def inject_context(span: trace.Span | None = None) -> dict[str, str]:
-    """W3C headers ("traceparent", "tracestate") for `span` (default: the current one)."""
-    carrier: dict[str, str] = {}
-    ctx = trace.set_span_in_context(span) if span is not None else None
-    propagate.inject(carrier, context=ctx)
-    return carrier
-
-
-def extract_context(pairs: Iterable[tuple[str, str]] | dict | None):
-    """A parent context from headers, gRPC metadata pairs or a dict (None = a new root)."""
-    if not pairs:
-        return None
-    items = pairs.items() if hasattr(pairs, "items") else pairs  # dicts, protobuf maps
-    return propagate.extract({str(k).lower(): str(v) for k, v in items})
 
 
 # ---- Prometheus metrics ------------------------------------------------------------------

@@ -138,10 +138,14 @@ def add_port(server: grpc.Server | grpc.aio.Server, address: str,
 
 def open_channel(address: str, cfg: TlsConfig | None,
                  options: ChannelOptions = ()) -> grpc.aio.Channel:
+    from tandem.tracing import grpc_client_interceptors
+
     if cfg is None:
-        return grpc.aio.insecure_channel(address, tuple(options))
+        return grpc.aio.insecure_channel(address, tuple(options),
+                                         interceptors=grpc_client_interceptors())
     return grpc.aio.secure_channel(address, channel_credentials(cfg),
-                                   channel_options(cfg, options))
+                                   channel_options(cfg, options),
+                                   interceptors=grpc_client_interceptors())
 
 
 def open_sync_channel(address: str, cfg: TlsConfig | None,

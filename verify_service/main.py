@@ -28,6 +28,7 @@ from tandem.netaddr import advertised, join_host_port
 from tandem.registration import Registration, start_registration, stop_registration
 from tandem.spec import Method
 from tandem.tls import add_port, server_interceptors
+from tandem.tracing import grpc_server_interceptors
 from tandem.v1 import common_pb2, verify_pb2_grpc
 from verify_service.assemble import build_engine
 from verify_service.config import VerifierConfig
@@ -184,7 +185,8 @@ async def _serve_grpc(servicer: VerifyServicer, config: VerifierConfig, model: L
     """The started gRPC server: the verify service, health (SERVING once started) and
     reflection, on config's address; with its health servicer and bound port."""
     limit = max_message_bytes(model.cfg.max_position_embeddings)  # requests carry ids only
-    server = grpc.aio.server(interceptors=[*server_interceptors(config.tls), StatusInterceptor()],
+    server = grpc.aio.server(interceptors=[*grpc_server_interceptors(),
+                                           *server_interceptors(config.tls), StatusInterceptor()],
                              options=[("grpc.so_reuseport", 0), *message_options(limit)])
     verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \

@@ -11,7 +11,7 @@ import time
 
 from opentelemetry import trace
 
-from tandem import telemetry
+from tandem import telemetry, tracing
 from tandem.errors import InvalidArgument, SessionFailed, Unavailable
 from tandem.grammar import GrammarSpec
 from tandem.grammar.compiler import LazyCompiler
@@ -161,9 +161,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     async def Generate(self, request, context):
         if self.draining:
             raise Unavailable("verifier is draining")
-        parent = telemetry.extract_context(context.invocation_metadata())
-        span = self.tracer.start_span(telemetry.SPAN_VERIFY, context=parent,
-                                      kind=trace.SpanKind.SERVER)
+        # A child of the gRPC server span (OpenTelemetry's interceptor continues the caller's
+        # trace); it carries what no library knows: one event per speculation round.
+        span = self.tracer.start_span(telemetry.SPAN_VERIFY)
         span.set_attributes({telemetry.ATTR_SESSION: request.session_id,
                              telemetry.GEN_AI_REQUEST_MODEL: self.info.model_id,
                              telemetry.GEN_AI_REQUEST_MAX_TOKENS: request.stopping.max_new_tokens,
@@ -172,8 +172,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         try:
             params = params_from_proto(request, self.info, self.default_method,
                                        self.tree_methods)
-            params = dataclasses.replace(params, trace_context=tuple(
-                telemetry.inject_context(span).items()))
+            params = dataclasses.replace(params, trace_context=tracing.inject(span))
             queue = self.engine.submit(params, await self._grammar_state(params))
         except Exception as exc:  # the interceptor picks the status code from its type
             span.set_status(trace.StatusCode.ERROR, str(exc))

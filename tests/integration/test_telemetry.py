@@ -81,18 +81,19 @@ def test_one_trace_spans_all_three_services(services, exporter):
     by_name = {}
     for s in spans:
         by_name.setdefault(s.name, []).append(s)
-    gw = by_name["gateway chat"][0]
+    gw = by_name["POST /v1/chat/completions"][0]  # OpenTelemetry's FastAPI server span
     verify = by_name[telemetry.SPAN_VERIFY][0]
     draft = by_name[telemetry.SPAN_DRAFT][0]
     trace_id = gw.context.trace_id
     assert verify.context.trace_id == trace_id and draft.context.trace_id == trace_id
-    assert verify.parent.span_id == gw.context.span_id  # across HTTP -> gRPC metadata
+    served = by_name["/tandem.v1.VerifyService/Generate"]  # gRPC client and server spans
+    assert {s.kind for s in served} == {trace.SpanKind.CLIENT, trace.SpanKind.SERVER}
+    assert verify.parent.span_id in {s.context.span_id for s in served}
     assert draft.parent.span_id == verify.context.span_id  # across OpenSession.trace_context
-    # Session records written during the request are Redis client spans in its trace (the
-    # rate-limit check runs before the request span exists and is traced on its own).
-    store_ops = {s.name for s in spans if s.name.startswith("redis RedisSessionStore.")
-                 and s.context.trace_id == trace_id}
-    assert {"redis RedisSessionStore.create", "redis RedisSessionStore.append"} <= store_ops
+    # Session records written during the request are Redis client spans (one per command or
+    # pipeline, from OpenTelemetry's Redis instrumentation) in its trace.
+    assert any(s.attributes.get("db.system") == "redis" and s.context.trace_id == trace_id
+               for s in spans)
     a = gw.attributes
     assert a[telemetry.GEN_AI_OPERATION] == "chat"
     assert a[telemetry.GEN_AI_REQUEST_MODEL] == "SmolLM2-135M-Instruct"
