@@ -11,7 +11,14 @@ $(BIN)/tandem: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-venv: $(BIN)/tandem
+# checkov (the deploy tier's standard policies, tests/deploy/test_policies.py) in a virtualenv
+# of its own: its pins would downgrade packaging, networkx and cyclonedx in $(VENV).
+CHECKOV_VERSION ?= 3.3.30
+$(VENV)/checkov/bin/checkov: | $(BIN)/tandem
+	$(PY) -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/pip install -q 'checkov==$(CHECKOV_VERSION)'
+
+venv: $(BIN)/tandem $(VENV)/checkov/bin/checkov
 
 run: venv
 	$(BIN)/tandem models fetch

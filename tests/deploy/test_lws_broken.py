@@ -17,7 +17,6 @@ from test_manifests import (
     all_problems,
     check_autoscalers,
     check_network_policies,
-    check_probes_and_resources,
     check_readiness,
     check_schemas,
     render_broken,
@@ -55,9 +54,7 @@ BROKEN_LWS = {
         """),
     "unknown-field-in-a-template": (MULTINODE, check_schemas, _lws_patch(
         f"- {{op: add, path: {_WORKER}/containers/0/gpus, value: 4}}")),
-    "worker-without-readiness-or-memory-limit": (MULTINODE, check_probes_and_resources, _lws_patch(
-        f"- {{op: remove, path: {_WORKER}/containers/0/readinessProbe}}",
-        f"- {{op: remove, path: {_WORKER}/containers/0/resources/limits/memory}}")),
+    # (a worker without readiness or a memory limit: checkov, test_policies.py)
     "size-disagrees-with-tp": (MULTINODE, check_lws_shape, _lws_patch(
         "- {op: replace, path: /spec/leaderWorkerTemplate/size, value: 3}")),
     "worker-rank-not-from-the-index": (MULTINODE, check_lws_shape, _lws_patch(

@@ -6,7 +6,10 @@ every document is validated against the Kubernetes OpenAPI JSON schemas bundled 
 bundle does not know (KEDA's ScaledObject) get a structural schema of our own that reuses the
 bundled definitions where it can (the HPA behavior block).
 
-Then the things a schema cannot see: probes and resources on every container, ports that agree
+The standard policies (probes, cpu/memory requests and limits, non-root, no privilege
+escalation, pinned image tags, the Dockerfiles' USER) are checkov's: test_policies.py.
+Here, Tandem's own invariants, each saying why no policy tool covers it: probe ports that
+resolve and requests within limits, ports that agree
 between the `tandem` flags, containerPorts, probes and Services (the gateway's /metrics port kept
 off its public Service), headless worker Services, autoscalers that target existing Deployments
 on the metrics the workers export (and own their replica count), node classes that keep drafts
@@ -562,11 +565,14 @@ def schema_problems(doc: Doc) -> list[str]:
             for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.path)))]
 
 
+# No policy tool knows this: the CRDs' (KEDA, LWS) schemas; the rest is kubernetes-validate's.
 def check_schemas(docs: list[Doc]) -> list[str]:
     """Every document against the Kubernetes schemas (strict), CRDs against ours."""
     return [p for doc in docs for p in schema_problems(doc)]
 
 
+# Probes and cpu/memory requests and limits being there: checkov (test_policies.py). Here
+# what it does not see: a probe's named port resolving, request <= limit, GPUs not overcommitted.
 def check_probes_and_resources(docs: list[Doc]) -> list[str]:
     problems = []
     for dep in workloads(docs):
@@ -575,17 +581,11 @@ def check_probes_and_resources(docs: list[Doc]) -> list[str]:
             where = f"{name_of(dep)} container {c['name']}"
             if c not in inits:
                 for probe in ("readinessProbe", "livenessProbe"):
-                    if probe not in c:
-                        problems.append(f"{where}: no {probe}")
-                    elif probe_port(c[probe], c) is None and "exec" not in c[probe]:
+                    if probe in c and probe_port(c[probe], c) is None and "exec" not in c[probe]:
                         problems.append(f"{where}: {probe} has no resolvable port")
             res = c.get("resources") or {}
             requests, limits = res.get("requests") or {}, res.get("limits") or {}
             for kind in ("cpu", "memory"):
-                if kind not in requests:
-                    problems.append(f"{where}: no {kind} request")
-                if kind not in limits:
-                    problems.append(f"{where}: no {kind} limit")
                 if kind in requests and kind in limits and \
                         quantity(requests[kind]) > quantity(limits[kind]):
                     problems.append(f"{where}: {kind} request {requests[kind]} > limit "
@@ -599,6 +599,7 @@ def check_probes_and_resources(docs: list[Doc]) -> list[str]:
     return problems
 
 
+# No policy tool knows this: --port flags must agree with containerPorts, probes and Services.
 def check_ports(docs: list[Doc]) -> list[str]:
     """--port == containerPort == probe ports == Service targetPort, per tandem container."""
     problems = []
@@ -665,6 +666,7 @@ def check_ports(docs: list[Doc]) -> list[str]:
     return problems
 
 
+# No policy tool knows this: which roles get headless Services, what the gateway exposes.
 def check_services(docs: list[Doc]) -> list[str]:
     """Worker pools behind headless Services (HTTP/2 pins connections); the gateway ClusterIP,
     exposing its API port only (never /metrics)."""
@@ -722,6 +724,7 @@ def _autoscaler_metrics(doc: Doc) -> tuple[set[str], list[str]]:
     return names, problems
 
 
+# No policy tool knows this: autoscalers must read the gauges Tandem's workers export.
 def check_autoscalers(docs: list[Doc]) -> list[str]:
     problems = []
     roles = role_deployments(docs)
@@ -857,6 +860,7 @@ def allowed_sources(docs: list[Doc], dst_who: str, port: int) -> set[str]:
     return {src[0] for src in pods if ingress_allowed(docs, src, dst, port)}
 
 
+# No policy tool knows this: only the gateway reaches verifiers, only verifiers drafts.
 def check_network_policies(docs: list[Doc]) -> list[str]:
     problems = []
     if not of_kind(docs, "NetworkPolicy"):
@@ -910,6 +914,7 @@ def _env_or_flag(env: dict[str, str], flags: dict[str, str], var: str, flag: str
     return float(value)
 
 
+# No policy tool knows this: grace periods against Tandem's drain and request timeouts.
 def check_termination(docs: list[Doc]) -> list[str]:
     """Every tandem pod gets to finish its work before SIGKILL.
 
@@ -966,6 +971,7 @@ def check_termination(docs: list[Doc]) -> list[str]:
     return problems
 
 
+# No policy tool knows this: readiness must follow Tandem's drain (/health).
 def check_readiness(docs: list[Doc]) -> list[str]:
     """Readiness follows the drain, so Services and clients stop routing to a draining pod:
     workers probe gRPC health on their service name (NOT_SERVING while draining); with TLS
@@ -1006,6 +1012,7 @@ def check_readiness(docs: list[Doc]) -> list[str]:
 OTLP_PORTS = MappingProxyType({"grpc": 4317, "http/protobuf": 4318})
 
 
+# No policy tool knows this: TANDEM_* / OTEL_* env and flags wired to the right peers.
 def check_env_wiring(docs: list[Doc]) -> list[str]:
     """OTEL_* and REDIS_URL reach Services of the render; one OTEL service name per role."""
     problems = []
@@ -1054,20 +1061,18 @@ def check_env_wiring(docs: list[Doc]) -> list[str]:
     return problems
 
 
+# No policy tool knows this: a ServiceAccount per Tandem role, a PDB per pool.
 def check_workload_hygiene(docs: list[Doc]) -> list[str]:
-    """ServiceAccount per role, non-root, a PDB per pool."""
+    """ServiceAccount per role, a PDB per pool (non-root and no privilege escalation:
+    checkov, test_policies.py)."""
     problems = []
     accounts = set()
-    for dep, c, _role in tandem_containers(docs):
+    for dep, _c, _role in tandem_containers(docs):
         spec = pod_spec(dep)
         sa = spec.get("serviceAccountName")
         if not sa or find(docs, "ServiceAccount", sa) is None:
             problems.append(f"{name_of(dep)}: ServiceAccount {sa!r} not in the render")
         accounts.add(sa)
-        if not (spec.get("securityContext") or {}).get("runAsNonRoot"):
-            problems.append(f"{name_of(dep)}: pod must set runAsNonRoot")
-        if (c.get("securityContext") or {}).get("allowPrivilegeEscalation") is not False:
-            problems.append(f"{name_of(dep)}: allowPrivilegeEscalation must be false")
         pdbs = [p for p in of_kind(docs, "PodDisruptionBudget")
                 if selector_matches(p["spec"].get("selector"), pod_labels(dep))]
         if len(pdbs) != 1:
@@ -1092,17 +1097,17 @@ def requests_gpu(spec: Doc) -> bool:
                for part in ("requests", "limits"))
 
 
+# No policy tool knows this: which build (CPU / CUDA) each role runs; kustomize's logical names.
 def check_images(docs: list[Doc]) -> list[str]:
-    """Pinned images, the logical names all mapped; verifier and draft on one image, the CUDA
-    build where they get GPUs; the gateway on the CPU build (it only tokenizes) and no GPU."""
+    """The logical image names all mapped (pinned tags: checkov's CKV_K8S_14); verifier and
+    draft on one image, the CUDA build where they get GPUs; the gateway on the CPU build (it
+    only tokenizes) and no GPU."""
     problems = []
     images = {role: (dep, c["image"]) for dep, c, role in tandem_containers(docs)}
     for dep, image in images.values():
         if image in LOGICAL_IMAGES.values():
             problems.append(f"{name_of(dep)}: image {image!r} is a logical name no `images:` "
                             "entry mapped")
-        elif image_tag(image) in ("", "latest") and "@" not in image:
-            problems.append(f"{name_of(dep)}: image {image!r} must carry a pinned tag or digest")
     workers = {images[r][1] for r in WORKER_ROLES if r in images}
     if len(workers) > 1:
         problems.append(f"verifier and draft run one image, got {sorted(workers)}")
@@ -1140,6 +1145,7 @@ def _redis_secret_ok(docs: list[Doc], ref: Doc | None, key: str) -> bool:
                 and key in {**(secret.get("data") or {}), **(secret.get("stringData") or {})})
 
 
+# No policy tool knows this: which of Tandem's settings are secrets, where they may come from.
 def check_secrets(docs: list[Doc]) -> list[str]:
     """API keys and the Redis password come from Secrets only: no ConfigMap and no literal env
     holds one; every tandem process and the in-cluster Redis read REDIS_PASSWORD from the Secret
@@ -1217,6 +1223,7 @@ def redis_containers(docs: list[Doc]) -> list[tuple[Doc, Doc]]:
             if c["name"] == "redis" or c["image"].split(":")[0].endswith("redis")]
 
 
+# No policy tool knows this: the session store's Redis durable and authenticated.
 def check_redis_durable(docs: list[Doc]) -> list[str]:
     """Production Redis survives a restart: a single-master StatefulSet with a PersistentVolume
     (volumeClaimTemplates), the append-only file on it, a password and a headless governing
@@ -1267,6 +1274,7 @@ def check_redis_durable(docs: list[Doc]) -> list[str]:
 _POD_IP_JOINED = re.compile(r"\[\$\(POD_IP\)|\$\(POD_IP\)\]?:")
 
 
+# No policy tool knows this: dual-stack addresses in Tandem's flags and env.
 def check_addresses(docs: list[Doc]) -> list[str]:
     """Dual-stack: processes bind `::`, workers advertise the bare pod IP (--advertise-host,
     the code adds the port and brackets IPv6); nothing joins $(POD_IP) and a port by string
@@ -1311,6 +1319,7 @@ def check_addresses(docs: list[Doc]) -> list[str]:
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+# No policy tool knows this: one log level across Tandem's roles.
 def check_log_level(docs: list[Doc]) -> list[str]:
     """One log level for the three roles: TANDEM_LOG_LEVEL from the shared ConfigMap, not
     shadowed by a per-role variable, a container's own env or a --log-level flag."""
@@ -1335,6 +1344,7 @@ def check_log_level(docs: list[Doc]) -> list[str]:
 SPREAD_KEYS = ("topology.kubernetes.io/zone", "kubernetes.io/hostname")
 
 
+# No policy tool knows this: zone spreading per Tandem role.
 def check_topology(docs: list[Doc]) -> list[str]:
     """Each role spreads over zones and nodes (soft, so one node or one zone still schedules),
     counting its own pods only: a selector that misses the pod's labels, or counts another
@@ -1375,6 +1385,7 @@ def node_requirements(spec: Doc) -> dict[str, set[str]]:
     return req
 
 
+# No policy tool knows this: verifiers and drafts on disjoint GPU classes.
 def check_gpu_placement(docs: list[Doc]) -> list[str]:
     """prod-gpu: GPUs for the pools, and drafts and verifiers on different GPU classes."""
     problems = []
@@ -1413,6 +1424,7 @@ def metrics_port(container: Doc, role: str) -> int | None:
     return int(value) if value and value.lstrip("-").isdigit() else None
 
 
+# No policy tool knows this: PodMonitors scrape the port each role serves /metrics on.
 def check_pod_monitors(docs: list[Doc]) -> list[str]:
     """Where PodMonitors are shipped: one per role, carrying the selector label, selecting
     exactly that role's pods in their namespace, scraping /metrics on the port the process
@@ -1465,6 +1477,7 @@ def all_problems(docs: list[Doc]) -> list[str]:
 
 # ------------------------------------------------------------------------- tests: every render
 
+# No policy tool knows this: runs the Tandem checks above on every render.
 @pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
 def test_render_passes(target, docs, check):
     if target == "base" and check is check_images:
@@ -1474,6 +1487,7 @@ def test_render_passes(target, docs, check):
     assert not problems, "\n".join(problems)
 
 
+# No policy tool knows this: runs the production-only Tandem checks.
 @pytest.mark.parametrize("target", PROD_TARGETS)
 @pytest.mark.parametrize("check", PROD_CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
 def test_production_render_passes(target, check):
@@ -1481,6 +1495,7 @@ def test_production_render_passes(target, check):
     assert not problems, "\n".join(problems)
 
 
+# No policy tool knows this: the overlay / image layout.
 def test_base_leaves_images_to_the_overlays():
     """Two logical names (gateway; verifier and draft): a layer that mapped both to the same
     repository would leave no overlay able to give them different builds."""
@@ -1488,6 +1503,7 @@ def test_base_leaves_images_to_the_overlays():
     assert got == LOGICAL_IMAGES
 
 
+# No policy tool knows this: the gateway's build.
 @pytest.mark.parametrize("target", PROD_TARGETS)
 def test_production_gateway_runs_the_cpu_image(target):
     docs = render(target)
@@ -1499,6 +1515,7 @@ def test_production_gateway_runs_the_cpu_image(target):
     assert not requests_gpu(pod_spec(role_deployments(docs)["gateway"]))
 
 
+# No policy tool knows this: Tandem's API-key settings.
 @pytest.mark.parametrize("target", PROD_TARGETS)
 def test_production_requires_api_keys_and_ships_no_secrets(target):
     docs = render(target)
@@ -1510,6 +1527,7 @@ def test_production_requires_api_keys_and_ships_no_secrets(target):
     assert check_secrets(docs) == []
 
 
+# No policy tool knows this: a documented variant's contents.
 def test_the_external_redis_variant_has_no_in_cluster_redis():
     docs = render("prod-gpu+external-redis")
     assert not redis_workloads(docs)
@@ -1519,23 +1537,27 @@ def test_the_external_redis_variant_has_no_in_cluster_redis():
         assert secret_ref(c, "REDIS_PASSWORD") == {"name": REDIS_SECRET, "key": "password"}
 
 
+# No policy tool knows this: dev must fail check_redis_durable.
 def test_dev_redis_is_not_production_grade():
     """The production check refuses dev's ephemeral Redis (so it can fail)."""
     problems = check_redis_durable(render("dev"))
     assert any("ephemeral" in p for p in problems), problems
 
 
+# No policy tool knows this: a default in Tandem's code.
 def test_the_gateway_default_request_timeout_is_the_one_checked():
     from gateway.config import GatewayConfig
 
     assert GatewayConfig().request_timeout_s == DEFAULT_REQUEST_TIMEOUT_S
 
 
+# No policy tool knows this: the tier covers every overlay in the tree.
 def test_every_overlay_is_checked():
     assert {"dev", "prod-gpu"} <= set(OVERLAYS), OVERLAYS
     assert any("keda" in o for o in OVERLAYS), "a KEDA overlay renders the ScaledObjects"
 
 
+# No policy tool knows this: the pieces a Tandem cluster needs.
 def test_render_has_every_piece(target, docs):
     kinds = {d["kind"] for d in docs}
     for kind in ("Namespace", "ConfigMap", "ServiceAccount", "Deployment", "Service",
@@ -1556,6 +1578,7 @@ def test_render_has_every_piece(target, docs):
     assert len({namespace_of(d) for d in docs if d["kind"] != "Namespace"}) == 1
 
 
+# No policy tool knows this: monitoring per Tandem role.
 @pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("prod-")])
 def test_production_ships_pod_monitors_for_every_role(overlay):
     # The Prometheus Operator ignores prometheus.io/* annotations: without PodMonitors the
@@ -1565,12 +1588,14 @@ def test_production_ships_pod_monitors_for_every_role(overlay):
     assert check_pod_monitors(docs) == []
 
 
+# No policy tool knows this: GPU classes per role.
 @pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("prod-gpu")])
 def test_prod_gpu_placement(overlay):
     problems = check_gpu_placement(render(overlay))
     assert not problems, "\n".join(problems)
 
 
+# No policy tool knows this: what the dev overlay is for.
 def test_dev_is_cpu_only_and_small():
     docs = render("dev")
     text = json.dumps(docs)
@@ -1590,6 +1615,7 @@ def test_dev_is_cpu_only_and_small():
     assert image == {"ghcr.io/tandem/tandem:dev"}
 
 
+# No policy tool knows this: the KEDA overlay's shape.
 def test_keda_overlay_replaces_hpas_for_both_pools():
     keda = [o for o in OVERLAYS if "keda" in o]
     for overlay in keda:
@@ -1607,6 +1633,7 @@ PENDING_FLAGS = {"--metrics-port", "--advertise-host"}
 POD_IP_V6 = "fd00:10:244::7"  # a pod IP the args must cope with
 
 
+# No policy tool knows this: container args against Tandem's CLI parser.
 def test_container_args_parse_with_the_real_cli(monkeypatch, target):
     """Every tandem container's args (and TANDEM_* env) are accepted by `tandem`'s parser."""
     from tools.cli import build_parser
@@ -1643,6 +1670,7 @@ def test_container_args_parse_with_the_real_cli(monkeypatch, target):
             assert parsed.drain_grace_s > 0
 
 
+# No policy tool knows this: preStop commands against Tandem's CLI.
 def test_worker_prestop_parses_with_the_real_cli(target):
     """The workers' preStop `tandem drain --sleep N` is a command the image's CLI has."""
     from tools.cli import build_parser
@@ -1662,6 +1690,7 @@ def test_worker_prestop_parses_with_the_real_cli(target):
             assert parsed.command == "drain" and parsed.sleep > 0
 
 
+# No policy tool knows this: adapter rules for Tandem's metrics.
 def test_prometheus_adapter_rules_cover_hpa_metrics():
     values = yaml.safe_load((DEPLOY / "monitoring" / "prometheus-adapter-values.yaml")
                             .read_text())
@@ -1686,6 +1715,7 @@ def test_prometheus_adapter_rules_cover_hpa_metrics():
 @pytest.mark.parametrize("path", [DEPLOY / "otel" / "collector.yaml",
                                   K8S / "overlays" / "dev" / "collector.yaml"],
                          ids=["collector", "dev-collector"])
+# No policy tool knows this: the shipped collector config's pipelines.
 def test_collector_config_pipelines_are_wired(path):
     cfg = yaml.safe_load(path.read_text())
     otlp = cfg["receivers"]["otlp"]["protocols"]
@@ -1711,14 +1741,14 @@ def _final_stage(dockerfile: str) -> str:
     return re.split(r"(?m)^FROM ", dockerfile)[-1]
 
 
+# No policy tool knows this: entrypoint, install line, torch pin, build context.
 @pytest.mark.parametrize("flavor", ["cpu", "cuda"])
 def test_dockerfile(flavor):
     path = DEPLOY / "docker" / f"Dockerfile.{flavor}"
     text = path.read_text()
     final = _final_stage(text)
     assert re.search(r'(?m)^ENTRYPOINT \["tandem"\]$', final), "ENTRYPOINT [\"tandem\"]"
-    users = re.findall(r"(?m)^USER (\S+)", final)
-    assert users and users[-1].split(":")[0] not in ("root", "0"), "runs as non-root"
+    # (a non-root USER: checkov's CKV_DOCKER_3 and CKV_DOCKER_8, test_policies.py)
     if flavor == "cpu":
         assert re.search(r"(?m)^RUN pip install \.$", text)
         assert final.startswith("python:")
@@ -1763,18 +1793,6 @@ BROKEN = {
     "control": ("dev", None, None),
     "control-prod": ("prod-gpu", None, None),
     "control-external-redis": ("prod-gpu+external-redis", None, None),
-    "no-readiness-probe": ("dev", check_probes_and_resources, """
-        - target: {kind: Deployment, name: tandem-verifier}
-          patch: |-
-            - op: remove
-              path: /spec/template/spec/containers/0/readinessProbe
-        """),
-    "no-memory-limit": ("dev", check_probes_and_resources, """
-        - target: {kind: Deployment, name: tandem-gateway}
-          patch: |-
-            - op: remove
-              path: /spec/template/spec/containers/0/resources/limits/memory
-        """),
     "containerport-mismatch": ("dev", check_ports, """
         - target: {kind: Deployment, name: tandem-draft}
           patch: |-
@@ -2053,6 +2071,7 @@ def render_broken(tmp_path: Path, base_overlay: str, patches: str | None) -> lis
     return render_dir(write_overlay(tmp_path / "broken", overlay, patches, components))
 
 
+# No policy tool knows this: each Tandem check can fail.
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_broken_manifest_is_caught(tmp_path, case):
     base_overlay, check, patches = BROKEN[case]
@@ -2069,6 +2088,7 @@ def test_broken_manifest_is_caught(tmp_path, case):
         assert problems, case
 
 
+# No policy tool knows this: our cached validator.
 def test_schema_validation_agrees_with_kubernetes_validate():
     """Our cached validator finds what kubernetes_validate.validate finds."""
     good = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
@@ -2089,6 +2109,7 @@ def test_schema_validation_agrees_with_kubernetes_validate():
     assert "no schema" in schema_problems(unknown)[0]
 
 
+# No policy tool knows this: a unit test of this file's helpers.
 def test_quantity_and_selector_helpers():
     assert quantity("500m") == Fraction(1, 2)
     assert quantity("2Gi") == 2 * 2**30 and quantity(1) == 1
@@ -2105,6 +2126,7 @@ def test_quantity_and_selector_helpers():
         "port": "1", "host": "0.0.0.0", "x": ""}
 
 
+# No policy tool knows this: the dashboard ConfigMap vs its JSON.
 def test_grafana_dashboard_configmap_carries_the_dashboard():
     docs = render_dir(DEPLOY / "monitoring")
     assert check_schemas(docs) == []
