@@ -57,9 +57,13 @@ def open_session(stream: Stream, cmd: Open, limits: Limits, proposers: Mapping[M
                              f"{limits.max_context_length}")
     tokens = check_tokens(cmd.token_ids, limits.vocab_size, allow_empty=False)
     try:
-        sampling = SamplingParams(cmd.temperature, cmd.top_k, cmd.top_p, cmd.seed)
+        sampling = SamplingParams(cmd.temperature, cmd.top_k, cmd.top_p, cmd.seed,
+                                  **dict(cmd.controls))
     except ValueError as exc:
         raise SessionFailure(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
+    if any(not 0 <= t < limits.vocab_size for t in sampling.token_ids()):
+        raise SessionFailure(ErrorCode.INVALID_ARGUMENT, "a sampling control names a token "
+                             f"id outside the vocabulary [0, {limits.vocab_size})")
     method = _method_for(cmd, proposers, default_method)
     if open_sessions >= limits.max_sessions:
         raise SessionFailure(ErrorCode.RESOURCE_EXHAUSTED,
@@ -70,7 +74,8 @@ def open_session(stream: Stream, cmd: Open, limits: Limits, proposers: Mapping[M
         max_run_ahead=min(cmd.max_run_ahead or limits.max_run_ahead, limits.max_spec_tokens),
         top_n=min(cmd.top_n or limits.top_n, limits.max_top_n),
         max_ngram_size=min(cmd.max_ngram_size or limits.max_ngram_size, _MAX_NGRAM_SIZE),
-        seed=cmd.seed, tenant=cmd.tenant[:_MAX_TENANT_LEN], tree=cmd.tree)
+        seed=cmd.seed, tenant=cmd.tenant[:_MAX_TENANT_LEN], tree=cmd.tree,
+        prompt_len=min(cmd.grammar_start, len(tokens)))
     if method.needs_features:
         session.features = FeatureStore(proposers[method].feature_size, limits.max_context_length)
         if cmd.features is not None:

@@ -36,7 +36,8 @@ def control_from_proto(msg: draft_pb2.DraftControl) -> Control:
             o.max_run_ahead, o.top_n, o.epoch, o.max_ngram_size,
             trace_context=tuple(o.trace_context.items()),
             features=_features(o), tenant=o.tenant, tree=o.tree, grammar=grammar,
-            grammar_start=o.grammar_start)
+            grammar_start=o.grammar_start,
+            controls=tuple(SamplingParams.control_fields(o.sampling).items()))
     if which == "commit":
         c = msg.commit
         return Commit(c.session_id, c.epoch, c.start_position, list(c.token_ids),

@@ -135,6 +135,7 @@ class Session:
     # tokens, and whether it is still being compiled (no drafts until it is).
     grammar: Any = None
     grammar_pending: bool = False
+    prompt_len: int = 0  # committed[:prompt_len] is the prompt (the controls' output after it)
 
     @property
     def length(self) -> int:
@@ -154,7 +155,7 @@ class Session:
             sampling=self.sampling, top_n=self.top_n, max_ngram_size=self.max_ngram_size,
             generator=generator,
             features=None if self.features is None else self.features.view(),
-            tenant=self.tenant, tree=self.tree)
+            tenant=self.tenant, tree=self.tree, prompt_len=self.prompt_len)
 
     def grammar_view(self) -> GrammarView | None:
         """The session's grammar as this step needs it (None: free text). Taken on the event

@@ -171,12 +171,26 @@ class SamplingParams:
         fields = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
         if self.seed is not None:
             fields["seed"] = self.seed
-        controls = {"presence_penalty": self.presence_penalty,
-                    "frequency_penalty": self.frequency_penalty,
-                    "repetition_penalty": self.repetition_penalty if
-                    self.repetition_penalty != 1.0 else 0.0,
-                    "min_p": self.min_p, "min_tokens": self.min_tokens,
-                    "logit_bias": dict(self.logit_bias),
-                    "allowed_token_ids": list(self.allowed_token_ids),
-                    "bad_words": [{"token_ids": list(w)} for w in self.bad_words]}
-        return {**fields, **{k: v for k, v in controls.items() if v}}
+        return {**fields, **self.controls_to_wire(self.control_items())}
+
+    def control_items(self) -> tuple[tuple[str, object], ...]:
+        """The controls as control_fields' keyword arguments (a draft link's Open)."""
+        return (("presence_penalty", self.presence_penalty),
+                ("frequency_penalty", self.frequency_penalty),
+                ("repetition_penalty", self.repetition_penalty), ("min_p", self.min_p),
+                ("min_tokens", self.min_tokens), ("logit_bias", self.logit_bias),
+                ("allowed_token_ids", self.allowed_token_ids), ("bad_words", self.bad_words))
+
+    @staticmethod
+    def controls_to_wire(items) -> dict:
+        """control_fields' keyword arguments as the message's (those off left unset)."""
+        c = dict(items)
+        wire = {"presence_penalty": c.get("presence_penalty", 0.0),
+                "frequency_penalty": c.get("frequency_penalty", 0.0),
+                "repetition_penalty": 0.0 if c.get("repetition_penalty", 1.0) == 1.0
+                else c["repetition_penalty"],
+                "min_p": c.get("min_p", 0.0), "min_tokens": c.get("min_tokens", 0),
+                "logit_bias": dict(c.get("logit_bias", ())),
+                "allowed_token_ids": list(c.get("allowed_token_ids", ())),
+                "bad_words": [{"token_ids": list(w)} for w in c.get("bad_words", ())]}
+        return {k: v for k, v in wire.items() if v}

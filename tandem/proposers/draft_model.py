@@ -19,6 +19,7 @@ from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.grammar.masks import mask_drafts
 from tandem.models import ModelPaths
+from tandem.proposers.controls import apply_draft_controls
 from tandem.spec import DraftRequest, DraftResult, DraftToken, ErrorCode, Method
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class DraftModelProposer:
                 logits = self.to_target(logits)
             # structured output: only what the grammar allows, q renormalised over it
             logits = mask_drafts(logits, [r.mask for r in batch])
+            # the session's controls over each row's prefix: q close to the target's
+            logits = apply_draft_controls(logits, batch)
             for i, tok in zip(rows, sample_drafts(logits, batch, logits.shape[1])):
                 results[i] = DraftResult([tok])
         return results  # type: ignore[return-value]
@@ -151,6 +154,7 @@ def _sample_top_n(
         torch.tensor([p.temperature for p in params], dtype=torch.float32),
         torch.tensor([p.top_k for p in params], dtype=torch.int64),
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        torch.tensor([p.min_p for p in params], dtype=torch.float32),
     )  # [rows, vocab]
     ids, q = top_n_sparse(probs, n)  # [rows, n] each
     picks = sample(q).tolist()  # [rows] index into ids

@@ -74,6 +74,8 @@ class DraftRequest:
     # Structured output for trees (can_tree methods): the session's grammar, a copy of its own
     # past token_ids, whose `mask_after(path)` gives the tokens allowed under each node.
     grammar: GrammarState | None = None
+    # token_ids[:prompt_len] is the prompt, the rest the output (what the penalties count)
+    prompt_len: int = 0
 
 
 @dataclass(frozen=True)

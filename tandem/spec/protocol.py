@@ -89,6 +89,9 @@ class Open:
     tree: bool = False  # draft one token tree per epoch instead of a chain
     grammar: GrammarSpec | None = None  # structured output: drafts it allows (draft_model)
     grammar_start: int = 0  # where the grammar's text starts in token_ids (the prompt's end)
+    # The session's sampling controls (SamplingParams.control_fields' keyword arguments,
+    # unchecked): a draft model applies them to its own q. () = none.
+    controls: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,10 @@ def test_greedy_with_a_control_is_plain_decoding_under_every_method(
         for word in sampling.bad_words:  # never generated, though drafts propose them
             assert all(tuple(t[i:i + len(word)]) != word for t in got for i in range(len(t)))
         assert drafted > 0, (name, method)  # (penalised text repeats little: n-gram may miss)
-        if method in (Method.DRAFT_MODEL, Method.MEDUSA):  # they draft ignoring the control:
+        if method is Method.MEDUSA:  # the heads draft ignoring the control:
             assert 0 < accepted < drafted, (name, method)  # kept where it agrees, not beyond
+        if method is Method.DRAFT_MODEL:  # drafts with the control (all but min_tokens)
+            assert accepted > 0, (name, method)
 
 
 def test_seeded_sampling_with_penalties_is_the_plain_seeded_text(target_model, tokenizer,

@@ -22,6 +22,7 @@ from tandem.grpc_limits import (
     keepalive_options,
     message_options,
 )
+from tandem.sampling_params import SamplingParams
 from tandem.spec import (
     Close,
     Commit,
@@ -55,7 +56,8 @@ def control_to_proto(c: Control) -> draft_pb2.DraftControl:
             trace_context=dict(c.trace_context), method=int(c.method),
             max_run_ahead=c.max_run_ahead, top_n=c.top_n, max_ngram_size=c.max_ngram_size,
             sampling=common_pb2.SamplingParams(temperature=c.temperature, top_k=c.top_k,
-                                               top_p=c.top_p, seed=c.seed),
+                                               top_p=c.top_p, seed=c.seed,
+                                               **SamplingParams.controls_to_wire(c.controls)),
             features=_features(c.features), tenant=c.tenant, tree=c.tree,
             grammar=None if c.grammar is None else common_pb2.Grammar(**c.grammar.to_wire()),
             grammar_start=c.grammar_start))

@@ -152,7 +152,8 @@ class DraftSide:
                        top_n=self.top_n, trace_context=p.trace_context,
                        features=seq.link.all_features(), tenant=p.tenant,
                        tree=bool(p.tree) and not seq.local.in_verifier,  # auto's worker: chains
-                       grammar=p.grammar, grammar_start=len(p.prompt)))
+                       grammar=p.grammar, grammar_start=len(p.prompt),
+                       controls=s.control_items() if s.has_controls else ()))
         if run_ahead == 0:  # a session at k = 0: Open cannot say "none yet", a commit can
             link.send(Commit(seq.session_id, seq.epoch, seq.num_tokens, [], 0, None))
             return
