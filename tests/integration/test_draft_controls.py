@@ -99,6 +99,7 @@ def _joint(target_model, prompt, sampling) -> dict[tuple[int, int], float]:
     return joint
 
 
+@pytest.mark.slow  # 300 sessions: about 15 s on an idle host
 def test_sampled_text_with_penalties_follows_the_target_from_a_perturbed_draft(
         target_model, prompt):
     """A draft whose logits are the target's plus fixed noise (so its q is not p and drafts
