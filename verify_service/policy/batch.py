@@ -9,6 +9,7 @@ leans on what its method's other sessions measured, its own rounds weighing more
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.spec import Method
@@ -70,3 +71,10 @@ def wait_entry(seqs: list[Sequence], wait_ms: float) -> list[float]:
     (verify_service/drafts/waits.py), so each worker session asked adds wait_ms / batch."""
     share = wait_ms / max(1, len(seqs))
     return [share if from_worker(s) else 0.0 for s in seqs]
+
+
+def asked_share(decoding: list[Sequence], desired_k: Callable[[Sequence], int]) -> float:
+    """The share of the decoding sessions whose draft worker was asked for drafts (k > 0 by
+    the last plan): who a step waits for (StepCost.observe learns the wait per whole batch)."""
+    asked = sum(1 for s in decoding if from_worker(s) and desired_k(s) > 0)
+    return asked / len(decoding) if decoding else 0.0

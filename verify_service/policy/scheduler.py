@@ -17,7 +17,7 @@ from tandem.spec.cost import (
     plan_batch,
 )
 from verify_service.config import SchedulerConfig
-from verify_service.policy.batch import AcceptancePool, from_worker, gains, wait_entry
+from verify_service.policy.batch import AcceptancePool, asked_share, from_worker, gains, wait_entry
 from verify_service.session.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
@@ -172,16 +172,10 @@ class Scheduler:
         """Expected extra tokens from each of the session's first k drafts."""
         return gains(seq, k, self.reach(seq) if k else None, self.pool)
 
-    def _asked_share(self) -> float:
-        """The share of the decoding sessions a draft worker was asked for drafts for (by the
-        last plan): who the step just waited for (StepCost.observe learns the wait by it)."""
-        decoding = self._decoding()
-        asked = sum(1 for s in decoding if from_worker(s) and self.desired_k(s) > 0)
-        return asked / len(decoding) if decoding else 0.0
-
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
-        self.step_cost.asked_share = self._asked_share()
+        # who the step just waited for, by the last plan (StepCost.observe learns the wait)
+        self.step_cost.asked_share = asked_share(self._decoding(), self.desired_k)
         self._caps = self.plan()
         scheduled = self._schedule_running(preempted)
         budget = self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in scheduled)
