@@ -5,12 +5,18 @@ from the target's forwards timed here. Prints, per prompt and method, the decode
 round of the first accepted draft, and each round's (drafted, accepted).
 
   python -m tools.bench.first_rounds [--prompts 0,1,2] [--methods ngram,suffix,auto]
-                                     [--tokens 192]
+                                     [--tokens 192] [--curve '{"1": 30, "16": 90}']
+
+--curve fixes the cost model (ms by tokens verified) instead of timing the forwards here, so
+that two runs (before and after a change) size their rounds alike on a noisy host; each
+answer's modelled decode time is then the sum of its rounds' costs on that curve, and plain's
+its tokens times cost(1).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.model_runner import ModelRunner
@@ -58,6 +64,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", default="0,1,2", help="indices into category_prompts.TASKS")
     ap.add_argument("--methods", default="ngram,suffix,auto")
     ap.add_argument("--tokens", type=int, default=192)
+    ap.add_argument("--curve", default="", help="JSON {tokens: ms}: a fixed cost model")
     args = ap.parse_args(argv)
     import torch
     from transformers import AutoTokenizer
@@ -69,7 +76,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     paths = resolve_model("default")
     model, tok = LlamaModel.load(paths), AutoTokenizer.from_pretrained(str(paths.root))
-    cost = CostModel(calibrate(ModelRunner(model, 64, 16), (1, 2, 4, 8, 12, 16, 17), reps=3))
+    cost = CostModel({int(q): float(v) for q, v in json.loads(args.curve).items()}
+                     if args.curve else
+                     calibrate(ModelRunner(model, 64, 16), (1, 2, 4, 8, 12, 16, 17), reps=3))
     print("verify ms by tokens:", {q: round(v, 1) for q, v in cost.ms.items()})
     for i in (int(x) for x in args.prompts.split(",")):
         prompt = tok.apply_chat_template([{"role": "user", "content": TASKS[i][1]}],
@@ -79,7 +88,10 @@ def main(argv=None) -> None:
             rounds = play(model, prompt, Method[name.upper()], args.tokens, tok.eos_token_id,
                           cost)
             first = next((j + 1 for j, (_, a) in enumerate(rounds) if a), None)
-            print(f"prompt {i} ({TASKS[i][0]}) {name}: {len(rounds)} decode rounds, first "
+            made = len(rounds) + sum(a for _, a in rounds)  # each round: accepted + one
+            ms = sum(cost.cost(d + 1) for d, _ in rounds)
+            print(f"prompt {i} ({TASKS[i][0]}) {name}: {made} tokens in {len(rounds)} decode "
+                  f"rounds, modelled {made * cost.cost(1) / ms:.2f}x plain's decode; first "
                   f"accepted draft in round {first}; (drafted, accepted): {rounds[:12]}")
 
 
