@@ -153,7 +153,7 @@ class DraftSide:
                        features=seq.link.all_features(), tenant=p.tenant,
                        tree=bool(p.tree) and not seq.local.in_verifier,  # auto's worker: chains
                        grammar=p.grammar, grammar_start=len(p.prompt),
-                       controls=s.control_items() if s.has_controls else ()))
+                       controls=s.control_items() if s.has_controls or s.min_p else ()))
         if run_ahead == 0:  # a session at k = 0: Open cannot say "none yet", a commit can
             link.send(Commit(seq.session_id, seq.epoch, seq.num_tokens, [], 0, None))
             return
