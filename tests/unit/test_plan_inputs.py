@@ -98,4 +98,8 @@ def test_validation_overheads_and_prefill_line():
     curve = _with_prefills({1: 10.0, 17: 20.0, 64: 999.0},
                            [{"prompt_tokens": q, "verify_ms": 5 + q} for q in (40, 80, 120)])
     assert curve[1] == 10.0 and curve[17] == 20.0  # the small sizes keep the calibrated shape
-    assert curve[64] == pytest.approx(69.0) and curve[256] == pytest.approx(261.0)
+    assert curve[40] == 45.0 and curve[120] == 125.0 and 64 not in curve  # the prefills'
+    assert curve[2048] == pytest.approx(125.0 + 1928.0)  # then their fitted slope
+    slow = _with_prefills({1: 10.0}, [{"prompt_tokens": q, "verify_ms": ms}
+                                      for q, ms in ((40, 50.0), (60, 30.0), (80, 90.0))])
+    assert slow[60] == 50.0  # never cheaper for more tokens

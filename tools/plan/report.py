@@ -50,19 +50,27 @@ def _by_load(rounds: list[dict], loads: list[str]) -> dict[str, list[dict]]:
 
 
 def _with_prefills(verify: dict[int, float], prefills: list[dict]) -> dict[int, float]:
-    """The curve from 32 tokens up replaced by a least-squares line through the warm-up's cold
-    prefills (ms by prompt tokens), when there are some."""
-    pts = [(p["prompt_tokens"], p["verify_ms"]) for p in prefills if p.get("verify_ms")]
-    if len(pts) < 3:
+    """The curve from 32 tokens up replaced by the warm-up's cold prefills (ms by prompt
+    tokens, median per size, never falling with size), when there are some."""
+    by: dict[int, list[float]] = {}
+    for p in prefills:
+        if p.get("verify_ms") and p["prompt_tokens"] >= 32:
+            by.setdefault(p["prompt_tokens"], []).append(p["verify_ms"])
+    if len(by) < 3:
         return verify
-    mq = statistics.mean(q for q, _ in pts)
-    mm = statistics.mean(m for _, m in pts)
+    small = {q: ms for q, ms in verify.items() if q < 32}
+    out, top = dict(small), max(small.values(), default=0.0)
+    for q in sorted(by):
+        top = max(top, statistics.median(by[q]))
+        out[q] = top
+    # beyond the longest prompt: the least-squares slope over them all, not the last pair's
+    pts = [(q, statistics.median(ms)) for q, ms in by.items()]
+    mq, mm = statistics.mean(q for q, _ in pts), statistics.mean(m for _, m in pts)
     var = sum((q - mq) ** 2 for q, _ in pts) or 1.0
     slope = max(0.0, sum((q - mq) * (m - mm) for q, m in pts) / var)
-    small = {q: ms for q, ms in verify.items() if q < 32}
-    line = {q: max(mm + slope * (q - mq), max(small.values(), default=0.0))
-            for q in (32, 64, 128, 256, 512, 1024)}
-    return {**small, **line}
+    q_max = max(by)
+    out[max(2048, 2 * q_max)] = top + slope * (max(2048, 2 * q_max) - q_max)
+    return out
 
 
 def run_profile(profile_name: str, rounds: list[dict], loads: list[str],
@@ -98,6 +106,29 @@ def run_profile(profile_name: str, rounds: list[dict], loads: list[str],
                f"{ {k: round(v, 1) for k, v in step.items()} }); overheads {overhead}")
 
 
+def _cell_speed(rounds: list[dict], method: str, load: str) -> float:
+    """How much slower the verifier's plain forwards ran in this cell than in the none cell of
+    the same load (the lower quartile of their verify_ms, so that the prefill rounds among
+    them do not count): the host's drift (other jobs; a draft worker on the same cores),
+    which the cell's own rounds measure. 1.0 without such rounds."""
+    def med(m):
+        xs = [r["verify_ms"] for r in rounds
+              if r["method"] == m and r.get("load") == load and r["drafted"] == 0]
+        return statistics.quantiles(xs, n=4)[0] if len(xs) >= 4 else None
+    mine, base = med(method), med("none")
+    return mine / base if mine and base else 1.0
+
+
+def _slowed(profile, speed: float):
+    """The profile's device costs (forwards, batch extra, draft steps) times speed."""
+    if speed == 1.0:
+        return profile
+    return dataclasses.replace(
+        profile, verify_ms={q: ms * speed for q, ms in profile.verify_ms.items()},
+        batch_extra_ms={b: ms * speed for b, ms in profile.batch_extra_ms.items()},
+        draft_ms={b: ms * speed for b, ms in profile.draft_ms.items()})
+
+
 def compare(args, cells: dict, out: Path) -> list[dict]:
     from tools.plan.config import SimConfig
     from tools.plan.sim import simulate
@@ -105,7 +136,8 @@ def compare(args, cells: dict, out: Path) -> list[dict]:
     rounds = _rounds(out)
     loads = [k.split("|")[1] for k in cells if k.startswith("none|")]
     prefills = _jsonl(out / "prefill.jsonl")
-    lengths = tuple(p["prompt_tokens"] for p in prefills if p["prompt_tokens"])
+    lengths = tuple(_json(out / "prompt_lengths.json") or
+                    [p["prompt_tokens"] for p in prefills if p["prompt_tokens"]])
     table, profile = acceptance_table(rounds), run_profile(args.profile, rounds, loads, prefills,
                                                             _json(out / "overhead.json"))
     (out / "acceptance.json").write_text(json.dumps(
@@ -119,14 +151,18 @@ def compare(args, cells: dict, out: Path) -> list[dict]:
         cfg = SimConfig(method=method, concurrency=c, rate=0.0 if c else args.rate,
                         requests=meas["requests"], max_tokens=args.max_tokens,
                         prompt_tokens=max(1, round(meas["prompt_tokens_mean"])),
-                        prompt_lengths=lengths, warm_prefixes=bool(lengths),
+                        prompt_lengths=lengths,
+                        warm_prefixes=bool(lengths) and not meas.get("cold", False),
                         drafts=1, seed=args.seed)
-        sim = simulate(cfg, profile, table.get((method, load)) or table.get(method))
+        speed = _cell_speed(rounds, method, load) if getattr(args, "cell_speed", False) else 1.0
+        sim = simulate(cfg, _slowed(profile, speed),
+                       table.get((method, load)) or table.get(method))
         err = {m: (sim[m] - meas[m]) / meas[m] if meas[m] else 0.0 for m in METRICS}
-        rows.append({"method": method, "load": load, "measured": meas,
+        rows.append({"method": method, "load": load, "measured": meas, "device_speed": speed,
                      "simulated": {m: sim[m] for m in (*METRICS, "acceptance_length_mean")},
                      "error": err, "within": {m: abs(err[m]) <= TOLERANCE[m] for m in METRICS}})
-    (out / "validate.json").write_text(json.dumps(
+    name = "validate-cell-speed.json" if getattr(args, "cell_speed", False) else "validate.json"
+    (out / name).write_text(json.dumps(
         {"profile": profile.to_json(), "rows": rows}, indent=1) + "\n")
     return rows
 
@@ -172,6 +208,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def write_report(args, rows: list[dict], out: Path) -> None:
     md = markdown(rows)
-    (out / "validate.md").write_text(md + "\n")
-    plot(rows, out / "validate.png")
+    stem = "validate-cell-speed" if getattr(args, "cell_speed", False) else "validate"
+    (out / f"{stem}.md").write_text(md + "\n")
+    plot(rows, out / f"{stem}.png")
     print(md)

@@ -44,6 +44,9 @@ def add_validate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="", help="an already running gateway (no start/stop)")
     p.add_argument("--out", default="plan-validate", help="directory for the results")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cell-speed", action="store_true",
+                   help="scale each cell's device costs by how much slower the verifier's plain "
+                        "forwards ran there than in the none cell of the same load (host drift)")
     p.add_argument("--from-measured", action="store_true",
                    help="no cluster: compare out/measured.json and out/rounds.jsonl again")
 
