@@ -1,6 +1,8 @@
 """tandem plan simulate: the simulation behaves as a deployment would (tools/plan/sim.py)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tools.plan.acceptance import MethodAcceptance
@@ -86,3 +88,22 @@ def test_draft_pool_drafts_and_more_verifiers_add_throughput():
 def test_bad_configs_say_why(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SimConfig(**kw)
+
+
+def test_trace_replays_arrivals_and_lengths(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"t": i * 0.5, "prompt_tokens": 16 + i,
+                                           "max_tokens": 5 + i, "conversation": f"c{i % 2}"})
+                               for i in range(6)) + "\n")
+    r = run(trace=str(trace), verifiers=2)
+    assert r["requests"] == 6
+    assert r["output_tokens"] == sum(5 + i for i in range(6))
+    with pytest.raises(ValueError, match="needs t, prompt_tokens"):
+        (tmp_path / "bad.jsonl").write_text('{"t": 1}\n')
+        run(trace=str(tmp_path / "bad.jsonl"))
+
+
+def test_shared_prefix_hits_the_real_prefix_cache():
+    cold = run(concurrency=1, requests=8, prompt_tokens=512)
+    shared = run(concurrency=1, requests=8, prompt_tokens=512, shared_prefix_tokens=480)
+    assert shared["ttft_ms_p50"] < 0.5 * cold["ttft_ms_p50"]
