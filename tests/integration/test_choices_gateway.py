@@ -71,17 +71,17 @@ def _first_tokens(client, prompt_ids, n: int, seed: int) -> list[str]:
 def test_n4_choices_are_distributed_as_n1_and_independent(client, prompt_ids,
                                                            first_token_dist):
     # seeded, so the test is deterministic: seeds 1000.. and the seeds derived per choice
-    ids = [_first_tokens(client, prompt_ids, 4, 1000 + r) for r in range(REQUESTS)]
-    pooled = Counter(t for row in ids for t in row)
+    firsts = [_first_tokens(client, prompt_ids, 4, 1000 + r) for r in range(REQUESTS)]
+    pooled = Counter(t for row in firsts for t in row)
     stat, crit = chi_square(dict(pooled), first_token_dist)
     print(f"n=4 pooled first tokens: chi2 {stat:.2f} (0.1% critical {crit:.2f}), "
           f"{sum(pooled.values())} samples, top {pooled.most_common(5)}")
     assert stat < crit, (stat, crit, pooled.most_common(8))
     for i in range(4):  # each choice on its own, choice 0 (prefilled) and the cached ones
-        stat_i, crit_i = chi_square(dict(Counter(row[i] for row in ids)), first_token_dist)
+        stat_i, crit_i = chi_square(dict(Counter(row[i] for row in firsts)), first_token_dist)
         assert stat_i < crit_i, (i, stat_i, crit_i)
     # independent choices: two of one request agree with probability sum p^2
-    agree = sum(row[0] == row[1] for row in ids) + sum(row[2] == row[3] for row in ids)
+    agree = sum(row[0] == row[1] for row in firsts) + sum(row[2] == row[3] for row in firsts)
     p2 = sum(p * p for p in first_token_dist.values())
     mean, sd = 2 * REQUESTS * p2, math.sqrt(2 * REQUESTS * p2 * (1 - p2))
     assert abs(agree - mean) < 4.5 * sd, (agree, mean, sd)
