@@ -58,7 +58,8 @@ def _round(sched, history, seq, answer):
     s = ScheduledSeq(seq, [seq.tokens[-1], *drafts], seq.num_tokens - 1, k, False, k)
     learn_acceptance(seq, s, n, reach, lambda _: False)
     seq.commit(drafts[:n], answer[done + n] if done + n < len(answer) else 0)
-    seq.stats.rounds += 1
+    st = seq.stats  # as verify_service/sessions.py records a round
+    st.rounds, st.drafted, st.accepted = st.rounds + 1, st.drafted + k, st.accepted + n
     return k, n
 
 
@@ -122,3 +123,21 @@ def test_auto_stops_speculating_where_its_rounds_do_not_pay():
     late = drafted[len(drafted) // 3:]
     assert sum(1 for k in late if k) <= len(late) // 16 + 1  # the scheduler's probes at most
     assert seq.est.drafted_from == {Method.NGRAM}  # agreeing duplicates: one source learns
+
+
+def test_after_a_miss_k_restarts_small_and_doubles_while_the_copy_holds():
+    """The history's drafts per round: uncapped at first, two past what was kept after a
+    round that broke off, doubling after each round kept whole; rounds of another source
+    (the heads, a worker) leave the cap alone. HistoryDrafts.fill proposes no more."""
+    sched, history, seq = _setup(Method.AUTO)
+    seq.commit([], PASSAGE[0])
+    caps = []
+    for source, drafted, kept in [(Method.NGRAM, 16, 3), (Method.NGRAM, 5, 5),
+                                  (Method.MEDUSA, 4, 0), (Method.NGRAM, 10, 10)]:
+        seq.local.source = source
+        seq.stats.drafted += drafted
+        seq.stats.accepted += kept
+        history.fill([seq], sched.k_allowed)
+        caps.append(max(len(p.drafts) for p in seq.local.proposals.values()))
+        seq.local.proposals = {}
+    assert caps == [5, 10, 10, 16]  # the last: k_allowed (20 uncapped)

@@ -45,6 +45,7 @@ class HistoryDrafts:
         # for greedy and sampled sessions: a sampled one keeps a draft only with the target's
         # probability of it, so the same proposal reaches less far.
         self.scale: dict[tuple[Method, bool], float] = {}
+        self.caps = RoundCaps()
 
     @staticmethod
     def serves(method: Method, prediction: bool = False) -> bool:
@@ -57,6 +58,7 @@ class HistoryDrafts:
         proposer's own confidence per token). verify_service/policy/auto.py picks among them. A
         proposer that fails or finds no match proposes nothing."""
         ks = {seq.session_id: k for seq in seqs if (k := k_allowed(seq)) > 0}
+        caps = {seq.session_id: self.caps.update(seq) for seq in seqs}
         by_method: dict[Method | Source, list[Sequence]] = {}
         for seq in seqs:
             if seq.session_id in ks:
@@ -66,8 +68,11 @@ class HistoryDrafts:
                 for method in _sources(seq.params.method, bool(seq.params.prediction)):
                     by_method.setdefault(method, []).append(seq)
         for method, group in by_method.items():
+            cap = (lambda seq: caps[seq.session_id]) if method in HISTORY_SOURCES else \
+                (lambda seq: ks[seq.session_id])
             reqs = [DraftRequest(session_key=seq.session_id, token_ids=seq.tokens,
-                                 num_committed=seq.num_tokens, max_tokens=ks[seq.session_id],
+                                 num_committed=seq.num_tokens,
+                                 max_tokens=min(ks[seq.session_id], cap(seq)),
                                  sampling=seq.params.sampling, tenant=seq.params.tenant)
                     for seq in group]
             for seq, res in zip(group, propose_isolated(self.proposers[method], reqs)):
@@ -87,6 +92,7 @@ class HistoryDrafts:
         """The session is over: forget its state; suffix decoding learns its text; its
         measured correction moves the next sessions' start."""
         method = seq.params.method
+        self.caps.forget(seq.session_id)
         for source, scale in seq.est.source_scale.items():
             if source in seq.est.drafted_from:  # a source never used says nothing new
                 key = (source, seq.params.sampling.is_greedy)
@@ -103,3 +109,30 @@ def _sources(method: Method, prediction: bool = False) -> tuple[Method | Source,
     own = HISTORY_SOURCES if method is Method.AUTO else \
         (method,) if method in HISTORY_METHODS else ()
     return (*own, PREDICTION) if prediction else own
+
+
+class RoundCaps:
+    """k carried up fast on a run of acceptances and down fast on a miss, for the history's
+    drafts: after a round whose history drafts were all kept the cap doubles (none at first:
+    the proposal's own estimates size the opening rounds), after one that broke off it falls
+    to two past what was kept. A broken copy (a quote that jumps to another sentence, a
+    conversion between fields) then verifies a few drafts where its next match's estimates
+    alone verified 11-16 and kept 1-3; a copy that resumes after one changed token (a rename)
+    is back at the cap within three rounds."""
+
+    UNCAPPED = 1 << 30
+
+    def __init__(self):
+        self._seen: dict[str, tuple[int, int, int]] = {}  # session -> drafted, accepted, cap
+
+    def update(self, seq: Sequence) -> int:
+        """The session's cap for this round, from its last round (Sequence.stats)."""
+        drafted, accepted, cap = self._seen.get(seq.session_id, (0, 0, self.UNCAPPED))
+        d, a = seq.stats.drafted - drafted, seq.stats.accepted - accepted
+        if d > 0 and seq.local.source in HISTORY_SOURCES:
+            cap = min(self.UNCAPPED, 2 * cap) if a >= d else a + 2
+        self._seen[seq.session_id] = (seq.stats.drafted, seq.stats.accepted, cap)
+        return cap
+
+    def forget(self, session_id: str) -> None:
+        self._seen.pop(session_id, None)
