@@ -120,9 +120,10 @@ def test_auto_stops_speculating_where_its_rounds_do_not_pay():
     drafted = [k for k, _ in played]
     assert sum(n for _, n in played) == 0
     assert max(drafted) == 1  # one-token matches: never more than one draft
-    late = drafted[len(drafted) // 3:]
+    late = drafted[len(drafted) // 2:]  # (ngram and suffix's short-match fallback each
+    # propose the same one-token match: each source's correction has to fall)
     assert sum(1 for k in late if k) <= len(late) // 16 + 1  # the scheduler's probes at most
-    assert seq.est.drafted_from == {Method.NGRAM}  # agreeing duplicates: one source learns
+    assert all(seq.est.source_scale[m] < 0.3 for m in seq.est.drafted_from)
 
 
 def test_after_a_miss_k_restarts_small_and_doubles_while_the_copy_holds():

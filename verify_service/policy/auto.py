@@ -127,20 +127,17 @@ def pick(scheduler: Scheduler, seq: Sequence, asked: int = 0) -> None:
 
 
 def _join_agreeing(proposals: dict) -> None:
-    """Where one history proposal is the start of another (or the same), the shorter is
-    dropped: the longer drafts the same tokens and more. On a copy they agree (suffix
-    decoding stops at its match's length, n-gram lookup drafts on, with its copy estimates):
-    compared apart, the shorter's surer-looking start won, and a copy under way was verified
-    a few tokens a round where n-gram lookup alone went to the cap."""
+    """Where one history proposal is the start of a longer one, the shorter is dropped: the
+    longer drafts the same tokens and more. On a copy they agree (suffix decoding stops at
+    its match's length, n-gram lookup drafts on, with its copy estimates): compared apart,
+    the shorter's surer-looking start won, and a copy under way was verified a few tokens a
+    round where n-gram lookup alone went to the cap. (Two alike are left to the rates.)"""
     history = [m for m in FREE_SOURCES if m in proposals and proposals[m].parents is None]
     if len(history) < 2:
         return
-    # Longest first; of two as long, the first source (n-gram lookup: suffix decoding's
-    # short matches are the same lookup) is kept, so that one source's correction learns.
-    long, short = sorted(history, key=lambda m: (-len(proposals[m].drafts),
-                                                 m is not Method.NGRAM))[:2]
+    long, short = sorted(history, key=lambda m: -len(proposals[m].drafts))[:2]
     a, b = proposals[long].drafts, proposals[short].drafts
-    if [d.token_id for d in b] == [d.token_id for d in a[:len(b)]]:
+    if len(b) < len(a) and [d.token_id for d in b] == [d.token_id for d in a[:len(b)]]:
         del proposals[short]
 
 
