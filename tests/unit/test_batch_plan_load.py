@@ -116,3 +116,16 @@ def test_the_scheduler_says_who_the_step_waited_for():
     sched._caps = {"s0": 0, "s1": 0, "s2": 0, "s3": 2}  # a plan that asks one of four
     sched.schedule()
     assert sched.step_cost.asked_share == 0.25
+
+
+def test_one_session_alone_prices_its_method_by_the_pool_too():
+    # A lone fresh draft-model session at the 0.7 prior would draft; its method's sessions so
+    # far delivered 0.2 per token, which does not pay for a round's dearer forward.
+    cost = CostModel({1: 30.0, 2: 40.0, 3: 50.0, 4: 60.0, 5: 70.0})
+    sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_spec_tokens=4), cost,
+                      step_cost=StepCost(MEASURED))
+    (seq,) = _running(sched, 1, ema=0.7)
+    assert sched.desired_k(seq) > 0
+    for _ in range(40):
+        sched.pool.learn(Method.DRAFT_MODEL, 4, 0 if _ % 4 else 1)
+    assert sched.desired_k(seq) == 0

@@ -9,15 +9,16 @@ from collections import deque
 from dataclasses import dataclass
 
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
-from tandem.spec.cost import (
-    CostModel,
-    StepCost,
-    choose_k,
-    choose_tree_size,
-    plan_batch,
-)
+from tandem.spec.cost import CostModel, StepCost, choose_k, choose_tree_size, plan_batch
 from verify_service.config import SchedulerConfig
-from verify_service.policy.batch import AcceptancePool, asked_share, from_worker, gains, wait_entry
+from verify_service.policy.batch import (
+    AcceptancePool,
+    asked_share,
+    chain_acceptance,
+    from_worker,
+    gains,
+    wait_entry,
+)
 from verify_service.session.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
@@ -113,7 +114,8 @@ class Scheduler:
         if reach is not None:
             k = choose_tree_size(reach, k_allowed, self.cost, seq.est.tree_wait_ms)
         else:
-            k = choose_k(seq.est.acceptance_ema, k_allowed, self.cost)
+            k = choose_k(chain_acceptance(seq, self.pool) if from_worker(seq)
+                         else seq.est.acceptance_ema, k_allowed, self.cost)
         if k == 0 and k_allowed and probing(seq, ahead):
             # Speculation is off for this session: probe now and then, estimates move. A tree
             # probe verifies what would pay without its drafting wait, so that its nodes'
