@@ -23,7 +23,7 @@ from verify_service.forward.rejection import SamplingMetadata, SpecDecodeMetadat
 pytestmark = pytest.mark.integration
 GEMMA = "gemma3-270m"
 # Gemma 3 270M is the base model (no chat template): prompts it continues, on completions
-PROMPTS = ["Three rivers in Europe are the", "the cat sat on the mat. the cat sat on the"]
+PROMPTS = ["1, 2, 3, 4, 5, 6, 7, 8, 9,", "the cat sat on the mat. the cat sat on the"]
 
 
 @pytest.fixture(scope="module")
