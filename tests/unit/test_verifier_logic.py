@@ -227,6 +227,7 @@ def test_measured_round_costs_switch_speculation_off_and_probes_continue():
     sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_spec_tokens=1), cost)
     seq = Sequence(params())
     seq.est.acceptance_ema = 0.3
+    seq.stats.drafted = 8  # an estimate of its own (a fresh session's first round probes)
     ks = []
     for r in range(32):
         seq.stats.rounds = r

@@ -44,6 +44,14 @@ class AcceptancePool:
         return acc / n if n >= 1.0 else None
 
 
+def first_probe(seq: Sequence, ahead: int = 0) -> bool:
+    """A draft worker session's first decode round verifies one draft even where its method's
+    pooled acceptance says it does not pay: sessions too short to reach a probe would
+    otherwise never draft again after a pool learnt near zero, and the pool never recover.
+    (The prefill that samples the first token is round 0.)"""
+    return from_worker(seq) and not seq.stats.drafted and seq.stats.rounds + ahead == 1
+
+
 def chain_acceptance(seq: Sequence, pool: AcceptancePool) -> float:
     """The per-token acceptance the plan prices a worker chain at: the session's own EMA,
     leaning on its method's pool until it has drafted OWN_WEIGHT_DRAFTS tokens."""

@@ -1,7 +1,7 @@
 """Verifier scheduler: admits prefills, decides each step's batch, preempts when KV runs out.
-Pure Python, no torch (nano-vllm's layering). One step batches every running session (plain
-decode, or verification of the draft tokens that have arrived, up to its adaptive k) together
-with as many waiting prefills as the token budget allows, into one flattened forward."""
+Pure Python, no torch (nano-vllm's layering). One flattened forward per step: every running
+session (plain decode, or the drafts that arrived up to its adaptive k) and the prefills
+the token budget allows."""
 from __future__ import annotations
 
 import itertools
@@ -15,6 +15,7 @@ from verify_service.policy.batch import (
     AcceptancePool,
     asked_share,
     chain_acceptance,
+    first_probe,
     from_worker,
     gains,
     wait_entry,
@@ -116,7 +117,7 @@ class Scheduler:
         else:
             k = choose_k(chain_acceptance(seq, self.pool) if from_worker(seq)
                          else seq.est.acceptance_ema, k_allowed, self.cost)
-        if k == 0 and k_allowed and probing(seq, ahead):
+        if k == 0 and k_allowed and (probing(seq, ahead) or first_probe(seq, ahead)):
             # Speculation is off for this session: probe now and then, estimates move. A tree
             # probe verifies what would pay without its drafting wait, so that its nodes'
             # estimates get evidence too (one node alone says little about a tree).
@@ -124,8 +125,7 @@ class Scheduler:
         return k
 
     def k_allowed(self, seq: Sequence) -> int:
-        """The most drafts the session may verify per round (request cap, config cap, and
-        its share of max_verify_tokens under batch load)."""
+        """Most drafts a round may verify: request cap, config cap, share of max_verify_tokens."""
         capped = min(seq.params.num_speculative_tokens or self.config.max_spec_tokens,
                      self.config.max_spec_tokens)
         per_seq = self.config.max_verify_tokens // max(1, len(self.running)) - 1
@@ -153,9 +153,8 @@ class Scheduler:
 
     def plan(self) -> dict[str, int]:
         """Drafts per decoding session this step, when several share it: a draft's row (and
-        the wait for a draft worker's drafts) must pay for itself in the batch's tokens per
-        ms, not just in its own session's; a method whose drafts lose is off for the step.
-        {} for one session alone (tandem/spec/batch_plan.py, verify_service/policy/batch.py)."""
+        a worker's wait) must pay in the batch's tokens per ms; a losing method is off for the
+        step. {} for one session alone (tandem/spec/batch_plan.py, policy/batch.py)."""
         decoding = self._decoding()
         if len(decoding) < 2 or not self.step_cost.known:
             return {}
