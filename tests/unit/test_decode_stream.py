@@ -4,23 +4,13 @@ round by round, on multi-byte characters split across tokens and on speculative 
 several tokens; a refused step falls back to the offsets; other decoders get the offsets."""
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from gateway.text import OffsetDetokenizer, StreamDetokenizer, TextStream, detokenizer
+from tools.bench.decode_stream import rounds
 
 pytestmark = pytest.mark.unit
 TEXT = "Speculative café, naïve 日本語のテキスト 🎉👩‍💻 e\u0301 ∑∫ — done.\n" * 3
-
-
-def _rounds(ids, most, seed=0):
-    rng, out, i = random.Random(seed), [], 0
-    while i < len(ids):
-        k = rng.randint(1, most)
-        out.append(ids[i:i + k])
-        i += k
-    return out
 
 
 def _run(d, chunks):
@@ -30,7 +20,7 @@ def _run(d, chunks):
 @pytest.mark.parametrize("most", [1, 4, 8])
 def test_decode_stream_releases_what_the_offsets_release(tokenizer, most):
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    chunks = _rounds(ids, most, seed=most)
+    chunks = rounds(ids, most, seed=most)
     fast = _run(StreamDetokenizer(tokenizer, tokenizer.backend_tokenizer), chunks)
     assert fast == _run(OffsetDetokenizer(tokenizer), chunks)
     assert "".join(fast) == tokenizer.decode(ids) == TEXT
@@ -56,7 +46,7 @@ def test_the_gateway_uses_decode_stream_over_a_fast_tokenizer_only(tokenizer):
     assert isinstance(detokenizer(Plain()), OffsetDetokenizer)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     a, b = TextStream(tokenizer), TextStream(Plain())
-    assert _run(a, _rounds(ids, 5)) == _run(b, _rounds(ids, 5))
+    assert _run(a, rounds(ids, 5, 0)) == _run(b, rounds(ids, 5, 0))
 
 
 def test_a_refused_step_falls_back_to_the_offsets(tokenizer):
@@ -74,7 +64,7 @@ def test_a_refused_step_falls_back_to_the_offsets(tokenizer):
 
     real = DecodeStream(skip_special_tokens=True)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    chunks = _rounds(ids, 3)
+    chunks = rounds(ids, 3, 0)
     d = StreamDetokenizer(tokenizer, tokenizer.backend_tokenizer)
     d._stream = Refusing()
     assert "".join(_run(d, chunks)) == TEXT
