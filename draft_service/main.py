@@ -247,6 +247,8 @@ async def serve(config: DraftConfig, ready: Callable[[str], None] | None = None,
     if registration is not None:  # a refused password fails here, before the models load
         await redis_conn.check_auth(registration.redis_url, registration.redis_password)
     app = await build_app(config)
+    if app.worker.grammars is not None:  # before any traffic: see LazyCompiler
+        app.worker.grammars.warm()
     await app.server.start()
     if ready is not None:
         ready(join_host_port(config.host, app.port))

@@ -19,6 +19,7 @@ from gateway.tools import ToolPlan, system_prompt
 from tandem.errors import InvalidArgument
 from tandem.grammar import GrammarSpec
 from tandem.grammar.compiler import LazyCompiler
+from tandem.grammar.state import GrammarFailed
 from tandem.sampling_params import SamplingParams
 from tandem.spec.methods import AUTO_DRAFT_METHODS, Method
 
@@ -103,8 +104,11 @@ async def _check_grammar(grammar: GrammarSpec, grammars: LazyCompiler | None,
     if grammars is None:
         raise bad_request("structured output is not served by this gateway",
                           param=param or None, code="unsupported_parameter")
-    try:
-        await (await grammars.get()).matcher_async(grammar)
+    try:  # compiled and its first mask tried here, so one that fails never reaches a verifier
+        await grammars.state(grammar)
+    except GrammarFailed as exc:
+        raise bad_request(f"{param or 'grammar'}: cannot be served: {exc}",
+                          param=param or None, code="invalid_grammar") from None
     except InvalidArgument as exc:
         raise bad_request(f"{param or 'grammar'}: cannot compile: {exc}",
                           param=param or None, code="invalid_grammar") from None

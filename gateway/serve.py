@@ -65,6 +65,7 @@ def serve(app: FastAPI, config: GatewayConfig, log_level: str = "info",
         port = telemetry.start_metrics_server(config.metrics_port, registry, config.host)
         log.info("metrics on http://%s/metrics", join_host_port(config.host, port))
     (drain or DrainSignal()).on_signal(lambda: begin_drain(app))
+    app.state.gateway.grammars.build_now()  # before traffic: see LazyCompiler
     server = _Server(uvicorn.Config(app, log_level=log_level,
                                     timeout_graceful_shutdown=config.shutdown_grace_s),
                      lambda: begin_drain(app))

@@ -21,7 +21,7 @@ import llguidance.hf
 from tandem.background import background_pool
 from tandem.errors import InvalidArgument
 from tandem.grammar.spec import GrammarSpec
-from tandem.grammar.state import GrammarState, short_reason
+from tandem.grammar.state import GrammarFailed, GrammarState, short_reason
 
 
 class GrammarError(InvalidArgument):
@@ -59,15 +59,15 @@ class GrammarCompiler:
 
     def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         """A fresh matcher at the grammar's start; GrammarError if it cannot compile (or
-        could not within the deadline before)."""
+        could not within the deadline before), GrammarFailed if its first mask failed."""
         found = self._cached(spec)
         if found is None:
             found = self._compile_and_keep(spec)
-        if isinstance(found, GrammarError):
+        if isinstance(found, InvalidArgument):
             raise found
         return found.deep_copy()
 
-    def _cached(self, spec: GrammarSpec) -> llguidance.LLMatcher | GrammarError | None:
+    def _cached(self, spec: GrammarSpec) -> llguidance.LLMatcher | InvalidArgument | None:
         with self._lock:
             found = self._grammars.get(spec.key)
             return found if found is not None else self._errors.get(spec.key)
@@ -81,11 +81,21 @@ class GrammarCompiler:
         found = self._compile(spec)
         if time.monotonic() - t0 > self.timeout_s:  # its caller gave up: never again
             found = self._too_slow(spec)
-        size = len(spec.source.encode())
-        with self._lock:
-            (self._errors if isinstance(found, GrammarError) else self._grammars).put(
-                spec.key, found, size)
+        if isinstance(found, GrammarError):
+            self.remember_error(spec, found)
+        else:
+            with self._lock:
+                self._grammars.put(spec.key, found, len(spec.source.encode()))
         return found
+
+    def remember_error(self, spec: GrammarSpec, error: InvalidArgument) -> None:
+        """Keep `error` for `spec` (a retry fails at once, in every process that asks) and
+        drop its compiled grammar, if any. An error keeps only its message, so it is charged
+        that, not its grammar's source: a tenant's wide failing schemas cannot evict the
+        errors of others, nor any compiled grammar."""
+        with self._lock:
+            self._grammars.pop(spec.key)
+            self._errors.put(spec.key, error, len(str(error).encode()))
 
     def state_now(self, spec: GrammarSpec, committed=(), matcher=None) -> GrammarState:
         """A session's grammar at `committed` tokens (InvalidArgument if they do not follow
@@ -110,7 +120,7 @@ class GrammarCompiler:
                     pending.add_done_callback(lambda _, k=spec.key: self._forget(k))
             if found is None:
                 found = await self._wait(spec, pending)
-        if isinstance(found, GrammarError):
+        if isinstance(found, InvalidArgument):
             raise found
         return found.deep_copy()
 
@@ -151,6 +161,11 @@ class _Bounded:
     def __len__(self) -> int:
         return len(self._items)
 
+    def pop(self, key: str) -> None:
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+
     def get(self, key: str):
         item = self._items.get(key)
         if item is None:
@@ -161,9 +176,7 @@ class _Bounded:
     def put(self, key: str, value, size: int) -> None:
         """Keep value (dropping the least recently used to make room); one larger than the
         whole budget is not kept at all."""
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.bytes -= old[1]
+        self.pop(key)
         if size > self.max_bytes:
             return
         self._items[key] = (value, size)
@@ -173,12 +186,25 @@ class _Bounded:
 
 
 class LazyCompiler:
-    """A GrammarCompiler built on first use (the tokenizer costs ~1 s: servers that never
-    see a grammar never pay it), off the event loop."""
+    """A GrammarCompiler built off the event loop on first use, or at a process's start-up
+    (`warm`, `build_now`): the serving processes build it before they take traffic: building
+    it (loading a tokenizer and its imports, copying it into llguidance: 0.3-3 s, much of it
+    holding the GIL) on the first tenant's grammar stalls every other stream of the process."""
 
     def __init__(self, load: Callable[[], GrammarCompiler]):
         self._load, self._compiler = load, None
         self._lock = asyncio.Lock()
+        self._warming: asyncio.Future | None = None
+
+    def warm(self) -> None:
+        """Start building it now, on a thread, while the process has no traffic yet."""
+        self._warming = asyncio.ensure_future(self.get())
+
+    def build_now(self) -> GrammarCompiler:
+        """Build it on this thread unless built (start-up, before any event loop serves)."""
+        if self._compiler is None:
+            self._compiler = self._load()
+        return self._compiler
 
     async def get(self) -> GrammarCompiler:
         async with self._lock:
@@ -200,13 +226,18 @@ class LazyCompiler:
         never holds up a step's batch with a mask that fails."""
         c = await self.get()
         matcher = await c.matcher_async(spec)
-        return await asyncio.get_running_loop().run_in_executor(
-            c.masking, _ready_state, c, spec, committed, matcher)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                c.masking, _ready_state, c, spec, committed, matcher)
+        except GrammarFailed as exc:
+            if not committed:  # the grammar itself fails at its start: never again
+                c.remember_error(spec, exc)
+            raise
 
 
 def _ready_state(c: GrammarCompiler, spec: GrammarSpec, committed, matcher) -> GrammarState:
     state = c.state_now(spec, committed, matcher)
-    state.masks([])  # raises GrammarFailed; the matcher ends where it was
+    state.check_start()  # raises GrammarFailed; the matcher ends where it was
     return state
 
 

@@ -3,6 +3,7 @@ source text. Compiled per tokenizer by tandem.grammar.compiler."""
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -43,9 +44,10 @@ class GrammarSpec:
         if self.kind is GrammarKind.CHOICE:
             _check_choices(self.source)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """Content address: equal grammars share one compilation."""
+        """Content address: equal grammars share one compilation (hashed once: a source
+        may be 256 KiB, and the key is read on the event loop)."""
         h = hashlib.sha256(f"{int(self.kind)}\x00{self.source}".encode())
         return h.hexdigest()
 

@@ -57,6 +57,13 @@ class GrammarState:
             return []
         return self.matcher.compute_ff_tokens()
 
+    def check_start(self) -> None:
+        """GrammarFailed if the mask at the committed text breaks llguidance's limits (a row
+        too wide, a lexer out of expressions). Torch-free: the gateway's admission runs it."""
+        self._check()
+        self.matcher.compute_bitmask()
+        self._check()
+
     def masks(self, drafts: list[int], parents: tuple[int, ...] | None = None) -> torch.Tensor:
         """[len(drafts) + 1, words] int32 bitmasks: row 0 at the committed text, row i + 1
         after drafts[i] and its ancestors (parents[i]: index among drafts, -1 = root;

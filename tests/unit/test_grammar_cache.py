@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from tandem.grammar.compiler import GrammarCompiler, GrammarError
+from tandem.grammar.compiler import GrammarCompiler, GrammarError, LazyCompiler
 from tandem.grammar.spec import GrammarKind, GrammarSpec
+from tandem.grammar.state import GrammarFailed
 
 pytestmark = pytest.mark.unit
 
@@ -103,3 +104,76 @@ def test_a_cached_grammar_is_answered_while_another_compiles(compiler, monkeypat
         return got, done_first
     got, done_first = asyncio.run(ask())
     assert got is not None and done_first
+
+
+POISON = GrammarSpec(GrammarKind.REGEX, "([a-z ]{1,50}){1,50}")
+
+
+def _exhaust(compiler, tokenizer) -> None:
+    """Walk the poison regex until llguidance's lexer, shared by every copy of the compiled
+    grammar, runs out of expressions: from then on its very first mask fails."""
+    state = compiler.state_now(POISON)
+    with pytest.raises(GrammarFailed):
+        for t in tokenizer.encode(" use commas to separate items in a sentence that is long",
+                                  add_special_tokens=False):
+            state.check_start()
+            state.commit([t])
+
+
+def test_a_grammar_whose_first_mask_fails_is_refused_again_without_compiling(
+        tokenizer, monkeypatch):
+    """Admission's failure is kept like a compile error: a retry (in the gateway, then in
+    every verifier) costs a cache look, not a compile and a mask; the broken compiled
+    grammar is dropped."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    lazy = LazyCompiler(lambda: compiler)
+    _exhaust(compiler, tokenizer)
+    compiled = _counting(compiler, monkeypatch)
+    with pytest.raises(GrammarFailed, match="too many expressions"):
+        asyncio.run(lazy.state(POISON))
+    assert compiler._grammars.get(POISON.key) is None
+    for _ in range(3):
+        with pytest.raises(GrammarFailed, match="too many expressions"):
+            asyncio.run(lazy.state(POISON))
+        with pytest.raises(GrammarFailed):
+            compiler.matcher(POISON)
+    assert compiled == []
+
+
+def test_an_error_is_charged_its_message_not_its_source(tokenizer, monkeypatch):
+    """A wide invalid grammar (its source over the whole byte budget) is still remembered:
+    errors keep only a message, so retrying it never compiles again."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), cache_bytes=1024)
+    wide = GrammarSpec(GrammarKind.REGEX, "(" + "a" * 4000)
+    compiled = _counting(compiler, monkeypatch)
+    for _ in range(3):
+        with pytest.raises(GrammarError):
+            compiler.matcher(wide)
+    assert compiled == [wide.source]
+
+
+def test_the_gateway_refuses_a_grammar_whose_first_mask_fails(tokenizer):
+    """The gateway tries the first mask too (torch-free), so such a grammar is a 400 before
+    any verifier compiles it or a session is opened."""
+    from gateway.errors import APIError
+    from gateway.plan import _check_grammar
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    _exhaust(compiler, tokenizer)
+    with pytest.raises(APIError) as err:
+        asyncio.run(_check_grammar(POISON, LazyCompiler(lambda: compiler), ""))
+    assert err.value.status == 400 and "cannot be served" in err.value.message
+
+
+def test_a_warmed_compiler_is_built_before_any_grammar_is_asked_for(tokenizer):
+    built = []
+
+    async def start():
+        lazy = LazyCompiler(lambda: built.append(1) or GrammarCompiler(tokenizer, len(tokenizer)))
+        lazy.warm()
+        await asyncio.sleep(0)
+        await lazy._warming
+        return lazy
+    lazy = asyncio.run(start())
+    assert built == [1] and lazy.now() is not None
+    assert LazyCompiler(lambda: None).build_now() is None  # the loader's result, on this thread
