@@ -7,8 +7,7 @@ policy/scheduler.py (pure Python), executed by forward/executor.py (torch, in on
 thread so the event loop keeps serving health checks and draft streams), and the committed
 tokens go back out here, to the client's queue and to the draft worker. The open sessions
 live in sessions.py; what a round teaches the next ones' planning, in policy/feedback.py.
-Draft workers are optional: a session without proposals simply decodes plainly.
-"""
+Draft workers are optional: a session without proposals simply decodes plainly."""
 from __future__ import annotations
 
 import asyncio
@@ -24,10 +23,10 @@ from tandem.spec import Method
 from tandem.telemetry import VerifierMetrics
 from verify_service.drafts.history import HistoryDrafts
 from verify_service.drafts.side import DraftSide
-from verify_service.drafts.waits import draft_wait_limit_ms
+from verify_service.drafts.waits import draft_wait_limit_ms, run_ahead
 from verify_service.forward.executor import Executor
 from verify_service.forward.inputs import InputBuilder
-from verify_service.forward.masks import MaskJob, MaskPool
+from verify_service.forward.masks import MASK_WAIT_S, PENDING, MaskJob, MaskPool
 from verify_service.forward.step import RoundOutcome, StepInput, StepTimings
 from verify_service.policy import auto
 from verify_service.policy.feedback import learn_acceptance, observe_cost, observe_tree_wait
@@ -160,7 +159,7 @@ class Engine:
     def _pick(self, seqs: list[Sequence]) -> None:
         for seq in seqs:  # one proposal each (auto: the best of several)
             auto.pick(self.scheduler, seq, self.drafts.asked(seq))
-            if self.config.forced_drafts:
+            if self.config.forced_drafts and not self._masks.busy(seq.session_id):
                 auto.grammar_forced(seq, self.scheduler.k_allowed(seq))
 
     async def _execute(self, inputs: list[StepInput]):
@@ -214,17 +213,20 @@ class Engine:
     async def _step_inputs(self, scheduled: list[ScheduledSeq]
                            ) -> tuple[list[ScheduledSeq], list[StepInput]]:
         """The step's inputs; a session whose grammar broke (or whose masks failed) ends
-        here, alone, with why."""
+        here, alone, with why; one whose masks are late sits the step out."""
         drafts = [list(s.seq.drafts[:s.num_drafts]) for s in scheduled]
         masks = await self._masks.compute([
-            MaskJob(s.seq.grammar, [d.token_id for d in ds], s.parents)
+            MaskJob(s.seq.grammar, [d.token_id for d in ds], s.parents, s.seq.session_id,
+                    deferrable=not s.is_prefill)
             if s.seq.grammar is not None and not s.partial else None
-            for s, ds in zip(scheduled, drafts)])
+            for s, ds in zip(scheduled, drafts)], MASK_WAIT_S)
         kept, inputs = [], []
         for s, ds, mask in zip(scheduled, drafts, masks):
             if s.seq.finished or s.seq.session_id not in self.sessions:
                 continue  # cancelled while the masks were made
-            if isinstance(mask, GrammarFailed):
+            if mask is PENDING:  # its grammar is slow: the others do not wait for it
+                self.scheduler.defer(s)
+            elif isinstance(mask, GrammarFailed):
                 log.info("session %s: %s", s.seq.session_id, mask)
                 self._end(s.seq, "error", str(mask))
             elif isinstance(mask, BaseException):
@@ -266,25 +268,15 @@ class Engine:
         if seq.finished:
             self._end(seq)
         else:
-            self.drafts.commit(seq, start, new, outcome.features, self._run_ahead(seq))
-
-    def _run_ahead(self, seq: Sequence) -> int:
-        """Drafts worth having ready for the session's next round: its k, plus one that may
-        match the bonus token; none while its speculation is off (k = 0) until a probe round.
-        Drafting more only burns the draft worker's time (on a shared host, the verifier's)."""
-        if seq.local.in_verifier:  # auto's draft worker: only when its chain may be picked
-            return auto.remote_run_ahead(self.scheduler, seq, self.drafts.first.ms,
-                                         self.drafts.arrival.ms)
-        k = self.scheduler.desired_k(seq)
-        if seq.params.tree and k:  # a whole tree: the verifier sizes it once it arrives
-            return self.scheduler.k_allowed(seq)
-        return k + 1 if k else 0
+            self.drafts.commit(seq, start, new, outcome.features,
+                              run_ahead(seq, self.scheduler, self.drafts))
 
     def _end(self, seq: Sequence, reason: str | None = None, error: str = "") -> None:
         self.scheduler.finish(seq, reason, error)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        self._masks.forget(seq.session_id)
         if seq.local.in_verifier:
             self.history.finish(seq)
         self.drafts.release(seq)

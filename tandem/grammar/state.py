@@ -39,10 +39,14 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: tuple[int, ...]):
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
         self.words = mask_words(vocab_size)
+        # The mask at the committed text, as check_start made it (admission's): the first
+        # round's root row, which can take a hostile grammar 0.3 s, is not made twice.
+        self._start: bytes | None = None
 
     def commit(self, tokens: list[int]) -> bool:
         """Advance by committed tokens; False (and the matcher in its error state) if the
         grammar forbids one (a resumed session's tokens from elsewhere)."""
+        self._start = None if tokens else self._start
         for t in tokens:
             if self.matcher.is_stopped():
                 return t in self.eos_ids
@@ -61,7 +65,7 @@ class GrammarState:
         """GrammarFailed if the mask at the committed text breaks llguidance's limits (a row
         too wide, a lexer out of expressions). Torch-free: the gateway's admission runs it."""
         self._check()
-        self.matcher.compute_bitmask()
+        self._start = self.matcher.compute_bitmask()
         self._check()
 
     def masks(self, drafts: list[int], parents: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -71,7 +75,7 @@ class GrammarState:
         import torch
 
         out = torch.zeros(len(drafts) + 1, self.words, dtype=torch.int32)
-        self._fill(out, 0)
+        self._fill(out, 0, at_start=True)
         paths: list[list[int] | None] = []
         cur: list[int] = []  # tokens consumed beyond the committed text
         for i, tok in enumerate(drafts):
@@ -142,10 +146,16 @@ class GrammarState:
             self.matcher.consume_tokens(target[common:])
         return target
 
-    def _fill(self, out: torch.Tensor, row: int) -> None:
+    def _fill(self, out: torch.Tensor, row: int, at_start: bool = False) -> None:
+        import torch
+
         self._check()
         v = out[row]
-        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        if at_start and self._start is not None:
+            raw = bytearray(self._start[:v.numel() * v.element_size()])
+            v.view(torch.uint8).copy_(torch.frombuffer(raw, dtype=torch.uint8))
+        else:
+            self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
         self._check()  # the mask may hit a limit itself (a row too wide, a lexer shared by
         # every copy of the grammar out of expressions): then it is empty
         if not bool(v.any()):

@@ -17,7 +17,7 @@ from tandem.spec import Method
 from tandem.spec.cost import CostModel
 from verify_service.config import SchedulerConfig
 from verify_service.engine import Engine, EngineConfig
-from verify_service.forward.masks import MaskJob, MaskPool
+from verify_service.forward.masks import PENDING, MaskJob, MaskPool
 from verify_service.policy.scheduler import Scheduler
 from verify_service.session.params import GenerateParams
 
@@ -139,3 +139,55 @@ def test_a_grammar_whose_first_mask_breaks_is_refused_at_admission(tokenizer):
             first.commit([t])
     with pytest.raises(GrammarFailed, match="too many expressions"):
         asyncio.run(lazy.state(spec))
+
+
+def test_a_session_whose_masks_are_late_sits_the_step_out_and_keeps_them():
+    """Issue 47: a hostile grammar's mask (0.3 s for 1,500 optional properties) must not hold
+    every session's step. Past MASK_WAIT_S the step goes on without that session, its slot
+    given back; its masks go on being made and serve its next step, made once."""
+    async def main():
+        sched = Scheduler(BlockManager(64, 4), SchedulerConfig(), CostModel())
+        engine = Engine(None, sched, EngineConfig(), 100)
+        slow = SlowGrammar(0.4)
+        for sid, g in (("quick", SlowGrammar()), ("slow", slow)):
+            engine.submit(_params(sid), grammar=g)
+        sched.schedule()  # the prefills (their masks are awaited: a prefill cannot sit out)
+        decode = sched.schedule().scheduled
+        slots = sched.blocks.num_tokens("slow")
+        start = time.perf_counter()
+        kept, _ = await engine._step_inputs(decode)
+        took = time.perf_counter() - start
+        rolled_back = slots - sched.blocks.num_tokens("slow")
+        busy = engine._masks.busy("slow")
+        await asyncio.sleep(0.5)
+        again = [s for s in sched.schedule().scheduled if s.seq.session_id == "slow"]
+        kept2, inputs2 = await engine._step_inputs(again)
+        await engine.close()
+        return kept, took, rolled_back, busy, kept2, inputs2, slow
+
+    kept, took, rolled_back, busy, kept2, inputs2, slow = asyncio.run(main())
+    assert [s.seq.session_id for s in kept] == ["quick"] and took < 0.3
+    assert rolled_back == 1 and busy
+    assert [s.seq.session_id for s in kept2] == ["slow"] and inputs2[0].mask.shape == (1, WORDS)
+    assert len(slow.threads) == 1  # the late job's masks were used, not made again
+
+
+def test_a_prefills_masks_are_awaited_and_a_late_job_blocks_a_new_one():
+    """A prefill's root mask cannot be deferred (its first token is sampled in that step);
+    a session whose late job covers other drafts waits for that job (one thread per
+    matcher) rather than starting a second walk of it."""
+    async def main():
+        pool = MaskPool(workers=2)
+        g = SlowGrammar(0.3)
+        (first,) = await pool.compute([MaskJob(g, [], None, "s")], 0.01)
+        (late,) = await pool.compute([MaskJob(g, [5], None, "t", deferrable=True)], 0.01)
+        (other,) = await pool.compute([MaskJob(g, [6], None, "t", deferrable=True)], 0.01)
+        await asyncio.sleep(0.4)
+        (fresh,) = await pool.compute([MaskJob(g, [6], None, "t", deferrable=True)], 1.0)
+        pool.close()
+        return first, late, other, fresh, g
+
+    first, late, other, fresh, g = asyncio.run(main())
+    assert first.shape == (1, WORDS) and fresh.shape == (2, WORDS)
+    assert late is PENDING and other is PENDING
+    assert len(g.threads) == 3  # s's, t's first, then t's for the new drafts once it was free

@@ -1,7 +1,6 @@
 """Verifier scheduler: admits prefills, decides each step's batch, preempts when KV runs out.
 Pure Python, no torch (nano-vllm's layering). One flattened forward per step: every running
-session (plain decode, or the drafts that arrived up to its adaptive k) and the prefills
-the token budget allows."""
+session (plain decode, or the drafts that arrived up to its k) and the prefills that fit."""
 from __future__ import annotations
 
 import itertools
@@ -92,10 +91,9 @@ class Scheduler:
         if reason:
             seq.set_finished(reason, error)
         seq.sched.status = SeqStatus.FINISHED
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
         if self.blocks.has(seq.session_id):
             self.blocks.free(seq.session_id)
 
@@ -188,9 +186,8 @@ class Scheduler:
 
     def _chunk_size(self, remaining: int, budget: int, have_work: bool) -> int:
         """Prefill tokens to compute now: all of them alone; beside other work, a chunk."""
-        if not have_work:
-            return remaining
-        return max(0, min(remaining, budget, self.config.prefill_chunk_tokens))
+        return max(0, min(remaining, budget, self.config.prefill_chunk_tokens)) if have_work \
+            else remaining
 
     def _schedule_chunks(self, budget: int, have_work: bool) -> list[ScheduledSeq]:
         """The next chunk of each running session whose prefill is not done (oldest first)."""
@@ -239,6 +236,9 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     return False
+
+    def defer(self, sched: ScheduledSeq) -> None:  # a decode round sits this step out
+        self.blocks.rollback(sched.seq.session_id, len(sched.token_ids))
 
     def carry(self, seq: Sequence, carried: bool) -> None:
         """Whether the session's KV holds every committed token (its bonus row carried)."""
