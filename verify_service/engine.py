@@ -84,7 +84,9 @@ class Engine:
                                       local=LocalProposals(in_verifier=local),
                                       est=Estimates(source_scale=scales))
         self._wakeup.set()
-        self.drafts.attach(seq)
+        # The Open asks for what the first decode round (after the prefill's) will verify:
+        # where the method's pooled acceptance says drafts do not pay, one probe's, not 16.
+        self.drafts.attach(seq, None if local else run_ahead(seq, self.scheduler, self.drafts, 1))
         return queue
 
     def abort(self, session_id: str) -> None:

@@ -213,7 +213,8 @@ async def serve(config: VerifierConfig, colocate: Colocate | None = None) -> Non
         await redis_conn.check_auth(config.redis_url, config.redis_password)
         discover = draft_discovery(config.redis_url, config.redis_password)
     verifier = await start_verifier(config, discover=discover, colocate=colocate)
-    verifier.servicer.grammars.warm()  # before any traffic: see LazyCompiler
+    if verifier.servicer.grammars is not None:  # before any traffic: see LazyCompiler
+        verifier.servicer.grammars.warm()
     address = advertised(config.advertise_address, config.advertise_host, config.host,
                          verifier.port)
     print(f"verifier serving on {address}", flush=True)

@@ -165,7 +165,7 @@ def test_an_engine_loop_that_dies_reports_not_serving_and_ends_the_process(monke
 
     async def fake_start(config, discover=None, colocate=None):
         v = verify_main.Verifier(Server(), 0, Engine(), None, servicer)
-        v.servicer = type("S", (), {"draining": False})()
+        v.servicer = type("S", (), {"draining": False, "grammars": None})()
         v.watch_engine(asyncio.create_task(v.engine.run()))
         return v
 

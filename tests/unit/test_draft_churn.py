@@ -87,6 +87,29 @@ def test_a_reattach_asks_only_for_what_the_session_last_wanted():
     asyncio.run(main())
 
 
+def test_the_open_asks_for_what_the_first_decode_round_will_verify():
+    """Issue 49: a draft session's Open asks for the drafts its first decode round would
+    verify, not the most: where the method's pooled acceptance says drafts do not pay, one
+    probe's and the bonus token's, so the worker does not draft 16 tokens no one verifies."""
+    from verify_service.engine import Engine, EngineConfig
+
+    async def main(pooled: bool):
+        sched = make_sched()
+        for _ in range(50 if pooled else 0):
+            sched.pool.learn(Method.DRAFT_MODEL, 4, 0)
+        engine = Engine(None, sched, EngineConfig(), 100)
+        link = Link()
+        engine.drafts.pool = Pool(link)
+        engine.drafts.pool.up = True
+        engine.submit(params())
+        await asyncio.sleep(0)
+        return link.sent[0]
+
+    opened = asyncio.run(main(pooled=True))
+    assert isinstance(opened, Open) and opened.max_run_ahead == 2
+    assert asyncio.run(main(pooled=False)).max_run_ahead > 2  # the prior: drafts pay
+
+
 def test_a_worker_sending_past_run_ahead_or_sampled_tree_nodes_is_cut_off():
     seq = Sequence(params())
     side = DraftSide({seq.session_id: seq}, 100, 4, 3)

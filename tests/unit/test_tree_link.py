@@ -290,7 +290,7 @@ def test_a_verified_tree_resets_late_rounds_and_measures_its_wait():
         def linked(self, seq):
             return True
 
-        def attach(self, seq):
+        def attach(self, seq, run_ahead=None):
             pass
 
         def commit(self, *args, **kw):

@@ -103,10 +103,13 @@ class DraftSide:
         return seq.session_id in self.links or seq.session_id in self._attaching
 
     # ---- out: open / commit / close ----------------------------------------------------------
-    def attach(self, seq: Sequence) -> None:
+    def attach(self, seq: Sequence, run_ahead: int | None = None) -> None:
         """Open a draft stream for seq in the background, if it may still have one; an auto
         session's only once a commit asked its worker for drafts (verify_service/policy/auto.py):
-        until then it costs the worker nothing, and the Open brings it in sync."""
+        until then it costs the worker nothing, and the Open brings it in sync. `run_ahead`:
+        the drafts its Open asks for (None: the last commit's ask, or the most)."""
+        if run_ahead is not None:
+            self._run_ahead[seq.session_id] = min(run_ahead, self.max_run_ahead)
         if seq.link.attaches_left <= 0:  # spent: rest, then one more try (ATTACH_REST_S)
             seq.link.attaches_left, seq.link.next_attach_at = 1, self._clock() + ATTACH_REST_S
         if ((self.pool is not None or seq.link_method in self.hosted)

@@ -50,13 +50,14 @@ def draft_wait_limit_ms(running: list[Sequence], scheduler: Scheduler, drafts: D
     return limit_ms * waiting / len(running) if running else 0.0
 
 
-def run_ahead(seq: Sequence, scheduler: Scheduler, drafts: DraftSide) -> int:
-    """Drafts worth having ready for the session's next round: its k, plus one that may
-    match the bonus token; none while its speculation is off (k = 0) until a probe round.
-    Drafting more only burns the draft worker's time (on a shared host, the verifier's)."""
+def run_ahead(seq: Sequence, scheduler: Scheduler, drafts: DraftSide, ahead: int = 0) -> int:
+    """Drafts worth having ready for the session's next round (`ahead` rounds later): its k,
+    plus one that may match the bonus token; none while its speculation is off (k = 0) until
+    a probe round. Drafting more only burns the draft worker's time (on a shared host, the
+    verifier's)."""
     if seq.local.in_verifier:  # auto's draft worker: only when its chain may be picked
         return auto.remote_run_ahead(scheduler, seq, drafts.first.ms, drafts.arrival.ms)
-    k = scheduler.desired_k(seq)
+    k = scheduler.desired_k(seq, ahead)
     if seq.params.tree and k:  # a whole tree: the verifier sizes it once it arrives
         return scheduler.k_allowed(seq)
     return k + 1 if k else 0
