@@ -110,6 +110,33 @@ def test_the_open_asks_for_what_the_first_decode_round_will_verify():
     assert asyncio.run(main(pooled=False)).max_run_ahead > 2  # the prior: drafts pay
 
 
+def test_commits_to_a_paused_worker_are_held_and_sent_with_its_next_ask():
+    """A worker asked for no drafts gets no Commit per round (each costs both processes'
+    CPU on a shared host): the tokens go with the next ask, or before the Close."""
+    seq = Sequence(params())
+    side = DraftSide({seq.session_id: seq}, 100, 4, 8)
+    link = side.links[seq.session_id] = Link()
+
+    def round_(token, run_ahead):
+        start = seq.num_tokens
+        seq.commit([], token)
+        side.commit(seq, start, [token], run_ahead=run_ahead)
+
+    side.commit(seq, seq.num_tokens, [], run_ahead=0)  # the pause itself is sent
+    for t in (7, 8, 9):
+        round_(t, 0)
+    assert len(link.sent) == 1
+    round_(10, 2)
+    ask = link.sent[-1]
+    assert (ask.start_position, ask.token_ids, ask.max_run_ahead) == (3, [7, 8, 9, 10], 2)
+    round_(11, 0)  # sent: the worker was drafting
+    round_(12, 0)
+    assert len(link.sent) == 3
+    side.release(seq)
+    flushed, close = link.sent[-2:]
+    assert isinstance(flushed, Commit) and flushed.token_ids == [12] and isinstance(close, Close)
+
+
 def test_a_worker_sending_past_run_ahead_or_sampled_tree_nodes_is_cut_off():
     seq = Sequence(params())
     side = DraftSide({seq.session_id: seq}, 100, 4, 3)

@@ -86,6 +86,9 @@ class DraftSide:
         self._last_arrival = 0.0
         self._asked_at: dict[str, float] = {}  # session -> when its last commit asked
         self._run_ahead: dict[str, int] = {}  # session -> the run-ahead its last commit set
+        # session -> where the commits held back start: a worker asked for no drafts learns
+        # the tokens with its next ask (one message, not one per round, on either side)
+        self._held: dict[str, int] = {}
         self._attaching: set[str] = set()
         self._clock = clock
         self.watch = LinkWatch(clock)  # workers that refuse a session or never draft for it
@@ -143,6 +146,7 @@ class DraftSide:
         seq.link.attach_misses = 0
         seq.link.attaches_left -= 1  # given back by the stream's first draft (on_reply)
         self.links[seq.session_id] = link
+        self._held.pop(seq.session_id, None)  # its Open sends every token
         seq.drop_link_drafts()
         note_link_round(seq, arrived=True)  # a new stream gets waited for again
         p, s = seq.params, seq.params.sampling
@@ -172,6 +176,7 @@ class DraftSide:
         0 pauses drafting)."""
         if features is not None:  # kept first: a re-attach's Open sends the whole history
             seq.link.keep_features(features)
+        paused = self._run_ahead.get(seq.session_id, -1) == 0  # the worker drafts nothing
         if run_ahead is not None:  # also what a re-attach's Open asks for
             run_ahead = self._run_ahead[seq.session_id] = min(run_ahead, self.max_run_ahead)
         link = self.links.get(seq.session_id)
@@ -186,7 +191,11 @@ class DraftSide:
             link = None
         if link is None:
             self.attach(seq)
+        elif paused and run_ahead == 0 and features is None:
+            self._held.setdefault(seq.session_id, start)
         else:
+            held = self._held.pop(seq.session_id, start)
+            start, tokens = held, seq.tokens[held:start] + tokens
             if run_ahead == 0:
                 self._asked_at.pop(seq.session_id, None)
             else:
@@ -216,8 +225,11 @@ class DraftSide:
         self.watch.forget(seq.session_id)
         self._asked_at.pop(seq.session_id, None)
         self._run_ahead.pop(seq.session_id, None)
+        held = self._held.pop(seq.session_id, None)
         link = self.links.pop(seq.session_id, None)
         if link is not None:
+            if held is not None:  # its final text (a worker's learner reads it)
+                link.send(Commit(seq.session_id, seq.epoch, held, seq.tokens[held:], 0, None))
             link.send(Close(seq.session_id))
 
     # ---- in: proposals and failures ----------------------------------------------------------
@@ -263,6 +275,7 @@ class DraftSide:
         """Stop taking this session's proposals from its link. The epoch moves on, so what the
         old attach still has in flight fails the epoch check after a re-attach."""
         link = self.links.pop(seq.session_id)
+        self._held.pop(seq.session_id, None)  # a re-attach's Open sends every token
         self.watch.quiet(seq.session_id)
         if close:
             link.send(Close(seq.session_id))
