@@ -77,11 +77,18 @@ def test_greedy_128_tokens_identical_to_generate(target_model, hf_target, tokeni
     runner = ModelRunner(target_model, num_blocks=256, block_size=16)
     # All ten decoded together in one flattened batch: this also exercises batching.
     ours = LocalGenerator(runner).generate(prompts, SamplingParams(temperature=0.0), 128, (eos,))
+    # The reference: ONE batched, left-padded generate (padding masked out) instead of ten.
+    width = max(map(len, prompts))
+    padded = torch.tensor([[eos] * (width - len(ids)) + ids for ids in prompts])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    with torch.inference_mode():
+        refs = hf_target.generate(padded, attention_mask=mask, max_new_tokens=128,
+                                  do_sample=False, eos_token_id=eos,
+                                  pad_token_id=eos)[:, width:].tolist()
+    # A row that stopped is padded with eos after its own eos: keep up to the first one.
+    refs = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in refs]
     identical, report = 0, []
-    for ids, mine in zip(prompts, ours):
-        with torch.inference_mode():
-            ref = hf_target.generate(torch.tensor([ids]), max_new_tokens=128, do_sample=False,
-                                     eos_token_id=eos, pad_token_id=eos)[0, len(ids):].tolist()
+    for ids, mine, ref in zip(prompts, ours, refs):
         if ref == mine:
             identical += 1
             continue
