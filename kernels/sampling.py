@@ -53,6 +53,25 @@ def _check_sampling_inputs(
     if bad_p.any():
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p[bad_p].tolist()}")
 
+def _top_k_without_sort(logits, top_k, k_on):
+    """Top-k alone (no top-p) from topk's k-th value instead of a full-vocabulary sort (a
+    1000-row verify step: 1.6 s of sort on a CPU). The same kept set as the sort's by rank
+    wherever exactly k values reach the threshold; None where a tie straddles it (or k is
+    large), so the sort decides as before."""
+    k = torch.where(k_on, top_k, 1)
+    k_max = int(k.max())
+    if k_max > _TOPK_MAX:
+        return None
+    kth = logits.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])
+    keep = (logits >= kth) | ~k_on[:, None]
+    if not bool((keep.sum(dim=-1) == k)[k_on].all()):
+        return None
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+_TOPK_MAX = 1024
+
+
 def _apply_top_k_top_p(
     logits: torch.Tensor,  # [N, V] float32, already divided by temperature
     top_k: torch.Tensor,  # [N] int64, 0 = off
@@ -63,6 +82,10 @@ def _apply_top_k_top_p(
     p_on = top_p < 1
     if not (k_on.any() or p_on.any()):
         return logits
+    if not p_on.any():
+        kept = _top_k_without_sort(logits, top_k, k_on)
+        if kept is not None:
+            return kept
     # One descending sort serves both filters; masks are built in sorted order, then scattered.
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)
