@@ -186,10 +186,12 @@ def test_stochastic_verification_matches_target_distribution(target_model, token
     """Through the real engine step: first emitted token ~ target p, whatever q drafted."""
     prompt = chat(tokenizer, "Pick a random fruit.")
     n, top_k = 3000, 6
-    runner = ModelRunner(target_model, 8, 256)
-    runner.forward([SeqChunk(prompt[:-1], 0, [0])])  # shared cached prefix for all samples
+    # Blocks of 16 (not one of 256): each of a step's 500 sequences gathers its whole blocks
+    # in every layer, and the prompt fills ~3 of 16.
+    runner, table = ModelRunner(target_model, 8, 16), list(range(len(prompt) // 16 + 1))
+    runner.forward([SeqChunk(prompt[:-1], 0, table)])  # shared cached prefix for all samples
     sampling = SamplingParams(temperature=1.0, top_k=top_k)
-    logits = runner.forward([SeqChunk(prompt[-1:], len(prompt) - 1, [0])])[0]
+    logits = runner.forward([SeqChunk(prompt[-1:], len(prompt) - 1, table)])[0]
     top = logits.topk(top_k)
     p = torch.softmax(top.values, -1)
     ids = top.indices.tolist()
@@ -202,7 +204,7 @@ def test_stochastic_verification_matches_target_distribution(target_model, token
     # Batches of 500 sequences sharing block 0: their draft tokens' KV writes collide at one
     # slot, but only row 0 (which attends to the shared prefix alone) decides the first token.
     for start in range(0, n, 500):
-        inputs = [StepInput([prompt[-1], ids[j]], len(prompt) - 1, [0],
+        inputs = [StepInput([prompt[-1], ids[j]], len(prompt) - 1, table,
                             [DraftToken(ids[j], tuple(ids), tuple(q.tolist()))],
                             sampling) for j in draws[start:start + 500]]
         outcomes, _ = core.execute(inputs)
@@ -219,9 +221,10 @@ def test_carried_distribution_verifies_the_waiting_draft_losslessly(target_model
     """docs/design/brief.md step 5: the unsampled bonus row of one round verifies the next draft."""
     prompt = chat(tokenizer, "Name a colour.")
     n, top_k, L = 3000, 5, len(prompt)
-    runner = ModelRunner(target_model, 8, 256)
+    # Blocks of 16, as above: 500 sequences a step gather ~3 of them, not one of 256.
+    runner, table = ModelRunner(target_model, 8, 16), list(range(L // 16 + 1))
     sampling = SamplingParams(temperature=1.0, top_k=top_k)
-    logits = runner.forward([SeqChunk(prompt, 0, [0])])  # the whole prompt is cached
+    logits = runner.forward([SeqChunk(prompt, 0, table)])  # the whole prompt is cached
     carried = logits_to_probs(logits, torch.tensor([1.0]), torch.tensor([top_k]),
                               torch.tensor([1.0]))[0]
     ids = carried.topk(top_k).indices.tolist()
@@ -231,7 +234,7 @@ def test_carried_distribution_verifies_the_waiting_draft_losslessly(target_model
                               generator=torch.Generator().manual_seed(1)).tolist()
     core, counts = Executor(runner), torch.zeros(top_k)
     for start in range(0, n, 500):
-        inputs = [StepInput([ids[j]], L, [0],
+        inputs = [StepInput([ids[j]], L, table,
                             [DraftToken(ids[j], tuple(ids), tuple(q.tolist()))], sampling,
                             carried=carried) for j in draws[start:start + 500]]
         for o in core.execute(inputs)[0]:
@@ -239,12 +242,12 @@ def test_carried_distribution_verifies_the_waiting_draft_losslessly(target_model
     tv = 0.5 * (counts / n - p).abs().sum().item()
     assert tv < 0.05, f"TV {tv:.4f}"  # E[TV] ~ sqrt(5 / (2 pi 3000)) = 0.016
     # And a round that accepts everything with sample_bonus off hands back its bonus row.
-    inp = StepInput([ids[0]], L, [0], [DraftToken(ids[0], (ids[0],), (1.0,))],
+    inp = StepInput([ids[0]], L, table, [DraftToken(ids[0], (ids[0],), (1.0,))],
                     SamplingParams(temperature=1.0), carried=torch.nn.functional.one_hot(
                         torch.tensor(ids[0]), carried.shape[0]).float(), sample_bonus=False)
     (out,), _ = core.execute([inp])
     assert out.accepted == [ids[0]] and out.next_token is None
-    expected = torch.softmax(runner.forward([SeqChunk([ids[0]], L, [0])])[0], -1)
+    expected = torch.softmax(runner.forward([SeqChunk([ids[0]], L, table)])[0], -1)
     torch.testing.assert_close(out.carry, expected, atol=1e-5, rtol=1e-4)
 
 
