@@ -13,7 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (pyproject's floor): the same parser, as tomli
+    import tomli as tomllib
 
 pytestmark = pytest.mark.unit
 
