@@ -6,6 +6,7 @@ stream, one worker is killed with SIGKILL (the launcher's supervisor starts it a
 plain decoding's, and the sessions the kill left without drafts draft again within 4 s of
 the worker's return.
 """
+import concurrent.futures as cf
 import json
 import os
 import signal
@@ -62,7 +63,9 @@ def test_sessions_survive_a_killed_and_a_drained_worker(target_paths):
     try:
         cluster.start()
         url = cluster.gateway_url
-        plain = {p: ask(url, p, "none") for p in ASKS}
+        # Both plain references at once (the 8 sessions below are batched like this too).
+        with cf.ThreadPoolExecutor(len(ASKS)) as pool:
+            plain = dict(zip(ASKS, pool.map(lambda p: ask(url, p, "none"), ASKS)))
         texts, events = [None] * 8, [[] for _ in range(8)]
 
         def session(i):
