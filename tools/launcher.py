@@ -156,19 +156,26 @@ class Cluster:
         common = ["--redis-url", self.redis_url, "--threads", str(cfg.threads),
                   f"--host={cfg.worker_host}", *tls_args(cfg.tls), *cfg.placement_args()]
         host = _dialable(cfg.worker_host)
+        # Each group's children start together (their imports and model loads overlap), and
+        # all are healthy before the next group starts: draft workers, verifiers, gateway.
+        drafts = []
         for i in range(cfg.num_drafts):
             port, mport = free_port(host), free_port(host)
             extra = self._draft_args() + list(cfg.draft_args)
             extra += ["--metrics-port", str(mport)]
-            self._start_worker(f"draft-{i}", ["draft", "--port", str(port), *common, *extra],
-                               port, mport)
+            drafts.append(self._start_worker(
+                f"draft-{i}", ["draft", "--port", str(port), *common, *extra], port, mport))
+        self._wait_all(drafts)
+        verifiers = []
         for i in range(cfg.num_verifiers):
             port, mport = free_port(host), free_port(host)
             extra = ["--model", cfg.model] if cfg.model else []
             extra += ["--metrics-port", str(mport), *self._eagle3_args()[0],
                       *cfg.verifier_args]
-            self._start_worker(f"verifier-{i}", ["verifier", "--port", str(port), *common,
-                                                 *extra], port, mport)
+            verifiers.append(self._start_worker(
+                f"verifier-{i}", ["verifier", "--port", str(port), *common, *extra], port,
+                mport))
+        self._wait_all(verifiers)
         extra = ["--model", cfg.model] if cfg.model else []
         extra += ["--method-preference", cfg.method_preference] if cfg.method_preference else []
         proc = self._spawn("gateway", ["gateway", "--host", cfg.gateway_host, "--port",
@@ -212,13 +219,18 @@ class Cluster:
                 ["--tokenizer", target] if self.config.model in ("", "default",
                                                                  DEFAULT_TARGET) else [])
 
-    def _start_worker(self, name: str, args: list[str], port: int, metrics_port: int) -> None:
+    def _start_worker(self, name: str, args: list[str], port: int, metrics_port: int):
+        """Spawned, not waited for: (label, process, health check) for _wait_all."""
         host = _dialable(self.config.worker_host)
         self.metrics_urls[name] = f"http://{join_host_port(host, metrics_port)}/metrics"
         address = self.addresses[name] = join_host_port(host, port)
         proc = self._spawn(name, args)
-        self._wait(f"{name} ({address})", proc,
-                   lambda: grpc_healthy(address, tls=self.config.tls))
+        return (f"{name} ({address})", proc,
+                lambda: grpc_healthy(address, tls=self.config.tls))
+
+    def _wait_all(self, started) -> None:
+        for label, proc, check in started:
+            self._wait(label, proc, check)
 
     def stop(self) -> None:
         for _, proc in reversed(self.procs):
