@@ -58,7 +58,7 @@ def _top_k_without_sort(logits, top_k, k_on):
     1000-row verify step: 1.6 s of sort on a CPU). The same kept set as the sort's by rank
     wherever exactly k values reach the threshold; None where a tie straddles it (or k is
     large), so the sort decides as before."""
-    k = torch.where(k_on, top_k, 1)
+    k = torch.where(k_on, top_k.clamp(max=logits.shape[-1]), 1)  # k past the vocabulary: all
     k_max = int(k.max())
     if k_max > _TOPK_MAX:
         return None

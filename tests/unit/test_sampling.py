@@ -262,3 +262,24 @@ def test_position_noise_is_the_noise_sample_draws_for_a_seeded_row():
     for j in range(3):
         noise = position_noise(make_generator(keyed_seed(9, 40 + j)), 500)
         assert int((probs[j] / noise).argmax()) == int(got[j])
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_k_without_a_sort_keeps_exactly_what_the_sort_keeps(seed, ties, monkeypatch):
+    """The top-k fast path (topk's k-th value, no full sort) against the sort it skips, bit
+    for bit: without ties it is taken; with ties at the k-th value it falls back to the sort.
+    Some rows have k off, one k past the vocabulary."""
+    import kernels.sampling as ks
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randint(-6, 6, (64, 50), generator=gen).float() / 2 if ties
+              else torch.randn(64, 50, generator=gen))
+    top_k = torch.randint(0, 12, (64,), generator=gen)
+    top_k[5] = 80
+    top_p = torch.ones(64)
+    taken = ks._top_k_without_sort(logits, top_k, top_k > 0) is not None
+    fast = ks._apply_top_k_top_p(logits.clone(), top_k, top_p)
+    monkeypatch.setattr(ks, "_TOPK_MAX", 0)  # every row through the sort
+    slow = ks._apply_top_k_top_p(logits.clone(), top_k, top_p)
+    assert torch.equal(fast, slow) and taken is not ties
