@@ -190,7 +190,12 @@ class DraftApp:
     async def drain(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()  # NOT_SERVING: routers stop sending
         stopping = asyncio.create_task(self.server.stop(grace_s + 1.0))  # refuse new RPCs
-        await asyncio.sleep(grace_s)  # open streams keep drafting meanwhile
+        # Open streams keep drafting meanwhile; once none is left (their verifiers stopped
+        # too: a whole cluster's SIGTERM) there is nothing to wait for, and no new one comes.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.worker._streams and loop.time() < deadline:  # the worker's open streams
+            await asyncio.sleep(min(0.05, deadline - loop.time()))
         self.servicer.end_streams()  # UNAVAILABLE: verifiers reconnect elsewhere
         await stopping
         await self.worker.aclose()
