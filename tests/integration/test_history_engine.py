@@ -33,12 +33,18 @@ def copy_prompts(tokenizer):
                                           return_dict=False) for a in asks]
 
 
+@pytest.fixture(scope="module")
+def plain_greedy(target_model, tokenizer, copy_prompts):
+    """Plain greedy decoding of copy_prompts, 48 tokens: decoded once for the module (the
+    first 40 of each are the 40-token text)."""
+    return run_sessions(target_model, worker(), Method.NONE, copy_prompts, GREEDY, 48,
+                        stop=(tokenizer.eos_token_id,))[0]
+
+
 @pytest.mark.parametrize("method", [Method.NGRAM, Method.SUFFIX, Method.AUTO])
 def test_history_drafts_in_the_verifier_are_lossless_and_need_no_worker(
-        target_model, tokenizer, copy_prompts, method):
-    eos = (tokenizer.eos_token_id,)
-    plain, _, _, _ = run_sessions(target_model, worker(), Method.NONE, copy_prompts, GREEDY, 48,
-                                  stop=eos)
+        target_model, tokenizer, copy_prompts, plain_greedy, method):
+    eos, plain = (tokenizer.eos_token_id,), plain_greedy
     rounds = []
     got, drafted, accepted, link = run_sessions(
         target_model, worker(), method, copy_prompts, GREEDY, 48, stop=eos, rounds=rounds,
@@ -65,7 +71,7 @@ def test_seeded_sampling_with_history_drafts_is_the_plain_text(target_model, tok
 
 
 def test_auto_with_medusa_heads_drafts_chat_too_and_stays_lossless(
-        target_model, target_paths, tokenizer, copy_prompts):
+        target_model, target_paths, tokenizer, copy_prompts, plain_greedy):
     """auto with the verifier's Medusa heads: where the history has no match (chat) the heads
     propose, so auto drafts and keeps more there than the history alone; text unchanged,
     greedy and seeded."""
@@ -80,8 +86,8 @@ def test_auto_with_medusa_heads_drafts_chat_too_and_stays_lossless(
     eos = (tokenizer.eos_token_id,)
     chat = copy_prompts[2:]
     for sampling in (GREEDY, SamplingParams(temperature=0.7, seed=5)):
-        plain, _, _, _ = run_sessions(target_model, worker(), Method.NONE, copy_prompts,
-                                      sampling, 40, stop=eos)
+        plain = [p[:40] for p in plain_greedy] if sampling is GREEDY else run_sessions(
+            target_model, worker(), Method.NONE, copy_prompts, sampling, 40, stop=eos)[0]
         history_only = run_sessions(target_model, worker(), Method.AUTO, chat, sampling, 40,
                                     stop=eos, history=HistoryDrafts(8),
                                     cost=CostModel(dict(flat)))
