@@ -40,6 +40,13 @@ def chats(tokenizer):
 
 
 @pytest.fixture(scope="module")
+def plain32(target_model, chats):
+    """Plain greedy decoding of the chats, 32 tokens (no stop token: the 24-token text is its
+    prefix), decoded once for the module."""
+    return LocalGenerator(ModelRunner(target_model, 64, 16)).generate(chats, GREEDY, 32)
+
+
+@pytest.fixture(scope="module")
 def heads(target_model, target_paths):
     assert find_medusa(target_paths) is not None, "heads for the default target must ship"
     return load_for(target_model, target_paths, "auto")
@@ -50,8 +57,8 @@ def _medusa(model, heads, prompts, sampling, n, max_spec_tokens=16, **kw):
                         max_spec_tokens=max_spec_tokens, cost=CostModel(dict(FLAT)), **kw)
 
 
-def test_medusa_greedy_and_seeded_are_identical_to_plain(target_model, heads, chats):
-    plain = LocalGenerator(ModelRunner(target_model, 64, 16)).generate(chats, GREEDY, 32)
+def test_medusa_greedy_and_seeded_are_identical_to_plain(target_model, heads, chats, plain32):
+    plain = plain32
     got, drafted, accepted, _ = _medusa(target_model, heads, chats, GREEDY, 32)
     assert got == plain
     assert drafted > 0 and 0 < accepted < drafted  # trees really verified
@@ -61,10 +68,11 @@ def test_medusa_greedy_and_seeded_are_identical_to_plain(target_model, heads, ch
     assert got == want and accepted > 0
 
 
-def test_medusa_chains_are_its_top1_heads_and_identical_to_plain(target_model, heads, chats):
+def test_medusa_chains_are_its_top1_heads_and_identical_to_plain(target_model, heads, chats,
+                                                                plain32):
     """draft_shape chain: each round verifies at most one node per head, and the text is the
     same; the tree verifies more nodes per round on the same prompts."""
-    plain = LocalGenerator(ModelRunner(target_model, 64, 16)).generate(chats, GREEDY, 24)
+    plain = [p[:24] for p in plain32]
     widths = {}
     for shape in (False, True):
         rounds = []
