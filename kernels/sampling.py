@@ -53,6 +53,10 @@ def _check_sampling_inputs(
     if bad_p.any():
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p[bad_p].tolist()}")
 
+
+_TOPK_MAX = 1024  # the largest k the fast path takes (topk's cost grows with k)
+
+
 def _top_k_without_sort(logits, top_k, k_on):
     """Top-k alone (no top-p) from topk's k-th value instead of a full-vocabulary sort (a
     1000-row verify step: 1.6 s of sort on a CPU). The same kept set as the sort's by rank
@@ -67,9 +71,6 @@ def _top_k_without_sort(logits, top_k, k_on):
     if not bool((keep.sum(dim=-1) == k)[k_on].all()):
         return None
     return logits.masked_fill(~keep, float("-inf"))
-
-
-_TOPK_MAX = 1024
 
 
 def _apply_top_k_top_p(

@@ -46,7 +46,8 @@ class GrammarState:
     def commit(self, tokens: list[int]) -> bool:
         """Advance by committed tokens; False (and the matcher in its error state) if the
         grammar forbids one (a resumed session's tokens from elsewhere)."""
-        self._start = None if tokens else self._start
+        if tokens:  # the matcher moves on: admission's mask is no longer the start's
+            self._start = None
         for t in tokens:
             if self.matcher.is_stopped():
                 return t in self.eos_ids

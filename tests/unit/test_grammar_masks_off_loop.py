@@ -191,3 +191,19 @@ def test_a_prefills_masks_are_awaited_and_a_late_job_blocks_a_new_one():
     assert first.shape == (1, WORDS) and fresh.shape == (2, WORDS)
     assert late is PENDING and other is PENDING
     assert len(g.threads) == 3  # s's, t's first, then t's for the new drafts once it was free
+
+
+def test_a_prefill_waits_for_its_matchers_late_job_instead_of_sitting_out():
+    """A session preempted while its decode masks were late re-prefills: its prefill's mask
+    is never PENDING (a prefill cannot be deferred). The late job covers it (row 0 is the
+    committed text's), so it waits for that job and takes its first row."""
+    async def main():
+        pool = MaskPool(workers=2)
+        g = SlowGrammar(0.2)
+        (late,) = await pool.compute([MaskJob(g, [5], None, "s", deferrable=True)], 0.01)
+        (prefill,) = await pool.compute([MaskJob(g, [], None, "s")], 0.01)
+        pool.close()
+        return late, prefill, g
+
+    late, prefill, g = asyncio.run(main())
+    assert late is PENDING and prefill.shape == (1, WORDS) and len(g.threads) == 1
