@@ -102,6 +102,6 @@ def calibrate_host(model: str = "", draft_model: str = "", threads: int = 1, rep
         name=name, source=f"measured on this host by `tandem plan calibrate` "
         f"({time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {threads} torch thread(s))",
         verify_ms=verify, draft_ms=draft or {1: 5.0}, seq_overhead_ms=0.0,
-        batch_extra_ms=extra or {1: 0.0},
+        batch_extra_ms=extra or {1: 0.0}, batch_ms=batch,
         net_latency_ms=round(hop_ms(), 4), step_overhead_ms=0.0,
         notes=f"batch steps (b sessions x 1 token, ms): {batch}")

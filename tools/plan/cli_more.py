@@ -22,16 +22,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_acceptance(args: argparse.Namespace) -> int:
     """Recorded rounds (JSON lines {"method", "workload", "drafted", "accepted"}, as
     `tandem plan validate` writes them from the SSE round events) -> a table per method."""
-    from tools.plan.acceptance import from_rounds, table_to_json
+    from tools.plan.acceptance import decode_rounds, from_rounds, table_to_json
 
     rounds: dict[str, list[tuple[int, int]]] = {}
     for path in args.rounds:
-        for line in Path(path).read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                if args.workload and r.get("workload", "") != args.workload:
-                    continue
-                rounds.setdefault(r["method"], []).append((int(r["drafted"]), int(r["accepted"])))
+        rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+        for r in decode_rounds(rows):
+            if args.workload and r.get("workload", "") != args.workload:
+                continue
+            rounds.setdefault(r["method"], []).append((int(r["drafted"]), int(r["accepted"])))
     table = {m: from_rounds(rs) for m, rs in rounds.items()}
     Path(args.out).write_text(json.dumps(table_to_json(table), indent=1) + "\n")
     for m, a in table.items():

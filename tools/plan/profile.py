@@ -48,7 +48,12 @@ class Profile:
     feature_bytes_per_token: what EAGLE's features add per committed token; gateway_ms: the
     gateway's own share of TTFT (tokenize, route, Redis); kv_tokens: KV capacity per
     verifier in tokens; colocated_draft: drafts run on the verifier's own device (EAGLE
-    head on the target's GPU), so their steps delay its steps."""
+    head on the target's GPU), so their steps delay its steps. prefill_ms: a cold prompt's
+    forward by its tokens (nothing cached: `tandem plan validate`'s warm-up times them), for
+    steps of cold prefills only (empty: verify_ms); batch_ms: a step of b sessions x 1 token
+    as calibrated (what batch_extra_ms was derived from); reuse_hold_ms: how much later the
+    first bytes of a response reach a client that sends its next request on the kept-alive
+    connection the previous one just finished on (a closed-loop client; validate measures it)."""
 
     name: str
     source: str  # how the numbers were obtained: "measured on ...", "roofline ..."
@@ -67,6 +72,9 @@ class Profile:
     # Extra ms of a step by its sessions beyond one session's forward over as many tokens
     # (attention and bookkeeping per sequence): b sessions x 1 token minus 1 x b tokens.
     batch_extra_ms: dict[int, float] = field(default_factory=lambda: {1: 0.0})
+    prefill_ms: dict[int, float] = field(default_factory=dict)
+    batch_ms: dict[int, float] = field(default_factory=dict)
+    reuse_hold_ms: float = 0.0
     price_verifier_hr: float = 0.0  # $ per verifier pod hour (sizing reports)
     price_draft_hr: float = 0.0
     notes: str = ""
@@ -75,10 +83,12 @@ class Profile:
         object.__setattr__(self, "verify_ms", _curve(self.verify_ms))
         object.__setattr__(self, "draft_ms", _curve(self.draft_ms))
         object.__setattr__(self, "batch_extra_ms", _curve(self.batch_extra_ms or {1: 0.0}))
+        object.__setattr__(self, "prefill_ms", _curve(self.prefill_ms))
+        object.__setattr__(self, "batch_ms", _curve(self.batch_ms))
         if not self.verify_ms or not self.draft_ms:
             raise ValueError("a profile needs at least one point of verify_ms and draft_ms")
         for name in ("kv_ms_per_ktok", "step_overhead_ms", "seq_overhead_ms", "net_latency_ms",
-                     "gateway_ms", "price_verifier_hr", "price_draft_hr"):
+                     "gateway_ms", "reuse_hold_ms", "price_verifier_hr", "price_draft_hr"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"profile {name} must be >= 0, got {getattr(self, name)}")
         if self.net_gbps <= 0 or self.kv_tokens < 1 or self.block_size < 1:
@@ -87,8 +97,9 @@ class Profile:
 
     def step_ms(self, tokens: int, seqs: int, context_tokens: int) -> float:
         """One verifier step: `tokens` new tokens over `seqs` sessions attending over
-        `context_tokens` cached tokens in all."""
-        return (interpolate(self.verify_ms, tokens) + interpolate(self.batch_extra_ms, seqs)
+        `context_tokens` cached tokens in all (none: cold prefills, the prefill curve's)."""
+        forward = self.prefill_ms if self.prefill_ms and not context_tokens else self.verify_ms
+        return (interpolate(forward, tokens) + interpolate(self.batch_extra_ms, seqs)
                 + self.step_overhead_ms + self.seq_overhead_ms * seqs
                 + self.kv_ms_per_ktok * context_tokens / 1e3)
 

@@ -2,10 +2,11 @@
 table, a JSON file and a plot (simulated against measured)."""
 from __future__ import annotations
 
-import dataclasses
 import json
-import statistics
 from pathlib import Path
+
+from tools.plan.runprofile import cell_speed, run_profile, slowed
+from tools.plan.runprofile import with_prefills as _with_prefills  # noqa: F401 (its old name)
 
 METRICS = ("throughput_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
 TOLERANCE = {"throughput_tok_s": 0.15, "ttft_ms_p50": 0.15, "tpot_ms_p50": 0.15,
@@ -28,105 +29,16 @@ def _rounds(out: Path) -> list[dict]:
 
 def acceptance_table(rounds: list[dict]):
     """Per method, and per (method, load) where the rounds say their load: the suffix cache
-    and prefix cache grow as cells run, so a later cell's workload is not an earlier one's."""
-    from tools.plan.acceptance import from_rounds
+    and prefix cache grow as cells run, so a later cell's workload is not an earlier one's.
+    Without each request's first round (acceptance.decode_rounds)."""
+    from tools.plan.acceptance import decode_rounds, from_rounds
     by: dict = {}
-    for r in rounds:
+    for r in decode_rounds(rounds):
         pair = (r["drafted"], r["accepted"])
         by.setdefault(r["method"], []).append(pair)
         if "load" in r:
             by.setdefault((r["method"], r["load"]), []).append(pair)
     return {m: from_rounds(rs) for m, rs in by.items()}
-
-
-def _by_load(rounds: list[dict], loads: list[str]) -> dict[str, list[dict]]:
-    """The method none's rounds by load: their "load" key, or (older files) the cells' order,
-    every none cell having run the same requests and tokens (one round per token)."""
-    none = [r for r in rounds if r["method"] == "none"]
-    if all("load" in r for r in none):
-        return {ld: [r for r in none if r["load"] == ld] for ld in loads}
-    n = len(none) // max(1, len(loads))
-    return {ld: none[i * n:(i + 1) * n] for i, ld in enumerate(loads)}
-
-
-def _with_prefills(verify: dict[int, float], prefills: list[dict]) -> dict[int, float]:
-    """The curve from 32 tokens up replaced by the warm-up's cold prefills (ms by prompt
-    tokens, median per size, never falling with size), when there are some."""
-    by: dict[int, list[float]] = {}
-    for p in prefills:
-        if p.get("verify_ms") and p["prompt_tokens"] >= 32:
-            by.setdefault(p["prompt_tokens"], []).append(p["verify_ms"])
-    if len(by) < 3:
-        return verify
-    small = {q: ms for q, ms in verify.items() if q < 32}
-    out, top = dict(small), max(small.values(), default=0.0)
-    for q in sorted(by):
-        top = max(top, statistics.median(by[q]))
-        out[q] = top
-    # beyond the longest prompt: the least-squares slope over them all, not the last pair's
-    pts = [(q, statistics.median(ms)) for q, ms in by.items()]
-    mq, mm = statistics.mean(q for q, _ in pts), statistics.mean(m for _, m in pts)
-    var = sum((q - mq) ** 2 for q, _ in pts) or 1.0
-    slope = max(0.0, sum((q - mq) * (m - mm) for q, m in pts) / var)
-    q_max = max(by)
-    out[max(2048, 2 * q_max)] = top + slope * (max(2048, 2 * q_max) - q_max)
-    return out
-
-
-def run_profile(profile_name: str, rounds: list[dict], loads: list[str],
-                prefills: list[dict] = (), overhead: dict | None = None):
-    """The profile the comparison simulates with: the calibrated curve's SHAPE, its LEVEL and
-    the batch's extra cost from the verifier's own steps during the run (the rounds'
-    verify_ms of method none at 1 and b sessions: what StepCost does in the verifier), the
-    median rejection_ms as the step's work after the forward. A host shared with other jobs
-    swings too much between a calibration and a run for the calibration's level to hold."""
-    from tools.plan.profile import interpolate, load_profile
-    base, overhead = load_profile(profile_name), overhead or {}
-    step = {ld: statistics.median(r["verify_ms"] for r in rs)
-            for ld, rs in _by_load(rounds, loads).items() if rs}
-    if "c=1" not in step:
-        return base
-    scale = step["c=1"] / interpolate(base.verify_ms, 1)
-    verify = {q: ms * scale for q, ms in base.verify_ms.items()}
-    extra = {1: 0.0}
-    for ld, ms in step.items():
-        if ld.startswith("c=") and ld != "c=1":
-            b = int(ld[2:])
-            extra[b] = max(0.0, ms - interpolate(verify, b))
-    verify = _with_prefills(verify, prefills)
-    rej = [r["rejection_ms"] for r in rounds if r.get("rejection_ms")]
-    per_step = (statistics.median(rej) if rej else base.step_overhead_ms) + \
-        (overhead.get("step_gap_ms") or 0.0)
-    return dataclasses.replace(
-        base, verify_ms=verify, batch_extra_ms=extra, seq_overhead_ms=0.0,
-        step_overhead_ms=round(per_step, 3),
-        gateway_ms=round(overhead.get("gateway_ms") or base.gateway_ms, 3),
-        source=f"{base.source}; scaled x{scale:.2f} and batch extra {extra} from the run's "
-               f"own none steps (verify_ms median by load: "
-               f"{ {k: round(v, 1) for k, v in step.items()} }); overheads {overhead}")
-
-
-def _cell_speed(rounds: list[dict], method: str, load: str) -> float:
-    """How much slower the verifier's plain forwards ran in this cell than in the none cell of
-    the same load (the lower quartile of their verify_ms, so that the prefill rounds among
-    them do not count): the host's drift (other jobs; a draft worker on the same cores),
-    which the cell's own rounds measure. 1.0 without such rounds."""
-    def med(m):
-        xs = [r["verify_ms"] for r in rounds
-              if r["method"] == m and r.get("load") == load and r["drafted"] == 0]
-        return statistics.quantiles(xs, n=4)[0] if len(xs) >= 4 else None
-    mine, base = med(method), med("none")
-    return mine / base if mine and base else 1.0
-
-
-def _slowed(profile, speed: float):
-    """The profile's device costs (forwards, batch extra, draft steps) times speed."""
-    if speed == 1.0:
-        return profile
-    return dataclasses.replace(
-        profile, verify_ms={q: ms * speed for q, ms in profile.verify_ms.items()},
-        batch_extra_ms={b: ms * speed for b, ms in profile.batch_extra_ms.items()},
-        draft_ms={b: ms * speed for b, ms in profile.draft_ms.items()})
 
 
 def compare(args, cells: dict, out: Path) -> list[dict]:
@@ -154,8 +66,8 @@ def compare(args, cells: dict, out: Path) -> list[dict]:
                         prompt_lengths=lengths,
                         warm_prefixes=bool(lengths) and not meas.get("cold", False),
                         drafts=1, seed=args.seed)
-        speed = _cell_speed(rounds, method, load) if getattr(args, "cell_speed", False) else 1.0
-        sim = simulate(cfg, _slowed(profile, speed),
+        speed = cell_speed(rounds, method, load) if getattr(args, "cell_speed", False) else 1.0
+        sim = simulate(cfg, slowed(profile, speed),
                        table.get((method, load)) or table.get(method))
         err = {m: (sim[m] - meas[m]) / meas[m] if meas[m] else 0.0 for m in METRICS}
         rows.append({"method": method, "load": load, "measured": meas, "device_speed": speed,

@@ -18,6 +18,7 @@ class SimSession:
     prompt: tuple[int, ...]
     arrival_ms: float
     gateway_ms: float = 0.0  # the gateway's share of TTFT (added to every token's time)
+    hold_ms: float = 0.0  # its first bytes' extra delay (a just-used kept-alive connection)
     seq: object = None  # verify_service.session.sequence.Sequence once submitted
     lane: object = None  # tools.plan.drafts.DraftLane
     first_ms: float | None = None
@@ -38,7 +39,9 @@ class SimSession:
         if n:
             at = at_ms + self.gateway_ms
             if self.first_ms is None:
+                at += self.hold_ms
                 self.first_ms = at
+            at = max(at, self.first_ms)  # tokens made during the hold arrive with the first
             self.last_ms = at
             self.tokens += n
 

@@ -99,11 +99,13 @@ class Deployment:
         return self.shared + tuple(rng.randrange(_VOCAB)
                                    for _ in range(req.prompt_tokens - len(self.shared)))
 
-    def submit(self, req: Request):
-        """A SimPy process: the request through the gateway to a verifier, until it ends."""
+    def submit(self, req: Request, hold_ms: float = 0.0):
+        """A SimPy process: the request through the gateway to a verifier, until it ends;
+        hold_ms: its first bytes' extra delay (Profile.reuse_hold_ms)."""
         n = len(self.sessions)
         sess = SimSession(f"s{n}", req, self.prompt(req), self.env.now,
-                          gateway_ms=self.profile.gateway_ms / 2, finished=self.env.event())
+                          gateway_ms=self.profile.gateway_ms / 2, hold_ms=hold_ms,
+                          finished=self.env.event())
         self.sessions.append(sess)
         yield self.env.timeout(self.profile.gateway_ms / 2 + self.profile.hop_ms())
         v = self.affinity.get(req.conversation) or min(self.verifiers, key=lambda x: x.load)
@@ -118,13 +120,17 @@ class Deployment:
 
 
 def _drive(env, dep: Deployment, cfg: SimConfig, requests: list[Request], progress):
-    """Arrivals: clients in a closed loop (concurrency) or at the requests' own times."""
+    """Arrivals: clients in a closed loop (concurrency) or at the requests' own times. A
+    closed-loop client sends each request after its first on the connection its last one
+    just finished on (the hold)."""
     if cfg.concurrency:
         queue = iter(requests)
 
         def client():
+            hold = 0.0
             for req in queue:
-                yield env.process(dep.submit(req))
+                yield env.process(dep.submit(req, hold))
+                hold = dep.profile.reuse_hold_ms
                 progress()
         return [env.process(client()) for _ in range(cfg.concurrency)]
 

@@ -120,9 +120,9 @@ def measured(runs: list[dict]) -> dict:
             "requests": len(runs)}
 
 
-def overheads(runs: list[dict]) -> dict:
-    """Median ms of a first token beyond its round's forward and rejection (gateway_ms), and
-    of a later token beyond its round's (step_gap_ms), over single-session requests."""
+def _beyond(runs: list[dict]) -> tuple[list[float], list[float]]:
+    """Per request: ms of its first token beyond its first round's forward and rejection, and
+    of a later token beyond its round's (the median round after the first)."""
     first, gap = [], []
     for r in runs:
         rs = r["rounds"]
@@ -131,9 +131,37 @@ def overheads(runs: list[dict]) -> dict:
         first.append((r["first"] - r["start"]) * 1e3 - rs[0]["verify_ms"] - rs[0]["rejection_ms"])
         later = statistics.median(x["verify_ms"] + x["rejection_ms"] for x in rs[1:] or rs)
         gap.append((r["last"] - r["first"]) * 1e3 / (r["tokens"] - 1) - later)
-    return {"gateway_ms": max(0.0, statistics.median(first)) if first else None,
-            "step_gap_ms": max(0.0, statistics.median(gap)) if gap else None,
-            "requests": len(first)}
+    return first, gap
+
+
+def overheads(runs: list[dict], fresh: list[dict] | None = None) -> dict:
+    """Median ms of a first token beyond its round's forward and rejection (gateway_ms), and of
+    a later token beyond its round's (step_gap_ms), over single-session requests: `fresh`'s,
+    each sent on a new connection, when given. `runs` went back to back on one kept-alive
+    connection, as a closed-loop client sends them: their first token's extra time beyond
+    fresh's is reuse_hold_ms (2026-11-28: ~40 ms more, for the first bytes only; the tokens
+    made meanwhile arrive with them, so such a request's TPOT is that much shorter, and the
+    step gap is taken from the fresh requests)."""
+    first, gap = _beyond(fresh or runs)
+    out = {"gateway_ms": _med(first), "step_gap_ms": _med(gap), "requests": len(first)}
+    if fresh is not None:
+        reused, _ = _beyond(runs)
+        out["reuse_hold_ms"] = max(0.0, _med(reused) - out["gateway_ms"]) \
+            if reused and first else None
+    return out
+
+
+def _med(xs: list[float]) -> float | None:
+    return max(0.0, statistics.median(xs)) if xs else None
+
+
+async def _fresh(url: str, prompts: list[dict], max_tokens: int) -> list[dict]:
+    """Every prompt once at one session, each on a new connection (a new client)."""
+    out = []
+    for p in prompts:
+        async with httpx.AsyncClient() as client:
+            out.append(await _one(client, url, p, "none", max_tokens))
+    return out
 
 
 def loads(args) -> list[tuple[str, int, float]]:
@@ -157,10 +185,12 @@ def drive(args, url: str, out: Path) -> dict:
             first = r["rounds"][0] if r["rounds"] else {}
             f.write(json.dumps({"prompt": i, "prompt_tokens": r["prompt_tokens"],
                                 "verify_ms": first.get("verify_ms", 0.0)}) + "\n")
-    # and once more, warm: what a request costs beyond the verifier's forwards (the gateway,
-    # Redis, gRPC, the engine loop): the simulation's gateway_ms and per-step overhead
+    # and twice more, warm: what a request costs beyond the verifier's forwards (the gateway,
+    # Redis, gRPC, the engine loop): the simulation's gateway_ms and per-step overhead, each
+    # request on a new connection; and back to back on one, as the closed-loop cells send
     again = asyncio.run(_cell(url, "none", 1, None, len(prompts), 8, prompts))
-    (out / "overhead.json").write_text(json.dumps(overheads(again), indent=1) + "\n")
+    fresh = asyncio.run(_fresh(url, prompts, 16))
+    (out / "overhead.json").write_text(json.dumps(overheads(again, fresh), indent=1) + "\n")
     todo = [(m, ld) for m in args.methods for ld in loads(args)]
     bar = tqdm(todo, desc="validate", file=sys.stderr)
     with open(out / "rounds.jsonl", "w") as rounds, bar:

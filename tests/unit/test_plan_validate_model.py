@@ -1,0 +1,81 @@
+"""What `tandem plan validate` models from its own measurements (issue 50): the run profile's
+curves (tools/plan/runprofile.py), the warm passes' overheads (validate.overheads), the
+kept-alive connection's hold in the simulation, and acceptance without the prefill round."""
+import pytest
+
+from tools.plan.acceptance import decode_rounds
+from tools.plan.config import SimConfig
+from tools.plan.profile import Profile
+from tools.plan.runprofile import batch_extra, monotone
+from tools.plan.session import SimSession
+from tools.plan.sim import simulate
+from tools.plan.validate import overheads
+
+
+def test_monotone_pools_a_dip_with_its_neighbours():
+    got = monotone({1: 15.0, 2: 21.0, 4: 30.0, 5: 26.0, 6: 28.0, 8: 29.0})
+    assert got[1] == 15.0 and got[2] == 21.0
+    assert got[4] == got[5] == got[6] == pytest.approx(28.0)  # (30 + 26 + 28) / 3
+    assert got[8] == 29.0
+    assert list(got.values()) == sorted(got.values())
+
+
+def test_batch_extra_levels_the_calibrated_batch_curve_by_the_runs_steps():
+    base = Profile("p", "test", verify_ms={1: 10.0, 2: 14.0, 4: 16.0, 16: 30.0},
+                   batch_ms={1: 10.0, 2: 15.0, 4: 20.0, 16: 40.0})
+    verify = {q: ms * 1.1 for q, ms in base.verify_ms.items()}  # levelled by c=1's steps
+    extra = batch_extra(base, verify, {"c=1": 11.0, "c=4": 24.0, "c=16": 60.0}, 1.1)
+    assert extra[1] == pytest.approx(0.0)
+    assert extra[4] == pytest.approx(24.0 - 16.0 * 1.1)  # the run's own step at 4 sessions
+    assert extra[16] == pytest.approx(60.0 - 30.0 * 1.1)
+    ratio2 = 1.1 + (24.0 / 20.0 - 1.1) / 3  # the run / calibration ratio, linear in b
+    assert extra[2] == pytest.approx(15.0 * ratio2 - 14.0 * 1.1)
+
+
+def _run(ttft_ms, first_round_ms, tpot_ms, later_ms, tokens=8):
+    rounds = [{"verify_ms": first_round_ms, "rejection_ms": 0.0}] + [
+        {"verify_ms": later_ms, "rejection_ms": 0.0}] * (tokens - 1)
+    return {"start": 0.0, "first": ttft_ms / 1e3, "last": (ttft_ms + tpot_ms * (tokens - 1)) / 1e3,
+            "tokens": tokens, "rounds": rounds}
+
+
+def test_overheads_take_the_gateway_from_fresh_connections_and_the_rest_as_the_hold():
+    reused = [_run(80.0, 30.0, 14.0, 15.0)] * 3  # back to back: the first bytes held
+    fresh = [_run(42.0, 30.0, 16.5, 15.0)] * 3
+    got = overheads(reused, fresh)
+    assert got["gateway_ms"] == pytest.approx(12.0)
+    assert got["reuse_hold_ms"] == pytest.approx(50.0 - 12.0)
+    assert got["step_gap_ms"] == pytest.approx(1.5)  # from the fresh requests
+    assert "reuse_hold_ms" not in overheads(reused)  # one pass: as before
+
+
+def test_a_held_session_gets_its_first_bytes_late_and_the_tokens_made_meanwhile_with_them():
+    s = SimSession("s0", None, (), 0.0, gateway_ms=5.0, hold_ms=40.0)
+    s.emit(1, 20.0, 0, 0)
+    s.emit(1, 35.0, 0, 0)  # made during the hold
+    s.emit(1, 80.0, 0, 0)
+    assert s.first_ms == 65.0 and s.ttft_ms == 65.0
+    assert s.last_ms == 85.0 and s.tpot_ms == pytest.approx(10.0)
+
+
+def test_closed_loop_clients_pay_the_hold_after_their_first_request():
+    cfg = SimConfig(method="none", concurrency=1, requests=4, max_tokens=8, prompt_tokens=32)
+    prof = Profile("p", "test", verify_ms={1: 10.0, 64: 100.0}, gateway_ms=4.0,
+                   step_overhead_ms=0.0, seq_overhead_ms=0.0)
+    held = Profile(**{**prof.to_json(), "reuse_hold_ms": 40.0})
+    plain, slow = simulate(cfg, prof), simulate(cfg, held)
+    assert slow["ttft_ms_p99"] == pytest.approx(plain["ttft_ms_p99"] + 40.0)
+    assert slow["throughput_tok_s"] == pytest.approx(plain["throughput_tok_s"], rel=0.02)
+
+
+def test_cold_prefills_cost_by_their_own_curve():
+    prof = Profile("p", "test", verify_ms={1: 10.0, 64: 100.0}, prefill_ms={1: 10.0, 64: 50.0},
+                   step_overhead_ms=0.0, seq_overhead_ms=0.0)
+    assert prof.step_ms(64, 1, 0) == pytest.approx(50.0)  # nothing cached: a cold prefill
+    assert prof.step_ms(64, 4, 256) == pytest.approx(100.0)
+
+
+def test_acceptance_leaves_out_each_requests_prefill_round():
+    rows = [{"round": 1, "drafted": 0, "accepted": 0}, {"round": 2, "drafted": 3, "accepted": 3},
+            {"round": 3, "drafted": 0, "accepted": 0}, {"drafted": 1, "accepted": 1}]
+    assert [r.get("round") for r in decode_rounds(rows)] == [2, 3, None]
