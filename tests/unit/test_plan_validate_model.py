@@ -79,3 +79,37 @@ def test_acceptance_leaves_out_each_requests_prefill_round():
     rows = [{"round": 1, "drafted": 0, "accepted": 0}, {"round": 2, "drafted": 3, "accepted": 3},
             {"round": 3, "drafted": 0, "accepted": 0}, {"drafted": 1, "accepted": 1}]
     assert [r.get("round") for r in decode_rounds(rows)] == [2, 3, None]
+
+
+def test_drive_records_the_warm_passes_requests_and_rounds(tmp_path, monkeypatch):
+    import argparse
+    import json
+
+    from tools.plan import validate
+
+    def fake(n, tokens=4):
+        rounds = [{"method": "none", "round": i + 1, "drafted": 0, "accepted": 0,
+                   "verify_ms": 20.0, "rejection_ms": 0.1, "at": 1.05 + i * 0.02}
+                  for i in range(tokens)]
+        return [{"start": 1.0, "first": 1.05, "last": 1.11, "tokens": tokens,
+                 "prompt_tokens": 40, "rounds": [dict(r) for r in rounds]} for _ in range(n)]
+
+    async def cell(url, method, c, arrivals, n, max_tokens, prompts):
+        return fake(n)
+
+    async def fresh(url, prompts, max_tokens):
+        return fake(len(prompts))
+    monkeypatch.setattr(validate, "_cell", cell)
+    monkeypatch.setattr(validate, "_fresh", fresh)
+    p = argparse.ArgumentParser()
+    validate.add_validate_flags(p)
+    args = p.parse_args(["--methods", "none", "--concurrency", "1", "--requests", "2"])
+    cells = validate.drive(args, "http://x", tmp_path)
+    assert set(cells) == {"none|c=1", "none|rate=1/s"}
+    over = json.loads((tmp_path / "overhead.json").read_text())
+    assert over["reuse_hold_ms"] == 0.0 and over["gateway_ms"] == pytest.approx(29.9)
+    reqs = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(reqs) == 4 and reqs[0]["first"] == pytest.approx(0.05)
+    rounds = [json.loads(x) for x in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert len(rounds) == 16 and rounds[1]["at"] == pytest.approx(0.07)
+    assert {r["load"] for r in rounds} == {"c=1", "rate=1/s"}

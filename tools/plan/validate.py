@@ -73,7 +73,9 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: dict, method: str,
                                "round": ev.get("round", 0),
                                "drafted": ev["drafted"], "accepted": ev["accepted"],
                                "verify_ms": ev.get("verify_ms", 0.0),
-                               "rejection_ms": ev.get("rejection_ms", 0.0)})
+                               "rejection_ms": ev.get("rejection_ms", 0.0),
+                               "draft_wait_ms": ev.get("draft_wait_ms", 0.0),
+                               "at": time.perf_counter()})
             if "".join(choice_text(c) for c in obj.get("choices", [])):
                 now = time.perf_counter()
                 first = first or now
@@ -169,6 +171,36 @@ def loads(args) -> list[tuple[str, int, float]]:
     return out + ([(f"rate={args.rate:g}/s", 0, args.rate)] if args.rate else [])
 
 
+def _warm_passes(url: str, out: Path, prompts: list[dict]) -> None:
+    """Before the cells: every prompt once, cold (their prefills time the prefill curve at
+    their length; from then on every cell finds them in the prefix cache, as the simulation
+    is told); then twice more, warm: what a request costs beyond the verifier's forwards (the
+    gateway, Redis, gRPC, the engine loop): the simulation's gateway_ms and per-step overhead,
+    each request on a new connection; and back to back on one, as the closed-loop cells send."""
+    warm = asyncio.run(_cell(url, "none", 1, None, len(prompts), 2, prompts))
+    with open(out / "prefill.jsonl", "w") as f:
+        for i, r in enumerate(warm):
+            first = r["rounds"][0] if r["rounds"] else {}
+            f.write(json.dumps({"prompt": i, "prompt_tokens": r["prompt_tokens"],
+                                "verify_ms": first.get("verify_ms", 0.0)}) + "\n")
+    again = asyncio.run(_cell(url, "none", 1, None, len(prompts), 8, prompts))
+    fresh = asyncio.run(_fresh(url, prompts, 16))
+    (out / "overhead.json").write_text(json.dumps(overheads(again, fresh), indent=1) + "\n")
+
+
+def _record(runs: list[dict], method: str, load: str, rounds, requests) -> None:
+    """A cell's requests (requests.jsonl) and rounds (rounds.jsonl); times in s since the
+    cell's first request ("at": when the client got the round's event)."""
+    t0 = min(r["start"] for r in runs)
+    for r in runs:
+        requests.write(json.dumps({
+            "method": method, "load": load, "start": round(r["start"] - t0, 4),
+            "first": round(r["first"] - t0, 4), "last": round(r["last"] - t0, 4),
+            "tokens": r["tokens"], "prompt_tokens": r["prompt_tokens"]}) + "\n")
+        for ev in r.pop("rounds"):
+            rounds.write(json.dumps({**ev, "load": load, "at": round(ev["at"] - t0, 4)}) + "\n")
+
+
 def drive(args, url: str, out: Path) -> dict:
     """Every (method, load) cell against the running cluster; the rounds to rounds.jsonl."""
     from tqdm import tqdm
@@ -177,23 +209,11 @@ def drive(args, url: str, out: Path) -> dict:
     from tools.plan.sim import make_requests
 
     prompts, cells = _prompts(), {}
-    # warm-up: every prompt once, cold (their prefills time the verify curve at their length;
-    # from then on every cell finds them in the prefix cache, as the simulation is told)
-    warm = asyncio.run(_cell(url, "none", 1, None, len(prompts), 2, prompts))
-    with open(out / "prefill.jsonl", "w") as f:
-        for i, r in enumerate(warm):
-            first = r["rounds"][0] if r["rounds"] else {}
-            f.write(json.dumps({"prompt": i, "prompt_tokens": r["prompt_tokens"],
-                                "verify_ms": first.get("verify_ms", 0.0)}) + "\n")
-    # and twice more, warm: what a request costs beyond the verifier's forwards (the gateway,
-    # Redis, gRPC, the engine loop): the simulation's gateway_ms and per-step overhead, each
-    # request on a new connection; and back to back on one, as the closed-loop cells send
-    again = asyncio.run(_cell(url, "none", 1, None, len(prompts), 8, prompts))
-    fresh = asyncio.run(_fresh(url, prompts, 16))
-    (out / "overhead.json").write_text(json.dumps(overheads(again, fresh), indent=1) + "\n")
+    _warm_passes(url, out, prompts)
     todo = [(m, ld) for m in args.methods for ld in loads(args)]
     bar = tqdm(todo, desc="validate", file=sys.stderr)
-    with open(out / "rounds.jsonl", "w") as rounds, bar:
+    with open(out / "rounds.jsonl", "w") as rounds, open(out / "requests.jsonl", "w") as requests, \
+            bar:
         for method, (name, c, rate) in bar:
             bar.set_postfix_str(f"{method} {name}")
             arrivals = None
@@ -204,9 +224,7 @@ def drive(args, url: str, out: Path) -> dict:
                 arrivals = [r.arrival_ms / 1e3 for r in reqs]
             runs = asyncio.run(_cell(url, method, c, arrivals, args.requests, args.max_tokens,
                                      prompts))
-            for r in runs:
-                for ev in r.pop("rounds"):
-                    rounds.write(json.dumps({**ev, "load": name}) + "\n")
+            _record(runs, method, name, rounds, requests)
             cells[f"{method}|{name}"] = measured(runs)
     return cells
 
