@@ -113,3 +113,16 @@ def test_drive_records_the_warm_passes_requests_and_rounds(tmp_path, monkeypatch
     rounds = [json.loads(x) for x in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert len(rounds) == 16 and rounds[1]["at"] == pytest.approx(0.07)
     assert {r["load"] for r in rounds} == {"c=1", "rate=1/s"}
+
+
+def test_beyond_the_verifiers_calibration_the_runs_cold_prefills_price_a_step():
+    from tools.plan.runprofile import with_prefills
+
+    calibrated = {1: 15.0, 32: 70.0, 64: 130.0, 128: 790.0, 256: 1220.0}
+    prefills = [{"prompt_tokens": q, "verify_ms": ms}
+                for q, ms in ((45, 60.0), (78, 115.0), (99, 430.0), (127, 480.0), (164, 590.0))]
+    got = with_prefills(calibrated, prefills, above=64)
+    assert got[32] == 70.0 and got[64] == 130.0  # the verifier's own calibration range kept
+    assert 128 not in got and 256 not in got  # calibrate's extension to prefill sizes: replaced
+    assert got[78] == 130.0  # never cheaper than 64 tokens
+    assert got[99] == 430.0 and got[127] == 480.0 and got[164] == 590.0

@@ -7,6 +7,7 @@ import dataclasses
 import statistics
 
 from tools.plan.profile import Profile, interpolate, load_profile
+from verify_service.policy.calibration import STEP_CALIBRATION_COUNTS
 
 
 def by_load(rounds: list[dict], loads: list[str]) -> dict[str, list[dict]]:
@@ -32,16 +33,17 @@ def monotone(curve: dict[int, float]) -> dict[int, float]:
     return {q: m for m, _, keys in blocks for q in keys}
 
 
-def with_prefills(verify: dict[int, float], prefills: list[dict]) -> dict[int, float]:
-    """The curve from 32 tokens up replaced by the warm-up's cold prefills (ms by prompt
-    tokens, median per size, never falling with size), when there are some."""
+def with_prefills(verify: dict[int, float], prefills: list[dict],
+                  above: int = 31) -> dict[int, float]:
+    """The curve above `above` tokens replaced by the warm-up's cold prefills (ms by prompt
+    tokens, median per size, never falling with size), when there are 3 sizes or more."""
     by: dict[int, list[float]] = {}
     for p in prefills:
-        if p.get("verify_ms") and p["prompt_tokens"] >= 32:
+        if p.get("verify_ms") and p["prompt_tokens"] > above:
             by.setdefault(p["prompt_tokens"], []).append(p["verify_ms"])
     if len(by) < 3:
         return verify
-    small = {q: ms for q, ms in verify.items() if q < 32}
+    small = {q: ms for q, ms in verify.items() if q <= above}
     out, top = dict(small), max(small.values(), default=0.0)
     for q in sorted(by):
         top = max(top, statistics.median(by[q]))
@@ -99,8 +101,11 @@ def run_profile(profile_name: str, rounds: list[dict], loads: list[str],
         return base
     scale = step["c=1"] / interpolate(base.verify_ms, 1)
     verify = monotone({q: ms * scale for q, ms in base.verify_ms.items()})
-    extra = batch_extra(base, verify, step, scale)
     prefill = with_prefills(verify, prefills)
+    # beyond the verifier's own calibration (STEP_CALIBRATION_COUNTS: up to 64 tokens) the
+    # run's cold prefills, not calibrate's extension to prefill sizes
+    verify = with_prefills(verify, prefills, above=max(STEP_CALIBRATION_COUNTS))
+    extra = batch_extra(base, verify, step, scale)
     rej = [r["rejection_ms"] for r in rounds if r.get("rejection_ms")]
     per_step = (statistics.median(rej) if rej else base.step_overhead_ms) + \
         (overhead.get("step_gap_ms") or 0.0)
