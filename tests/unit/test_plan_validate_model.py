@@ -126,3 +126,27 @@ def test_beyond_the_verifiers_calibration_the_runs_cold_prefills_price_a_step():
     assert 128 not in got and 256 not in got  # calibrate's extension to prefill sizes: replaced
     assert got[78] == 130.0  # never cheaper than 64 tokens
     assert got[99] == 430.0 and got[127] == 480.0 and got[164] == 590.0
+
+
+def test_the_gateways_loop_shares_itself_among_concurrent_admissions():
+    import simpy
+
+    from tools.plan.gateway import SharedLoop
+
+    env = simpy.Environment()
+    loop, done = SharedLoop(env), {}
+
+    def req(name, at, work):
+        yield env.timeout(at)
+        yield loop.admit(work)
+        done[name] = env.now
+    for i in range(4):  # a burst: each gets a quarter of the loop
+        env.process(req(f"b{i}", 0.0, 5.0))
+    env.process(req("late", 30.0, 5.0))  # alone: its own work
+    env.process(req("mid", 10.0, 5.0))  # joins the burst halfway: 10..20 at 1/4, then 1/1
+    env.run()
+    assert done["late"] == pytest.approx(35.0)
+    # by t=10 the burst jobs have 2.5 ms each left; from 10, five share: the burst's end at
+    # 10 + 2.5 * 5 = 22.5; "mid" has had 2.5 of its 5 by then, alone for the rest: 25
+    assert all(done[f"b{i}"] == pytest.approx(22.5) for i in range(4))
+    assert done["mid"] == pytest.approx(25.0)

@@ -15,6 +15,7 @@ from tools.bench.stats import percentile
 from tools.plan import drafts as dp
 from tools.plan.acceptance import DEFAULTS, MethodAcceptance
 from tools.plan.config import LINKED_METHODS, Request, SimConfig
+from tools.plan.gateway import SharedLoop
 from tools.plan.profile import Profile
 from tools.plan.session import SimSession
 from tools.plan.verifier import SimVerifier
@@ -82,6 +83,7 @@ class Deployment:
         if profile.colocated_draft and self.workers:  # worker i on verifier i's device
             for i, w in enumerate(self.workers):
                 self.verifiers[i % len(self.verifiers)].colocated.append(w)
+        self.loop = SharedLoop(env)  # the gateway's admissions
         self.affinity: dict[str, SimVerifier] = {}
         self.shared = tuple(self.rng.randrange(_VOCAB) for _ in range(cfg.shared_prefix_tokens))
         self.sessions: list[SimSession] = []
@@ -107,7 +109,8 @@ class Deployment:
                           gateway_ms=self.profile.gateway_ms / 2, hold_ms=hold_ms,
                           finished=self.env.event())
         self.sessions.append(sess)
-        yield self.env.timeout(self.profile.gateway_ms / 2 + self.profile.hop_ms())
+        yield self.loop.admit(self.profile.gateway_ms / 2)  # shared with concurrent ones
+        yield self.env.timeout(self.profile.hop_ms())
         v = self.affinity.get(req.conversation) or min(self.verifiers, key=lambda x: x.load)
         if req.conversation:
             self.affinity[req.conversation] = v
