@@ -6,7 +6,7 @@ import pytest
 from tools.plan.acceptance import decode_rounds
 from tools.plan.config import SimConfig
 from tools.plan.profile import Profile
-from tools.plan.runprofile import batch_extra, monotone
+from tools.plan.runprofile import batch_extra, closed_ratios, monotone
 from tools.plan.session import SimSession
 from tools.plan.sim import simulate
 from tools.plan.validate import overheads
@@ -24,7 +24,8 @@ def test_batch_extra_levels_the_calibrated_batch_curve_by_the_runs_steps():
     base = Profile("p", "test", verify_ms={1: 10.0, 2: 14.0, 4: 16.0, 16: 30.0},
                    batch_ms={1: 10.0, 2: 15.0, 4: 20.0, 16: 40.0})
     verify = {q: ms * 1.1 for q, ms in base.verify_ms.items()}  # levelled by c=1's steps
-    extra = batch_extra(base, verify, {"c=1": 11.0, "c=4": 24.0, "c=16": 60.0}, 1.1)
+    ratio = closed_ratios(base, {"c=1": 11.0, "c=4": 24.0, "c=16": 60.0}, 1.1)
+    extra = batch_extra(base, verify, ratio)
     assert extra[1] == pytest.approx(0.0)
     assert extra[4] == pytest.approx(24.0 - 16.0 * 1.1)  # the run's own step at 4 sessions
     assert extra[16] == pytest.approx(60.0 - 30.0 * 1.1)
@@ -150,3 +151,16 @@ def test_the_gateways_loop_shares_itself_among_concurrent_admissions():
     # 10 + 2.5 * 5 = 22.5; "mid" has had 2.5 of its 5 by then, alone for the rest: 25
     assert all(done[f"b{i}"] == pytest.approx(22.5) for i in range(4))
     assert done["mid"] == pytest.approx(25.0)
+
+
+def test_an_open_load_takes_its_level_from_its_own_none_steps_by_sessions():
+    from tools.plan.runprofile import load_steps
+
+    def row(n, ms, method="none"):
+        return {"method": method, "load": "rate=1/s", "round": n, "verify_ms": ms}
+    rounds = []
+    for i in range(12):  # 12 steps of one session, 12 of two, one prefill step
+        rounds += [row(5, 18.0 + i / 100)] + [row(9, 24.0 + i / 100)] * 2
+    rounds += [row(1, 40.0)] * 3 + [row(2, 99.0, "ngram")]
+    got = load_steps(rounds, "rate=1/s")
+    assert got == {1: pytest.approx(18.055), 2: pytest.approx(24.055)}

@@ -50,8 +50,10 @@ def compare(args, cells: dict, out: Path) -> list[dict]:
     prefills = _jsonl(out / "prefill.jsonl")
     lengths = tuple(_json(out / "prompt_lengths.json") or
                     [p["prompt_tokens"] for p in prefills if p["prompt_tokens"]])
-    table, profile = acceptance_table(rounds), run_profile(args.profile, rounds, loads, prefills,
-                                                            _json(out / "overhead.json"))
+    table, over = acceptance_table(rounds), _json(out / "overhead.json")
+    profile = run_profile(args.profile, rounds, loads, prefills, over)  # the closed loads'
+    by_load = {ld: run_profile(args.profile, rounds, loads, prefills, over, load=ld)
+               for ld in loads if not ld.startswith("c=")}  # open loads: their own level
     (out / "acceptance.json").write_text(json.dumps(
         {m if isinstance(m, str) else "|".join(m): {
             "position_rates": a.position_rates, "propose_rate": a.propose_rate,
@@ -67,7 +69,7 @@ def compare(args, cells: dict, out: Path) -> list[dict]:
                         warm_prefixes=bool(lengths) and not meas.get("cold", False),
                         drafts=1, seed=args.seed)
         speed = cell_speed(rounds, method, load) if getattr(args, "cell_speed", False) else 1.0
-        sim = simulate(cfg, slowed(profile, speed),
+        sim = simulate(cfg, slowed(by_load.get(load, profile), speed),
                        table.get((method, load)) or table.get(method))
         err = {m: (sim[m] - meas[m]) / meas[m] if meas[m] else 0.0 for m in METRICS}
         rows.append({"method": method, "load": load, "measured": meas, "device_speed": speed,
@@ -75,7 +77,9 @@ def compare(args, cells: dict, out: Path) -> list[dict]:
                      "error": err, "within": {m: abs(err[m]) <= TOLERANCE[m] for m in METRICS}})
     name = "validate-cell-speed.json" if getattr(args, "cell_speed", False) else "validate.json"
     (out / name).write_text(json.dumps(
-        {"profile": profile.to_json(), "rows": rows}, indent=1) + "\n")
+        {"profile": profile.to_json(), "rows": rows,
+         "open_load_profiles": {ld: p.to_json() for ld, p in by_load.items()}},
+        indent=1) + "\n")
     return rows
 
 

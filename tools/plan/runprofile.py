@@ -58,20 +58,45 @@ def with_prefills(verify: dict[int, float], prefills: list[dict],
     return out
 
 
-def batch_extra(base: Profile, verify: dict[int, float], step: dict[str, float],
-                scale: float) -> dict[int, float]:
-    """What b sessions x 1 token cost beyond `verify` at b tokens: the calibrated batch curve
-    (base.batch_ms; older profiles: base.verify_ms + base.batch_extra_ms) times how much slower
-    the run's own none steps were than it at the loads that measured them (c=1: scale; c=4,
-    c=16: their median verify_ms), that ratio linear in b between them (the gateway's and the
-    client's work per stream takes more of the host's cores as streams are added)."""
-    cal = dict(base.batch_ms) or {b: interpolate(base.verify_ms, b) + ms
-                                  for b, ms in base.batch_extra_ms.items()}
-    ratio = {1: scale}
+def calibrated_batch(base: Profile) -> dict[int, float]:
+    """b sessions x 1 token as calibrated (base.batch_ms; older profiles: base.verify_ms +
+    base.batch_extra_ms)."""
+    return dict(base.batch_ms) or {b: interpolate(base.verify_ms, b) + ms
+                                   for b, ms in base.batch_extra_ms.items()}
+
+
+def closed_ratios(base: Profile, step: dict[str, float], scale: float) -> dict[int, float]:
+    """How much slower the run's own none steps were than the calibrated batch curve at the
+    closed loads that measured them (c=1: scale; c=4, c=16: their median verify_ms)."""
+    cal, ratio = calibrated_batch(base), {1: scale}
     for ld, ms in step.items():
         if ld.startswith("c=") and ld != "c=1":
-            b = int(ld[2:])
-            ratio[b] = ms / interpolate(cal, b)
+            ratio[int(ld[2:])] = ms / interpolate(cal, int(ld[2:]))
+    return ratio
+
+
+def load_steps(rounds: list[dict], load: str, least: int = 10) -> dict[int, float]:
+    """The median verify_ms of the none cell's steps of b sessions at this load, for each b
+    with `least` steps or more: a step's rounds share its verify_ms; steps with a request's
+    first round (a prompt's prefill) left out."""
+    steps: dict[float, list[dict]] = {}
+    for r in rounds:
+        if r["method"] == "none" and r.get("load") == load:
+            steps.setdefault(r["verify_ms"], []).append(r)
+    by: dict[int, list[float]] = {}
+    for ms, rs in steps.items():
+        if all(r.get("round") != 1 for r in rs):
+            by.setdefault(len(rs), []).append(ms)
+    return {b: statistics.median(v) for b, v in sorted(by.items()) if len(v) >= least}
+
+
+def batch_extra(base: Profile, verify: dict[int, float],
+                ratio: dict[int, float]) -> dict[int, float]:
+    """What b sessions x 1 token cost beyond `verify` at b tokens: the calibrated batch curve
+    times how much slower the run's own none steps were than it (ratio by sessions), that
+    ratio linear in b between them (the gateway's and the client's work per stream takes more
+    of the host's cores as streams are added)."""
+    cal = calibrated_batch(base)
     sizes = sorted({*cal, *ratio})
     run = monotone({b: interpolate(cal, b) * _flat(ratio, b) for b in sizes})
     return {b: max(0.0, ms - interpolate(verify, b)) for b, ms in run.items()}
@@ -86,26 +111,35 @@ def _flat(curve: dict[int, float], x: float) -> float:
 
 
 def run_profile(profile_name: str, rounds: list[dict], loads: list[str],
-                prefills: list[dict] = (), overhead: dict | None = None) -> Profile:
+                prefills: list[dict] = (), overhead: dict | None = None,
+                load: str = "") -> Profile:
     """The calibrated curve's SHAPE (made monotone), its LEVEL from the verifier's own none
     steps at one session during the run, the batch's cost by sessions from the calibrated
     batch curve levelled by the run's none steps at each load (batch_extra), the cold
     prefills as the prefill curve, the median rejection_ms plus the measured per-step gap as
     the step's work beyond the forward, and the measured gateway share and connection hold.
-    A host shared with other jobs swings too much between a calibration and a run for the
-    calibration's level to hold."""
+    For an open `load` (Poisson arrivals) the level and the batch's cost come from that load's
+    own none steps by sessions (load_steps) when they have one-session steps. A host shared
+    with other jobs swings too much between a calibration and a run for the calibration's
+    level to hold."""
     base, overhead = load_profile(profile_name), overhead or {}
     step = {ld: statistics.median(r["verify_ms"] for r in rs)
             for ld, rs in by_load(rounds, loads).items() if rs}
     if "c=1" not in step:
         return base
     scale = step["c=1"] / interpolate(base.verify_ms, 1)
+    ratio = closed_ratios(base, step, scale)
+    own = load_steps(rounds, load) if load and not load.startswith("c=") else {}
+    if 1 in own:  # an open load: its own none steps by sessions, not the closed loads'
+        scale = own[1] / interpolate(base.verify_ms, 1)
+        cal = calibrated_batch(base)
+        ratio = {1: scale, **{b: ms / interpolate(cal, b) for b, ms in own.items() if b > 1}}
     verify = monotone({q: ms * scale for q, ms in base.verify_ms.items()})
     prefill = with_prefills(verify, prefills)
     # beyond the verifier's own calibration (STEP_CALIBRATION_COUNTS: up to 64 tokens) the
     # run's cold prefills, not calibrate's extension to prefill sizes
     verify = with_prefills(verify, prefills, above=max(STEP_CALIBRATION_COUNTS))
-    extra = batch_extra(base, verify, step, scale)
+    extra = batch_extra(base, verify, ratio)
     rej = [r["rejection_ms"] for r in rounds if r.get("rejection_ms")]
     per_step = (statistics.median(rej) if rej else base.step_overhead_ms) + \
         (overhead.get("step_gap_ms") or 0.0)
@@ -115,7 +149,7 @@ def run_profile(profile_name: str, rounds: list[dict], loads: list[str],
         step_overhead_ms=round(per_step, 3),
         gateway_ms=round(overhead.get("gateway_ms") or base.gateway_ms, 3),
         reuse_hold_ms=round(overhead.get("reuse_hold_ms") or 0.0, 3),
-        source=f"{base.source}; scaled x{scale:.2f}, batch extra "
+        source=f"{base.source}; {load or 'closed loads'}: scaled x{scale:.2f}, batch extra "
                f"{ {b: round(v, 1) for b, v in extra.items()} } from the run's own none steps "
                f"(verify_ms median by load: {({k: round(v, 1) for k, v in step.items()})}); "
                f"overheads {overhead}")
