@@ -151,8 +151,15 @@ def run_profile(profile_name: str, rounds: list[dict], loads: list[str],
         reuse_hold_ms=round(overhead.get("reuse_hold_ms") or 0.0, 3),
         source=f"{base.source}; {load or 'closed loads'}: scaled x{scale:.2f}, batch extra "
                f"{ {b: round(v, 1) for b, v in extra.items()} } from the run's own none steps "
-               f"(verify_ms median by load: {({k: round(v, 1) for k, v in step.items()})}); "
+               f"(verify_ms median by load: {({k: round(v, 1) for k, v in step.items()})}"
+               f"{_own_note(load, own)}); "
                f"overheads {overhead}")
+
+
+def _own_note(load: str, own: dict[int, float]) -> str:
+    if 1 not in own:
+        return ""
+    return f"; {load} steps by sessions: { {b: round(v, 1) for b, v in own.items()} }"
 
 
 def cell_speed(rounds: list[dict], method: str, load: str) -> float:
