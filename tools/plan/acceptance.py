@@ -86,7 +86,7 @@ def decode_rounds(rows: Iterable[dict]) -> list[dict]:
     """Recorded rounds without each request's first ("round": 1): that round runs the prompt's
     prefill and has nothing to verify under any method, and the simulation never offers drafts
     there either, so counting it would lower the propose rate of the rounds that can draft
-    (by one round per request: a third of suffix's rounds at c=4, where requests take ~6)."""
+    (one round per request: one in six of suffix's rounds at c=4 on 2026-11-28)."""
     return [r for r in rows if r.get("round", 0) != 1]
 
 
