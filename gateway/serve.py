@@ -41,7 +41,11 @@ def listen(host: str, port: int) -> socket.socket:
     """A bound TCP socket for `host` (an IPv6 literal too; "::" also takes IPv4)."""
     host = host.strip("[]")
     v6 = ":" in host
-    sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
+    # and without it a kept-alive connection's every response after the first waited for the
+    # client's delayed ACK (~40 ms: Nagle holding the body behind the headers).
+    sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if v6:
