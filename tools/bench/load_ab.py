@@ -6,8 +6,12 @@ plain of this tree against plain of another checkout (`--base`), interleaved wit
 
 Each (level, rep) runs every arm once, the arms rotated per rep so none always goes first;
 an arm's figure is its tokens over its wall time summed over the reps; ratios are to plain
-(`none`) of this tree at the same level. Greedy, `ignore_eos`, the suffix caches off (every
-ask a first ask), one verifier and one draft worker at --threads 1, as `tandem bench`.
+(`none`) of this tree at the same level. Before a rep's arms, one untimed plain ask of one
+token per session puts the rep's prompts in each verifier's prefix cache, so that every arm
+finds them there (`--cold`: not; then the rep's first arm alone prefilled them, 0.5-1.5 s at
+4 sessions, and with fewer reps than arms some arms never went first). Greedy, `ignore_eos`,
+the suffix caches off (every ask a first ask), one verifier and one draft worker at
+--threads 1, as `tandem bench`.
 """
 from __future__ import annotations
 
@@ -71,9 +75,13 @@ def one(url: str, prompts: list[dict], n: int, method: str, tokens: int, offset:
 
 def run(args, clusters: dict[str, Cluster]) -> list[dict]:
     prompts, rows = load_prompts(), []
-    arms = [("new", m) for m in args.methods] + [("base", "none")] * ("base" in clusters)
+    arms = [("new", m) for m in args.methods] + [("base", m) for m in args.base_methods
+                                                 if "base" in clusters]
     for n in args.levels:
         for rep in range(args.reps):
+            if not args.cold:  # the rep's prompts in each verifier's prefix cache, untimed:
+                for c in clusters.values():  # else the first arm alone prefills them cold
+                    one(c.gateway_url, prompts, n, "none", 1, rep * n)
             shift = rep % len(arms)
             for name, method in arms[shift:] + arms[:shift]:
                 try:
@@ -86,7 +94,8 @@ def run(args, clusters: dict[str, Cluster]) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> dict:
-    """tok/s per (tree, level, method) over the reps, and the ratio to this tree's plain."""
+    """tok/s per (tree, level, method) over the reps, and the ratio to this tree's plain (and
+    for the base's arms, to the base's own plain when it ran)."""
     tps: dict[tuple, float] = {}
     for key in {(r["tree"], r["level"], r["method"]) for r in rows}:
         mine = [r for r in rows if (r["tree"], r["level"], r["method"]) == key
@@ -97,8 +106,11 @@ def summary(rows: list[dict]) -> dict:
     out = {}
     for (tree, level, method), v in sorted(tps.items()):
         plain = tps.get(("new", level, "none"))
+        own = tps.get((tree, level, "none"))
         out[f"{tree} x{level} {method}"] = {"tok_s": round(v, 1),
-                                            "vs_plain": round(v / plain, 3) if plain else None}
+                                            "vs_plain": round(v / plain, 3) if plain else None,
+                                            **({"vs_own_plain": round(v / own, 3)}
+                                               if tree == "base" and own else {})}
     return out
 
 
@@ -110,10 +122,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--base", default="", help="another checkout whose plain runs beside ours")
+    p.add_argument("--base-methods", default="none", help="the base's arms (comma-separated)")
+    p.add_argument("--cold", action="store_true",
+                   help="no untimed pass over each rep's prompts first (the first arm of a rep "
+                        "then prefills them cold, the arms after it find them cached)")
     p.add_argument("--out", default="results/load_ab.json")
     args = p.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
     args.methods = args.methods.split(",")
+    args.base_methods = args.base_methods.split(",")
     out = Path(args.out)
     roots = {"new": Path.cwd(), **({"base": Path(args.base)} if args.base else {})}
     clusters: dict[str, Cluster] = {}
