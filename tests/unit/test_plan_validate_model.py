@@ -50,6 +50,21 @@ def test_overheads_take_the_gateway_from_fresh_connections_and_the_rest_as_the_h
     assert "reuse_hold_ms" not in overheads(reused)  # one pass: as before
 
 
+def test_a_kept_alive_connection_quicker_than_a_new_one_is_a_negative_hold():
+    """Since the gateway's sockets have TCP_NODELAY (7a59555) a reused connection has no hold
+    and saves its connect: the difference is kept, not clamped to 0, down to -gateway_ms."""
+    reused = [_run(38.0, 30.0, 16.5, 15.0)] * 3
+    fresh = [_run(42.0, 30.0, 16.5, 15.0)] * 3
+    got = overheads(reused, fresh)
+    assert got["gateway_ms"] == pytest.approx(12.0)
+    assert got["reuse_hold_ms"] == pytest.approx(-4.0)
+    assert overheads([_run(20.0, 30.0, 16.5, 15.0)] * 3, fresh)["reuse_hold_ms"] == -12.0
+    base = dict(verify_ms={1: 10.0}, draft_ms={1: 1.0}, gateway_ms=12.0)
+    assert Profile("p", "test", reuse_hold_ms=-4.0, **base).reuse_hold_ms == -4.0
+    with pytest.raises(ValueError, match="reuse_hold_ms"):
+        Profile("p", "test", reuse_hold_ms=-13.0, **base)
+
+
 def test_a_held_session_gets_its_first_bytes_late_and_the_tokens_made_meanwhile_with_them():
     s = SimSession("s0", None, (), 0.0, gateway_ms=5.0, hold_ms=40.0)
     s.emit(1, 20.0, 0, 0)

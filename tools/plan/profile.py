@@ -53,7 +53,8 @@ class Profile:
     steps of cold prefills only (empty: verify_ms); batch_ms: a step of b sessions x 1 token
     as calibrated (what batch_extra_ms was derived from); reuse_hold_ms: how much later the
     first bytes of a response reach a client that sends its next request on the kept-alive
-    connection the previous one just finished on (a closed-loop client; validate measures it)."""
+    connection the previous one just finished on (a closed-loop client; validate measures it;
+    negative: sooner, the connect saved)."""
 
     name: str
     source: str  # how the numbers were obtained: "measured on ...", "roofline ..."
@@ -88,9 +89,12 @@ class Profile:
         if not self.verify_ms or not self.draft_ms:
             raise ValueError("a profile needs at least one point of verify_ms and draft_ms")
         for name in ("kv_ms_per_ktok", "step_overhead_ms", "seq_overhead_ms", "net_latency_ms",
-                     "gateway_ms", "reuse_hold_ms", "price_verifier_hr", "price_draft_hr"):
+                     "gateway_ms", "price_verifier_hr", "price_draft_hr"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"profile {name} must be >= 0, got {getattr(self, name)}")
+        if not self.reuse_hold_ms >= -self.gateway_ms:  # a reused connection saves its connect
+            raise ValueError(f"profile reuse_hold_ms must be >= -gateway_ms, got "
+                             f"{self.reuse_hold_ms}")
         if self.net_gbps <= 0 or self.kv_tokens < 1 or self.block_size < 1:
             raise ValueError(f"profile needs net_gbps > 0, kv_tokens >= 1, block_size >= 1, "
                              f"got {self.net_gbps}, {self.kv_tokens}, {self.block_size}")

@@ -141,14 +141,16 @@ def overheads(runs: list[dict], fresh: list[dict] | None = None) -> dict:
     a later token beyond its round's (step_gap_ms), over single-session requests: `fresh`'s,
     each sent on a new connection, when given. `runs` went back to back on one kept-alive
     connection, as a closed-loop client sends them: their first token's extra time beyond
-    fresh's is reuse_hold_ms (2026-11-28: ~40 ms more, for the first bytes only; the tokens
+    fresh's is reuse_hold_ms (2026-11-28b: ~40 ms more, for the first bytes only, until the
+    gateway's sockets got TCP_NODELAY; since, a few ms less: no connect; the tokens
     made meanwhile arrive with them, so such a request's TPOT is that much shorter, and the
     step gap is taken from the fresh requests)."""
     first, gap = _beyond(fresh or runs)
     out = {"gateway_ms": _med(first), "step_gap_ms": _med(gap), "requests": len(first)}
     if fresh is not None:
         reused, _ = _beyond(runs)
-        out["reuse_hold_ms"] = max(0.0, _med(reused) - out["gateway_ms"]) \
+        # negative where a kept-alive connection is quicker than a new one (no connect)
+        out["reuse_hold_ms"] = max(-out["gateway_ms"], _med(reused) - out["gateway_ms"]) \
             if reused and first else None
     return out
 
