@@ -29,21 +29,18 @@ def running_seq(sched, session_id="s"):
     return seq
 
 
-def test_the_pool_ages_per_step_of_its_sessions_its_rate_kept_until_under_one_trial():
-    pool, seq = AcceptancePool(), Sequence(params())
+def test_the_pool_ages_per_step_its_rate_kept_until_under_one_trial():
+    pool = AcceptancePool()
     for _ in range(3):
         pool.learn(Method.DRAFT_MODEL, 4, 1)
     rate = pool.rate(Method.DRAFT_MODEL)
     assert rate == pytest.approx(0.5) and pool.fresh(Method.DRAFT_MODEL)
     for _ in range(100):
-        pool.age([])  # steps without its sessions: nothing ages
-    assert pool.fresh(Method.DRAFT_MODEL)
-    for _ in range(100):
-        pool.age([seq])
+        pool.age()
     assert pool.rate(Method.DRAFT_MODEL) == pytest.approx(rate)  # weight, not rate
     assert not pool.fresh(Method.DRAFT_MODEL)
     for _ in range(400):
-        pool.age([seq])
+        pool.age()
     assert pool.rate(Method.DRAFT_MODEL) is None  # the sessions' prior again
 
 
@@ -56,7 +53,7 @@ def test_a_fresh_pool_skips_probes_and_the_first_round_is_no_probe():
     seq.stats.rounds = EXPLORE_EVERY - 1
     assert sched.desired_k(seq) == 0  # the pool knows: the probe is skipped
     while sched.pool.fresh(Method.DRAFT_MODEL):
-        sched.pool.age([seq])  # its steps without drafts
+        sched.pool.age()  # steps without drafts
     assert sched.desired_k(seq) == 1  # stale: this session's probe round probes
     sched._caps = {seq.session_id: 0}
     assert sched.desired_k(seq) == 1  # and the plan does not cut it
@@ -79,7 +76,7 @@ def test_a_session_with_no_link_asks_a_round_before_its_probe_and_waits_only_in_
     side = DraftSide({seq.session_id: seq}, 100, 4, 8)
     low_pool(sched.pool)
     while sched.pool.fresh(Method.DRAFT_MODEL):
-        sched.pool.age([seq])  # stale: probes are due
+        sched.pool.age()  # stale: probes are due
     seq.stats.rounds = EXPLORE_EVERY - 2  # the next round is plain, the one after a probe
     assert sched.desired_k(seq) == 0 and sched.desired_k(seq, 1) == 1
     assert run_ahead(seq, sched, side) == 2  # the link opens now, asking what the probe will

@@ -16,13 +16,13 @@ from tandem.spec import Method
 from verify_service.session.sequence import Sequence
 
 POOL_DECAY = 0.98  # per round with drafts: the pool follows the current sessions
-# Per verifier step with sessions of the method, drafting or not: evidence ages, so a pool
-# nobody drafted into lately weighs less, and under one trial says nothing (the prior again).
+# Per verifier step, drafting or not: evidence ages, so a pool nobody drafted into lately
+# weighs less, and at under one trial says nothing (its sessions price at the prior).
 AGE_DECAY = 0.995
 # Trials in the pool (aged) that make a worker session's probe unneeded: probes feed the
 # method's pool (one probe's draft moves a session's own estimate by 1/OWN_WEIGHT_DRAFTS),
 # so how often a method is probed follows how fresh its evidence is, not how many sessions
-# it has: about one probe in 45 of its steps at any load, not each session's every 16th round and
+# it has: about one probe in 45 steps at any load, not each session's every 16th round and
 # its first (each a wait for drafts, and for a session not yet linked, the worker's prefill).
 FRESH_TRIALS = 4.0
 OWN_WEIGHT_DRAFTS = 16  # drafts of its own after which a session trusts its own estimate
@@ -51,11 +51,9 @@ class AcceptancePool:
         trials = accepted + (1 if accepted < drafted else 0)
         self.sums[method] = (POOL_DECAY * acc + accepted, POOL_DECAY * n + trials)
 
-    def age(self, decoding: list[Sequence]) -> None:
-        """A step went by, drafting or not: the methods of its worker sessions age (a method
-        nobody uses keeps what it learnt until it is used again)."""
-        for method in {s.params.method for s in decoding if from_worker(s)} & self.sums.keys():
-            acc, n = self.sums[method]
+    def age(self) -> None:
+        """A step went by (sessions of any method, or none, drafting or not)."""
+        for method, (acc, n) in self.sums.items():
             self.sums[method] = (AGE_DECAY * acc, AGE_DECAY * n)
 
     def rate(self, method: Method) -> float | None:

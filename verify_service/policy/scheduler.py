@@ -172,9 +172,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
-        decoding = self._decoding()  # who the step just waited for, by the last plan:
-        self.step_cost.asked_share = asked_share(decoding, self.desired_k)  # (StepCost.observe)
-        self.pool.age(decoding)  # a step older, their methods' pooled evidence (batch.py)
+        # who the step just waited for, by the last plan (StepCost.observe learns the wait);
+        self.step_cost.asked_share = asked_share(self._decoding(), self.desired_k)
+        self.pool.age()  # and a step older, the pooled evidence (policy/batch.py)
         self._caps = self.plan()
         scheduled = self._schedule_running(preempted)
         budget = self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in scheduled)
