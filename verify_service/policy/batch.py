@@ -16,15 +16,6 @@ from tandem.spec import Method
 from verify_service.session.sequence import Sequence
 
 POOL_DECAY = 0.98  # per round with drafts: the pool follows the current sessions
-# Per verifier step, drafting or not: evidence ages, so a pool nobody drafted into lately
-# weighs less, and at under one trial says nothing (its sessions price at the prior).
-AGE_DECAY = 0.995
-# Trials in the pool (aged) that make a worker session's probe unneeded: probes feed the
-# method's pool (one probe's draft moves a session's own estimate by 1/OWN_WEIGHT_DRAFTS),
-# so how often a method is probed follows how fresh its evidence is, not how many sessions
-# it has: about one probe in 45 steps at any load, not each session's every 16th round and
-# its first (each a wait for drafts, and for a session not yet linked, the worker's prefill).
-FRESH_TRIALS = 4.0
 OWN_WEIGHT_DRAFTS = 16  # drafts of its own after which a session trusts its own estimate
 
 
@@ -37,10 +28,7 @@ def from_worker(seq: Sequence) -> bool:
 class AcceptancePool:
     """Per method, decayed sums over its sessions' rounds of accepted drafts and of accepted
     plus rejected (a round that stops short rejects one): accepted / that estimates the
-    per-token acceptance, as update_acceptance does per session. Both sums also age with
-    every step (age), which leaves the rate as it is but shrinks its weight: fresh() says
-    whether probes are still needed, and a pool aged under one trial gives no rate (sessions
-    fall back on the prior, draft, and it learns again)."""
+    per-token acceptance, as update_acceptance does per session."""
 
     sums: dict[Method, tuple[float, float]] = field(default_factory=dict)
 
@@ -51,25 +39,17 @@ class AcceptancePool:
         trials = accepted + (1 if accepted < drafted else 0)
         self.sums[method] = (POOL_DECAY * acc + accepted, POOL_DECAY * n + trials)
 
-    def age(self) -> None:
-        """A step went by (sessions of any method, or none, drafting or not)."""
-        for method, (acc, n) in self.sums.items():
-            self.sums[method] = (AGE_DECAY * acc, AGE_DECAY * n)
-
     def rate(self, method: Method) -> float | None:
         acc, n = self.sums.get(method, (0.0, 0.0))
         return acc / n if n >= 1.0 else None
 
-    def fresh(self, method: Method) -> bool:
-        return self.sums.get(method, (0.0, 0.0))[1] >= FRESH_TRIALS
 
-
-def probe_skipped(seq: Sequence, pool: AcceptancePool) -> bool:
-    """A worker session's probe round is skipped while its method's pool is fresh (its probe
-    would wait for drafts to tell the pool what it already knows). Its first decode round is
-    no probe either: a pool that learnt near zero and is not probed (sessions too short to
-    reach a probe round) ages under one trial, and its sessions draft at the prior again."""
-    return from_worker(seq) and pool.fresh(seq.params.method)
+def first_probe(seq: Sequence, ahead: int = 0) -> bool:
+    """A draft worker session's first decode round verifies one draft even where its method's
+    pooled acceptance says it does not pay: sessions too short to reach a probe would
+    otherwise never draft again after a pool learnt near zero, and the pool never recover.
+    (The prefill that samples the first token is round 0.)"""
+    return from_worker(seq) and not seq.stats.drafted and seq.stats.rounds + ahead == 1
 
 
 def chain_acceptance(seq: Sequence, pool: AcceptancePool) -> float:

@@ -14,9 +14,9 @@ from verify_service.policy.batch import (
     AcceptancePool,
     asked_share,
     chain_acceptance,
+    first_probe,
     from_worker,
     gains,
-    probe_skipped,
     wait_entry,
 )
 from verify_service.session.sequence import SeqStatus, Sequence
@@ -24,10 +24,9 @@ from verify_service.session.sequence import SeqStatus, Sequence
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
 
 
-def probing(seq: Sequence, ahead: int = 0, pool: AcceptancePool | None = None) -> bool:
-    """Whether round `ahead` from now is a probe (not one a fresh `pool` skips: batch.py)."""
-    return ((seq.stats.rounds + ahead) % EXPLORE_EVERY == EXPLORE_EVERY - 1
-            and not (pool is not None and probe_skipped(seq, pool)))
+def probing(seq: Sequence, ahead: int = 0) -> bool:
+    """Whether the session's round `ahead` rounds from now is one of its probes."""
+    return (seq.stats.rounds + ahead) % EXPLORE_EVERY == EXPLORE_EVERY - 1
 
 
 @dataclass(frozen=True)
@@ -99,10 +98,11 @@ class Scheduler:
             self.blocks.free(seq.session_id)
 
     def desired_k(self, seq: Sequence, ahead: int = 0) -> int:
-        """The session's adaptive cap on draft tokens this round (`ahead` rounds later), before
-        arrivals. The step's plan may cut it, but not a probe's: how it is measured again."""
+        """The session's adaptive cap on draft tokens this round (before arrivals); `ahead`
+        rounds later if nothing else changes. Under batch load, the step's plan may cut it,
+        except in a probe round: that is how sizes the plan priced out are measured again."""
         k, cap = self._solo_k(seq, ahead), self._caps.get(seq.session_id)
-        return k if cap is None or probing(seq, ahead, self.pool) else min(k, cap)
+        return k if cap is None or probing(seq, ahead) else min(k, cap)
 
     def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The k that pays for the session alone (the single-session cost curve)."""
@@ -115,9 +115,10 @@ class Scheduler:
         else:
             k = choose_k(chain_acceptance(seq, self.pool) if from_worker(seq)
                          else seq.est.acceptance_ema, k_allowed, self.cost)
-        if k == 0 and k_allowed and probing(seq, ahead, self.pool):
-            # Speculation is off: probe now and then, estimates move. A tree probe verifies what
-            # would pay without its wait, so its nodes' estimates get evidence too.
+        if k == 0 and k_allowed and (probing(seq, ahead) or first_probe(seq, ahead)):
+            # Speculation is off for this session: probe now and then, estimates move. A tree
+            # probe verifies what would pay without its drafting wait, so that its nodes'
+            # estimates get evidence too (one node alone says little about a tree).
             k = max(1, choose_tree_size(reach, k_allowed, self.cost) if reach is not None else 1)
         return k
 
@@ -129,9 +130,9 @@ class Scheduler:
         return max(0, min(capped, per_seq))
 
     def reach(self, seq: Sequence, k_allowed: int | None = None) -> list[float] | None:
-        """Estimated chance each of the session's draft nodes (in order) is accepted, for trees
-        and Medusa's chains; None for a draft worker's chain (sized by its acceptance EMA).
-        Scaled by the session's measured correction."""
+        """Estimated chance each of the session's draft nodes (in order) is accepted, for
+        sessions sized node by node (trees, and Medusa's chains); None for a draft worker's
+        chain (sized by its acceptance EMA). Scaled by the session's measured correction."""
         if seq.local.in_verifier:  # the proposal's own per-token estimates (none: no match)
             return seq.scaled_reach(seq.local.source, seq.draft_reach)
         if seq.params.method.in_verifier:
@@ -172,9 +173,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
-        # who the step just waited for, by the last plan (StepCost.observe learns the wait);
+        # who the step just waited for, by the last plan (StepCost.observe learns the wait)
         self.step_cost.asked_share = asked_share(self._decoding(), self.desired_k)
-        self.pool.age()  # and a step older, the pooled evidence (policy/batch.py)
         self._caps = self.plan()
         scheduled = self._schedule_running(preempted)
         budget = self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in scheduled)
