@@ -5,12 +5,20 @@ is scalar for fp32 and bf16-only when vectorised), so we build one: a small C++ 
 compiled on first use with -march=native (the machine that serves is the one that compiles)
 into torch's extension cache (TORCH_EXTENSIONS_DIR). Needs a C++ compiler and ninja; without
 them `load()` returns None and callers fall back to dequantize-then-GEMM (correct, slower).
+
+The build folder is named by what the binary depends on (the source, the flags, torch, Python,
+the CPU), not by where the checkout lives: torch's own JIT rebuilds whenever the source's or
+torch's path changes, which made every fresh clone or venv pay a ~20 s compile.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import logging
 import os
+import platform
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +29,7 @@ _STALE_LOCK_S = 600  # a build takes ~1-2 min; an older lock is from a process t
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU wheel (the pragma is inert without it);
 # the extension then shares the libgomp.so.1 that torch has already loaded.
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
+_BUILT = "built"  # written after a finished build: a half-linked .so is never imported
 
 
 @functools.cache
@@ -29,16 +38,55 @@ def load():
     if os.environ.get("TANDEM_INT8_KERNEL", "1") == "0":
         return None
     try:
+        import torch  # noqa: F401 (the extension links against the loaded libtorch)
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension
 
-        _clear_stale_lock(Path(_get_build_directory(_NAME, verbose=False)))
-        return load_extension(_NAME, [str(_SOURCE)], extra_cflags=_FLAGS,
-                              extra_ldflags=["-fopenmp"], verbose=False)
+        build_dir = Path(_get_build_directory(f"{_NAME}_{build_key()}", verbose=False))
+        if (build_dir / _BUILT).is_file():
+            return _import(build_dir / f"{_NAME}.so")
+        _clear_stale_lock(build_dir)
+        module = load_extension(_NAME, [str(_SOURCE)], extra_cflags=_FLAGS,
+                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                                verbose=False)
+        (build_dir / _BUILT).touch()
+        return module
     except Exception as exc:  # no compiler, no ninja, no headers: the fallback still works
         log.warning("int8 CPU kernel unavailable (%s): int8 weights will be dequantized per "
                     "product, which is slower than fp32", str(exc).splitlines()[0][:200])
         return None
+
+
+def build_key() -> str:
+    """A digest of everything the compiled binary depends on, and of nothing path-like."""
+    import torch
+
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    for part in (*_FLAGS, torch.__version__, sys.version, platform.machine(), _cpu_flags()):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: -march=native code must not run on another CPU model that
+    shares this cache (a home folder on a network disk)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _import(path: Path):
+    if sys.modules.get(_NAME) is not None:
+        return sys.modules[_NAME]
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[_NAME] = module
+    return module
 
 
 def _clear_stale_lock(build_dir: Path) -> None:

@@ -52,3 +52,17 @@ def test_the_kernel_releases_the_gil():
     # Holding the GIL, the kernel would leave this thread a switch interval (5 ms) per
     # product: about a tenth of its loop.
     assert beside > 0.5 * alone, (beside, alone)
+
+
+def test_the_build_is_found_again_from_another_checkout(tmp_path, monkeypatch):
+    # The cache is keyed by what the binary depends on: a fresh clone (another path, the same
+    # source) reuses this machine's build instead of compiling for ~20 s.
+    assert int8_cpu.load() is not None
+    key = int8_cpu.build_key()
+    moved = tmp_path / "elsewhere" / "int8_gemm.cpp"
+    moved.parent.mkdir()
+    moved.write_bytes(int8_cpu._SOURCE.read_bytes())
+    monkeypatch.setattr(int8_cpu, "_SOURCE", moved)
+    assert int8_cpu.build_key() == key
+    moved.write_bytes(moved.read_bytes() + b"\n// changed\n")
+    assert int8_cpu.build_key() != key  # a changed kernel is rebuilt, never a stale one run
