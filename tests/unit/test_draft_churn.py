@@ -78,11 +78,13 @@ def test_a_reattach_asks_only_for_what_the_session_last_wanted():
         pool = Pool(link)
         pool.up = True
         side = DraftSide({seq.session_id: seq}, 100, 4, 8, pool)
-        side.commit(seq, seq.num_tokens, [], run_ahead=0)  # no link yet: attaches
+        side.commit(seq, seq.num_tokens, [], run_ahead=0)  # no link, asked for nothing:
         await asyncio.sleep(0)
-        opened, paused = link.sent
-        assert isinstance(opened, Open) and isinstance(paused, Commit)
-        assert paused.max_run_ahead == 0 and paused.epoch == opened.epoch
+        assert not link.sent and not side.coming(seq)  # no Open until it is asked (issue 49)
+        side.commit(seq, seq.num_tokens, [], run_ahead=3)
+        await asyncio.sleep(0)
+        (opened,) = link.sent
+        assert isinstance(opened, Open) and opened.max_run_ahead == 3
 
     asyncio.run(main())
 

@@ -107,10 +107,11 @@ class DraftSide:
 
     # ---- out: open / commit / close ----------------------------------------------------------
     def attach(self, seq: Sequence, run_ahead: int | None = None) -> None:
-        """Open a draft stream for seq in the background, if it may still have one; an auto
-        session's only once a commit asked its worker for drafts (verify_service/policy/auto.py):
-        until then it costs the worker nothing, and the Open brings it in sync. `run_ahead`:
-        the drafts its Open asks for (None: the last commit's ask, or the most)."""
+        """Open a draft stream for seq in the background, if it may still have one, once its
+        worker is asked for drafts (auto: policy/auto.py; others: none while the pool says they
+        do not pay): until then it costs the worker nothing, not even an Open drafting before
+        its pause came, and the Open brings it in sync. `run_ahead`: the drafts its Open asks
+        for (None: the last commit's ask, or the most)."""
         if run_ahead is not None:
             self._run_ahead[seq.session_id] = min(run_ahead, self.max_run_ahead)
         if seq.link.attaches_left <= 0:  # spent: rest, then one more try (ATTACH_REST_S)
@@ -118,8 +119,8 @@ class DraftSide:
         if ((self.pool is not None or seq.link_method in self.hosted)
                 and seq.speculating and not seq.finished
                 and not seq.params.method.in_verifier
-                and (not seq.local.in_verifier or seq.params.auto_draft is not None
-                     and self._run_ahead.get(seq.session_id, 0) > 0)
+                and self._run_ahead.get(seq.session_id, 0 if seq.local.in_verifier else 1) > 0
+                and (not seq.local.in_verifier or seq.params.auto_draft is not None)
                 and seq.session_id not in self._attaching
                 and self._clock() >= seq.link.next_attach_at):
             self._attaching.add(seq.session_id)

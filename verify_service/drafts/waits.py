@@ -54,10 +54,15 @@ def run_ahead(seq: Sequence, scheduler: Scheduler, drafts: DraftSide, ahead: int
     """Drafts worth having ready for the session's next round (`ahead` rounds later): its k,
     plus one that may match the bonus token; none while its speculation is off (k = 0) until
     a probe round. Drafting more only burns the draft worker's time (on a shared host, the
-    verifier's)."""
+    verifier's). A session with no link yet (policy/batch.py: none until asked) asks a round
+    before its probe: the link opens and the worker reads the text while the verifier does
+    a plain round (never waited for: missing() counts the round's k), so the probe waits for
+    its drafts, not for the worker's prefill, and its drafts come in time to say something."""
     if seq.local.in_verifier:  # auto's draft worker: only when its chain may be picked
         return auto.remote_run_ahead(scheduler, seq, drafts.first.ms, drafts.arrival.ms)
     k = scheduler.desired_k(seq, ahead)
     if seq.params.tree and k:  # a whole tree: the verifier sizes it once it arrives
         return scheduler.k_allowed(seq)
+    if not k and not drafts.coming(seq) and scheduler.desired_k(seq, ahead + 1):
+        return run_ahead(seq, scheduler, drafts, ahead + 1)  # what the probe will ask
     return k + 1 if k else 0

@@ -16,6 +16,15 @@ from tandem.spec import Method
 from verify_service.session.sequence import Sequence
 
 POOL_DECAY = 0.98  # per round with drafts: the pool follows the current sessions
+# Per verifier step with sessions of the method, drafting or not: evidence ages, so a pool
+# nobody drafted into lately weighs less, and under one trial says nothing (the prior again).
+AGE_DECAY = 0.995
+# Trials in the pool (aged) that make a worker session's probe unneeded: probes feed the
+# method's pool (one probe's draft moves a session's own estimate by 1/OWN_WEIGHT_DRAFTS),
+# so how often a method is probed follows how fresh its evidence is, not how many sessions
+# it has: about one probe in 45 of its steps at any load, not each session's every 16th round
+# (each a wait for drafts, and for a session not yet linked, the worker's prefill).
+FRESH_TRIALS = 4.0
 OWN_WEIGHT_DRAFTS = 16  # drafts of its own after which a session trusts its own estimate
 
 
@@ -28,7 +37,10 @@ def from_worker(seq: Sequence) -> bool:
 class AcceptancePool:
     """Per method, decayed sums over its sessions' rounds of accepted drafts and of accepted
     plus rejected (a round that stops short rejects one): accepted / that estimates the
-    per-token acceptance, as update_acceptance does per session."""
+    per-token acceptance, as update_acceptance does per session. Both sums also age with
+    every step (age), which leaves the rate as it is but shrinks its weight: fresh() says
+    whether probes are still needed, and a pool aged under one trial gives no rate (sessions
+    fall back on the prior, draft, and it learns again)."""
 
     sums: dict[Method, tuple[float, float]] = field(default_factory=dict)
 
@@ -39,17 +51,36 @@ class AcceptancePool:
         trials = accepted + (1 if accepted < drafted else 0)
         self.sums[method] = (POOL_DECAY * acc + accepted, POOL_DECAY * n + trials)
 
+    def age(self, decoding: list[Sequence]) -> None:
+        """A step went by, drafting or not: the methods of its worker sessions age (a method
+        nobody uses keeps what it learnt until it is used again)."""
+        for method in {s.params.method for s in decoding if from_worker(s)} & self.sums.keys():
+            acc, n = self.sums[method]
+            self.sums[method] = (AGE_DECAY * acc, AGE_DECAY * n)
+
     def rate(self, method: Method) -> float | None:
         acc, n = self.sums.get(method, (0.0, 0.0))
         return acc / n if n >= 1.0 else None
 
+    def fresh(self, method: Method) -> bool:
+        return self.sums.get(method, (0.0, 0.0))[1] >= FRESH_TRIALS
 
-def first_probe(seq: Sequence, ahead: int = 0) -> bool:
-    """A draft worker session's first decode round verifies one draft even where its method's
-    pooled acceptance says it does not pay: sessions too short to reach a probe would
-    otherwise never draft again after a pool learnt near zero, and the pool never recover.
-    (The prefill that samples the first token is round 0.)"""
-    return from_worker(seq) and not seq.stats.drafted and seq.stats.rounds + ahead == 1
+
+def probe_round(seq: Sequence, pool: AcceptancePool, batched: bool, periodic: bool,
+                ahead: int = 0) -> bool:
+    """Whether a worker session's round `ahead` rounds from now probes (verifies a draft where
+    its method's pool says drafts do not pay). `periodic`: one of its every-EXPLORE_EVERY
+    rounds, skipped while the pool is fresh (it would wait for drafts to tell the pool what it
+    knows); the plan does not cut it. Its first decode round (the prefill is round 0) probes
+    whatever the pool says (no evidence of its own: it drafts), so sessions too short to reach
+    a probe round still draft, unless it shares the step with others (`batched`: the plan
+    prices each step, and cut that probe): there its Open would cost the worker a prefill for
+    nothing, and the periodic probes keep the pool's evidence."""
+    if not from_worker(seq):
+        return periodic
+    if seq.stats.rounds + ahead == 1 and not seq.stats.drafted:
+        return not batched
+    return periodic and not pool.fresh(seq.params.method)
 
 
 def chain_acceptance(seq: Sequence, pool: AcceptancePool) -> float:

@@ -14,9 +14,9 @@ from verify_service.policy.batch import (
     AcceptancePool,
     asked_share,
     chain_acceptance,
-    first_probe,
     from_worker,
     gains,
+    probe_round,
     wait_entry,
 )
 from verify_service.session.sequence import SeqStatus, Sequence
@@ -25,7 +25,7 @@ EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is sw
 
 
 def probing(seq: Sequence, ahead: int = 0) -> bool:
-    """Whether the session's round `ahead` rounds from now is one of its probes."""
+    """Whether the session's round `ahead` rounds from now is one of its periodic probes."""
     return (seq.stats.rounds + ahead) % EXPLORE_EVERY == EXPLORE_EVERY - 1
 
 
@@ -98,11 +98,14 @@ class Scheduler:
             self.blocks.free(seq.session_id)
 
     def desired_k(self, seq: Sequence, ahead: int = 0) -> int:
-        """The session's adaptive cap on draft tokens this round (before arrivals); `ahead`
-        rounds later if nothing else changes. Under batch load, the step's plan may cut it,
-        except in a probe round: that is how sizes the plan priced out are measured again."""
+        """Drafts the session may verify this round (`ahead` later), before arrivals: the plan's
+        cut, but never a probe's (how what the plan priced out is measured again)."""
         k, cap = self._solo_k(seq, ahead), self._caps.get(seq.session_id)
-        return k if cap is None or probing(seq, ahead) else min(k, cap)
+        return k if cap is None or self.probes(seq, ahead) else min(k, cap)
+
+    def probes(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether round `ahead` from now probes (policy/batch.py probe_round)."""
+        return probe_round(seq, self.pool, bool(self._caps), probing(seq, ahead), ahead)
 
     def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The k that pays for the session alone (the single-session cost curve)."""
@@ -115,10 +118,8 @@ class Scheduler:
         else:
             k = choose_k(chain_acceptance(seq, self.pool) if from_worker(seq)
                          else seq.est.acceptance_ema, k_allowed, self.cost)
-        if k == 0 and k_allowed and (probing(seq, ahead) or first_probe(seq, ahead)):
-            # Speculation is off for this session: probe now and then, estimates move. A tree
-            # probe verifies what would pay without its drafting wait, so that its nodes'
-            # estimates get evidence too (one node alone says little about a tree).
+        if k == 0 and k_allowed and self.probes(seq, ahead):
+            # Speculation is off: probe, estimates move (a tree: what pays without its wait)
             k = max(1, choose_tree_size(reach, k_allowed, self.cost) if reach is not None else 1)
         return k
 
@@ -130,9 +131,8 @@ class Scheduler:
         return max(0, min(capped, per_seq))
 
     def reach(self, seq: Sequence, k_allowed: int | None = None) -> list[float] | None:
-        """Estimated chance each of the session's draft nodes (in order) is accepted, for
-        sessions sized node by node (trees, and Medusa's chains); None for a draft worker's
-        chain (sized by its acceptance EMA). Scaled by the session's measured correction."""
+        """Chance each draft node (in order) is accepted, scaled by the session's correction, for
+        trees and Medusa's chains; None for a draft worker's chain (sized by its EMA)."""
         if seq.local.in_verifier:  # the proposal's own per-token estimates (none: no match)
             return seq.scaled_reach(seq.local.source, seq.draft_reach)
         if seq.params.method.in_verifier:
@@ -167,14 +167,14 @@ class Scheduler:
         return [s for s in self.running
                 if s.sched.status is SeqStatus.RUNNING and not s.sched.prefill_left]
 
-    def _gains(self, seq: Sequence, k: int) -> list[float]:
-        """Expected extra tokens from each of the session's first k drafts."""
+    def _gains(self, seq: Sequence, k: int) -> list[float]:  # each of its first k drafts'
         return gains(seq, k, self.reach(seq) if k else None, self.pool)
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
-        # who the step just waited for, by the last plan (StepCost.observe learns the wait)
-        self.step_cost.asked_share = asked_share(self._decoding(), self.desired_k)
+        decoding = self._decoding()  # who the step just waited for, by the last plan:
+        self.step_cost.asked_share = asked_share(decoding, self.desired_k)  # (StepCost.observe)
+        self.pool.age(decoding)  # a step older, their methods' pooled evidence (batch.py)
         self._caps = self.plan()
         scheduled = self._schedule_running(preempted)
         budget = self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in scheduled)
