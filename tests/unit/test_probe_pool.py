@@ -9,6 +9,7 @@ from test_draft_churn import Link
 from test_verifier_logic import make_sched, params
 
 from tandem.spec import Method
+from tandem.spec.cost import StepCost
 from verify_service.drafts.side import DraftSide
 from verify_service.drafts.waits import missing, run_ahead
 from verify_service.policy.batch import FRESH_TRIALS, AcceptancePool
@@ -84,17 +85,20 @@ def test_a_session_drafts_on_its_first_decode_round_whatever_its_pool_says():
 
 def test_beside_other_sessions_the_first_round_is_no_probe():
     """A batch plan prices the step: it cut that probe, so its Open (the worker's prefill of
-    the prompt) bought nothing; the pool's periodic probes keep its evidence."""
+    the prompt) bought nothing; the pool's periodic probes keep its evidence. A burst's
+    sessions count before any of them decodes (they are admitted, then opened)."""
     sched = make_sched()
     seq = running_seq(sched)
     low_pool(sched.pool)
     seq.stats.rounds = 0
-    sched._caps = {"other": 0}  # a batch plan is on (the new session not in it yet)
+    sched.add(Sequence(params("other")))  # waiting: not in a plan yet
     side = DraftSide({seq.session_id: seq}, 100, 4, 8)
+    assert sched.desired_k(seq, 1) == 1  # no step curve: no plan, it probes
+    sched.step_cost = StepCost({1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0})
     assert sched.desired_k(seq, 1) == 0 and run_ahead(seq, sched, side, 1) == 0  # no Open
     stale(sched, seq)
     assert sched.desired_k(seq, 1) == 0  # stale too: its periodic probes bring the evidence
-    sched._caps = {}
+    sched.abort("other")
     assert sched.desired_k(seq, 1) == 1  # alone: it probes
 
 

@@ -73,9 +73,9 @@ def probe_round(seq: Sequence, pool: AcceptancePool, batched: bool, periodic: bo
     rounds, skipped while the pool is fresh (it would wait for drafts to tell the pool what it
     knows); the plan does not cut it. Its first decode round (the prefill is round 0) probes
     whatever the pool says (no evidence of its own: it drafts), so sessions too short to reach
-    a probe round still draft, unless it shares the step with others (`batched`: the plan
-    prices each step, and cut that probe): there its Open would cost the worker a prefill for
-    nothing, and the periodic probes keep the pool's evidence."""
+    a probe round still draft, unless other sessions share the verifier (`batched`: a batch
+    plan prices their steps, and cut that probe): there its Open (at admission, sessions of
+    a burst too) would cost the worker a prefill for nothing; periodic probes keep the pool."""
     if not from_worker(seq):
         return periodic
     if seq.stats.rounds + ahead == 1 and not seq.stats.drafted:

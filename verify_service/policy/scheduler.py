@@ -103,9 +103,9 @@ class Scheduler:
         k, cap = self._solo_k(seq, ahead), self._caps.get(seq.session_id)
         return k if cap is None or self.probes(seq, ahead) else min(k, cap)
 
-    def probes(self, seq: Sequence, ahead: int = 0) -> bool:
-        """Whether round `ahead` from now probes (policy/batch.py probe_round)."""
-        return probe_round(seq, self.pool, bool(self._caps), probing(seq, ahead), ahead)
+    def probes(self, seq: Sequence, ahead: int = 0) -> bool:  # policy/batch.py probe_round
+        batched = self.step_cost.known and self.num_sessions > 1  # a plan prices its rounds
+        return probe_round(seq, self.pool, batched, probing(seq, ahead), ahead)
 
     def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The k that pays for the session alone (the single-session cost curve)."""
