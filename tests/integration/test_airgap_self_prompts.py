@@ -34,7 +34,7 @@ def test_a_self_bundle_of_a_target_that_writes_no_requests_fails_clearly(tmp_pat
     target = _tiny_target(tmp_path / "target", target_paths)  # random: never ends a turn
     bundle = tmp_path / "bundle"
     assert main(["distill", "bundle", "--out", str(bundle), "--target", str(target),
-                 "--prompts", "8", "--mix", "self", "--minutes", "1"]) == 0
+                 "--prompts", "8", "--mix", "self", "--minutes", "0.2"]) == 0
     spec = json.loads((bundle / "bundle.json").read_text())["self_prompts"]
     assert spec["count"] == 8 and spec["stop_ids"] == [2] and spec["prefix"]
     assert (bundle / "airgap_prompts.py").is_file()
