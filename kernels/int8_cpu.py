@@ -17,10 +17,11 @@ import hashlib
 import importlib.util
 import logging
 import os
-import platform
 import sys
 import time
 from pathlib import Path
+
+from kernels.machine import cpu_signature
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_gemm.cpp"
@@ -62,21 +63,9 @@ def build_key() -> str:
     import torch
 
     h = hashlib.sha256(_SOURCE.read_bytes())
-    for part in (*_FLAGS, torch.__version__, sys.version, platform.machine(), _cpu_flags()):
+    for part in (*_FLAGS, torch.__version__, sys.version, cpu_signature()):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags: -march=native code must not run on another CPU model that
-    shares this cache (a home folder on a network disk)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _import(path: Path):

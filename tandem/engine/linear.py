@@ -3,8 +3,9 @@
 On CPU, a product with few rows hits very different kernels depending on the layout: a 1-row
 F.linear runs as gemv at ~10 GB/s, `W @ x.T` with 2..16 rows streams W up to 3x faster, but
 for some shapes (e.g. SmolLM2's 576x1536 down projection at 1 thread) it is 2x slower than
-F.linear from 3 rows on. So the model measures both per (weight shape, rows) once at load
-time, on this machine and thread count, and routes accordingly.
+F.linear from 3 rows on. So the model measures both per (weight shape, rows) on this
+machine and thread count (once: tandem.engine.tune_cache keeps the answer) and routes
+accordingly.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.quant import Int8Weight
+from tandem.engine.tune_cache import TuneCache
 
 MAX_ROUTED_ROWS = 16  # beyond this (prefill) F.linear wins everywhere we measured
 
@@ -98,16 +100,29 @@ class LinearRouter:
         return F.linear(x, weight, bias)
 
     def tune(self, weights_by_shape: Sequence[Sequence[torch.Tensor]],
-             rows: Sequence[int] = (*range(1, 9), MAX_ROUTED_ROWS)) -> None:
-        """Time both layouts over every copy of each shape (cold caches, like a forward)."""
+             rows: Sequence[int] = (*range(1, 9), MAX_ROUTED_ROWS),
+             cache: TuneCache | None = None) -> None:
+        """Time both layouts over every copy of each shape (cold caches, like a forward), or
+        take what `cache` kept from an earlier load on this machine."""
+        measured: dict[str, dict[int, bool]] = {}
         for copies in weights_by_shape:
             if isinstance(copies[0], Int8Weight) or copies[0].device.type != "cpu":
                 continue
+            key = TuneCache.key(copies[0], len(copies))
+            kept = cache.get(key) if cache is not None else None
+            if kept is None or not set(rows) <= set(kept):
+                kept = measured[key] = {m: self._mm_is_faster(copies, m) for m in rows}
             for m in rows:
-                x = torch.randn(m, copies[0].shape[1], dtype=copies[0].dtype)
-                t_linear = _best_of(lambda: [F.linear(x, w) for w in copies])  # noqa: B023
-                t_mm = _best_of(lambda: [mm_transposed(x, w) for w in copies])  # noqa: B023
-                self.use_mm[(*copies[0].shape, m)] = t_mm < t_linear
+                self.use_mm[(*copies[0].shape, m)] = kept[m]
+        if cache is not None:
+            cache.put(measured)
+
+    @staticmethod
+    def _mm_is_faster(copies: Sequence[torch.Tensor], m: int) -> bool:
+        x = torch.randn(m, copies[0].shape[1], dtype=copies[0].dtype)
+        t_linear = _best_of(lambda: [F.linear(x, w) for w in copies])
+        t_mm = _best_of(lambda: [mm_transposed(x, w) for w in copies])
+        return t_mm < t_linear
 
 
 def _best_of(fn, reps: int = 2) -> float:

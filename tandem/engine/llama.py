@@ -22,6 +22,7 @@ from tandem.engine.layer_weights import LayerWeights
 from tandem.engine.linear import LinearRouter, measure_invariant_rows
 from tandem.engine.quant import Int8Weight, compute_dtype
 from tandem.engine.rope import rope_inv_freq
+from tandem.engine.tune_cache import TuneCache
 from tandem.models import ModelError, ModelPaths, read_hf_config
 
 
@@ -162,7 +163,7 @@ class LlamaModel:
         groups = [[getattr(layer, name) for layer in self.layers]
                   for name in LayerWeights.PROJECTIONS]
         if not self.batch_invariant:
-            self.linear.tune([*groups, [self.lm_head]])
+            self.linear.tune([*groups, [self.lm_head]], cache=TuneCache.default())
             return
         dense = [g[0] for g in [*groups, [self.lm_head]] if isinstance(g[0], torch.Tensor)]
         rows = measure_invariant_rows(dense)
