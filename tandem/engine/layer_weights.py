@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.quant import Int8Weight
+from tandem.engine.scale_cache import ScaleCache
 
 
 @dataclass
@@ -26,6 +27,6 @@ class LayerWeights:
 
     PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
-    def quantize_int8(self) -> None:
+    def quantize_int8(self, cache: ScaleCache | None = None) -> None:
         for name in self.PROJECTIONS:
-            setattr(self, name, Int8Weight.quantize(getattr(self, name)))
+            setattr(self, name, Int8Weight.quantize(getattr(self, name), cache))

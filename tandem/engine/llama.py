@@ -22,6 +22,7 @@ from tandem.engine.layer_weights import LayerWeights
 from tandem.engine.linear import LinearRouter, measure_invariant_rows
 from tandem.engine.quant import Int8Weight, compute_dtype
 from tandem.engine.rope import rope_inv_freq
+from tandem.engine.scale_cache import ScaleCache
 from tandem.engine.tune_cache import TuneCache
 from tandem.models import ModelError, ModelPaths, read_hf_config
 
@@ -110,10 +111,11 @@ class LlamaModel:
         return replace(cfg, vocab_size=draft_vocab.target_vocab_size)
 
     def _quantize_int8(self) -> None:
+        cache = ScaleCache.default()
         for layer in self.layers:
-            layer.quantize_int8()
+            layer.quantize_int8(cache)
         # A tied head keeps its fp32 twin for the embedding lookup (a gather, not bandwidth-bound).
-        self.lm_head = Int8Weight.quantize(self.lm_head)
+        self.lm_head = Int8Weight.quantize(self.lm_head, cache)
         # Build (or load from cache) the CPU kernel now: a first build takes a minute or two,
         # which belongs at startup, not inside the first request's engine step.
         if int8_cpu.load() is None and self.batch_invariant:

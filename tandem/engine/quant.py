@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kernels import int8_cpu
+
+if TYPE_CHECKING:
+    from tandem.engine.scale_cache import ScaleCache
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8")
 GROUP = 32
@@ -97,14 +101,16 @@ class Int8Weight:
                                  f"{list(t.shape)}")
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Weight:  # weight: [out, in] float
+    def quantize(cls, weight: torch.Tensor,  # [out, in] float
+                 cache: ScaleCache | None = None) -> Int8Weight:
         n, k = weight.shape
         group, padded = _group_for(k), -(-n // BLOCK) * BLOCK
         w = torch.zeros(padded, k)
         w[:n] = weight.detach().float()
         w = w.reshape(padded, k // group, group)
         lo, hi = w.amin(-1), w.amax(-1)
-        scale = group_scales(w, lo, hi)
+        scale = (group_scales(w, lo, hi) if cache is None
+                 else cache.scales(group_scales, w, lo, hi))
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant groups: q = 0
         q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, 255).to(torch.uint8)
         # The same arithmetic as dequantize(), element by element; min/max codes of an
