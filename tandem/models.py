@@ -76,6 +76,15 @@ def cache_dir() -> Path:
     return Path(base) / "tandem"
 
 
+def cache_setting(env: str, name: str) -> Path | None:
+    """A per-machine cache's place: the path `$env` names, `cache_dir() / name` without it,
+    None where `$env` is "0" (turned off)."""
+    value = os.environ.get(env)
+    if value == "0":
+        return None
+    return Path(value) if value else cache_dir() / name
+
+
 def default_target_dir() -> Path:
     return model_dir(DEFAULT_TARGET)
 

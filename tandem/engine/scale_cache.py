@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.models import cache_dir
+from tandem.models import cache_setting
 
 ENV = "TANDEM_SCALE_CACHE"
 _QUANT_SOURCE = Path(__file__).resolve().parent / "quant.py"
@@ -31,10 +31,8 @@ class ScaleCache:
     @classmethod
     def default(cls) -> ScaleCache | None:
         """The folder TANDEM_SCALE_CACHE names, the tandem cache's without it, None for "0"."""
-        env = os.environ.get(ENV)
-        if env == "0":
-            return None
-        return cls(Path(env) if env else cache_dir() / "int8-scales")
+        path = cache_setting(ENV, "int8-scales")
+        return None if path is None else cls(path)
 
     def scales(self, compute, w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
                ) -> torch.Tensor:  # [rows, groups] float32

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kernels.machine import cpu_signature
-from tandem.models import cache_dir
+from tandem.models import cache_setting
 
 ENV = "TANDEM_TUNE_CACHE"
 
@@ -30,10 +30,8 @@ class TuneCache:
     @classmethod
     def default(cls) -> TuneCache | None:
         """The file TANDEM_TUNE_CACHE names, the tandem cache's without it, None for "0"."""
-        env = os.environ.get(ENV)
-        if env == "0":
-            return None
-        return cls(Path(env) if env else cache_dir() / "linear-tune.json")
+        path = cache_setting(ENV, "linear-tune.json")
+        return None if path is None else cls(path)
 
     @staticmethod
     def key(weight: torch.Tensor, copies: int) -> str:
