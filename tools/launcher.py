@@ -156,8 +156,8 @@ class Cluster:
         common = ["--redis-url", self.redis_url, "--threads", str(cfg.threads),
                   f"--host={cfg.worker_host}", *tls_args(cfg.tls), *cfg.placement_args()]
         host = _dialable(cfg.worker_host)
-        # Each group's children start together (their imports and model loads overlap), and
-        # all are healthy before the next group starts: draft workers, verifiers, gateway.
+        # Groups start together (imports, loads overlap), each healthy before the next: draft
+        # workers (verifiers link to them), then verifiers with the gateway (it needs none).
         drafts = []
         for i in range(cfg.num_drafts):
             port, mport = free_port(host), free_port(host)
@@ -175,21 +175,23 @@ class Cluster:
             verifiers.append(self._start_worker(
                 f"verifier-{i}", ["verifier", "--port", str(port), *common, *extra], port,
                 mport))
+        gateway = self._start_gateway()
         self._wait_all(verifiers)
-        extra = ["--model", cfg.model] if cfg.model else []
-        extra += ["--method-preference", cfg.method_preference] if cfg.method_preference else []
-        proc = self._spawn("gateway", ["gateway", "--host", cfg.gateway_host, "--port",
-                                       str(cfg.gateway_port), "--redis-url", self.redis_url,
-                                       # One host: its draft workers share the verifier's
-                                       # compute (gateway.config.auto_model_drafts).
-                                       "--auto-model-drafts", "off",
-                                       *tls_args(cfg.tls, serves=False), *extra,
-                                       *cfg.gateway_args])
-        self._wait(f"gateway ({self.gateway_url})", proc,
+        self._wait(f"gateway ({self.gateway_url})", gateway,
                    lambda: http_healthy(self.gateway_url + "/health"))
         self.metrics_urls["gateway"] = self.gateway_url + "/metrics"
         for name, url in self.metrics_urls.items():
             self.log(f"  metrics of {name}: {url}")
+
+    def _start_gateway(self) -> subprocess.Popen:
+        cfg = self.config
+        extra = (["--model", cfg.model] if cfg.model else []) + (
+            ["--method-preference", cfg.method_preference] if cfg.method_preference else [])
+        return self._spawn("gateway", ["gateway", "--host", cfg.gateway_host, "--port",
+                                       str(cfg.gateway_port), "--redis-url", self.redis_url,
+                                       "--auto-model-drafts", "off",  # one host: shared cores
+                                       *tls_args(cfg.tls, serves=False), *extra,
+                                       *cfg.gateway_args])
 
     def _draft_args(self) -> list[str]:
         """A draft worker's model flags. The shipped draft and head belong to the default
@@ -271,8 +273,7 @@ class Cluster:
         return restart_dead(self._children(), self.policy, self.log, clock)
 
     def wait(self) -> None:
-        """Block, keeping every child running, until we are signalled (KeyboardInterrupt) or
-        a child keeps dying (ClusterFailed)."""
+        """Keep every child running until signalled (KeyboardInterrupt) or one keeps dying."""
         while True:
             self.supervise()
             time.sleep(0.5)
