@@ -56,8 +56,9 @@ class TPLeader:
                     self.control.send(("stop",))
         except Exception:  # noqa: BLE001 (a dead peer: terminate below)
             log.warning("tensor-parallel stop message failed", exc_info=True)
+        failed = self.control.failure is not None  # its live ranks wait on the dead one
         for p in self.procs:
-            p.join(join_s)
+            p.join(0 if failed else join_s)
             if p.is_alive():
                 p.terminate()
                 p.join(join_s)
