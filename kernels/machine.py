@@ -3,12 +3,14 @@ measured layouts): code built with -march=native or timed here must not be reuse
 CPU model that shares the cache (a home folder on a network disk)."""
 from __future__ import annotations
 
+import functools
 import platform
 from pathlib import Path
 
 
+@functools.cache
 def cpu_signature() -> str:
-    """The CPU's architecture and feature flags."""
+    """The CPU's architecture and feature flags (read once: every cache key asks)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):

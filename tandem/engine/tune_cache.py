@@ -26,6 +26,7 @@ class TuneCache:
 
     def __init__(self, path: Path):
         self.path = path
+        self._kept: dict | None = None  # the file as first read: once per load, not per shape
 
     @classmethod
     def default(cls) -> TuneCache | None:
@@ -40,7 +41,9 @@ class TuneCache:
                                   tuple(weight.shape), copies, cpu_signature())))
 
     def get(self, key: str) -> dict[int, bool] | None:
-        hit = self._read().get(key)
+        if self._kept is None:
+            self._kept = self._read()
+        hit = self._kept.get(key)
         return None if hit is None else {int(m): bool(v) for m, v in hit.items()}
 
     def put(self, entries: dict[str, dict[int, bool]]) -> None:
@@ -50,11 +53,12 @@ class TuneCache:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            merged = {**self._read(), **entries}
+            merged = {**self._read(), **entries}  # read again: other processes write it too
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".linear-tune-")
             with os.fdopen(fd, "w") as f:
                 json.dump(merged, f)
             os.replace(tmp, self.path)
+            self._kept = merged
         except OSError:
             pass
 
