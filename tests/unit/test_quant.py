@@ -13,7 +13,7 @@ from kernels import int8_cpu
 from tandem.engine.linear import LinearRouter
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner, SeqChunk, kv_bytes_per_token
-from tandem.engine.quant import MAX_KERNEL_ROWS, Int8Weight, compute_dtype
+from tandem.engine.quant import KERNEL_SLICE_ROWS, Int8Weight, compute_dtype
 from tandem.models import resolve_model
 from verify_service.config import VerifierConfig
 
@@ -98,7 +98,7 @@ def test_dtype_auto_loads_int8_only_where_every_weight_is_exact(tmp_path):
     assert fp32.weight_dtype == "float32"  # an explicit dtype is kept
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 65, 200, KERNEL_SLICE_ROWS + 1])
 @pytest.mark.parametrize("shape", [(64, 64), (17, 96), (1728, 576), (13, 40), (5, 33)])
 def test_linear_matches_the_dequantized_product(rows, shape):
     torch.manual_seed(rows)
@@ -124,13 +124,15 @@ def test_the_kernel_is_built_and_used_on_this_machine(monkeypatch):
 
 
 def test_a_rows_output_does_not_depend_on_the_batch_it_runs_in():
-    # Decode (1 row), verify (k+1 rows) and short prefills must give a token bit-identical
-    # numbers, or greedy output would follow batch shape.
+    # Decode (1 row), verify (k+1 rows) and prefills of any length must give a token
+    # bit-identical numbers, or greedy output would follow batch shape (and a prompt's cached
+    # KV would differ from what decoding it would have written).
     torch.manual_seed(3)
     q = Int8Weight.quantize(torch.randn(100, 576))  # 100 channels: a partial block of 8 too
-    x = torch.randn(MAX_KERNEL_ROWS, 576)
-    alone = torch.cat([q.linear(x[i:i + 1]) for i in range(MAX_KERNEL_ROWS)])
-    for rows in (2, 3, 4, 5, 16, MAX_KERNEL_ROWS):  # fused paths (<= 3 rows) and buffered
+    total = KERNEL_SLICE_ROWS + 37  # past one slice
+    x = torch.randn(total, 576)
+    alone = torch.cat([q.linear(x[i:i + 1]) for i in range(total)])
+    for rows in (2, 3, 4, 5, 16, 64, 65, 200, total):  # fused (<= 3 rows), buffered, sliced
         assert torch.equal(q.linear(x[:rows]), alone[:rows]), rows
 
 
