@@ -14,10 +14,15 @@
 // dequantized copy of the weight is ever written. (Dot products along k, with a dequantized
 // buffer, ran at 40-55 GFLOP/s here from 4 rows on; this at 1.2-1.3x that on the target.)
 //
-// With AVX-512 and more than one row, a tile is two blocks (16 channels) in one zmm register
-// by up to 12 rows: each dequantized vector then feeds 12 rows of 16 FMAs instead of 3 of 8,
+// With AVX-512 and more than kNarrowRows rows, a tile is two blocks (16 channels) in one zmm
+// register by up to 12 rows: each dequantized vector then feeds 12 rows of 16 FMAs instead of 3 of 8,
 // (one layer's products and the LM head of SmolLM2-135M, 1 thread: 1.7x faster at 16 rows,
 // 2.4-2.8x at 32-48; bit for bit the same outputs).
+//
+// Up to kNarrowRows rows (decode, a verify of a few drafts) a tile is one block by all the rows
+// in ymm registers: the weight then streams from memory as a single row's does, so 2-5 rows
+// cost little more than one (30 layers' projections of SmolLM2-135M, 1 thread: 2 rows 1.0x one
+// row's time, 4 rows 1.4x; the two-block tiles took 1.45x and 1.9x: they stall the stream).
 //
 // Every output sums its even inputs and its odd inputs in two FMA chains, each in k order,
 // then adds the two: the same arithmetic whatever the tile, row count or thread split
@@ -41,6 +46,7 @@ constexpr int64_t kBlock = 8;  // output channels per packed block
 // Rows per tile: 3 rows x 2 blocks is 12 accumulators of each parity (24 registers); more
 // spilled on this host (AVX-512VL's 32 ymm registers).
 constexpr int64_t kTileRows = 3;
+constexpr int64_t kNarrowRows = 5;  // 10 accumulators + 2 weight vectors + 2 broadcasts
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 dequant8(const uint8_t* q, __m256 scale, __m256 zero) {
@@ -180,6 +186,19 @@ inline void rows_tile(const float* x, int64_t ldx, int64_t rows, const uint8_t* 
   }
 }
 
+// All `rows` (<= kNarrowRows) of x against one block.
+inline void narrow_tile(const float* x, int64_t ldx, int64_t rows, const uint8_t* q,
+                        const float* scale, const float* zero, int64_t groups, int64_t group,
+                        int64_t b0, float* out, int64_t ldo) {
+  switch (rows) {
+#define TANDEM_NARROW(R) \
+    case R: tile<R, 1>(x, ldx, q, scale, zero, groups, group, b0, out, ldo); break;
+    TANDEM_NARROW(1) TANDEM_NARROW(2) TANDEM_NARROW(3) TANDEM_NARROW(4)
+#undef TANDEM_NARROW
+    default: tile<kNarrowRows, 1>(x, ldx, q, scale, zero, groups, group, b0, out, ldo);
+  }
+}
+
 }  // namespace
 
 // x [M, K] fp32; q [N8/8, K/G, G, 8] uint8; scale, zero [N8/8, K/G, 8] fp32 -> [M, N] fp32
@@ -207,12 +226,22 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   const float* sp = scale.data_ptr<float>();
   const float* zp = zero.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // One row (decode) streams the weight a block at a time: it is bound by memory, and two
-  // FMA chains per output keep up with it. More rows: two blocks per tile.
-  const int64_t nb = M == 1 ? 1 : 2;
+  if (M <= kNarrowRows) {  // a block at a time, every row at once: bound by memory
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      float buf[kNarrowRows * kBlock];
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * kBlock, R = std::min(kBlock, N - n0);
+        narrow_tile(xp, K, M, qp, sp, zp, groups, group, b, buf, kBlock);
+        for (int64_t i = 0; i < M; ++i)
+          std::copy(buf + i * kBlock, buf + i * kBlock + R, op + i * N + n0);
+      }
+    });
+    return out;
+  }
+  const int64_t nb = 2;  // more rows: two blocks per tile
   const int64_t tiles = (blocks + nb - 1) / nb;
 #if TANDEM_WIDE
-  if (M > 1) {  // several rows: zmm tiles of up to kWideRows rows (an odd last block: ymm)
+  {  // zmm tiles of up to kWideRows rows (an odd last block: ymm)
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       float buf[kWideRows * 2 * kBlock];
       for (int64_t t = t0; t < t1; ++t) {
