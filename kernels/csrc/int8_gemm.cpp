@@ -47,6 +47,14 @@ constexpr int64_t kBlock = 8;  // output channels per packed block
 // spilled on this host (AVX-512VL's 32 ymm registers).
 constexpr int64_t kTileRows = 3;
 constexpr int64_t kNarrowRows = 5;  // 10 accumulators + 2 weight vectors + 2 broadcasts
+// A wide tile asks for the codes this many bytes ahead of the ones it reads (about two tiles
+// on): with two blocks in flight the hardware prefetcher fell behind, and 6-16 rows ran
+// 10-30% slower from memory than from cache. A prefetch never faults past the end.
+constexpr int64_t kPrefetchAhead = 8192;
+
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(p + l, 0, 3);
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 dequant8(const uint8_t* q, __m256 scale, __m256 zero) {
@@ -138,6 +146,8 @@ inline void tile16(const float* x, int64_t ldx, const uint8_t* q, const float* s
     const uint8_t* qa = q + a0 * group * kBlock;
     const uint8_t* qb = q + a1 * group * kBlock;
     const float* xg = x + g * group;
+    prefetch(qa + kPrefetchAhead, group * kBlock);
+    prefetch(qb + kPrefetchAhead, group * kBlock);
     for (int64_t i = 0; i < group; i += 2) {
       // 16 bytes of each block: its 8 channels' codes of inputs i and i + 1
       const __m128i ca = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + i * kBlock));
@@ -231,6 +241,7 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
       float buf[kNarrowRows * kBlock];
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * kBlock, R = std::min(kBlock, N - n0);
+        if (b + 1 < blocks) prefetch(qp + (b + 1) * K * kBlock, K * kBlock);  // the next block
         narrow_tile(xp, K, M, qp, sp, zp, groups, group, b, buf, kBlock);
         for (int64_t i = 0; i < M; ++i)
           std::copy(buf + i * kBlock, buf + i * kBlock + R, op + i * N + n0);
