@@ -14,15 +14,15 @@
 // dequantized copy of the weight is ever written. (Dot products along k, with a dequantized
 // buffer, ran at 40-55 GFLOP/s here from 4 rows on; this at 1.2-1.3x that on the target.)
 //
-// With AVX-512 and more than kNarrowRows rows, a tile is two blocks (16 channels) in one zmm
-// register by up to 12 rows: each dequantized vector then feeds 12 rows of 16 FMAs instead of 3 of 8,
+// With AVX-512 a tile is two blocks (16 channels) in one zmm register by up to 12 rows: each
+// dequantized vector then feeds 12 rows of 16 FMAs instead of 3 of 8,
 // (one layer's products and the LM head of SmolLM2-135M, 1 thread: 1.7x faster at 16 rows,
 // 2.4-2.8x at 32-48; bit for bit the same outputs).
 //
-// Up to kNarrowRows rows (decode, a verify of a few drafts) a tile is one block by all the rows
-// in ymm registers: the weight then streams from memory as a single row's does, so 2-5 rows
-// cost little more than one (30 layers' projections of SmolLM2-135M, 1 thread: 2 rows 1.0x one
-// row's time, 4 rows 1.4x; the two-block tiles took 1.45x and 1.9x: they stall the stream).
+// Without AVX-512, up to kNarrowRows rows (decode, a verify of a few drafts) a tile is one
+// block by all the rows in ymm registers: the weight then streams from memory as a single
+// row's does (measured with AVX-512 before the prefetch: 2 rows 1.0x one row's time, 4 rows
+// 1.4x; the two-block tiles took 1.45x and 1.9x, they stalled the stream).
 //
 // Every output sums its even inputs and its odd inputs in two FMA chains, each in k order,
 // then adds the two: the same arithmetic whatever the tile, row count or thread split
@@ -236,7 +236,14 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   const float* sp = scale.data_ptr<float>();
   const float* zp = zero.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  if (M <= kNarrowRows) {  // a block at a time, every row at once: bound by memory
+#if TANDEM_WIDE
+  // With AVX-512 the prefetched wide tiles beat these from one row on (30 layers' projections
+  // and the LM head from memory, 1 thread: 1 row 7.8 ms against 9.9, 4 rows 10.2 against 14.2).
+  constexpr int64_t narrow_rows = 0;
+#else
+  constexpr int64_t narrow_rows = kNarrowRows;
+#endif
+  if (M <= narrow_rows) {  // a block at a time, every row at once: bound by memory
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       float buf[kNarrowRows * kBlock];
       for (int64_t b = b0; b < b1; ++b) {
