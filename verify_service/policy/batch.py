@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.spec import Method
-from verify_service.session.sequence import Sequence
+from tandem.spec.cost import StepCost
+from verify_service.session.sequence import Estimates, Sequence
 
 POOL_DECAY = 0.98  # per round with drafts: the pool follows the current sessions
 # Per verifier step with sessions of the method, drafting or not: evidence ages, so a pool
@@ -26,6 +27,7 @@ AGE_DECAY = 0.995
 # (each a wait for drafts, and for a session not yet linked, the worker's prefill).
 FRESH_TRIALS = 4.0
 OWN_WEIGHT_DRAFTS = 16  # drafts of its own after which a session trusts its own estimate
+PRIOR_ACCEPTANCE = Estimates().acceptance_ema  # what a session assumes before it measures
 
 
 def from_worker(seq: Sequence) -> bool:
@@ -66,21 +68,45 @@ class AcceptancePool:
         return self.sums.get(method, (0.0, 0.0))[1] >= FRESH_TRIALS
 
 
-def probe_round(seq: Sequence, pool: AcceptancePool, batched: bool, periodic: bool,
-                ahead: int = 0) -> bool:
-    """Whether a worker session's round `ahead` rounds from now probes (verifies a draft where
-    its method's pool says drafts do not pay). `periodic`: one of its every-EXPLORE_EVERY
-    rounds, skipped while the pool is fresh (it would wait for drafts to tell the pool what it
-    knows); the plan does not cut it. Its first decode round (the prefill is round 0) probes
+def probe_round(seq: Sequence, pool: AcceptancePool, plan: StepCost | None, periodic: bool,
+                ahead: int = 0, batch: int = 1) -> bool:
+    """Whether a session's round `ahead` rounds from now probes (verifies a draft where its
+    estimates say drafts do not pay). `periodic`: one of its every-EXPLORE_EVERY rounds; a
+    worker session skips it while its method's pool is fresh (it would wait for drafts to tell
+    the pool what it knows). `plan`: the step curve when a batch plan prices the rounds of
+    `batch` sessions, which it does not cut a probe from: there a probe must be able to pay
+    (probe_pays). A worker session's first decode round (the prefill is round 0) probes
     whatever the pool says (no evidence of its own: it drafts), so sessions too short to reach
-    a probe round still draft, unless other sessions share the verifier (`batched`: a batch
-    plan prices their steps, and cut that probe): there its Open (at admission, sessions of
-    a burst too) would cost the worker a prefill for nothing; periodic probes keep the pool."""
-    if not from_worker(seq):
-        return periodic
-    if seq.stats.rounds + ahead == 1 and not seq.stats.drafted:
-        return not batched
-    return periodic and not pool.fresh(seq.params.method)
+    a probe round still draft, unless other sessions share the verifier (`plan`): there its
+    Open (at admission, sessions of a burst too) would cost the worker a prefill for nothing."""
+    if from_worker(seq) and seq.stats.rounds + ahead == 1 and not seq.stats.drafted:
+        return plan is None
+    if not periodic or (from_worker(seq) and pool.fresh(seq.params.method)):
+        return False
+    return plan is None or probe_pays(seq, plan, batch)
+
+
+def probe_pays(seq: Sequence, plan: StepCost, batch: int) -> bool:
+    """Whether a probe's draft could pay in a step of `batch` sessions before the session's own
+    correction: its prior (prior_reach) over the gain the step needs from a row (its cost over
+    what a token costs there; on this CPU's int8 curve ~0.25 at 2 sessions, ~0.5 at 4, ~0.8 at
+    16, ~1.0 at 32, where a step is compute-bound). A probe tests that correction; below the
+    bar no outcome changes the plan,
+    and at 32 sessions the periodic probes were most of the drafted rows (one in 16 rounds
+    of every session, each adding a row the plan had priced out)."""
+    base = max(plan.cost(batch, anchor=batch), 1e-3)
+    bar = max(0.0, plan.cost(batch + 1, anchor=batch) - base) * batch / base
+    return prior_reach(seq) > bar
+
+
+def prior_reach(seq: Sequence) -> float:
+    """The session's next draft's estimated reach before what its rounds measured (which the
+    probe tests): a history proposal's own estimate (Sequence.draft_reach, unscaled; none: 0),
+    a worker chain's prior acceptance (Estimates' default); heads and trees 1 (they probe as
+    before)."""
+    if seq.local.in_verifier:
+        return seq.draft_reach[0] if seq.draft_reach else 0.0
+    return PRIOR_ACCEPTANCE if from_worker(seq) else 1.0
 
 
 def chain_acceptance(seq: Sequence, pool: AcceptancePool) -> float:
