@@ -231,6 +231,7 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
                 "scale and zero must be contiguous float32 [N/8, K/G, 8]");
   }
   auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;  // no rows (a prefill chunk with no logits): nothing to read
   const float* xp = x.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();

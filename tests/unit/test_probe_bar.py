@@ -4,7 +4,7 @@ probe_pays): at 32 sessions on a compute-bound step a row costs nearly what it m
 probes were most of the drafted rows; with a few sessions (or alone) probes run as before."""
 import pytest
 from test_probe_pool import low_pool, running_seq, stale
-from test_verifier_logic import make_sched
+from test_verifier_logic import make_sched, params
 
 from tandem.spec import Method
 from tandem.spec.cost import StepCost
@@ -26,7 +26,7 @@ def history_seq(sched, reach, session_id="h"):
 
 
 def test_the_bar_is_a_rows_cost_over_a_tokens():
-    seq = Sequence(running_seq(make_sched()).params)
+    seq = Sequence(params(method=Method.NGRAM))
     seq.local.in_verifier, seq.draft_reach = True, [0.6]
     assert not probe_pays(seq, BOUND, 32)  # a row costs a token: bar 1
     assert probe_pays(seq, FLAT, 32)  # rows nearly free: bar ~0.01

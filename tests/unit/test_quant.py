@@ -136,6 +136,14 @@ def test_a_rows_output_does_not_depend_on_the_batch_it_runs_in():
         assert torch.equal(q.linear(x[:rows]), alone[:rows]), rows
 
 
+@pytest.mark.parametrize("out_features", [8, 100])
+def test_no_rows_give_an_empty_product(out_features):
+    # A prefill chunk that samples nothing asks the LM head for zero rows.
+    q = Int8Weight.quantize(torch.randn(out_features, 64))
+    out = q.linear(torch.randn(0, 64))
+    assert out.shape == (0, out_features) and out.dtype == torch.float32
+
+
 def test_bad_parts_are_refused():
     codes = torch.zeros(1, 1, 8, 8, dtype=torch.uint8)  # [blocks, groups, group, BLOCK]
     ones, zeros = torch.ones(1, 1, 8), torch.zeros(1, 1, 8)

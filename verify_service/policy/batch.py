@@ -91,9 +91,9 @@ def probe_pays(seq: Sequence, plan: StepCost, batch: int) -> bool:
     correction: its prior (prior_reach) over the gain the step needs from a row (its cost over
     what a token costs there; on this CPU's int8 curve ~0.25 at 2 sessions, ~0.5 at 4, ~0.8 at
     16, ~1.0 at 32, where a step is compute-bound). A probe tests that correction; below the
-    bar no outcome changes the plan,
-    and at 32 sessions the periodic probes were most of the drafted rows (one in 16 rounds
-    of every session, each adding a row the plan had priced out)."""
+    bar no outcome changes the plan, and at 32 sessions the periodic probes were most of the
+    drafted rows (one in 16 rounds of every session, each adding a row the plan had priced
+    out)."""
     base = max(plan.cost(batch, anchor=batch), 1e-3)
     bar = max(0.0, plan.cost(batch + 1, anchor=batch) - base) * batch / base
     return prior_reach(seq) > bar
