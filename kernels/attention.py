@@ -4,6 +4,7 @@
   the KV blocks are a multiple of 256, the round has no token tree and flash-attn is installed;
 - FlexAttention (kernels/flex_attention.py) for token trees on CUDA: a real masked kernel,
   with the tree's block mask (flash-attn's causal kernel cannot take one);
+- our C++ kernel (kernels/attention_cpu.py) on the CPU in fp32 for causal rounds;
 - else the torch reference (kernels/paged_attention.py), which runs on any device via SDPA.
 
 `use_kernel` overrides the choice for a process ("reference" or "flex" everywhere: what
@@ -16,7 +17,7 @@ import logging
 
 import torch
 
-from kernels import flash, flex_attention
+from kernels import attention_cpu, flash, flex_attention
 from kernels.paged_attention import AttentionMetadata, paged_attention
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -41,13 +42,15 @@ def flash_usable(query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMe
 
 
 def kernel_for(query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata) -> str:
-    """"flash", "flex" or "reference": the kernel attention() runs for this call."""
+    """"flash", "flex", "cpu" or "reference": the kernel attention() runs for this call."""
     if _chosen[0] != "auto":
         return _chosen[0]
     if flash_usable(query, key_cache, meta):
         return "flash"
     if query.is_cuda and meta.has_tree and flex_attention.serves(query):
         return "flex"
+    if attention_cpu.serves(query, key_cache, meta):
+        return "cpu"
     return "reference"
 
 
@@ -62,6 +65,8 @@ def attention(
     kernel = kernel_for(query, key_cache, meta)
     if kernel == "flash":
         return flash.flash_paged_attention(query, key_cache, value_cache, meta, scale)
+    if kernel == "cpu":
+        return attention_cpu.cpu_paged_attention(query, key_cache, value_cache, meta, scale)
     if kernel == "flex" and query.is_cuda and _chosen[0] == "auto":
         try:
             return flex_attention.flex_paged_attention(query, key_cache, value_cache, meta,
