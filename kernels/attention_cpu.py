@@ -6,7 +6,8 @@ copy and builds a mask in every layer, and runs a mixed step (one-token sequence
 verify chunk) as two groups: at 4 sessions of the default target that was 2-5 ms of a
 16-23 ms step, and a verify row cost a batched step ~1.7x what it costs one sequence. The
 kernel reads each row's keys where they lie and treats every row alone (so also batch-
-invariant). It serves causal rounds in fp32; token trees and other dtypes keep the reference.
+invariant). It serves fp32 (token trees too: a tree row sees the context and its ancestors);
+other dtypes keep the reference.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kernels.paged_attention import AttentionMetadata
 
 _SOURCE = cpu_ext.CSRC / "paged_attention.cpp"
 _NAME = "tandem_paged_attention"
+_NO_TREE = torch.empty(0, 0, dtype=torch.bool)  # every sequence's new rows causal
 
 
 @functools.cache
@@ -32,11 +34,10 @@ def load():
 
 
 def serves(query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether this call can run here: fp32 on the CPU, no token tree, head_dim a multiple of
-    16, the kernel built (with AVX-512: without it the reference is the faster path)."""
+    """Whether this call can run here: fp32 on the CPU, head_dim a multiple of 16, the kernel
+    built (with AVX-512: without it the reference is the faster path)."""
     if not (query.device.type == "cpu" and query.dtype == torch.float32
-            and key_cache.dtype == torch.float32 and not meta.has_tree
-            and query.shape[-1] % 16 == 0):
+            and key_cache.dtype == torch.float32 and query.shape[-1] % 16 == 0):
         return False
     module = load()
     return module is not None and module.built
@@ -49,6 +50,8 @@ def cpu_paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """kernels.paged_attention.paged_attention's contract, causal rounds only."""
+    """kernels.paged_attention.paged_attention's contract."""
+    visible = _NO_TREE if meta.new_visible is None else meta.new_visible
     return load().paged_attention(query.contiguous(), key_cache, value_cache,
-                                  meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale)
+                                  meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+                                  visible, scale)

@@ -41,6 +41,9 @@ class AttentionMetadata:
     # the torch path attends each kind apart, so decode rows are not padded to the longest
     # query. (flat token rows of the group [n] int64, the group's own layout); () = one group.
     groups: tuple[tuple[torch.Tensor, AttentionMetadata], ...] = ()
+    # With a tree: which of its sequence's new tokens each row sees ([num_tokens, max_q] bool,
+    # a chain's rows causal), for kernels that read the context unmasked (attention_cpu).
+    new_visible: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -147,6 +150,12 @@ def build_attention_metadata(
         for i, tree in trees:
             q, s = q_lens[i], seq_lens[i]
             mask[i, :q, s - q:s] = tree
+    new_visible = None
+    if trees:
+        row_seq = torch.repeat_interleave(torch.arange(batch), q_len_t)
+        new_visible = pos_q[None, :] <= (torch.arange(int(cu[-1])) - cu[row_seq])[:, None]
+        for i, tree in trees:
+            new_visible[int(cu[i]):int(cu[i + 1]), :q_lens[i]] = tree
     return AttentionMetadata(
         cu_seqlens_q=cu,
         seq_lens=seq_len_t,
@@ -160,6 +169,7 @@ def build_attention_metadata(
         mask=None if mask is None else mask[:, None],
         has_tree=bool(trees),
         groups=groups,
+        new_visible=new_visible,
     )
 
 

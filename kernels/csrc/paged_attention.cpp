@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include <immintrin.h>
@@ -30,7 +31,9 @@ constexpr bool kBuilt = true;
 
 // exp(x) for x <= 0 (a score minus its row's max), 16 at a time: Cody-Waite reduction by
 // ln 2 and the classic degree-7 polynomial (about 1 ulp); libm's expf is a call per score.
+// Under -87 (a masked key's -inf included) it is 0.
 inline __m512 exp_neg(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(
       _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
@@ -46,7 +49,7 @@ inline __m512 exp_neg(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
 }
 
 // s[j] = exp(s[j] - mx) for j < n (s padded to a multiple of 16); returns their sum, lanes
@@ -112,8 +115,11 @@ inline void prefetch_next_block(const Layout& L, const float* cache, const int64
 
 // One row of one sequence, all its heads (each key's KV heads are read once, for the query
 // heads of their group): the softmax of its `keys` scores, then the values' sum into out.
+// `seen`, for a tree, says which of the sequence's `num_new` new tokens (the last keys) this
+// row sees; masked keys score -inf and weigh exactly 0, so a tree row that sees a chain
+// gives that chain row's bits.
 void attend_row(const Layout& L, const float* q, float* out, const int64_t* table,
-                int64_t keys, std::vector<float>& scores) {
+                int64_t keys, const bool* seen, int64_t num_new, std::vector<float>& scores) {
   const int64_t H = L.heads, group = L.heads / L.kv_heads, D = L.dim;
   const int64_t stride = (keys + 15) / 16 * 16;
   scores.resize(H * stride);
@@ -121,6 +127,12 @@ void attend_row(const Layout& L, const float* q, float* out, const int64_t* tabl
     prefetch_next_block(L, L.k, table, j, keys);
     const float* kp = L.k + key_offset(L, table, j);
     for (int64_t h = 0; h < H; ++h) scores[h * stride + j] = dot(q + h * D, kp + h / group * D, D) * L.scale;
+  }
+  if (seen != nullptr) {
+    const int64_t first = keys - num_new;
+    for (int64_t n = 0; n < num_new; ++n)
+      if (!seen[n])
+        for (int64_t h = 0; h < H; ++h) scores[h * stride + first + n] = -INFINITY;
   }
   for (int64_t h = 0; h < H; ++h) {
     float* s = scores.data() + h * stride;
@@ -135,6 +147,7 @@ void attend_row(const Layout& L, const float* q, float* out, const int64_t* tabl
     const float* vp = L.v + key_offset(L, table, j);
     for (int64_t h = 0; h < H; ++h) {
       const float w = scores[h * stride + j];
+      if (w == 0.0f) continue;  // a masked key (or one that underflowed): adds nothing
       const float* vh = vp + h / group * D;
       float* oh = out + h * D;
       for (int64_t i = 0; i < D; ++i) oh[i] += w * vh[i];  // lanes apart: no reduction
@@ -150,6 +163,7 @@ torch::Tensor paged_attention(torch::Tensor query,        // [T, H, D] float32
                               torch::Tensor block_tables, // [B, MB] int64
                               torch::Tensor seq_lens,     // [B] int64
                               torch::Tensor cu_seqlens_q, // [B + 1] int64
+                              torch::Tensor new_visible,  // [T, max_q] bool, or [0, 0]: causal
                               double scale) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat32 &&
                   query.is_contiguous(), "query must be contiguous float32 [T, H, D]");
@@ -173,6 +187,14 @@ torch::Tensor paged_attention(torch::Tensor query,        // [T, H, D] float32
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(cu[b + 1] >= cu[b] && lens[b] >= cu[b + 1] - cu[b] &&
                     lens[b] <= L.max_blocks * L.block_size, "sequence ", b, ": bad lengths");
+  const bool tree = new_visible.numel() > 0;
+  TORCH_CHECK(new_visible.scalar_type() == torch::kBool && new_visible.is_contiguous() &&
+                  (!tree || (new_visible.dim() == 2 && new_visible.size(0) == T)),
+              "new_visible must be contiguous bool [T, max_q] (or empty)");
+  const int64_t max_q = tree ? new_visible.size(1) : 0;
+  for (int64_t b = 0; tree && b < B; ++b)
+    TORCH_CHECK(cu[b + 1] - cu[b] <= max_q, "sequence ", b, ": more new rows than new_visible");
+  const bool* vis = tree ? new_visible.data_ptr<bool>() : nullptr;
   auto out = torch::empty_like(query);
   if (T == 0) return out;
   std::vector<int64_t> row_seq(T);  // each flat row's sequence
@@ -187,8 +209,12 @@ torch::Tensor paged_attention(torch::Tensor query,        // [T, H, D] float32
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = row_seq[t];
-      const int64_t keys = lens[b] - (cu[b + 1] - t) + 1;  // this row's position + 1
-      attend_row(L, qp + t * H * D, op + t * H * D, L.tables + b * L.max_blocks, keys, scores);
+      const int64_t num_new = cu[b + 1] - cu[b];
+      // A chain row sees the keys up to its own position; a tree row sees all the context
+      // and, of the new tokens, those new_visible names.
+      const int64_t keys = vis ? lens[b] : lens[b] - (cu[b + 1] - t) + 1;
+      attend_row(L, qp + t * H * D, op + t * H * D, L.tables + b * L.max_blocks, keys,
+                 vis ? vis + t * max_q : nullptr, num_new, scores);
     }
   });
   return out;

@@ -8,7 +8,12 @@ import torch
 
 from kernels import attention as attn
 from kernels import attention_cpu
-from kernels.paged_attention import ancestor_mask, build_attention_metadata, write_kv
+from kernels.paged_attention import (
+    ancestor_mask,
+    build_attention_metadata,
+    paged_attention,
+    write_kv,
+)
 
 pytestmark = pytest.mark.unit
 needs_kernel = pytest.mark.skipif(
@@ -82,7 +87,7 @@ def test_only_causal_fp32_cpu_rounds_take_the_kernel():
     assert attn.kernel_for(q.bfloat16(), kc.bfloat16(), meta) == "reference"
     tree = build_attention_metadata([4], [10], meta.block_tables.tolist(), 16,
                                     [ancestor_mask([-1, 0, 0, 1])])
-    assert attn.kernel_for(q, kc, tree) == "reference"
+    assert attn.kernel_for(q, kc, tree) == "cpu"
     previous = attn.use_kernel("reference")  # what gpu-check compares against
     try:
         assert attn.kernel_for(q, kc, meta) == "reference"
@@ -93,10 +98,41 @@ def test_only_causal_fp32_cpu_rounds_take_the_kernel():
 @needs_kernel
 def test_bad_layouts_raise_value_errors_not_crashes():
     q, kc, vc, meta, _ = layout([2], [10])
-    kernel = attention_cpu.load().paged_attention
+    kernel, causal = attention_cpu.load().paged_attention, attention_cpu._NO_TREE
+    args = (meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
     with pytest.raises(RuntimeError, match="end at the number of query rows"):
-        kernel(q[:1], kc, vc, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, 0.1)
+        kernel(q[:1], kc, vc, *args, causal, 0.1)
     with pytest.raises(RuntimeError, match="bad lengths"):
-        kernel(q, kc, vc, meta.block_tables, meta.seq_lens * 0 + 1, meta.cu_seqlens_q, 0.1)
+        kernel(q, kc, vc, args[0], meta.seq_lens * 0 + 1, args[2], causal, 0.1)
     with pytest.raises(RuntimeError, match="float32"):
-        kernel(q.double(), kc, vc, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, 0.1)
+        kernel(q.double(), kc, vc, *args, causal, 0.1)
+    with pytest.raises(RuntimeError, match="new_visible"):
+        kernel(q, kc, vc, *args, torch.ones(1, 2, dtype=torch.bool), 0.1)
+    with pytest.raises(RuntimeError, match="more new rows"):
+        kernel(q, kc, vc, *args, torch.ones(2, 1, dtype=torch.bool), 0.1)
+
+
+@needs_kernel
+def test_token_trees_beside_chains_match_the_reference():
+    q, kc, vc, meta, _ = layout([4, 1, 5, 3], [30, 50, 12, 5], seed=2)
+    tables = meta.block_tables.tolist()
+    trees = [ancestor_mask([-1, 0, 0, 1]), None, ancestor_mask([-1, 0, 1, 1, 0]), None]
+    tree = build_attention_metadata([4, 1, 5, 3], [30, 50, 12, 5],
+                                    [t[:len(t)] for t in tables], 16, trees)
+    want = paged_attention(q, kc, vc, tree, 0.125)
+    got = attention_cpu.cpu_paged_attention(q, kc, vc, tree, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    # the causal sequences' rows are the bits they have without a tree in the batch
+    chain = attention_cpu.cpu_paged_attention(q, kc, vc, meta, 0.125)
+    assert torch.equal(got[4:5], chain[4:5]) and torch.equal(got[10:], chain[10:])
+
+
+@needs_kernel
+def test_a_tree_row_that_sees_a_chain_gives_the_chain_row_bits():
+    q, kc, vc, meta, _ = layout([4], [20], seed=5)
+    table = meta.block_tables.tolist()
+    chain = attention_cpu.cpu_paged_attention(q, kc, vc, meta, 0.125)
+    tree = build_attention_metadata([4], [20], table, 16, [ancestor_mask([-1, 0, 1, 0])])
+    got = attention_cpu.cpu_paged_attention(q, kc, vc, tree, 0.125)
+    assert torch.equal(got[:3], chain[:3])  # nodes 0-1-2 are a chain
+    assert not torch.equal(got[3], chain[3])  # node 3 sees 0 and itself, not 1 and 2

@@ -56,7 +56,8 @@ def test_a_model_forward_on_flex_gives_the_reference_logits():
 def test_kernel_choice():
     meta = build_attention_metadata([4], [10], [[0, 1, 2]], 4, [ancestor_mask([-1, 0, 0, 1])])
     q, kc = torch.zeros(4, 4, 8), torch.zeros(3, 4, 2, 8)
-    assert attn.kernel_for(q, kc, meta) == "reference"  # a CPU tree: the reference
+    # a CPU tree: the reference (head_dim 8 is not for the C++ kernel, kernels/attention_cpu.py)
+    assert attn.kernel_for(q, kc, meta) == "reference"
     with pytest.raises(ValueError, match="must be one of"):
         attn.use_kernel("fast")
     assert attn.use_kernel("flex") == "auto"
