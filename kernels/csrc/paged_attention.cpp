@@ -26,6 +26,21 @@
 
 namespace {
 
+// Flush-to-zero and denormals-are-zero on this thread while in scope.
+struct DenormalsFlushed {
+  unsigned saved = _mm_getcsr();
+  DenormalsFlushed() { _mm_setcsr(saved | 0x8040); }
+  ~DenormalsFlushed() { _mm_setcsr(saved); }
+};
+
+struct Layout {
+  const float* k;
+  const float* v;
+  const int64_t* tables;
+  int64_t max_blocks, block_size, kv_heads, dim, heads;
+  float scale;
+};
+
 #if defined(__AVX512F__)
 constexpr bool kBuilt = true;
 
@@ -77,41 +92,67 @@ inline float dot(const float* q, const float* k, int64_t d) {
   if (i < d) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), a0);
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
-#else
-constexpr bool kBuilt = false;  // without AVX-512 the torch reference is the faster path
-inline float exp_sum(float*, int64_t, float) { return 0.0f; }
-inline float dot(const float*, const float*, int64_t) { return 0.0f; }
-#endif
 
-// Flush-to-zero and denormals-are-zero on this thread while in scope.
-struct DenormalsFlushed {
-  unsigned saved = _mm_getcsr();
-  DenormalsFlushed() { _mm_setcsr(saved | 0x8040); }
-  ~DenormalsFlushed() { _mm_setcsr(saved); }
-};
-
-struct Layout {
-  const float* k;
-  const float* v;
-  const int64_t* tables;
-  int64_t max_blocks, block_size, kv_heads, dim, heads;
-  float scale;
-};
-
-// Where key j of a sequence lies in a cache, in floats: all its KV heads, contiguous.
-inline int64_t key_offset(const Layout& L, const int64_t* table, int64_t j) {
-  return (table[j / L.block_size] * L.block_size + j % L.block_size) * L.kv_heads * L.dim;
+// Where each of a sequence's first `keys` keys lies in a cache, in floats (all its KV heads
+// contiguous there), from its block table: once per row, not a division per key and head.
+void key_offsets(const Layout& L, const int64_t* table, int64_t keys,
+                 std::vector<int64_t>& offs) {
+  offs.resize(keys);
+  const int64_t row = L.kv_heads * L.dim;
+  for (int64_t j0 = 0, b = 0; j0 < keys; j0 += L.block_size, ++b) {
+    const int64_t base = table[b] * L.block_size * row;
+    for (int64_t i = 0; i < L.block_size && j0 + i < keys; ++i) offs[j0 + i] = base + i * row;
+  }
 }
 
-// Asks for key j + block_size (the same place in the next block) while key j is read: blocks
-// lie anywhere, so the hardware's stream prefetcher loses the scan at every block's end (on
+// Asks for the key one block on (its KV heads' lines) while key j is read: blocks lie
+// anywhere, so the hardware's stream prefetcher loses the scan at every block's end (on
 // caches out of L2 the kernel ran at a fifth of its in-cache speed).
-inline void prefetch_next_block(const Layout& L, const float* cache, const int64_t* table,
-                                int64_t j, int64_t keys) {
+inline void prefetch_ahead(const Layout& L, const float* cache, const int64_t* offs,
+                           int64_t j, int64_t keys) {
   if (j + L.block_size >= keys) return;
-  const char* p = reinterpret_cast<const char*>(cache + key_offset(L, table, j + L.block_size));
+  const char* p = reinterpret_cast<const char*>(cache + offs[j + L.block_size]);
   for (int64_t b = 0; b < L.kv_heads * L.dim * 4; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
+
+inline float row_max(const float* s, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s + j));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+// out[0, 16 C) = inv * sum_j w[j] v_j[off, off + 16 C): C accumulators kept in registers
+// over all the keys (a loop over lanes in memory was a load and a store per key and lane).
+template <int C>
+void weigh_values(const float* v, const int64_t* offs, const float* w, int64_t keys,
+                  int64_t off, float inv, float* out) {
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < keys; ++j) {
+    if (w[j] == 0.0f) continue;  // a masked key (or one that underflowed): adds nothing
+    const __m512 b = _mm512_set1_ps(w[j]);
+    const float* vp = v + offs[j] + off;
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(b, _mm512_loadu_ps(vp + 16 * c), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+}
+
+// One head's output from its softmax weights: 64 lanes at a time (the rest 16 at a time).
+void head_output(const Layout& L, const int64_t* offs, const float* w, int64_t keys,
+                 int64_t g, float inv, float* out) {
+  const float* v = L.v + g * L.dim;
+  int64_t d = 0;
+  for (; d + 64 <= L.dim; d += 64) weigh_values<4>(v, offs, w, keys, d, inv, out + d);
+  for (; d < L.dim; d += 16) weigh_values<1>(v, offs, w, keys, d, inv, out + d);
+}
+
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<int64_t> offs;
+};
 
 // One row of one sequence, all its heads (each key's KV heads are read once, for the query
 // heads of their group): the softmax of its `keys` scores, then the values' sum into out.
@@ -119,14 +160,18 @@ inline void prefetch_next_block(const Layout& L, const float* cache, const int64
 // row sees; masked keys score -inf and weigh exactly 0, so a tree row that sees a chain
 // gives that chain row's bits.
 void attend_row(const Layout& L, const float* q, float* out, const int64_t* table,
-                int64_t keys, const bool* seen, int64_t num_new, std::vector<float>& scores) {
+                int64_t keys, const bool* seen, int64_t num_new, Scratch& scratch) {
   const int64_t H = L.heads, group = L.heads / L.kv_heads, D = L.dim;
   const int64_t stride = (keys + 15) / 16 * 16;
-  scores.resize(H * stride);
+  key_offsets(L, table, keys, scratch.offs);
+  const int64_t* offs = scratch.offs.data();
+  scratch.scores.resize(H * stride);
+  float* scores = scratch.scores.data();
   for (int64_t j = 0; j < keys; ++j) {
-    prefetch_next_block(L, L.k, table, j, keys);
-    const float* kp = L.k + key_offset(L, table, j);
-    for (int64_t h = 0; h < H; ++h) scores[h * stride + j] = dot(q + h * D, kp + h / group * D, D) * L.scale;
+    prefetch_ahead(L, L.k, offs, j, keys);
+    const float* kp = L.k + offs[j];
+    for (int64_t h = 0; h < H; ++h)
+      scores[h * stride + j] = dot(q + h * D, kp + h / group * D, D) * L.scale;
   }
   if (seen != nullptr) {
     const int64_t first = keys - num_new;
@@ -135,25 +180,18 @@ void attend_row(const Layout& L, const float* q, float* out, const int64_t* tabl
         for (int64_t h = 0; h < H; ++h) scores[h * stride + first + n] = -INFINITY;
   }
   for (int64_t h = 0; h < H; ++h) {
-    float* s = scores.data() + h * stride;
-    float mx = s[0];
-    for (int64_t j = 1; j < keys; ++j) mx = std::max(mx, s[j]);
-    const float inv = 1.0f / exp_sum(s, keys, mx);
-    for (int64_t j = 0; j < keys; ++j) s[j] *= inv;
-  }
-  std::fill(out, out + H * D, 0.0f);
-  for (int64_t j = 0; j < keys; ++j) {
-    prefetch_next_block(L, L.v, table, j, keys);
-    const float* vp = L.v + key_offset(L, table, j);
-    for (int64_t h = 0; h < H; ++h) {
-      const float w = scores[h * stride + j];
-      if (w == 0.0f) continue;  // a masked key (or one that underflowed): adds nothing
-      const float* vh = vp + h / group * D;
-      float* oh = out + h * D;
-      for (int64_t i = 0; i < D; ++i) oh[i] += w * vh[i];  // lanes apart: no reduction
-    }
+    float* s = scores + h * stride;
+    const float inv = 1.0f / exp_sum(s, keys, row_max(s, keys));
+    head_output(L, offs, s, keys, h / group, inv, out + h * D);
   }
 }
+
+#else
+constexpr bool kBuilt = false;  // without AVX-512 the torch reference is the faster path
+struct Scratch {};
+void attend_row(const Layout&, const float*, float*, const int64_t*, int64_t, const bool*,
+                int64_t, Scratch&) {}
+#endif
 
 }  // namespace
 
@@ -206,7 +244,7 @@ torch::Tensor paged_attention(torch::Tensor query,        // [T, H, D] float32
     // Flush denormals for this thread's rows: a trained model's softmax puts many keys at
     // weights that small, and each denormal multiply costs ~100 cycles.
     const DenormalsFlushed flushed;
-    std::vector<float> scores;
+    Scratch scratch;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = row_seq[t];
       const int64_t num_new = cu[b + 1] - cu[b];
@@ -214,7 +252,7 @@ torch::Tensor paged_attention(torch::Tensor query,        // [T, H, D] float32
       // and, of the new tokens, those new_visible names.
       const int64_t keys = vis ? lens[b] : lens[b] - (cu[b + 1] - t) + 1;
       attend_row(L, qp + t * H * D, op + t * H * D, L.tables + b * L.max_blocks, keys,
-                 vis ? vis + t * max_q : nullptr, num_new, scores);
+                 vis ? vis + t * max_q : nullptr, num_new, scratch);
     }
   });
   return out;

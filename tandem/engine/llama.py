@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from kernels import int8_cpu
+from kernels import attention_cpu, int8_cpu
 from kernels.attention import attention
 from kernels.masked_attention import masked_attention
 from kernels.paged_attention import AttentionMetadata, row_attention, write_kv
@@ -212,8 +212,7 @@ class LlamaModel:
             attn = masked_attention(q, k_cache, v_cache, meta, scale, window, cfg.attn_softcap,
                                     positions)
         else:
-            attend = row_attention if self.batch_invariant else attention
-            attn = attend(q, k_cache, v_cache, meta, scale)
+            attn = self._attend(q, k_cache, v_cache, meta, scale)
         out = self._attn_out(attn.reshape(n, q_size), layer)
         if layer.pre_ff_norm is None:  # Llama: pre-norm blocks
             h = h + out
@@ -222,6 +221,15 @@ class LlamaModel:
         h = h + self._rms_norm(out, layer.post_norm)  # Gemma: norms on both sides
         x = self._rms_norm(h, layer.pre_ff_norm)
         return h + self._rms_norm(self._mlp(x, layer), layer.post_ff_norm)
+
+    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """Batch-invariant: the C++ CPU kernel where it serves (every row alone by
+        construction, a call per layer), else row_attention (a call per row)."""
+        if not self.batch_invariant:
+            return attention(q, k_cache, v_cache, meta, scale)
+        if attention_cpu.serves(q, k_cache, meta):
+            return attention_cpu.cpu_paged_attention(q, k_cache, v_cache, meta, scale)
+        return row_attention(q, k_cache, v_cache, meta, scale)
 
     # Hooks a tensor-parallel shard overrides (tandem.engine.tp_llama): embedding lookup,
     # attention's output projection, the MLP and the LM head.
