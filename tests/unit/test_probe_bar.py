@@ -61,3 +61,20 @@ def test_a_worker_probe_under_a_compute_bound_plan_is_skipped():
     assert sched.desired_k(seq) == 1  # a stale pool on a cheap step: it probes
     sched.step_cost = BOUND
     assert sched.desired_k(seq) == 0  # even the prior (0.7) cannot pay a compute-bound row
+
+
+def test_a_worker_probe_hopes_for_its_pools_rate_not_the_prior():
+    # At 4 sessions (bar ~0.5) a draft model its pool has at ~0.2 probed on the prior (0.7):
+    # each probe made the whole step wait for the worker.
+    half = StepCost({1: 10.0, 2: 15.0, 4: 20.0, 5: 22.5, 8: 30.0, 16: 50.0, 32: 90.0})
+    sched = make_sched()
+    seq = running_seq(sched)
+    for _ in range(3):
+        sched.pool.learn(Method.DRAFT_MODEL, 4, 0)  # three rounds, nothing accepted
+    assert not sched.pool.fresh(Method.DRAFT_MODEL)
+    assert not probe_pays(seq, half, 4, sched.pool)  # hopes (0 + 1) / (3 + 1) = 0.25 < 0.5
+    assert probe_pays(seq, half, 4)  # without the pool: the prior 0.7
+    assert probe_pays(seq, FLAT, 4, sched.pool)  # a cheap row: still worth a probe
+    for _ in range(20):
+        sched.pool.learn(Method.DRAFT_MODEL, 4, 4)  # the method pays after all
+    assert probe_pays(seq, half, 4, sched.pool)

@@ -64,6 +64,12 @@ class AcceptancePool:
         acc, n = self.sums.get(method, (0.0, 0.0))
         return acc / n if n >= 1.0 else None
 
+    def hopeful_rate(self, method: Method) -> float | None:
+        """rate() with one more accepted trial: what a probe may still hope for (a pool
+        of few trials hopes more)."""
+        acc, n = self.sums.get(method, (0.0, 0.0))
+        return (acc + 1.0) / (n + 1.0) if n >= 1.0 else None
+
     def fresh(self, method: Method) -> bool:
         return self.sums.get(method, (0.0, 0.0))[1] >= FRESH_TRIALS
 
@@ -83,10 +89,11 @@ def probe_round(seq: Sequence, pool: AcceptancePool, plan: StepCost | None, peri
         return plan is None
     if not periodic or (from_worker(seq) and pool.fresh(seq.params.method)):
         return False
-    return plan is None or probe_pays(seq, plan, batch)
+    return plan is None or probe_pays(seq, plan, batch, pool)
 
 
-def probe_pays(seq: Sequence, plan: StepCost, batch: int) -> bool:
+def probe_pays(seq: Sequence, plan: StepCost, batch: int,
+               pool: AcceptancePool | None = None) -> bool:
     """Whether a probe's draft could pay in a step of `batch` sessions before the session's own
     correction: its prior (prior_reach) over the gain the step needs from a row (its cost over
     what a token costs there; on this CPU's int8 curve ~0.25 at 2 sessions, ~0.5 at 4, ~0.8 at
@@ -96,17 +103,22 @@ def probe_pays(seq: Sequence, plan: StepCost, batch: int) -> bool:
     out)."""
     base = max(plan.cost(batch, anchor=batch), 1e-3)
     bar = max(0.0, plan.cost(batch + 1, anchor=batch) - base) * batch / base
-    return prior_reach(seq) > bar
+    return prior_reach(seq, pool) > bar
 
 
-def prior_reach(seq: Sequence) -> float:
+def prior_reach(seq: Sequence, pool: AcceptancePool | None = None) -> float:
     """The session's next draft's estimated reach before what its rounds measured (which the
     probe tests): a history proposal's own estimate (Sequence.draft_reach, unscaled; none: 0),
-    a worker chain's prior acceptance (Estimates' default); heads and trees 1 (they probe as
-    before)."""
+    a worker chain's method's pooled acceptance with one more success (hopeful_rate), else the
+    prior (Estimates' default: 0.7, which at 4 sessions cleared the bar for a draft model its
+    pool had at 0.18: every probe then made the step wait for the worker, 8% of plain's
+    throughput); heads and trees 1 (they probe as before)."""
     if seq.local.in_verifier:
         return seq.draft_reach[0] if seq.draft_reach else 0.0
-    return PRIOR_ACCEPTANCE if from_worker(seq) else 1.0
+    if not from_worker(seq):
+        return 1.0
+    pooled = pool.hopeful_rate(seq.params.method) if pool is not None else None
+    return PRIOR_ACCEPTANCE if pooled is None else pooled
 
 
 def chain_acceptance(seq: Sequence, pool: AcceptancePool) -> float:
