@@ -16,11 +16,6 @@ from collections.abc import Callable, Hashable, Sequence
 
 _MIN_MS = 1e-3  # costs are divided by
 MAX_GROUPS = 4  # methods tried in every subset; past this, all on or each alone
-# Drafts must promise this much over the plain step: their gains are estimates that run
-# optimistic early in a session (a history source's reach before its correction, a worker's
-# pooled acceptance), and plans near break-even on paper lost 3-7% of plain's throughput at
-# 4 sessions through the gateway. A draft that pays clearly is not affected.
-PLAIN_MARGIN = 1.03
 
 
 def plan_batch(gains: Sequence[Sequence[float]], cost: Callable[[int], float],
@@ -30,8 +25,7 @@ def plan_batch(gains: Sequence[Sequence[float]], cost: Callable[[int], float],
     (j+1)-th draft adds (parents first; its single-session k at most); cost(t): ms of a step
     over t tokens; entry[i]: ms the step pays once if session i verifies any draft (its share
     of the wait for its draft worker); groups[i]: its method. The plan maximises
-    (B + the kept drafts' gains) / (cost(B + m) + the entries of the sessions that draft),
-    and keeps the plain step unless that beats it by PLAIN_MARGIN."""
+    (B + the kept drafts' gains) / (cost(B + m) + the entries of the sessions that draft)."""
     b = len(gains)
     memo: dict[int, float] = {}
 
@@ -43,7 +37,7 @@ def plan_batch(gains: Sequence[Sequence[float]], cost: Callable[[int], float],
     order = _merged(gains)
     entry = entry if entry is not None else [0.0] * b
     groups = groups if groups is not None else [0] * b
-    best, best_on, best_m = b / at(b) * PLAIN_MARGIN, None, 0
+    best, best_on, best_m = b / at(b), None, 0
     for on in _subsets(groups):
         rate, m = _best_prefix(order, on, groups, entry, b, at)
         if rate > best * 1.001:  # prefer fewer drafts (and fewer methods) on near-ties

