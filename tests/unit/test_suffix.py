@@ -46,9 +46,20 @@ def test_majority_continuation_and_confidence_cut():
     # after [1, 2]: 3 of 4 occurrences continue 3 4, one continues 8
     log = log_of([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 8, 8])
     spec = speculate(log, [1, 2], 4, spec_factor=4.0)
-    assert spec.tokens == [3, 4] and spec.score == pytest.approx(0.75 + 0.75)
+    # votes 3/4 each, no surer than a 2-token n-gram match: 2/4, then (2/4)^2
+    assert spec.tokens == [3, 4] and spec.score == pytest.approx(0.5 + 0.25)
     # the same votes with a bar above 3/4 propose nothing
     assert speculate(log, [1, 2], 4, spec_factor=4.0, min_prob=0.8).tokens == []
+
+
+def test_one_occurrence_is_as_sure_as_its_match_is_long():
+    # One earlier occurrence votes 1.0 for all it continues with: a 3-token chat match was
+    # priced as certain under load. A long match (a copy under way) stays near-sure.
+    text = list(range(10, 60))
+    short = speculate(log_of(text), [10, 11, 12], 3, spec_factor=1.0)
+    long = speculate(log_of(text), text[:20], 3, spec_factor=1.0)
+    assert short.tokens == [13, 14, 15] and short.probs == pytest.approx((3 / 5, 3 / 6, 3 / 7))
+    assert long.tokens == text[20:23] and long.probs[0] == pytest.approx(20 / 22)
 
 
 def test_length_follows_match_length():

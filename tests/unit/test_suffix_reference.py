@@ -1,13 +1,15 @@
 """Suffix decoding's lookup against a plain reference written from its definition: on random
 corpora with many repeats, ties and sequence ends, `speculate` proposes the same tokens, with
 the same probabilities and match length, as a loop that measures every occurrence's match
-and votes column by column (the served code does both vectorised / in lists, for speed)."""
+and votes column by column (the served code does both vectorised / in lists, for speed), each
+probability no surer than an n-gram match of the same length."""
 import math
 import random
 from collections import Counter
 
 import pytest
 
+from tandem.proposers.ngram import confidences
 from tandem.proposers.suffix import _SEP, TokenLog, speculate
 
 pytestmark = pytest.mark.unit
@@ -47,7 +49,7 @@ def reference(log: TokenLog, context, max_tokens, max_match, min_prob, spec_fact
         tokens.append(token)
         probs.append(prob)
         rows = [r for r in rows if r[j] == token]
-    return tokens, probs, best
+    return tokens, [min(p, c) for p, c in zip(probs, confidences(best, len(probs)))], best
 
 
 @pytest.mark.parametrize("seed", range(40))
