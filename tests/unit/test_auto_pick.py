@@ -129,3 +129,19 @@ def test_heads_that_cannot_pay_for_their_own_pass_are_not_run():
     assert auto.head_nodes(sched, seq, heads_ms=40.0) == 0  # a pass dearer than a round
     seq.est.source_scale[Method.MEDUSA] = 0.1  # or heads this session found wrong
     assert auto.head_nodes(sched, seq) == 0
+
+
+def test_under_a_batch_plan_heads_run_only_where_their_first_node_clears_the_bar():
+    # 16 sessions on a compute-bound step: the plan would cut the heads' drafts after their
+    # pass was paid (auto ran 10% under plain through the gateway, drafting nothing).
+    from tandem.spec.cost import StepCost
+    from test_probe_pool import running_seq
+
+    sched, seq = _setup()
+    sched.add(seq)
+    for i in range(15):
+        running_seq(sched, f"o{i}")
+    sched.step_cost = StepCost({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0, 16: 160.0, 32: 320.0})
+    assert auto.head_nodes(sched, seq) == 0  # bar 1: a 0.6 first node cannot pay
+    sched.step_cost = StepCost({1: 10.0, 2: 10.2, 4: 10.5, 8: 11.0, 16: 12.0, 32: 14.0})
+    assert auto.head_nodes(sched, seq) > 0  # rows nearly free: as alone

@@ -101,9 +101,14 @@ def probe_pays(seq: Sequence, plan: StepCost, batch: int,
     bar no outcome changes the plan, and at 32 sessions the periodic probes were most of the
     drafted rows (one in 16 rounds of every session, each adding a row the plan had priced
     out)."""
+    return prior_reach(seq, pool) > row_bar(plan, batch)
+
+
+def row_bar(plan: StepCost, batch: int) -> float:
+    """What a draft must be worth (expected tokens) to pay for its row in a step of `batch`
+    sessions: one row's cost over one token's there."""
     base = max(plan.cost(batch, anchor=batch), 1e-3)
-    bar = max(0.0, plan.cost(batch + 1, anchor=batch) - base) * batch / base
-    return prior_reach(seq, pool) > bar
+    return max(0.0, plan.cost(batch + 1, anchor=batch) - base) * batch / base
 
 
 def prior_reach(seq: Sequence, pool: AcceptancePool | None = None) -> float:
