@@ -222,9 +222,17 @@ torch::Tensor paged_attention(torch::Tensor query,        // [T, H, D] float32
   const Layout L{key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
                  block_tables.data_ptr<int64_t>(), block_tables.size(1), key_cache.size(1),
                  KVH, D, H, static_cast<float>(scale)};
-  for (int64_t b = 0; b < B; ++b)
+  const int64_t num_blocks = key_cache.size(0);
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "key and value caches differ in shape");
+  for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(cu[b + 1] >= cu[b] && lens[b] >= cu[b + 1] - cu[b] &&
                     lens[b] <= L.max_blocks * L.block_size, "sequence ", b, ": bad lengths");
+    for (int64_t i = 0; i * L.block_size < lens[b]; ++i) {  // the blocks its keys lie in
+      const int64_t block = L.tables[b * L.max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", b, ": block ", block,
+                  " is outside the cache");
+    }
+  }
   const bool tree = new_visible.numel() > 0;
   TORCH_CHECK(new_visible.scalar_type() == torch::kBool && new_visible.is_contiguous() &&
                   (!tree || (new_visible.dim() == 2 && new_visible.size(0) == T)),

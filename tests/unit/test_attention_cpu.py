@@ -108,6 +108,10 @@ def test_bad_layouts_raise_value_errors_not_crashes():
         kernel(q.double(), kc, vc, *args, causal, 0.1)
     with pytest.raises(RuntimeError, match="new_visible"):
         kernel(q, kc, vc, *args, torch.ones(1, 2, dtype=torch.bool), 0.1)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel(q, kc, vc, args[0] + 1000, *args[1:], causal, 0.1)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        kernel(q, kc, vc[:1], *args, causal, 0.1)
     with pytest.raises(RuntimeError, match="more new rows"):
         kernel(q, kc, vc, *args, torch.ones(2, 1, dtype=torch.bool), 0.1)
 

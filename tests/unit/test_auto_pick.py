@@ -2,11 +2,12 @@
 (verify_service/policy/auto.py): by expected tokens per ms, each with its own correction, and
 the heads asked only when the round verifies no history drafts."""
 import pytest
+from test_probe_pool import running_seq
 
 from tandem.engine.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftToken, Method
-from tandem.spec.cost import CostModel, best_rate, choose_tree_size
+from tandem.spec.cost import CostModel, StepCost, best_rate, choose_tree_size
 from verify_service.config import SchedulerConfig
 from verify_service.policy import auto
 from verify_service.policy.feedback import learn_acceptance
@@ -134,9 +135,6 @@ def test_heads_that_cannot_pay_for_their_own_pass_are_not_run():
 def test_under_a_batch_plan_heads_run_only_where_their_first_node_clears_the_bar():
     # 16 sessions on a compute-bound step: the plan would cut the heads' drafts after their
     # pass was paid (auto ran 10% under plain through the gateway, drafting nothing).
-    from tandem.spec.cost import StepCost
-    from test_probe_pool import running_seq
-
     sched, seq = _setup()
     sched.add(seq)
     for i in range(15):
