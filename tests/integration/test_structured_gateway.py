@@ -171,9 +171,12 @@ EARLIER = [{"role": "user", "content": "Weather in Paris?"},
 def test_streamed_tool_calls_arrive_as_argument_deltas(client, choice):
     """Streamed, a call's head comes first, then its arguments as the model writes them;
     joined, they are the whole answer's calls."""
+    # Plain decoding, a token a round: a speculative round may commit the whole arguments
+    # at once (they copy the earlier call's), which is one delta by right.
     body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "tools": [WEATHER, TIME],
             "messages": [*EARLIER, {"role": "user", "content": "Weather in Rome?"}],
-            "tool_choice": choice, "parallel_tool_calls": False}
+            "tool_choice": choice, "parallel_tool_calls": False,
+            "speculation": {"method": "none"}}
     whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert whole["finish_reason"] == "tool_calls", whole
     with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
