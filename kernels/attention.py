@@ -4,7 +4,8 @@
   the KV blocks are a multiple of 256, the round has no token tree and flash-attn is installed;
 - FlexAttention (kernels/flex_attention.py) for token trees on CUDA: a real masked kernel,
   with the tree's block mask (flash-attn's causal kernel cannot take one);
-- our C++ kernel (kernels/attention_cpu.py) on the CPU in fp32 for causal rounds;
+- our C++ kernel (kernels/attention_cpu.py) on the CPU in fp32 (chains and trees) where it
+  was built (AVX-512);
 - else the torch reference (kernels/paged_attention.py), which runs on any device via SDPA.
 
 `use_kernel` overrides the choice for a process ("reference" or "flex" everywhere: what

@@ -1,4 +1,4 @@
-// Paged causal attention on CPU, straight from the KV blocks (fp32).
+// Paged attention on CPU, straight from the KV blocks (fp32): causal rounds and token trees.
 //
 // kernels/paged_attention.py's reference gathers every sequence's blocks into a padded copy,
 // builds a mask and calls SDPA, in every layer; a step that mixes one-token sequences with a
@@ -7,9 +7,10 @@
 // arithmetic. Here each query row reads its keys through the block table where they lie.
 //
 // Sequence b has q_len = cu[b+1] - cu[b] new rows ending at context length seq_len; its row i
-// sits at position seq_len - q_len + i and sees keys 0..that position. One task is one row
-// and one KV head: it scores the row's query heads of that group (GQA: each key is loaded
-// once for all of them), takes the softmax (max, exp, sum) and sums the values.
+// sits at position seq_len - q_len + i and sees keys 0..that position (a tree row: the
+// context and the new tokens new_visible names). One task is one row, all its heads (GQA:
+// each key's KV heads are loaded once for all the query heads): the scores, the softmax
+// (max, exp, sum) and the values' sum.
 //
 // Every row is computed alone, in the same order of keys and lanes, whatever else is in the
 // batch (decode step, verify chunk, prefill, beside longer sequences): with the int8 GEMM,

@@ -74,17 +74,24 @@ class AcceptancePool:
         return self.sums.get(method, (0.0, 0.0))[1] >= FRESH_TRIALS
 
 
-def probe_round(seq: Sequence, pool: AcceptancePool, plan: StepCost | None, periodic: bool,
-                ahead: int = 0, batch: int = 1) -> bool:
+def plan_curve(step_cost: StepCost, num_sessions: int) -> StepCost | None:
+    """The step curve a batch plan prices the rounds by: once it is measured and more than one
+    session shares the verifier; None otherwise (each session on its own cost curve)."""
+    return step_cost if step_cost.known and num_sessions > 1 else None
+
+
+def probe_round(seq: Sequence, pool: AcceptancePool, step_cost: StepCost, num_sessions: int,
+                periodic: bool, ahead: int = 0, batch: int = 1) -> bool:
     """Whether a session's round `ahead` rounds from now probes (verifies a draft where its
     estimates say drafts do not pay). `periodic`: one of its every-EXPLORE_EVERY rounds; a
     worker session skips it while its method's pool is fresh (it would wait for drafts to tell
-    the pool what it knows). `plan`: the step curve when a batch plan prices the rounds of
-    `batch` sessions, which it does not cut a probe from: there a probe must be able to pay
+    the pool what it knows). Where a batch plan prices the rounds of `batch` sessions
+    (plan_curve), which it does not cut a probe from, a probe must be able to pay
     (probe_pays). A worker session's first decode round (the prefill is round 0) probes
     whatever the pool says (no evidence of its own: it drafts), so sessions too short to reach
-    a probe round still draft, unless other sessions share the verifier (`plan`): there its
-    Open (at admission, sessions of a burst too) would cost the worker a prefill for nothing."""
+    a probe round still draft, unless a batch plan prices its rounds: there its Open (at
+    admission, sessions of a burst too) would cost the worker a prefill for nothing."""
+    plan = plan_curve(step_cost, num_sessions)
     if from_worker(seq) and seq.stats.rounds + ahead == 1 and not seq.stats.drafted:
         return plan is None
     if not periodic or (from_worker(seq) and pool.fresh(seq.params.method)):

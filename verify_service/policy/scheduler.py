@@ -104,8 +104,8 @@ class Scheduler:
         return k if cap is None or self.probes(seq, ahead) else min(k, cap)
 
     def probes(self, seq: Sequence, ahead: int = 0) -> bool:  # policy/batch.py probe_round
-        plan = self.step_cost if self.step_cost.known and self.num_sessions > 1 else None
-        return probe_round(seq, self.pool, plan, probing(seq, ahead), ahead, len(self.running))
+        return probe_round(seq, self.pool, self.step_cost, self.num_sessions, probing(seq, ahead),
+                           ahead, len(self.running))
 
     def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The k that pays for the session alone (the single-session cost curve)."""
