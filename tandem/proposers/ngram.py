@@ -3,7 +3,9 @@
 No model: match the last n tokens of the sequence (n from max_ngram_size down to 1) against
 earlier text (prompt and everything generated since), and propose the tokens that followed the
 most recent earlier match. Works well when the output copies from the prompt (code edits,
-summaries, RAG answers, quoting). q is one-hot, so nothing but the token ids goes on the wire.
+summaries, RAG answers, quoting). Where the match is a single token and a copy ran up to the
+token before it, the copy resumes past that token (resume_match: the model added a comma).
+q is one-hot, so nothing but the token ids goes on the wire.
 """
 from __future__ import annotations
 
@@ -49,6 +51,17 @@ def confidences(match_len: int, num_tokens: int) -> tuple[float, ...]:
 
 
 _MAX_MATCH = 32  # longest match measured for the confidence
+# A copy resumed after one inserted token (resume_match) is right about this often at first
+# (the categories workload's copy-heavy answers, greedy, simulated over their tokens: 12 of 41
+# resumes), and then runs on as the copy did.
+RESUME_FIRST = 0.3
+
+
+def resume_confidences(match_len: int, num_tokens: int) -> tuple[float, ...]:
+    """A resumed copy's reach (resume_match): RESUME_FIRST that the output went back to the
+    copy, then the copy's own chances (confidences) for the tokens after."""
+    return tuple(RESUME_FIRST * c for c in confidences(max(match_len, _COPY_MATCH),
+                                                        num_tokens))
 
 
 def ngram_match(
@@ -87,6 +100,29 @@ def ngram_match(
     return [], 0
 
 
+def resume_match(
+    token_ids: Sequence[int], max_ngram_size: int, num_tokens: int, min_ngram_size: int = 1
+) -> tuple[list[int], int]:
+    """After one inserted token: the copy that ran up to the token before the last, continued
+    from where the insertion interrupted it; ([], 0) unless that copy held at least 3 tokens.
+
+    A model copying text often adds one token the source does not have (a comma in "Every
+    morning, she"; a space or quote of its own) and then goes on with the source. The last
+    n tokens then end in that token, which the source does not have after them: the n-gram
+    match falls back to one token (the comma), which matches any earlier comma, and the copy
+    found its way back only after a round or two of wrong drafts. In the categories workload's
+    copy-heavy answers (simulated over their greedy tokens) resuming where one-token matches
+    stood took 340 rounds to 329, a copy with four added commas 15 to 8.
+    """
+    if len(token_ids) < _COPY_MATCH + 2:
+        return [], 0
+    ids, held = ngram_match(token_ids[:-1], max_ngram_size, num_tokens,
+                            min(min_ngram_size, max_ngram_size))
+    if held < max(_COPY_MATCH, min_ngram_size) or not ids or ids[0] == token_ids[-1]:
+        return [], 0
+    return ids, held
+
+
 def _last_match(packed: bytes, length: int, n: int) -> int | None:
     """Start of the most recent earlier occurrence of the last n tokens, if any."""
     width = _ITEM_BYTES
@@ -97,6 +133,20 @@ def _last_match(packed: bytes, length: int, n: int) -> int | None:
             return pos // width
         end = pos + len(suffix) - 1  # a hit straddling two ids: look further back
     return None
+
+
+def propose_copy(
+    token_ids: Sequence[int], max_ngram_size: int, num_tokens: int, min_ngram_size: int = 1
+) -> tuple[list[int], int, tuple[float, ...]]:
+    """(the n-gram match's continuation, how far back the match holds, its confidences);
+    where that match is a single token (chance, or an insertion into a copy), the resumed copy
+    instead when there is one (resume_match)."""
+    ids, size = ngram_match(token_ids, max_ngram_size, num_tokens, min_ngram_size)
+    if size <= 1:
+        resumed, held = resume_match(token_ids, max_ngram_size, num_tokens, min_ngram_size)
+        if resumed:
+            return resumed, held, resume_confidences(held, len(resumed))
+    return ids, size, confidences(size, len(ids))
 
 
 class NgramProposer:
@@ -120,10 +170,9 @@ class NgramProposer:
         for req in requests:
             n = req.max_ngram_size or self.max_ngram_size
             k = min(req.max_tokens, self.max_spec_tokens)
-            ids, size = (ngram_match(req.token_ids, n, k, min(self.min_ngram_size, n))
-                         if k > 0 else ([], 0))
-            results.append(DraftResult([DraftToken(t) for t in ids],
-                                       scores=confidences(size, len(ids))))
+            ids, _, scores = propose_copy(req.token_ids, n, k, min(self.min_ngram_size, n)) \
+                if k > 0 else ([], 0, ())
+            results.append(DraftResult([DraftToken(t) for t in ids], scores=scores))
         return results
 
     def release(self, session_key: Hashable) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.proposers.ngram import confidences, ngram_match
+from tandem.proposers.ngram import confidences, propose_copy
 from tandem.spec import DraftRequest, DraftResult, DraftToken, Method
 from tandem.spec.cost import DEFAULT_MAX_SPEC_TOKENS
 
@@ -222,12 +222,12 @@ def _shorter_match(context: Sequence[int], anchor: int, k: int) -> Speculation:
     """Prompt lookup below the anchor: where no occurrence shares `anchor` tokens with the
     tail (the first decode step, whose tail is the chat template's and the first token; the
     round after a copy broke off), the most recent one sharing fewer, with n-gram lookup's
-    estimates (tandem/proposers/ngram.py): a short match drafts little, and the session's
+    estimates, or the copy resumed past one added token (tandem/proposers/ngram.py
+    propose_copy): a short match drafts little, and the session's
     correction for suffix learns what such matches are worth."""
     if anchor < 2 or len(context) < 2:
         return _NOTHING
-    tokens, held = ngram_match(context, anchor - 1, k)
-    probs = confidences(held, len(tokens))
+    tokens, held, probs = propose_copy(context, anchor - 1, k)
     return Speculation(tokens, sum(probs), held, probs) if tokens else _NOTHING
 
 

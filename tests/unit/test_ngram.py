@@ -1,7 +1,16 @@
-"""N-gram prompt lookup: matching, longest-n-first, most recent match, periodic continuation."""
+"""N-gram prompt lookup: matching, longest-n-first, most recent match, periodic continuation,
+a copy resumed past one added token."""
 import pytest
 
-from tandem.proposers.ngram import NgramProposer, ngram_lookup
+from tandem.proposers.ngram import (
+    RESUME_FIRST,
+    NgramProposer,
+    confidences,
+    ngram_lookup,
+    propose_copy,
+    resume_confidences,
+    resume_match,
+)
 from tandem.spec import DraftRequest, Method, Proposer
 
 pytestmark = pytest.mark.unit
@@ -104,3 +113,51 @@ def test_straddling_byte_match_is_skipped():
     a, b = 0x02000000, 0x00000001  # bytes 00 00 00 02 | 01 00 00 00
     straddle = 0x00010200  # bytes 00 02 01 00: found at offset 2, not a real token match
     assert ngram_lookup([a, b, 7, straddle], 1, 1) == []
+
+
+# ---- a copy resumed past one added token (resume_match, propose_copy) --------------------------
+SOURCE = [20, 21, 22, 23, 24, 25, 26, 27, 28]  # the text being copied (in the prompt)
+
+
+def test_a_copy_resumes_past_one_inserted_token():
+    # The output copied 20..23, then added 99 (a comma) where the source goes on with 24.
+    seq = [*SOURCE, 5, 20, 21, 22, 23, 99]
+    assert ngram_lookup(seq, 3, 3) == []  # 99 occurs nowhere earlier: the lookup has nothing
+    ids, held, scores = propose_copy(seq, 3, 3)
+    assert ids == [24, 25, 26] and held == 4
+    assert scores == resume_confidences(4, 3)
+    assert scores[0] == pytest.approx(RESUME_FIRST * 4 / 6)  # a guess at first, then the copy's
+    assert resume_match(seq, 3, 3) == ([24, 25, 26], 4)
+
+
+def test_a_one_token_match_gives_way_to_a_resumed_copy():
+    # 99 also occurs earlier (then 7): a one-token match, chance next to a copy of four.
+    seq = [99, 7, *SOURCE, 5, 20, 21, 22, 23, 99]
+    assert ngram_lookup(seq, 3, 2) == [7, 20]
+    assert propose_copy(seq, 3, 2)[0] == [24, 25]
+
+
+def test_a_longer_match_is_kept_over_a_resume():
+    # [23, 99] happened before (then 8): a two-token match is the lookup's, not a resume's.
+    seq = [23, 99, 8, *SOURCE, 5, 20, 21, 22, 23, 99]
+    ids, held, scores = propose_copy(seq, 3, 2)
+    assert ids == [8, 20] and held == 2 and scores == confidences(2, 2)
+
+
+def test_no_resume_without_a_copy_of_three_before_the_added_token():
+    seq = [*SOURCE, 5, 22, 23, 99]  # only two tokens copied before 99
+    assert resume_match(seq, 3, 3) == ([], 0)
+    assert propose_copy(seq, 3, 3)[0] == []
+    assert resume_match([20, 21, 99], 3, 3) == ([], 0)  # too short to say anything
+    # min_ngram_size: a resumed copy must hold at least that many tokens too
+    seq = [*SOURCE, 5, 20, 21, 22, 23, 99]
+    assert resume_match(seq, 5, 3, min_ngram_size=5) == ([], 0)
+    assert resume_match(seq, 5, 3, min_ngram_size=4)[0] == [24, 25, 26]
+
+
+def test_the_proposer_drafts_the_resumed_copy_with_its_estimates():
+    seq = [*SOURCE, 5, 20, 21, 22, 23, 99]
+    (res,) = NgramProposer(max_ngram_size=3).propose(
+        [DraftRequest(session_key="s", token_ids=seq, num_committed=len(seq), max_tokens=4)])
+    assert [d.token_id for d in res.tokens] == [24, 25, 26, 27]
+    assert list(res.scores) == pytest.approx(resume_confidences(4, 4))

@@ -160,3 +160,13 @@ def test_least_recently_used_tenant_is_dropped():
         prop.learn(tenant, [1, 2, 3])
     assert prop.propose([req("a", [1, 2], tenant="x")])[0].tokens == []
     assert [t.token_id for t in prop.propose([req("b", [1, 2], tenant="z")])[0].tokens] == [3]
+
+
+def test_a_copy_resumes_past_one_added_token():
+    # The output copied 20..23 and added 99 (a comma the source does not have): no occurrence
+    # shares the anchor's tokens with the tail, so the lookup below the anchor resumes the copy.
+    source = [20, 21, 22, 23, 24, 25, 26, 27, 28]
+    prop = SuffixProposer(SuffixConfig(anchor=3, cache_tokens=0))
+    (res,) = prop.propose([req("s", [*source, 5, 20, 21, 22, 23, 99], max_tokens=3)])
+    assert [t.token_id for t in res.tokens] == [24, 25, 26]
+    assert 0 < res.scores[0] < 0.5  # a guess: the session's rounds say what such guesses are worth
