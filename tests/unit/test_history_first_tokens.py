@@ -106,7 +106,11 @@ def test_k_drops_on_a_miss(method):
     played, _ = _play(method, answer, rounds=8)
     miss = next(i for i, (k, n) in enumerate(played) if n < k)
     before, after = played[miss][0], played[miss + 1][0]
-    assert after < before / 2  # down fast: the next round drafts far less
+    # The round after the miss may guess that the model added one token and the copy goes on
+    # (ngram.resume_match; here it added six, the guess fails); the round after that drafts
+    # far less: down fast once the copy is broken.
+    assert after < before / 2 or played[miss + 1][1] == 0
+    assert played[miss + 2][0] < before / 2
 
 
 def test_auto_stops_speculating_where_its_rounds_do_not_pay():
@@ -142,3 +146,20 @@ def test_after_a_miss_k_restarts_small_and_doubles_while_the_copy_holds():
         caps.append(max(len(p.drafts) for p in seq.local.proposals.values()))
         seq.local.proposals = {}
     assert caps == [5, 10, 10, 16]  # the last: k_allowed (20 uncapped)
+
+
+def test_no_drafts_past_what_the_answer_can_still_hold():
+    # 3 tokens left: a round keeps at most 2 drafts and its own token; the last round none
+    # (the worker is not asked for drafts no round can keep).
+    sched, history, seq = _setup(Method.NGRAM, max_new=8)
+    seq.commit([], 100)
+    seq.commit([], 101)
+    seq.commit([], 102)
+    seq.commit([], 103)
+    seq.commit([], 104)
+    assert seq.tokens_left == 3 and sched.k_allowed(seq) == 2
+    history.fill([seq], sched.k_allowed)
+    assert max(len(p.drafts) for p in seq.local.proposals.values()) == 2
+    seq.commit([], 105)
+    seq.commit([], 106)
+    assert seq.tokens_left == 1 and sched.k_allowed(seq) == 0 and sched.desired_k(seq) == 0
