@@ -147,19 +147,3 @@ def test_after_a_miss_k_restarts_small_and_doubles_while_the_copy_holds():
         seq.local.proposals = {}
     assert caps == [5, 10, 10, 16]  # the last: k_allowed (20 uncapped)
 
-
-def test_no_drafts_past_what_the_answer_can_still_hold():
-    # 3 tokens left: a round keeps at most 2 drafts and its own token; the last round none
-    # (the worker is not asked for drafts no round can keep).
-    sched, history, seq = _setup(Method.NGRAM, max_new=8)
-    seq.commit([], 100)
-    seq.commit([], 101)
-    seq.commit([], 102)
-    seq.commit([], 103)
-    seq.commit([], 104)
-    assert seq.tokens_left == 3 and sched.k_allowed(seq) == 2
-    history.fill([seq], sched.k_allowed)
-    assert max(len(p.drafts) for p in seq.local.proposals.values()) == 2
-    seq.commit([], 105)
-    seq.commit([], 106)
-    assert seq.tokens_left == 1 and sched.k_allowed(seq) == 0 and sched.desired_k(seq) == 0

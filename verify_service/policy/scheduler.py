@@ -124,11 +124,11 @@ class Scheduler:
         return k
 
     def k_allowed(self, seq: Sequence) -> int:
-        """Most drafts a round may verify: request and config caps, a share of
-        max_verify_tokens, what the answer still holds past the round's own token."""
+        """Most drafts a round may verify: request cap, config cap, share of max_verify_tokens."""
+        capped = min(seq.params.num_speculative_tokens or self.config.max_spec_tokens,
+                     self.config.max_spec_tokens)
         per_seq = self.config.max_verify_tokens // max(1, len(self.running)) - 1
-        return max(0, min(seq.params.num_speculative_tokens or self.config.max_spec_tokens,
-                          self.config.max_spec_tokens, seq.tokens_left - 1, per_seq))
+        return max(0, min(capped, per_seq))
 
     def reach(self, seq: Sequence, k_allowed: int | None = None) -> list[float] | None:
         """Chance each draft node (in order) is accepted, scaled by the session's correction, for

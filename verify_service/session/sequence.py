@@ -194,11 +194,6 @@ class Sequence:
     def drop_link_drafts(self) -> None:  # what the draft link sent (stream opened or broken)
         self.remote.clear() if self.local.in_verifier else self.clear_drafts()
 
-    @property
-    def tokens_left(self) -> int:
-        """Tokens the answer may still take (max_new_tokens)."""
-        return self.params.max_new_tokens - len(self.output)
-
     def commit(self, accepted: list[int], next_token: int | None) -> list[int]:
         """Append a round's tokens, cut at a stop token or the length limit; returns them.
 
@@ -209,7 +204,7 @@ class Sequence:
         are dropped.
         """
         new = [*accepted, *([] if next_token is None else [next_token])]
-        budget = self.tokens_left
+        budget = self.params.max_new_tokens - len(self.output)
         for i, tok in enumerate(new[:budget]):
             if tok in self.params.stop_token_ids:
                 new, self.finish_reason = new[: i + 1], "stop"
