@@ -223,8 +223,8 @@ def _shorter_match(context: Sequence[int], anchor: int, k: int) -> Speculation:
     tail (the first decode step, whose tail is the chat template's and the first token; the
     round after a copy broke off), the most recent one sharing fewer, with n-gram lookup's
     estimates, or the copy resumed past one added token (tandem/proposers/ngram.py
-    propose_copy): a short match drafts little, and the session's
-    correction for suffix learns what such matches are worth."""
+    propose_copy): a short match drafts little, and the session's correction for suffix
+    learns what such matches are worth."""
     if anchor < 2 or len(context) < 2:
         return _NOTHING
     tokens, held, probs = propose_copy(context, anchor - 1, k)

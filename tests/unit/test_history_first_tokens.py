@@ -146,4 +146,3 @@ def test_after_a_miss_k_restarts_small_and_doubles_while_the_copy_holds():
         caps.append(max(len(p.drafts) for p in seq.local.proposals.values()))
         seq.local.proposals = {}
     assert caps == [5, 10, 10, 16]  # the last: k_allowed (20 uncapped)
-
