@@ -112,7 +112,9 @@ def test_the_scheduler_says_who_the_step_waited_for():
     sched = _scheduler(FLAT)
     _running(sched, 4, ema=0.9)
     sched.schedule()
-    assert sched.step_cost.asked_share == 1.0  # the first step: every session asked
+    # the first step: no plan had seen them, and beside others a worker session asks for
+    # nothing until one has (batch.py unplanned_cap)
+    assert sched.step_cost.asked_share == 0.0
     sched._caps = {"s0": 0, "s1": 0, "s2": 0, "s3": 2}  # a plan that asks one of four
     sched.schedule()
     assert sched.step_cost.asked_share == 0.25

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tandem.proposers.prediction import FREE_SOURCES
 from verify_service.drafts.side import DraftSide
 from verify_service.policy import auto
+from verify_service.policy.batch import from_worker, late_probe, plan_curve
 from verify_service.policy.scheduler import Scheduler, probing
 from verify_service.session.sequence import Sequence
 
@@ -24,9 +25,17 @@ def missing(seq: Sequence, scheduler: Scheduler, drafts: DraftSide) -> int:
             return 0
         # the one past k is for the bonus token (unless the run-ahead cap took it)
         return max(1, asked - 1) - len(seq.remote)
-    if seq.tree_complete:
-        return 0
+    if seq.tree_complete or late_probe(seq) or planned_probe(seq, scheduler):
+        return 0  # (a worker probe beside others: its drafts verified when they come)
     return scheduler.desired_k(seq) - len(seq.drafts)
+
+
+def planned_probe(seq: Sequence, scheduler: Scheduler) -> bool:
+    """A worker session's probe where a batch plan prices the step: not waited for (every
+    session of the step would wait); its drafts are verified in the round they come by
+    (policy/batch.py late_probe)."""
+    return (from_worker(seq) and scheduler.probes(seq)
+            and plan_curve(scheduler.step_cost, scheduler.num_sessions) is not None)
 
 
 def draft_wait_limit_ms(running: list[Sequence], scheduler: Scheduler, drafts: DraftSide,

@@ -26,6 +26,7 @@ AGE_DECAY = 0.995
 # it has: about one probe in 45 of its steps at any load, not each session's every 16th round
 # (each a wait for drafts, and for a session not yet linked, the worker's prefill).
 FRESH_TRIALS = 4.0
+PROBE_GRACE = 4  # rounds a worker probe whose drafts are late stays open for them (late_probe)
 OWN_WEIGHT_DRAFTS = 16  # drafts of its own after which a session trusts its own estimate
 PRIOR_ACCEPTANCE = Estimates().acceptance_ema  # what a session assumes before it measures
 
@@ -90,13 +91,48 @@ def probe_round(seq: Sequence, pool: AcceptancePool, step_cost: StepCost, num_se
     (probe_pays). A worker session's first decode round (the prefill is round 0) probes
     whatever the pool says (no evidence of its own: it drafts), so sessions too short to reach
     a probe round still draft, unless a batch plan prices its rounds: there its Open (at
-    admission, sessions of a burst too) would cost the worker a prefill for nothing."""
+    admission, sessions of a burst too) would cost the worker a prefill for nothing. A probe
+    whose drafts were late stays open (late_probe)."""
+    if late_probe(seq, ahead):
+        return True
     plan = plan_curve(step_cost, num_sessions)
     if from_worker(seq) and seq.stats.rounds + ahead == 1 and not seq.stats.drafted:
         return plan is None
     if not periodic or (from_worker(seq) and pool.fresh(seq.params.method)):
         return False
     return plan is None or probe_pays(seq, plan, batch, pool)
+
+
+def unplanned_cap(seq: Sequence, step_cost: StepCost, num_sessions: int) -> int | None:
+    """The cap on drafts of a worker session no plan has seen yet (just admitted: its Open
+    would ask for its first round's drafts now): none where a batch plan will price its rounds
+    (plan_curve), whose first plan then sizes them, and a probe opens the link a round ahead
+    where the pool needs one (Scheduler.probes); else None (the session's own k). At 4
+    sessions through the gateway every draft_model session opened at admission, each a
+    prefill and drafts on the worker (on the verifier's cores) that the first plan then cut."""
+    return 0 if from_worker(seq) and plan_curve(step_cost, num_sessions) is not None else None
+
+
+def late_probe(seq: Sequence, ahead: int = 0) -> bool:
+    """Whether the session's round `ahead` rounds from now is in an open probe's window: a
+    worker probe whose drafts had not come by its round (open_probe) verifies them in any of
+    the next PROBE_GRACE rounds, whenever they come, never waited for. Closed once it verified
+    drafts (Scheduler.update_from_output). A probe that verified nothing told the pool nothing,
+    so the next periodic round probed again: at 4 sessions through the gateway each session
+    asked the worker every 16 rounds for drafts that came a step late, and 10 of 13 asks ended
+    unverified, each a catch-up and drafts on the worker's (the verifier's) cores."""
+    return from_worker(seq) and seq.stats.rounds + ahead <= seq.sched.probe_until
+
+
+def probe_window(seq: Sequence, probing: bool, verified: int, planned: bool) -> int:
+    """The session's Scheduling.probe_until after scheduling a round: a worker probe
+    (`probing`, not already open) that verifies no draft (`verified`: none had come) stays open
+    for PROBE_GRACE rounds (late_probe), where a batch plan prices the step (`planned`: the
+    step does not wait for it). Alone, a probe waits for its drafts as any round does; a window
+    there would stop the waits of a drafter slower than a step (layer skip's first drafts)."""
+    if probing and planned and not verified and from_worker(seq) and not late_probe(seq):
+        return seq.stats.rounds + PROBE_GRACE
+    return seq.sched.probe_until
 
 
 def probe_pays(seq: Sequence, plan: StepCost, batch: int,

@@ -10,15 +10,7 @@ from dataclasses import dataclass
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from tandem.spec.cost import CostModel, StepCost, choose_k, choose_tree_size, plan_batch
 from verify_service.config import SchedulerConfig
-from verify_service.policy.batch import (
-    AcceptancePool,
-    asked_share,
-    chain_acceptance,
-    from_worker,
-    gains,
-    probe_round,
-    wait_entry,
-)
+from verify_service.policy import batch
 from verify_service.session.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
@@ -60,7 +52,7 @@ class Scheduler:
         self.cost = cost  # single-session rounds: what k costs one session alone
         self.step_cost = step_cost or StepCost()  # whole steps: what drafts cost a batch
         self._caps: dict[str, int] = {}  # this step's batch plan: drafts per session at most
-        self.pool = AcceptancePool()  # each method's acceptance over its sessions (the plan's)
+        self.pool = batch.AcceptancePool()  # each method's acceptance over its sessions
         # Medusa: estimated chance each node of the tree (in order) is reached under greedy;
         # and each node of its chain (the heads' top-1 tokens).
         self.tree_reach, self.chain_reach = tree_reach, chain_reach
@@ -100,12 +92,13 @@ class Scheduler:
     def desired_k(self, seq: Sequence, ahead: int = 0) -> int:
         """Drafts the session may verify this round (`ahead` later), before arrivals: the plan's
         cut, but never a probe's (how what the plan priced out is measured again)."""
-        k, cap = self._solo_k(seq, ahead), self._caps.get(seq.session_id)
+        k, cap = self._solo_k(seq, ahead), self._caps.get(  # (none yet: batch.unplanned_cap)
+            seq.session_id, batch.unplanned_cap(seq, self.step_cost, self.num_sessions))
         return k if cap is None or self.probes(seq, ahead) else min(k, cap)
 
     def probes(self, seq: Sequence, ahead: int = 0) -> bool:  # policy/batch.py probe_round
-        return probe_round(seq, self.pool, self.step_cost, self.num_sessions, probing(seq, ahead),
-                           ahead, len(self.running))
+        return batch.probe_round(seq, self.pool, self.step_cost, self.num_sessions,
+                                 probing(seq, ahead), ahead, len(self.running))
 
     def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The k that pays for the session alone (the single-session cost curve)."""
@@ -116,7 +109,7 @@ class Scheduler:
         if reach is not None:
             k = choose_tree_size(reach, k_allowed, self.cost, seq.est.tree_wait_ms)
         else:
-            k = choose_k(chain_acceptance(seq, self.pool) if from_worker(seq)
+            k = choose_k(batch.chain_acceptance(seq, self.pool) if batch.from_worker(seq)
                          else seq.est.acceptance_ema, k_allowed, self.cost)
         if k == 0 and k_allowed and self.probes(seq, ahead):
             # Speculation is off: probe, estimates move (a tree: what pays without its wait)
@@ -159,7 +152,7 @@ class Scheduler:
         b = len(decoding)
         counts = plan_batch([self._gains(s, self._solo_k(s)) for s in decoding],
                             lambda t: self.step_cost.cost(t, anchor=b),
-                            wait_entry(decoding, self.step_cost.wait_ms),
+                            batch.wait_entry(decoding, self.step_cost.wait_ms),
                             [s.params.method for s in decoding])
         return {s.session_id: k for s, k in zip(decoding, counts)}
 
@@ -168,12 +161,12 @@ class Scheduler:
                 if s.sched.status is SeqStatus.RUNNING and not s.sched.prefill_left]
 
     def _gains(self, seq: Sequence, k: int) -> list[float]:  # each of its first k drafts'
-        return gains(seq, k, self.reach(seq) if k else None, self.pool)
+        return batch.gains(seq, k, self.reach(seq) if k else None, self.pool)
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
         decoding = self._decoding()  # who the step just waited for, by the last plan:
-        self.step_cost.asked_share = asked_share(decoding, self.desired_k)  # (StepCost.observe)
+        self.step_cost.asked_share = batch.asked_share(decoding, self.desired_k)  # (observe)
         self.pool.age(decoding)  # a step older, their methods' pooled evidence (batch.py)
         self._caps = self.plan()
         scheduled = self._schedule_running(preempted)
@@ -213,6 +206,9 @@ class Scheduler:
             wanted = self.desired_k(seq)
             room = self.config.max_model_len - seq.num_tokens - 1
             k = max(0, min(len(seq.drafts), wanted, room))
+            seq.sched.probe_until = batch.probe_window(
+                seq, wanted > 0 and self.probes(seq), k,
+                batch.plan_curve(self.step_cost, self.num_sessions) is not None)
             drafts = [d.token_id for d in seq.drafts[:k]]
             # A tree's first k nodes are a tree too: parents come before their children.
             parents = seq.draft_parents[:k] if seq.draft_parents is not None else None
@@ -289,8 +285,9 @@ class Scheduler:
         if sched.partial:  # a prefill chunk: its slots are final, the rest is still to come
             self.blocks.commit(seq.session_id, sched.start_pos + len(sched.token_ids))
             return
-        if sched.num_drafts and from_worker(seq):
+        if sched.num_drafts and batch.from_worker(seq):
             self.pool.learn(seq.params.method, sched.num_drafts, num_accepted)
+            seq.sched.probe_until = -1  # (batch.py late_probe)
         if sched.num_drafts > num_accepted:
             self.blocks.rollback(seq.session_id, sched.num_drafts - num_accepted)
         if path:

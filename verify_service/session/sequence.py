@@ -63,6 +63,9 @@ class Scheduling:
     # 0 = prefilled, decoding. A session is not sampled until its last chunk.
     prefill_left: int = 0
     carried: bool = False  # see the module docstring
+    # A worker probe whose drafts had not come by its round stays open through this round
+    # (verify_service/policy/batch.py late_probe); -1: none open.
+    probe_until: int = -1
 
 
 @dataclass
