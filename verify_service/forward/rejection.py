@@ -232,8 +232,12 @@ def _coupled(s: StepInput, probs: torch.Tensor, generator) -> Verdict:
     if s.is_tree:
         return _from_path(tree.walk(s.drafts, s.parents, lambda row, depth: int(
             sample(probs[row:row + 1], [generator(depth)]))))
-    return _match(s.drafts, sample(probs, [generator(j) for j in range(probs.shape[0])]
-                                   ).tolist())
+    tokens: list[int] = []  # drawn lazily: a row after the first mismatch is never read, and
+    for depth in range(probs.shape[0]):  # each draw (49k keyed noises) costs about a ms here
+        tokens.append(int(sample(probs[depth:depth + 1], [generator(depth)])))
+        if depth == len(s.drafts) or s.drafts[depth].token_id != tokens[-1]:
+            break
+    return _match(s.drafts, tokens)
 
 
 def _greedy(inputs: list[StepInput], logits: torch.Tensor) -> list[Verdict]:
