@@ -8,6 +8,7 @@ time we measure. The best k maximises E(k) / cost(k + 1). Drafting overlaps veri
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.spec.batch_plan import plan_batch  # noqa: F401  (the batch plan: its own module)
@@ -154,18 +155,31 @@ class StepCost:
         curve's scaled slope and the slope measured over the steps above the base, so one
         noisy sample never makes a token free, and what a batch's extra rows really cost
         (tree masks, heads) shows once such steps have run."""
-        prior = _interpolate(self.calibrated, num_tokens)
+        if anchor is not None:
+            return self.above(anchor)(num_tokens)
+        pts = _monotone(self.calibrated)
         if not self.observed:
-            return prior
-        at = num_tokens if anchor is None else anchor
-        near = min(self.observed, key=lambda t: (abs(t - at), t))
-        base, scale = self.observed[near], self.observed[near] / _interpolate(self.calibrated,
-                                                                             near)
-        if anchor is None or num_tokens <= near:
-            return prior * scale
-        slope = max(scale * (prior - _interpolate(self.calibrated, near)) / (num_tokens - near),
-                    self._measured_slope(near))
-        return base + slope * (num_tokens - near)
+            return _at(pts, num_tokens)
+        near = min(self.observed, key=lambda t: (abs(t - num_tokens), t))
+        return _at(pts, num_tokens) * self.observed[near] / _at(pts, near)
+
+    def above(self, anchor: int) -> Callable[[int], float]:
+        """cost(t, anchor) as a function of t: the curve's points, the measured step nearest
+        the anchor and the slope above it read once, not per size (a batch plan prices up to
+        a few dozen sizes a step: at 16 sessions, per size, ~1 ms of the event loop)."""
+        pts = _monotone(self.calibrated)
+        if not self.observed:
+            return lambda t: _at(pts, t)
+        near = min(self.observed, key=lambda t: (abs(t - anchor), t))
+        base, at_near = self.observed[near], _at(pts, near)
+        scale, measured = base / at_near, self._measured_slope(near)
+
+        def cost(t: int) -> float:
+            prior = _at(pts, t)
+            if t <= near:
+                return prior * scale
+            return base + max(scale * (prior - at_near) / (t - near), measured) * (t - near)
+        return cost
 
     def _measured_slope(self, base: int) -> float:
         """Least-squares ms per token over the measured steps from base to twice its size
@@ -179,12 +193,19 @@ class StepCost:
         return max(0.0, sum((t - mt) * (ms - mc) for t, ms in pts) / var)
 
 
-def _interpolate(curve: dict[int, float], q: int) -> float:
-    """Piecewise linear through the measured points, flat below the first, extended with the
-    last segment's slope beyond the last (a compute-bound forward grows linearly)."""
+def _monotone(curve: dict[int, float]) -> list[tuple[int, float]]:
+    """The curve's points by size, each at least the one before (more tokens never cost
+    less, calibration noise aside); the default shape where there are none."""
     pts = sorted(curve.items()) or [(q, 30.0 * c) for q, c in DEFAULT_RELATIVE_COST.items()]
-    for i in range(1, len(pts)):  # more tokens never cost less (calibration noise aside)
+    for i in range(1, len(pts)):
         pts[i] = (pts[i][0], max(pts[i][1], pts[i - 1][1]))
+    return pts
+
+
+def _at(pts: list[tuple[int, float]], q: int) -> float:
+    """The curve (its _monotone points) at q: piecewise linear through the points, flat below
+    the first, extended with the last segment's slope beyond the last (a compute-bound
+    forward grows linearly)."""
     if q <= pts[0][0]:
         return pts[0][1]
     if len(pts) == 1:
