@@ -74,7 +74,7 @@ def head_nodes(scheduler: Scheduler, seq: Sequence, heads_ms: float = 0.0) -> in
     plan = plan_curve(scheduler.step_cost, scheduler.num_sessions)
     if plan is not None and (not reach or reach[0] <= row_bar(plan, len(scheduler.running))):
         return 0
-    return choose_tree_size(reach, scheduler.k_allowed(seq), scheduler.cost, heads_ms)
+    return choose_tree_size(reach, scheduler.k_allowed(seq), scheduler.cost_of(seq), heads_ms)
 
 
 def remote_reach(seq: Sequence, n: int) -> list[float]:
@@ -100,7 +100,7 @@ def remote_run_ahead(scheduler: Scheduler, seq: Sequence, first_ms: float,
         return 0
     k_allowed = scheduler.k_allowed(seq)
     k = choose_tree_size(seq.scaled_reach(remote, remote_reach(seq, k_allowed)), k_allowed,
-                         scheduler.cost, first_ms, gap_ms)  # a chain: one gap per draft
+                         scheduler.cost_of(seq), first_ms, gap_ms)  # a chain: a gap a draft
     if k == 0 and k_allowed and seq.stats.rounds % PROBE_EVERY == EXPLORE_EVERY - 1:
         k = 1  # a probe (never waited for: verify_service/drafts/waits.py)
     return k + 1 if k else 0
@@ -127,7 +127,7 @@ def pick(scheduler: Scheduler, seq: Sequence, asked: int = 0) -> None:
         return
     _join_agreeing(proposals)
     source = max(proposals, key=lambda m: best_rate(
-        seq.scaled_reach(m, proposals[m].reach), k_allowed, scheduler.cost))
+        seq.scaled_reach(m, proposals[m].reach), k_allowed, scheduler.cost_of(seq)))
     chosen = proposals[source]
     seq.take_drafts(chosen.drafts, chosen.parents, chosen.reach)
     seq.local.source = source

@@ -38,8 +38,8 @@ def observe_cost(scheduler: Scheduler, scheduled: list[ScheduledSeq], wait_ms: f
     # came late waited for k but ran fewer: no sample of either cost (it counts as a miss).
     if (len(scheduled) == 1 and not s.is_prefill and s.token_ids
             and s.num_drafts >= s.wanted):
-        scheduler.cost.observe(len(s.token_ids), wait_ms + timings.forward_ms
-                               + timings.rejection_ms)
+        scheduler.cost_of(s.seq).observe(len(s.token_ids), wait_ms + timings.forward_ms
+                                         + timings.rejection_ms)
 
 
 def observe_tree_wait(seq: Sequence, num_drafts: int, wait_ms: float) -> None:

@@ -3,6 +3,7 @@ Pure Python, no torch (nano-vllm's layering). One flattened forward per step: ev
 session (plain decode, or the drafts that arrived up to its k) and the prefills that fit."""
 from __future__ import annotations
 
+import copy
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -47,9 +48,9 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, config: SchedulerConfig, cost: CostModel,
                  tree_reach: tuple[float, ...] = (), chain_reach: tuple[float, ...] = (),
                  step_cost: StepCost | None = None):
-        self.blocks = blocks
-        self.config = config
-        self.cost = cost  # single-session rounds: what k costs one session alone
+        self.blocks, self.config = blocks, config
+        # single-session rounds: what k costs one session alone; sampled ones apart (cost_of)
+        self.cost, self.sampled_cost = cost, copy.deepcopy(cost)
         self.step_cost = step_cost or StepCost()  # whole steps: what drafts cost a batch
         self._caps: dict[str, int] = {}  # this step's batch plan: drafts per session at most
         self.pool = batch.AcceptancePool()  # each method's acceptance over its sessions
@@ -100,20 +101,23 @@ class Scheduler:
         return batch.probe_round(seq, self.pool, self.step_cost, self.num_sessions,
                                  probing(seq, ahead), ahead, len(self.running))
 
+    def cost_of(self, seq: Sequence) -> CostModel:  # a sampled row pays its draw too (~1 ms)
+        return self.cost if seq.params.sampling.is_greedy else self.sampled_cost
+
     def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The k that pays for the session alone (the single-session cost curve)."""
         if not seq.speculating:
             return 0
-        k_allowed = self.k_allowed(seq)  # under batch load sessions share max_verify_tokens
+        k_allowed, cost = self.k_allowed(seq), self.cost_of(seq)  # (k: a share under load)
         reach = self.reach(seq, k_allowed)
         if reach is not None:
-            k = choose_tree_size(reach, k_allowed, self.cost, seq.est.tree_wait_ms)
+            k = choose_tree_size(reach, k_allowed, cost, seq.est.tree_wait_ms)
         else:
             k = choose_k(batch.chain_acceptance(seq, self.pool) if batch.from_worker(seq)
-                         else seq.est.acceptance_ema, k_allowed, self.cost)
+                         else seq.est.acceptance_ema, k_allowed, cost)
         if k == 0 and k_allowed and self.probes(seq, ahead):
             # Speculation is off: probe, estimates move (a tree: what pays without its wait)
-            k = max(1, choose_tree_size(reach, k_allowed, self.cost) if reach is not None else 1)
+            k = max(1, choose_tree_size(reach, k_allowed, cost) if reach is not None else 1)
         return k
 
     def k_allowed(self, seq: Sequence) -> int:
@@ -151,7 +155,7 @@ class Scheduler:
             return {}
         b = len(decoding)
         counts = plan_batch([self._gains(s, self._solo_k(s)) for s in decoding],
-                            lambda t: self.step_cost.cost(t, anchor=b),
+                            self.step_cost.above(b),
                             batch.wait_entry(decoding, self.step_cost.wait_ms),
                             [s.params.method for s in decoding])
         return {s.session_id: k for s, k in zip(decoding, counts)}
@@ -199,16 +203,15 @@ class Scheduler:
         return out
 
     def _schedule_running(self, preempted: list[Sequence]) -> list[ScheduledSeq]:
-        out = []
+        out, planned = [], batch.plan_curve(self.step_cost, self.num_sessions) is not None
         for seq in sorted(self.running, key=lambda s: s.sched.arrival):
             if seq.sched.status is not SeqStatus.RUNNING or seq.sched.prefill_left:
                 continue  # preempted below while serving an earlier one; or prefilling
             wanted = self.desired_k(seq)
             room = self.config.max_model_len - seq.num_tokens - 1
             k = max(0, min(len(seq.drafts), wanted, room))
-            seq.sched.probe_until = batch.probe_window(
-                seq, wanted > 0 and self.probes(seq), k,
-                batch.plan_curve(self.step_cost, self.num_sessions) is not None)
+            seq.sched.probe_until = batch.probe_window(seq, wanted > 0 and self.probes(seq), k,
+                                                       planned)
             drafts = [d.token_id for d in seq.drafts[:k]]
             # A tree's first k nodes are a tree too: parents come before their children.
             parents = seq.draft_parents[:k] if seq.draft_parents is not None else None
