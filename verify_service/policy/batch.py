@@ -115,7 +115,7 @@ def unplanned_cap(seq: Sequence, step_cost: StepCost, num_sessions: int) -> int 
 
 def late_probe(seq: Sequence, ahead: int = 0) -> bool:
     """Whether the session's round `ahead` rounds from now is in an open probe's window: a
-    worker probe whose drafts had not come by its round (open_probe) verifies them in any of
+    worker probe whose drafts had not come by its round (probe_window) verifies them in any of
     the next PROBE_GRACE rounds, whenever they come, never waited for. Closed once it verified
     drafts (Scheduler.update_from_output). A probe that verified nothing told the pool nothing,
     so the next periodic round probed again: at 4 sessions through the gateway each session
