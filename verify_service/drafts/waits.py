@@ -34,8 +34,8 @@ def planned_probe(seq: Sequence, scheduler: Scheduler) -> bool:
     """A worker session's probe where a batch plan prices the step: not waited for (every
     session of the step would wait); its drafts are verified in the round they come by
     (policy/batch.py late_probe)."""
-    return (from_worker(seq) and scheduler.probes(seq)
-            and plan_curve(scheduler.step_cost, scheduler.num_sessions) is not None)
+    return (from_worker(seq) and plan_curve(scheduler.step_cost, scheduler.num_sessions)
+            is not None and scheduler.probes(seq))  # (the cheap tests first: a hot path)
 
 
 def draft_wait_limit_ms(running: list[Sequence], scheduler: Scheduler, drafts: DraftSide,
