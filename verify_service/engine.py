@@ -117,6 +117,7 @@ class Engine:
 
     async def step(self) -> None:
         """One round for every running session."""
+        self.scheduler.draft_ms = (self.drafts.first.ms, self.drafts.arrival.ms)
         local = self._draft_locally()  # 1. drafts: the token-history ones made here, ...
         wait_ms = await self._wait_for_drafts()  # ... a bounded wait for arrivals, ...
         self._pick(local)  # ... and each local session's pick among its proposals

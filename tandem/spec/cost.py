@@ -76,9 +76,9 @@ def leviathan_speedup(alpha: float, k: int, c: float) -> float:
 class CostModel:
     """Measured round time (ms) by tokens verified per round (k + 1), single-session steps.
 
-    A round's time includes waiting for drafts and sampling, not just the forward: with a
-    weak draft those make a k = 1 round dearer than the tokens it yields, and choose_k then
-    switches speculation off.
+    A round's time is its forward, rejection and sampling; the wait for drafts is priced
+    apart, by whoever sizes the round (choose_tree_size's draft_ms and gap_ms): it belongs to
+    the draft's source, not to q tokens (an n-gram round of q waits for nothing).
     """
 
     ms: dict[int, float] = field(default_factory=dict)  # the start-up calibration, then EMAs

@@ -186,8 +186,16 @@ def gains(seq: Sequence, k: int, reach: list[float] | None, pool: AcceptancePool
         return []
     if reach is not None:
         return reach[:k]
-    a = chain_acceptance(seq, pool) if from_worker(seq) else seq.est.acceptance_ema
-    return [a ** (j + 1) for j in range(k)]
+    if from_worker(seq):
+        return worker_reach(seq, pool, k)
+    return [seq.est.acceptance_ema ** (j + 1) for j in range(k)]
+
+
+def worker_reach(seq: Sequence, pool: AcceptancePool, n: int) -> list[float]:
+    """Each of the first n drafts of a worker's chain: reached with the acceptance the plan
+    prices the chain at, to the power of its depth."""
+    a = chain_acceptance(seq, pool)
+    return [a ** (j + 1) for j in range(n)]
 
 
 def wait_entry(seqs: list[Sequence], wait_ms: float) -> list[float]:

@@ -22,24 +22,24 @@ def observe_cost(scheduler: Scheduler, scheduled: list[ScheduledSeq], wait_ms: f
     """Every decode step feeds the batch plan's step curve: its forward and rejection, and
     apart its wait for drafts (paid by the sessions asked for drafts, StepCost.wait_ms; on a
     shared host the draft worker's share of the cores shows up in both).
-    Single-session rounds feed the cost model: the whole round, drafting wait and
-    sampling included, is what k really costs. Except a draft worker's tree: it is drafted
-    only after the commit, so its wait is the session's own (Sequence.est.tree_wait_ms, which
-    choose_tree_size adds), not a cost of verifying q tokens that chains would share; nor
-    an auto session's wait for its draft worker (auto.remote_run_ahead adds it)."""
+    Single-session rounds feed the cost model: the forward, rejection and sampling of q
+    tokens, not the wait for drafts. Each kind of draft prices its own wait where it sizes
+    k: a worker's chain by the draft side's latencies (Scheduler.draft_ms), a worker's tree by
+    its own (Sequence.est.tree_wait_ms), auto's worker in remote_run_ahead. A curve that
+    took the waits in mixed one method's rounds with another's (an n-gram round of 3 tokens
+    waits for nothing) and forgot them once those sizes went unused, so the draft model was
+    tried again, and lost again, every few hundred rounds."""
     if not any(x.is_prefill for x in scheduled):  # the batch plan's curve: whole steps
         scheduler.step_cost.observe(sum(len(x.token_ids) for x in scheduled),
                                     timings.forward_ms + timings.rejection_ms, wait_ms)
     s = scheduled[0]
-    if drafted_tree(s.seq) or s.seq.local.in_verifier:  # auto prices its worker's wait itself
-        wait_ms = 0.0
     # Keyed by the tokens the forward really ran: a carried round runs only its drafts
     # (none at all when it samples straight from the carried row). A round whose drafts
     # came late waited for k but ran fewer: no sample of either cost (it counts as a miss).
     if (len(scheduled) == 1 and not s.is_prefill and s.token_ids
             and s.num_drafts >= s.wanted):
-        scheduler.cost_of(s.seq).observe(len(s.token_ids), wait_ms + timings.forward_ms
-                                         + timings.rejection_ms)
+        scheduler.cost_of(s.seq).observe(len(s.token_ids),
+                                         timings.forward_ms + timings.rejection_ms)
 
 
 def observe_tree_wait(seq: Sequence, num_drafts: int, wait_ms: float) -> None:

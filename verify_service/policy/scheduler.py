@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
-from tandem.spec.cost import CostModel, StepCost, choose_k, choose_tree_size, plan_batch
+from tandem.spec.cost import CostModel, StepCost, choose_tree_size, plan_batch
 from verify_service.config import SchedulerConfig
 from verify_service.policy import batch
 from verify_service.session.sequence import SeqStatus, Sequence
@@ -52,6 +52,7 @@ class Scheduler:
         # single-session rounds: what k costs one session alone; sampled ones apart (cost_of)
         self.cost, self.sampled_cost = cost, copy.deepcopy(cost)
         self.step_cost = step_cost or StepCost()  # whole steps: what drafts cost a batch
+        self.draft_ms = (0.0, 0.0)  # a worker chain's wait: to its first draft, then each
         self._caps: dict[str, int] = {}  # this step's batch plan: drafts per session at most
         self.pool = batch.AcceptancePool()  # each method's acceptance over its sessions
         # Medusa: estimated chance each node of the tree (in order) is reached under greedy;
@@ -112,9 +113,9 @@ class Scheduler:
         reach = self.reach(seq, k_allowed)
         if reach is not None:
             k = choose_tree_size(reach, k_allowed, cost, seq.est.tree_wait_ms)
-        else:
-            k = choose_k(batch.chain_acceptance(seq, self.pool) if batch.from_worker(seq)
-                         else seq.est.acceptance_ema, k_allowed, cost)
+        else:  # a draft worker's chain, drafted after the commit: a round with any waits
+            k = choose_tree_size(batch.worker_reach(seq, self.pool, k_allowed), k_allowed,
+                                 cost, *self.draft_ms)
         if k == 0 and k_allowed and self.probes(seq, ahead):
             # Speculation is off: probe, estimates move (a tree: what pays without its wait)
             k = max(1, choose_tree_size(reach, k_allowed, cost) if reach is not None else 1)
@@ -239,8 +240,7 @@ class Scheduler:
     def defer(self, sched: ScheduledSeq) -> None:  # a decode round sits this step out
         self.blocks.rollback(sched.seq.session_id, len(sched.token_ids))
 
-    def carry(self, seq: Sequence, carried: bool) -> None:
-        """Whether the session's KV holds every committed token (its bonus row carried)."""
+    def carry(self, seq: Sequence, carried: bool) -> None:  # its KV holds all it committed
         seq.sched.carried = carried
 
     def _preempt(self, seq: Sequence) -> None:
