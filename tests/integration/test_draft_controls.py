@@ -22,7 +22,9 @@ from verify_service.drafts.link import control_to_proto
 
 pytestmark = pytest.mark.integration
 PENALTY = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)
-FLAT = {q: 10.0 for q in range(1, 80)}
+# Verification made dear at every size: every draft pays, whatever its wait (a draft
+# worker's chain is sized with the wait for it, Scheduler.draft_ms).
+FLAT = {q: 1000.0 for q in range(1, 80)}
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,9 @@ def proposer(eagle_dir):
 
 
 def run(target_model, proposer, prompts, sampling, max_new, die_after=None, stop=(),
-        batch=64):
+        batch=64, cost=None):
     return run_sessions(target_model, {Method.EAGLE: proposer}, Method.EAGLE, prompts,
-                        sampling, max_new, die_after, stop, batch)
+                        sampling, max_new, die_after, stop, batch, cost=cost)
 
 
 def test_greedy_eagle_is_identical_to_plain_and_fails_open(target_model, tokenizer, proposer):
@@ -97,8 +97,9 @@ def test_sampled_eagle_follows_the_target_joint_distribution(target_model, token
     n = 600
     # Unseeded: rounds go through the rejection sampler with the head's sparse q (seeded ones
     # match keyed samples instead, tests/integration/test_verifier_engine.py); small batches
-    # leave room to speculate.
-    got, drafted, accepted, _ = run(target_model, proposer, [prompt] * n, sampling, 3, batch=8)
+    # leave room to speculate; verification made dear, so no chain is priced out by its wait.
+    got, drafted, accepted, _ = run(target_model, proposer, [prompt] * n, sampling, 3, batch=8,
+                                    cost=FORCE_TREES)
     counts = Counter(tuple(t[:2]) for t in got)
     assert set(counts) <= set(joint), set(counts) - set(joint)
     tv = 0.5 * sum(abs(counts[o] / n - p) for o, p in joint.items())

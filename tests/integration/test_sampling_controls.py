@@ -17,7 +17,9 @@ from verify_service.drafts.history import HistoryDrafts
 pytestmark = pytest.mark.integration
 N_NEW = 32
 TEXT = "The cat sat on the mat. The cat sat on the mat. The dog sat on the log."
-FLAT = {q: 10.0 for q in range(1, 80)}  # every Medusa node pays
+# Verification made dear at every size: every Medusa node pays, and every draft of a
+# worker's chain whatever its wait (Scheduler.draft_ms).
+FLAT = {q: 1000.0 for q in range(1, 80)}
 
 
 @pytest.fixture(scope="module")

@@ -45,3 +45,30 @@ def test_a_chain_that_cannot_pay_for_its_wait_is_not_verified():
 def test_a_good_chain_pays_for_its_wait_and_the_gap_between_drafts_sizes_it():
     fast, slow = k_alone(0.8, (10.0, 1.0)), k_alone(0.8, (10.0, 8.0))
     assert fast > slow > 0
+
+
+def test_a_session_no_longer_waited_for_is_waited_for_in_its_probe_rounds():
+    """After LATE_ROUNDS_NO_WAIT late rounds the step stops waiting for the session's drafts,
+    except in its periodic probe rounds: a worker that was slow only at first catches up."""
+    from test_verifier_logic import make_sched, params
+
+    from verify_service.drafts.waits import LATE_ROUNDS_NO_WAIT, draft_wait_limit_ms
+    from verify_service.policy.feedback import Latency
+    from verify_service.policy.scheduler import EXPLORE_EVERY
+
+    class Side:  # a DraftSide stand-in: linked, measured delays fixed
+        arrival, first = Latency(4.0), Latency(10.0)
+
+        def linked(self, seq):
+            return True
+
+    sched = make_sched(max_spec_tokens=8)
+    seq = Sequence(params())
+    sched.running = [seq]
+    seq.est.acceptance_ema = 0.95  # k > 0 wanted, no draft here
+    seq.stats.rounds = 3
+    assert draft_wait_limit_ms(sched.running, sched, Side(), 25.0) > 0
+    seq.est.late_rounds = LATE_ROUNDS_NO_WAIT
+    assert draft_wait_limit_ms(sched.running, sched, Side(), 25.0) == 0.0
+    seq.stats.rounds = EXPLORE_EVERY - 1  # its probe round
+    assert draft_wait_limit_ms(sched.running, sched, Side(), 25.0) > 0

@@ -10,7 +10,11 @@ from verify_service.policy.scheduler import Scheduler, probing
 from verify_service.session.sequence import Sequence
 
 # After this many rounds in a row without the drafts it wanted, a session is no longer waited
-# for (a draft worker that is partitioned or overloaded); drafts that do come are still used.
+# for (a draft worker that is partitioned or overloaded); drafts that do come are still used,
+# and its periodic probe rounds are waited for again: a worker that was only slow at first
+# (its prompt to read, its kernels cold) drafts after each commit while the verifier already
+# runs the next round, so its drafts never came in time again and the session drafted nothing
+# for good.
 LATE_ROUNDS_NO_WAIT = 2
 
 
@@ -47,7 +51,8 @@ def draft_wait_limit_ms(running: list[Sequence], scheduler: Scheduler, drafts: D
     for seq in running:
         n = missing(seq, scheduler, d)
         linked = d.linked(seq) or seq.local.in_verifier and d.coming(seq)  # (auto opens on asking)
-        if not linked or n <= 0 or seq.est.late_rounds >= LATE_ROUNDS_NO_WAIT:
+        if not linked or n <= 0 or (seq.est.late_rounds >= LATE_ROUNDS_NO_WAIT
+                                    and not probing(seq)):
             continue  # (drafts of a session that stopped being waited for still count)
         waiting += 1  # the first draft after a commit takes longer than the next ones
         if seq.params.tree and not seq.local.in_verifier:  # a tree comes at once, when drafted
