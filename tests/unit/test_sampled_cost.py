@@ -14,12 +14,12 @@ from verify_service.policy.feedback import observe_cost
 from verify_service.policy.scheduler import ScheduledSeq
 from verify_service.session.sequence import Sequence
 
+pytestmark = pytest.mark.unit
+SAMPLED = SamplingParams(temperature=0.7, seed=7)
+
 
 def _sampled(session_id, **kw):
     return Sequence(replace(params(session_id, **kw), sampling=SAMPLED))
-
-pytestmark = pytest.mark.unit
-SAMPLED = SamplingParams(temperature=0.7, seed=7)
 
 
 def _round(sched, seq, tokens, ms):

@@ -5,14 +5,14 @@ alone. Before, the wait was folded into the curve, shared with rounds that wait 
 and forgotten once unused, so a draft model that could not pay for its wait was tried again
 and lost again every few hundred rounds (1 session, 64-token chat: 0.92-0.94 of plain)."""
 import pytest
+from test_verifier_logic import make_sched, params
 
 from tandem.engine.block_manager import BlockManager
-from tandem.sampling_params import SamplingParams
-from tandem.spec import Method
 from tandem.spec.cost import CostModel
 from verify_service.config import SchedulerConfig
-from verify_service.policy.scheduler import Scheduler
-from verify_service.session.params import GenerateParams
+from verify_service.drafts.waits import LATE_ROUNDS_NO_WAIT, draft_wait_limit_ms
+from verify_service.policy.feedback import Latency
+from verify_service.policy.scheduler import EXPLORE_EVERY, Scheduler
 from verify_service.session.sequence import Sequence
 
 pytestmark = pytest.mark.unit
@@ -25,9 +25,7 @@ def k_alone(acceptance: float, draft_ms: tuple[float, float]) -> int:
     sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_spec_tokens=8),
                       CostModel(dict(CURVE)))
     sched.draft_ms = draft_ms
-    seq = Sequence(GenerateParams(
-        session_id="s", prompt=(1, 2, 3), committed=(), sampling=SamplingParams(temperature=0.0),
-        max_new_tokens=64, stop_token_ids=frozenset({0}), method=Method.DRAFT_MODEL))
+    seq = Sequence(params(max_new=64))  # a greedy draft-model session
     seq.stats.rounds = 5  # not the first round, nor a periodic probe
     seq.est.acceptance_ema = acceptance
     sched.add(seq)
@@ -50,12 +48,6 @@ def test_a_good_chain_pays_for_its_wait_and_the_gap_between_drafts_sizes_it():
 def test_a_session_no_longer_waited_for_is_waited_for_in_its_probe_rounds():
     """After LATE_ROUNDS_NO_WAIT late rounds the step stops waiting for the session's drafts,
     except in its periodic probe rounds: a worker that was slow only at first catches up."""
-    from test_verifier_logic import make_sched, params
-
-    from verify_service.drafts.waits import LATE_ROUNDS_NO_WAIT, draft_wait_limit_ms
-    from verify_service.policy.feedback import Latency
-    from verify_service.policy.scheduler import EXPLORE_EVERY
-
     class Side:  # a DraftSide stand-in: linked, measured delays fixed
         arrival, first = Latency(4.0), Latency(10.0)
 

@@ -181,14 +181,11 @@ def chain_acceptance(seq: Sequence, pool: AcceptancePool) -> float:
 
 def gains(seq: Sequence, k: int, reach: list[float] | None, pool: AcceptancePool
           ) -> list[float]:
-    """Expected extra tokens from each of the session's first k drafts."""
+    """Expected extra tokens from each of the session's first k drafts: `reach`, its per-node
+    estimates (Scheduler.reach), or for a draft worker's chain (which has none) worker_reach."""
     if not k:
         return []
-    if reach is not None:
-        return reach[:k]
-    if from_worker(seq):
-        return worker_reach(seq, pool, k)
-    return [seq.est.acceptance_ema ** (j + 1) for j in range(k)]
+    return reach[:k] if reach is not None else worker_reach(seq, pool, k)
 
 
 def worker_reach(seq: Sequence, pool: AcceptancePool, n: int) -> list[float]:
