@@ -33,7 +33,7 @@ from __future__ import annotations
 from tandem.proposers.prediction import FREE_SOURCES
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import best_rate, choose_tree_size
-from verify_service.policy.batch import plan_curve, row_bar
+from verify_service.policy.batch import draft_bar, plan_curve
 from verify_service.policy.feedback import note_link_round
 from verify_service.policy.scheduler import EXPLORE_EVERY, Scheduler
 from verify_service.session.sequence import LocalProposal, Sequence
@@ -67,12 +67,12 @@ def head_nodes(scheduler: Scheduler, seq: Sequence, heads_ms: float = 0.0) -> in
     """Nodes of the heads' proposal worth drafting for the next round: 0 when none pays
     for the verify cost plus the heads' own pass (heads_ms, spent whether or not their
     proposal is then picked), so heads that do not pay for themselves are not run. Under a
-    batch plan also none where their first node cannot clear the step's bar (batch.row_bar):
+    batch plan also none where their first node cannot clear the step's bar (batch.draft_bar):
     the plan would cut its drafts after the pass was paid (at 16 sessions through the gateway,
     auto drafted nothing in most runs and ran 10% under plain: its heads' passes)."""
     reach = seq.scaled_reach(Method.MEDUSA, scheduler.heads_reach(seq))
     plan = plan_curve(scheduler.step_cost, scheduler.num_sessions)
-    if plan is not None and (not reach or reach[0] <= row_bar(plan, len(scheduler.running))):
+    if plan is not None and (not reach or reach[0] <= draft_bar(plan, len(scheduler.running))):
         return 0
     return choose_tree_size(reach, scheduler.k_allowed(seq), scheduler.cost_of(seq), heads_ms)
 

@@ -138,13 +138,21 @@ def probe_window(seq: Sequence, probing: bool, verified: int, planned: bool) -> 
 def probe_pays(seq: Sequence, plan: StepCost, batch: int,
                pool: AcceptancePool | None = None) -> bool:
     """Whether a probe's draft could pay in a step of `batch` sessions before the session's own
-    correction: its prior (prior_reach) over the gain the step needs from a row (its cost over
-    what a token costs there; on this CPU's int8 curve ~0.25 at 2 sessions, ~0.5 at 4, ~0.8 at
-    16, ~1.0 at 32, where a step is compute-bound). A probe tests that correction; below the
+    correction: its prior (prior_reach) over the reach the step needs of a draft (draft_bar;
+    on this CPU's int8 curve ~0.4 at 2 sessions, ~0.67 at 4, ~0.9 at 16, ~1.0 at 32, where a
+    step is compute-bound). A probe tests that correction; below the
     bar no outcome changes the plan, and at 32 sessions the periodic probes were most of the
     drafted rows (one in 16 rounds of every session, each adding a row the plan had priced
     out)."""
-    return prior_reach(seq, pool) > row_bar(plan, batch)
+    return prior_reach(seq, pool) > draft_bar(plan, batch)
+
+
+def draft_bar(plan: StepCost, batch: int) -> float:
+    """The reach a draft needs in a step of `batch` sessions (gains): it pays for its row, and
+    for that row once more where it is rejected. 0.67 at 4 sessions here, 1 once a row costs
+    a token; near 0 where rows are nearly free (a GPU's small batches)."""
+    bar = row_bar(plan, batch)
+    return 2 * bar / (1 + bar)
 
 
 def row_bar(plan: StepCost, batch: int) -> float:
@@ -179,13 +187,22 @@ def chain_acceptance(seq: Sequence, pool: AcceptancePool) -> float:
     return w * seq.est.acceptance_ema + (1 - w) * pooled
 
 
-def gains(seq: Sequence, k: int, reach: list[float] | None, pool: AcceptancePool
-          ) -> list[float]:
-    """Expected extra tokens from each of the session's first k drafts: `reach`, its per-node
-    estimates (Scheduler.reach), or for a draft worker's chain (which has none) worker_reach."""
+def gains(seq: Sequence, k: int, reach: list[float] | None, pool: AcceptancePool,
+          bar: float = 0.0) -> list[float]:
+    """What each of the session's first k drafts is worth to a shared step: its expected extra
+    tokens (`reach`, its per-node estimates, Scheduler.reach; for a draft worker's chain, which
+    has none, worker_reach) less, where it is rejected, its row once more at `bar` (row_bar:
+    a row's cost in tokens). A rejected row delays every session beside it and saves nothing;
+    where their asks end together (a burst, a benchmark's batch) that is all a session's drafts
+    do unless it is the last to finish, so a shared step verifies a draft only where it pays
+    for its row and, if rejected, for that row again: reach above draft_bar. At 4 sessions
+    (in process, 4 reps of 4 chat prompts, 64 tokens each) plain's steps ran 64 per batch
+    whatever the others drafted, and the rows the plan kept (42% rejected) cost ngram and
+    suffix 4.5% of plain's throughput."""
     if not k:
         return []
-    return reach[:k] if reach is not None else worker_reach(seq, pool, k)
+    got = reach[:k] if reach is not None else worker_reach(seq, pool, k)
+    return [g - bar * (1.0 - g) for g in got]
 
 
 def worker_reach(seq: Sequence, pool: AcceptancePool, n: int) -> list[float]:

@@ -154,8 +154,8 @@ class Scheduler:
         decoding = self._decoding()
         if len(decoding) < 2 or not self.step_cost.known:
             return {}
-        b = len(decoding)
-        counts = plan_batch([self._gains(s, self._solo_k(s)) for s in decoding],
+        b, bar = len(decoding), batch.row_bar(self.step_cost, len(decoding))
+        counts = plan_batch([self._gains(s, self._solo_k(s), bar) for s in decoding],
                             self.step_cost.above(b),
                             batch.wait_entry(decoding, self.step_cost.wait_ms),
                             [s.params.method for s in decoding])
@@ -165,8 +165,8 @@ class Scheduler:
         return [s for s in self.running
                 if s.sched.status is SeqStatus.RUNNING and not s.sched.prefill_left]
 
-    def _gains(self, seq: Sequence, k: int) -> list[float]:  # each of its first k drafts'
-        return batch.gains(seq, k, self.reach(seq) if k else None, self.pool)
+    def _gains(self, seq: Sequence, k: int, bar: float) -> list[float]:  # its first k drafts'
+        return batch.gains(seq, k, self.reach(seq) if k else None, self.pool, bar)
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
