@@ -29,6 +29,7 @@ from verify_service.forward.inputs import InputBuilder
 from verify_service.forward.masks import MASK_WAIT_S, PENDING, MaskJob, MaskPool
 from verify_service.forward.step import RoundOutcome, StepInput, StepTimings
 from verify_service.policy import auto
+from verify_service.policy.batch import drafts_may_pay
 from verify_service.policy.feedback import learn_acceptance, observe_cost, observe_tree_wait
 from verify_service.policy.scheduler import ScheduledSeq, Scheduler
 from verify_service.session.params import GenerateParams
@@ -152,7 +153,8 @@ class Engine:
                 self._apply(s, outcome, wait_ms, timings)
 
     def _draft_locally(self) -> list[Sequence]:
-        if self.history is None:
+        if self.history is None or not drafts_may_pay(self.scheduler.step_cost,
+                                                      len(self.scheduler.decoding())):
             return []
         seqs = [s for s in self.scheduler.running if s.local.in_verifier
                 and not s.drafts and not s.sched.prefill_left and not s.finished]

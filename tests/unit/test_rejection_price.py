@@ -3,13 +3,17 @@ session beside it and saves nothing, so the batch plan prices that row a second 
 draft is rejected (verify_service/policy/batch.py gains, draft_bar). At 4 sessions whose asks
 end together, drafts kept at 0.6 (past the old bar of 0.5, a row's cost in tokens) cost ngram
 and suffix 4-5% of plain's throughput: plain's steps ran 64 a batch whatever the others drafted."""
+import asyncio
+
 import pytest
 from test_probe_pool import running_seq
-from test_verifier_logic import make_sched
+from test_verifier_logic import make_sched, params
 
 from tandem.spec import DraftToken, Method
 from tandem.spec.cost import CostModel, StepCost
-from verify_service.policy.batch import draft_bar, probe_pays, row_bar
+from verify_service.drafts.history import HistoryDrafts
+from verify_service.engine import Engine, EngineConfig
+from verify_service.policy.batch import draft_bar, drafts_may_pay, probe_pays, row_bar
 
 pytestmark = pytest.mark.unit
 
@@ -58,3 +62,21 @@ def test_a_probe_needs_the_same_bar():
     assert not probe_pays(seq, HALF, 4)  # 0.6: over a row's cost, under draft_bar's 2/3
     seq.draft_reach = [0.7] * 4
     assert probe_pays(seq, HALF, 4)
+
+
+def test_where_no_draft_can_pay_history_drafts_are_not_looked_up():
+    async def main(curve):
+        sched = make_sched(num_blocks=512)
+        engine = Engine(None, sched, EngineConfig(), 100, history=HistoryDrafts(8))
+        for i in range(32):
+            engine.submit(params(f"s{i}", prompt=(1, 2, 3, 1, 2), max_new=50,
+                                 method=Method.NGRAM))
+        for s in sched.schedule().scheduled:  # the prefills
+            sched.update_from_output(s, 0)
+            s.seq.commit([], 3)  # ... 1, 2, 3: n-gram lookup proposes 1, 2, 3, ...
+        sched.step_cost = curve
+        return [bool(seq.local.proposals) for seq in engine._draft_locally()]
+
+    assert drafts_may_pay(FLAT, 32) and asyncio.run(main(FLAT)) == [True] * 32
+    assert not drafts_may_pay(BOUND, 32) and asyncio.run(main(BOUND)) == []
+    assert drafts_may_pay(BOUND, 1)  # alone: its own cost curve sizes its drafts

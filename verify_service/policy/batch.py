@@ -147,6 +147,14 @@ def probe_pays(seq: Sequence, plan: StepCost, batch: int,
     return prior_reach(seq, pool) > draft_bar(plan, batch)
 
 
+def drafts_may_pay(step_cost: StepCost, decoding: int) -> bool:
+    """Whether a step of `decoding` sessions could verify any draft: not where a batch plan
+    prices it and a row costs at least a token there (draft_bar >= 1: no reach clears it, nor
+    a probe's), as at 32 sessions on this CPU; the verifier then looks up no history drafts
+    (Engine._draft_locally: about 1% of such a step went to proposals the plan cut)."""
+    return decoding < 2 or not step_cost.known or draft_bar(step_cost, decoding) < 1.0
+
+
 def draft_bar(plan: StepCost, batch: int) -> float:
     """The reach a draft needs in a step of `batch` sessions (gains): it pays for its row, and
     for that row once more where it is rejected. 0.67 at 4 sessions here, 1 once a row costs

@@ -151,7 +151,7 @@ class Scheduler:
         """Drafts per decoding session this step, when several share it: a draft's row (and
         a worker's wait) must pay in the batch's tokens per ms; a losing method is off for the
         step. {} for one session alone (tandem/spec/batch_plan.py, policy/batch.py)."""
-        decoding = self._decoding()
+        decoding = self.decoding()
         if len(decoding) < 2 or not self.step_cost.known:
             return {}
         b, bar = len(decoding), batch.row_bar(self.step_cost, len(decoding))
@@ -161,7 +161,7 @@ class Scheduler:
                             [s.params.method for s in decoding])
         return {s.session_id: k for s, k in zip(decoding, counts)}
 
-    def _decoding(self) -> list[Sequence]:
+    def decoding(self) -> list[Sequence]:  # running, prefill done
         return [s for s in self.running
                 if s.sched.status is SeqStatus.RUNNING and not s.sched.prefill_left]
 
@@ -170,7 +170,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Sequence] = []
-        decoding = self._decoding()  # who the step just waited for, by the last plan:
+        decoding = self.decoding()  # who the step just waited for, by the last plan:
         self.step_cost.asked_share = batch.asked_share(decoding, self.desired_k)  # (observe)
         self.pool.age(decoding)  # a step older, their methods' pooled evidence (batch.py)
         self._caps = self.plan()
