@@ -127,10 +127,12 @@ def target_joint_top2(target_model, prompt: list[int]) -> dict[tuple[int, int], 
 
 
 @contextmanager
-def gateway_cluster(draft_config, verifier_config, model, tokenizer, model_name: str):
+def gateway_cluster(draft_config, verifier_config, model, tokenizer, model_name: str,
+                    setup=None):
     """A real draft worker and verifier (gRPC on loopback, on an event loop in a thread),
     Redis and the gateway app: yields a TestClient. `verifier_config(draft_port)` gives the
-    verifier's config once the draft worker's port is known."""
+    verifier's config once the draft worker's port is known; `setup(verifier)`, if given, runs
+    on the verifier's loop once it is up."""
     import redis.asyncio as aioredis
     from fastapi.testclient import TestClient
 
@@ -151,6 +153,8 @@ def gateway_cluster(draft_config, verifier_config, model, tokenizer, model_name:
         draft = await build_app(draft_config)
         await draft.server.start()
         verifier = await start_verifier(verifier_config(draft.port), model=model)
+        if setup is not None:
+            setup(verifier)
         return draft, verifier
 
     draft, verifier = run(servers())
