@@ -147,12 +147,18 @@ def probe_pays(seq: Sequence, plan: StepCost, batch: int,
     return prior_reach(seq, pool) > draft_bar(plan, batch)
 
 
+def planned(step_cost: StepCost, decoding: int) -> bool:
+    """Whether a batch plan sizes the drafts of a step of `decoding` sessions (Scheduler.plan):
+    once the step curve is measured and more than one session decodes."""
+    return decoding >= 2 and step_cost.known
+
+
 def drafts_may_pay(step_cost: StepCost, decoding: int) -> bool:
     """Whether a step of `decoding` sessions could verify any draft: not where a batch plan
     prices it and a row costs at least a token there (draft_bar >= 1: no reach clears it, nor
     a probe's), as at 32 sessions on this CPU; the verifier then looks up no history drafts
     (Engine._draft_locally: about 1% of such a step went to proposals the plan cut)."""
-    return decoding < 2 or not step_cost.known or draft_bar(step_cost, decoding) < 1.0
+    return not planned(step_cost, decoding) or draft_bar(step_cost, decoding) < 1.0
 
 
 def draft_bar(plan: StepCost, batch: int) -> float:

@@ -151,10 +151,10 @@ class Scheduler:
         """Drafts per decoding session this step, when several share it: a draft's row (and
         a worker's wait) must pay in the batch's tokens per ms; a losing method is off for the
         step. {} for one session alone (tandem/spec/batch_plan.py, policy/batch.py)."""
-        decoding = self.decoding()
-        if len(decoding) < 2 or not self.step_cost.known:
+        b = len(decoding := self.decoding())
+        if not batch.planned(self.step_cost, b):
             return {}
-        b, bar = len(decoding), batch.row_bar(self.step_cost, len(decoding))
+        bar = batch.row_bar(self.step_cost, b)
         counts = plan_batch([self._gains(s, self._solo_k(s), bar) for s in decoding],
                             self.step_cost.above(b),
                             batch.wait_entry(decoding, self.step_cost.wait_ms),
