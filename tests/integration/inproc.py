@@ -126,6 +126,13 @@ def target_joint_top2(target_model, prompt: list[int]) -> dict[tuple[int, int], 
     return joint
 
 
+def dear_verify() -> CostModel:
+    """A cost model on which every draft pays: a verify priced at 1 s whatever its size, so
+    neither a draft's reach nor the wait for it prices it out (for tests of what drafts do,
+    not of whether they pay)."""
+    return CostModel({q: 1000.0 for q in range(1, 80)})
+
+
 @contextmanager
 def gateway_cluster(draft_config, verifier_config, model, tokenizer, model_name: str,
                     setup=None):

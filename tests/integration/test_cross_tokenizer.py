@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from chi_square import critical, pearson
-from inproc import gateway_cluster
+from inproc import dear_verify, gateway_cluster
 
 from draft_service.config import DraftConfig
 from kernels.sampling import logits_to_probs
@@ -17,7 +17,6 @@ from tandem.models import resolve_model
 from tandem.proposers.bridged import BridgedProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest
-from tandem.spec.cost import CostModel
 from verify_service.config import VerifierConfig
 from verify_service.forward.rejection import SamplingMetadata, SpecDecodeMetadata, verify_chains
 
@@ -25,7 +24,6 @@ pytestmark = pytest.mark.integration
 GEMMA = "gemma3-270m"
 # Gemma 3 270M is the base model (no chat template): prompts it continues, on completions
 PROMPTS = ["1, 2, 3, 4, 5, 6, 7, 8, 9,", "the cat sat on the mat. the cat sat on the"]
-DEAR = {q: 1000.0 for q in range(1, 80)}  # ms a verify of q tokens: any draft pays
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +44,7 @@ def _drafts_waited_for(verifier) -> None:
     of the three requests verified a draft. Expecting a slow first draft, the first round
     waits for it, and the estimate falls to the measured one as drafts come."""
     engine = verifier.engine
-    engine.scheduler.cost = CostModel(dict(DEAR))
-    engine.scheduler.sampled_cost = CostModel(dict(DEAR))
+    engine.scheduler.cost, engine.scheduler.sampled_cost = dear_verify(), dear_verify()
     engine.drafts.first.ms = 1000.0
 
 

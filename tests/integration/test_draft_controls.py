@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from inproc import run_sessions
+from inproc import dear_verify, run_sessions
 
 from draft_service.server import control_from_proto
 from kernels import logits_processors as lp
@@ -17,14 +17,10 @@ from tandem.proposers.draft_model import DraftModelProposer
 from tandem.proposers.ngram import NgramProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import DraftRequest, Method, Open
-from tandem.spec.cost import CostModel
 from verify_service.drafts.link import control_to_proto
 
 pytestmark = pytest.mark.integration
 PENALTY = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)
-# Verification made dear at every size: every draft pays, whatever its wait (a draft
-# worker's chain is sized with the wait for it, Scheduler.draft_ms).
-FLAT = {q: 1000.0 for q in range(1, 80)}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +67,7 @@ def test_greedy_drafts_with_the_controls_are_the_targets(target_model, prompt, t
                              [prompt], greedy, 16, stop=eos)
     got, drafted, accepted, _ = run_sessions(
         target_model, {Method.DRAFT_MODEL: DraftModelProposer(ModelRunner(target_model, 64, 16))},
-        Method.DRAFT_MODEL, [prompt], greedy, 16, stop=eos, cost=CostModel(dict(FLAT)))
+        Method.DRAFT_MODEL, [prompt], greedy, 16, stop=eos, cost=dear_verify())
     assert got == plain
     # Measured (3 prompts, 32 tokens): 39 of 41 greedy drafts accepted with the controls on
     # the draft's side, 19 of 49 and 28 of 60 without them.
@@ -116,7 +112,7 @@ def test_sampled_text_with_penalties_follows_the_target_from_a_perturbed_draft(
     n = 300
     got, drafted, accepted, _ = run_sessions(
         target_model, {Method.DRAFT_MODEL: draft}, Method.DRAFT_MODEL, [prompt] * n, sampling,
-        3, batch=16, cost=CostModel(dict(FLAT)))
+        3, batch=16, cost=dear_verify())
     counts = Counter(tuple(t[:2]) for t in got)
     assert set(counts) <= set(joint), set(counts) - set(joint)
     tv = 0.5 * sum(abs(counts[o] / n - p) for o, p in joint.items())

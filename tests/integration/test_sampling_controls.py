@@ -4,22 +4,18 @@ suffix drafted in the verifier, a draft model's chains over a draft link, Medusa
 and seeded sampling is the plain seeded text. Plain decoding is method none: one row per
 round, over the committed text alone."""
 import pytest
-from inproc import run_sessions
+from inproc import dear_verify, run_sessions
 
 from tandem.engine.model_runner import ModelRunner
 from tandem.proposers.draft_model import DraftModelProposer
 from tandem.proposers.ngram import NgramProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
-from tandem.spec.cost import CostModel
 from verify_service.drafts.history import HistoryDrafts
 
 pytestmark = pytest.mark.integration
 N_NEW = 32
 TEXT = "The cat sat on the mat. The cat sat on the mat. The dog sat on the log."
-# Verification made dear at every size: every Medusa node pays, and every draft of a
-# worker's chain whatever its wait (Scheduler.draft_ms).
-FLAT = {q: 1000.0 for q in range(1, 80)}
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +61,9 @@ def speculative(target_model, heads, method, prompts, sampling, stop):
     if method in (Method.NGRAM, Method.SUFFIX):
         kw = {"history": HistoryDrafts(8), "max_spec_tokens": 8}
     elif method is Method.MEDUSA:
-        kw = {"medusa": heads, "max_spec_tokens": 16, "cost": CostModel(dict(FLAT))}
-    else:  # a flat cost: rounds verify the drafts even when few land (allowed_token_ids
-        kw = {"cost": CostModel(dict(FLAT))}  # leaves the unconstrained draft model few)
+        kw = {"medusa": heads, "max_spec_tokens": 16, "cost": dear_verify()}
+    else:  # a dear verify: rounds verify the drafts even when few land (allowed_token_ids
+        kw = {"cost": dear_verify()}  # leaves the unconstrained draft model few)
     proposers = {Method.DRAFT_MODEL: DraftModelProposer(ModelRunner(target_model, 256, 16)),
                  Method.NGRAM: NgramProposer()}
     got, drafted, accepted, _ = run_sessions(target_model, proposers, method, prompts,

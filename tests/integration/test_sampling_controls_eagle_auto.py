@@ -5,7 +5,7 @@ here every control runs as its own session in one batch (one run per method, sho
 so the controls of different sessions share a step as they would under load."""
 import pytest
 import test_sampling_controls as base
-from inproc import run_sessions
+from inproc import dear_verify, run_sessions
 
 from tandem.models import ModelPaths
 from tandem.proposers.eagle import EagleProposer
@@ -15,7 +15,7 @@ from tandem.spec.cost import CostModel
 from verify_service.drafts.history import HistoryDrafts
 
 pytestmark = pytest.mark.integration
-FLAT, controls = base.FLAT, base.controls
+controls = base.controls
 prompts, uncontrolled, heads = base.prompts, base.uncontrolled, base.heads  # its fixtures
 N_NEW = 24
 NAMES = ("penalties", "bad_words_min_tokens", "bias_allowed")
@@ -61,7 +61,8 @@ def test_greedy_with_each_control_is_plain_under_eagle(target_model, eagle, batc
     got, drafted, accepted, link = run_sessions(
         target_model, {Method.EAGLE: eagle}, Method.EAGLE, [asks[i] for i in pick],
         [samplings[i] for i in pick], N_NEW, stop=[stops[i] for i in pick],
-        max_spec_tokens=8 if tree else 4, cost=CostModel(dict(FORCE_TREES if tree else FLAT)),
+        max_spec_tokens=8 if tree else 4,
+        cost=CostModel(dict(FORCE_TREES)) if tree else dear_verify(),
         tree=tree, batch=1 if tree else 64)
     for i, text in zip(pick, got):
         assert text == plain[i], (NAMES[i // 2], i % 2)
@@ -77,7 +78,7 @@ def test_greedy_with_each_control_is_plain_under_auto(target_model, eagle, heads
     asks, samplings, stops = batch
     got, drafted, accepted, _ = run_sessions(
         target_model, {Method.EAGLE: eagle}, Method.AUTO, asks, samplings, N_NEW, stop=stops,
-        history=HistoryDrafts(8), medusa=heads, max_spec_tokens=8, cost=CostModel(dict(FLAT)),
+        history=HistoryDrafts(8), medusa=heads, max_spec_tokens=8, cost=dear_verify(),
         auto_draft=Method.EAGLE)
     for i, (want, text) in enumerate(zip(plain, got)):
         assert text == want, (NAMES[i // 2], i % 2)
