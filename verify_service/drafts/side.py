@@ -25,6 +25,7 @@ from tandem.spec import (
     SessionError,
 )
 from verify_service.drafts.checks import checked
+from verify_service.drafts.held import HeldCommits
 from verify_service.drafts.watch import REFUSALS, LinkWatch
 from verify_service.policy.feedback import Latency, note_link_round
 from verify_service.session.sequence import DRAFT_ATTACHES, Sequence
@@ -86,9 +87,7 @@ class DraftSide:
         self._last_arrival = 0.0
         self._asked_at: dict[str, float] = {}  # session -> when its last commit asked
         self._run_ahead: dict[str, int] = {}  # session -> the run-ahead its last commit set
-        # session -> where the commits held back start: a worker asked for no drafts learns
-        # the tokens with its next ask (one message, not one per round, on either side)
-        self._held: dict[str, int] = {}
+        self._held = HeldCommits()  # what a paused worker learns with its next ask
         self._attaching: set[str] = set()
         self._clock = clock
         self.watch = LinkWatch(clock)  # workers that refuse a session or never draft for it
@@ -147,7 +146,7 @@ class DraftSide:
         seq.link.attach_misses = 0
         seq.link.attaches_left -= 1  # given back by the stream's first draft (on_reply)
         self.links[seq.session_id] = link
-        self._held.pop(seq.session_id, None)  # its Open sends every token
+        self._held.drop(seq.session_id)  # its Open sends every token
         seq.drop_link_drafts()
         note_link_round(seq, arrived=True)  # a new stream gets waited for again
         p, s = seq.params, seq.params.sampling
@@ -192,11 +191,10 @@ class DraftSide:
             link = None
         if link is None:
             self.attach(seq)
-        elif paused and run_ahead == 0 and features is None:
-            self._held.setdefault(seq.session_id, start)
+        elif paused and run_ahead == 0:
+            self._held.hold(seq.session_id, start, features)
         else:
-            held = self._held.pop(seq.session_id, start)
-            start, tokens = held, seq.tokens[held:start] + tokens
+            start, tokens, features = self._held.take(seq, start, tokens, features)
             if run_ahead == 0:
                 self._asked_at.pop(seq.session_id, None)
             else:
@@ -226,11 +224,11 @@ class DraftSide:
         self.watch.forget(seq.session_id)
         self._asked_at.pop(seq.session_id, None)
         self._run_ahead.pop(seq.session_id, None)
-        held = self._held.pop(seq.session_id, None)
+        held = self._held.final(seq)
         link = self.links.pop(seq.session_id, None)
         if link is not None:
-            if held is not None:  # its final text (a worker's learner reads it)
-                link.send(Commit(seq.session_id, seq.epoch, held, seq.tokens[held:], 0, None))
+            if held is not None:
+                link.send(held)
             link.send(Close(seq.session_id))
 
     # ---- in: proposals and failures ----------------------------------------------------------
@@ -276,7 +274,7 @@ class DraftSide:
         """Stop taking this session's proposals from its link. The epoch moves on, so what the
         old attach still has in flight fails the epoch check after a re-attach."""
         link = self.links.pop(seq.session_id)
-        self._held.pop(seq.session_id, None)  # a re-attach's Open sends every token
+        self._held.drop(seq.session_id)  # a re-attach's Open sends every token
         self.watch.quiet(seq.session_id)
         if close:
             link.send(Close(seq.session_id))

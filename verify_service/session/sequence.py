@@ -90,9 +90,12 @@ class DraftLinkState:
         self.features += f.data
 
     def all_features(self) -> Features | None:
-        if not self.features:
-            return None
-        return Features(0, self.feature_size, bytes(self.features))
+        return self.features_from(0) if self.features else None
+
+    def features_from(self, start: int) -> Features:
+        """The kept hidden states of positions [start, n)."""
+        return Features(start, self.feature_size,
+                        bytes(self.features[start * 2 * self.feature_size:]))
 
 
 @dataclass
