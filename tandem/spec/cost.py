@@ -84,10 +84,8 @@ class CostModel:
     ms: dict[int, float] = field(default_factory=dict)  # the start-up calibration, then EMAs
     _prior: dict[int, float] = field(default_factory=dict, init=False, repr=False)
     _recency: _Recency = field(default_factory=_Recency, init=False, repr=False)
-    # cost() by size until the next observation (the scheduler prices every size up to k + 1
-    # of each session a few times a step: ~250 calls a step at 4 sessions)
-    _table: dict[int, float] = field(default_factory=dict, init=False, repr=False,
-                                     compare=False)
+    # cost() until the next observation: ~250 calls a step at 4 sessions
+    _table: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.ms = {q: max(_MIN_MS, v) for q, v in self.ms.items() if math.isfinite(v)}
@@ -106,10 +104,8 @@ class CostModel:
                 self.ms.pop(q, None)
 
     def cost(self, num_tokens: int) -> float:
-        """A round's ms over num_tokens: measured, or read off the measured sizes (the
-        start-up times 1-6, 8, 12 and 17 tokens) piecewise linearly, the built-in shape where
-        none is. Sizes between measured ones were priced from the built-in shape at the
-        measured q = 1: 9 tokens at 47.6 ms where 8 took 32.6 and 12 took 46.1."""
+        """A round's ms over num_tokens: measured, or read off the measured sizes (start-up
+        times 1-6, 8, 12 and 17) piecewise linearly; the built-in shape where none is."""
         c = self._table.get(num_tokens)
         if c is None:
             c = self.ms.get(num_tokens)
