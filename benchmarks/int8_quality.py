@@ -1,4 +1,5 @@
-"""Weight-only int8 (`--dtype int8`) against fp32: fidelity and speed, in one run.
+"""Weight-only int8 (`--dtype int8`, and `int8-bf16`: bf16-rounded activations) against fp32:
+fidelity and speed, in one run.
 
   python benchmarks/int8_quality.py [--prompts 50] [--tokens 64] [--threads 1,2]
 
@@ -6,8 +7,9 @@ Fidelity: greedy output on 50 chat prompts (the 40 held-out draft prompts and th
 the bench set), identical to fp32 or not, and where it first differs; perplexity on Python
 standard-library source. A third row, fp32 with every weight rounded to bf16, shows how far a
 perturbation that small already moves greedy text on this model (near-ties are common).
-Speed: batch-1 decode tokens/s (prefill excluded), fp32 and int8 interleaved per prompt, and
-batch-16 decode throughput, at each thread count. Writes results/int8.json and docs/results/int8.md.
+Speed: batch-1 decode tokens/s (prefill excluded), the dtypes interleaved per prompt, a
+first token's time (prefill) and batch-16 decode throughput, at each thread count.
+Writes results/int8.json and docs/results/int8.md.
 """
 from __future__ import annotations
 
@@ -107,6 +109,18 @@ def decode_speed(gens, prompts, tokens, reps=2) -> dict:
     return {name: reps * len(prompts) * (tokens - 1) / s for name, s in spent.items()}
 
 
+def prefill_ms(gens, prompts, reps=2) -> dict:
+    """Milliseconds to a prompt's first token (its prefill), the dtypes interleaved."""
+    spent = dict.fromkeys(gens, 0.0)
+    for _ in range(reps):
+        for ids in prompts:
+            for name, gen in gens.items():
+                t = time.perf_counter()
+                gen.generate([ids], GREEDY, 1)
+                spent[name] += time.perf_counter() - t
+    return {name: 1e3 * s / (reps * len(prompts)) for name, s in spent.items()}
+
+
 def batch_speed(gens, prompts, tokens) -> dict:
     out = {}
     for name, gen in gens.items():
@@ -130,17 +144,23 @@ def report(r: dict) -> str:
         f"per decode step: {r['bytes']['float32'] / 2**20:.0f} MiB fp32, "
         f"{r['bytes']['int8'] / 2**20:.0f} MiB int8 (the fp32 embedding stays for lookups).",
         "",
-        "## Speed (batch-1 decode, prefill excluded; batch-16 decode throughput)",
+        "int8-bf16 = the same codes (7-bit; a weight exact only in 8 bits, here the tied "
+        "LM head, stays int8) with each row of activations rounded to bf16 for the products "
+        "(`tandem/engine/quant_bf16.py`, kernel `kernels/csrc/int8_bf16_gemm.cpp`, "
+        "AVX512-BF16).",
         "",
-        "| threads | fp32 tok/s | int8 tok/s | int8 / fp32 | batch 16 fp32 | batch 16 int8 |"
-        " b16 int8 / fp32 |",
+        "## Speed (batch-1 decode, prefill excluded; first token; batch-16 decode throughput)",
+        "",
+        "| threads | dtype | decode tok/s | vs fp32 | first token ms | batch 16 tok/s | "
+        "vs fp32 |",
         "|---|---|---|---|---|---|---|",
     ]
     for threads, v in s.items():
-        b1, b16 = v["batch1"], v["batch16"]
-        lines.append(f"| {threads} | {b1['float32']:.1f} | {b1['int8']:.1f} | "
-                     f"**{b1['int8'] / b1['float32']:.2f}x** | {b16['float32']:.1f} | "
-                     f"{b16['int8']:.1f} | {b16['int8'] / b16['float32']:.2f}x |")
+        b1, b16, pre = v["batch1"], v["batch16"], v["prefill_ms"]
+        for name in b1:
+            lines.append(f"| {threads} | {name} | {b1[name]:.1f} | "
+                         f"**{b1[name] / b1['float32']:.2f}x** | {pre[name]:.0f} | "
+                         f"{b16[name]:.1f} | {b16[name] / b16['float32']:.2f}x |")
     n, tokens = r["prompts"], r["tokens"]
     lines += [
         "",
@@ -151,20 +171,19 @@ def report(r: dict) -> str:
         "|---|---|---|---|---|---|---|",
         f"| fp32 | {n}/{n} | | | | | {r['perplexity']['float32']:.3f} |",
     ]
-    for name, label in (("int8", "int8 (served)"), ("bf16_rounded", "fp32, weights rounded "
-                                                                       "to bf16 (reference)")):
+    for name, label in (("int8", "int8 (served)"), ("int8-bf16", "int8-bf16"),
+                        ("bf16_rounded", "fp32, weights rounded to bf16 (reference)")):
         v = f[name]
         t = v["identical_through"]
         lines.append(f"| {label} | **{v['identical']}/{n}** | {t['8']}/{n} | {t['16']}/{n} | "
                      f"{t['32']}/{n} | {v['mean_first_difference']:.1f} | "
                      f"{r['perplexity'][name]:.3f} |")
-    d = r["perplexity"]["int8"] / r["perplexity"]["float32"] - 1
-    lines += [
-        "",
-        f"Perplexity delta int8 vs fp32: {100 * d:+.2f}% over {r['ppl_tokens']} tokens of "
-        f"{len(STDLIB)} standard-library modules.",
-        "",
-    ]
+    lines.append("")
+    for name in ("int8", "int8-bf16"):
+        d = r["perplexity"][name] / r["perplexity"]["float32"] - 1
+        lines.append(f"Perplexity delta {name} vs fp32: {100 * d:+.2f}% over {r['ppl_tokens']} "
+                     f"tokens of {len(STDLIB)} standard-library modules.")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -179,7 +198,7 @@ def main() -> None:
     paths = ModelPaths(fetch_default_target())
     tok = AutoTokenizer.from_pretrained(str(paths.root))
     models = {"float32": LlamaModel.load(paths), "int8": LlamaModel.load(paths, "int8"),
-              "bf16_rounded": bf16_rounded(paths)}
+              "int8-bf16": LlamaModel.load(paths, "int8-bf16"), "bf16_rounded": bf16_rounded(paths)}
     gens = {k: LocalGenerator(ModelRunner(m, 1024), prefix_caching=False)
             for k, m in models.items()}
     prompts = chat_prompts(tok, args.prompts)
@@ -188,18 +207,19 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
         "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "tokens": args.tokens,
         "ppl_tokens": sum(map(len, chunks)),
-        "bytes": {k: weight_bytes(models[k]) for k in ("float32", "int8")},
+        "bytes": {k: weight_bytes(models[k]) for k in ("float32", "int8", "int8-bf16")},
         "fidelity": fidelity(gens, prompts, args.tokens, (tok.eos_token_id,)),
         "perplexity": {k: perplexity(g.runner, chunks) for k, g in gens.items()},
         "speed": {},
     }
-    timed = {k: gens[k] for k in ("float32", "int8")}
+    timed = {k: gens[k] for k in ("float32", "int8", "int8-bf16")}
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for k in timed:
             models[k].tune_kernels()  # the faster layout depends on the thread count
         result["speed"][threads] = {
             "batch1": decode_speed(timed, prompts[:6], args.tokens),
+            "prefill_ms": prefill_ms(timed, prompts[:6]),
             "batch16": batch_speed(timed, prompts[:16], args.tokens // 2),
         }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,8 @@ _FLAGS = (
     ("max_context_length", int, "longest sequence, 0 = the draft model's limit"),
     ("eagle_vocab", int, "draft from the EAGLE head's commonest N tokens only, 0 = all"),
     ("dtype", str, "draft model weight dtype: " + ", ".join(DTYPES) + " (auto: float32 on "
-                   "cpu, bfloat16 on cuda; int8: cpu weight-only, fp32 activations)"),
+                   "cpu, bfloat16 on cuda; int8: cpu weight-only, fp32 activations; int8-bf16: "
+                   "the same weights, bf16-rounded activations, AVX512-BF16 cpus)"),
     ("device", str, "where the draft models run: auto (CUDA when present), cpu, cuda, "
                     "cuda:N"),
     ("suffix_cache_tokens", int, "suffix decoding: finished tokens cached per scope, 0 = none"),

@@ -22,7 +22,7 @@ from typing import Any
 from tandem.envflags import add_flag
 
 DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8", "int8-bf16")
 
 
 def check_device_spec(spec: str) -> str:
@@ -58,7 +58,9 @@ def add_device_flags(parser: argparse.ArgumentParser, env_prefix: str,
              _arg_type(check_dtype_spec),
              dtype_help or "weight dtype: auto (cpu: int8 where the target's weights are exact "
                            "in it, else float32; bfloat16 on cuda), float32, "
-                           "bfloat16, float16, int8 (weight-only, cpu)")
+                           "bfloat16, float16, int8 (weight-only, cpu), int8-bf16 (int8 "
+                           "weights, activations rounded to bf16 for the products: faster "
+                           "prefills and batches on cpus with AVX512-BF16)")
 
 
 def resolve_device(spec: str = "auto"):
@@ -90,8 +92,8 @@ def resolve_dtype(spec: str, device) -> str:
         if not on_gpu:
             return "float32"
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if spec == "int8" and on_gpu:
-        raise ValueError("dtype int8 is the CPU weight-only kernel; on a GPU use bfloat16 or "
+    if spec in ("int8", "int8-bf16") and on_gpu:
+        raise ValueError(f"dtype {spec} is a CPU weight-only kernel; on a GPU use bfloat16 or "
                          "float16")
     return spec
 

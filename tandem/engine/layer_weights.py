@@ -12,7 +12,8 @@ from tandem.engine.scale_cache import ScaleCache
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor | None  # [hidden]; None: the published EAGLE-1/2 head's layer
-    # The four projections are float tensors, or Int8Weight under --dtype int8.
+    # The four projections are float tensors, or Int8Weight under --dtype int8
+    # (Int8Bf16Weight under int8-bf16).
     qkv: torch.Tensor | Int8Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
     o: torch.Tensor | Int8Weight  # [hidden, heads * head_dim]
@@ -27,6 +28,8 @@ class LayerWeights:
 
     PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
-    def quantize_int8(self, cache: ScaleCache | None = None) -> None:
+    def quantize_int8(self, cache: ScaleCache | None = None,
+                      quantize=Int8Weight.quantize) -> None:
+        """quantize: Int8Weight's, or tandem.engine.quant_bf16.quantize for int8-bf16."""
         for name in self.PROJECTIONS:
-            setattr(self, name, Int8Weight.quantize(getattr(self, name), cache))
+            setattr(self, name, quantize(getattr(self, name), cache))

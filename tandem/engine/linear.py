@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.quant import Int8Weight
+from tandem.engine.quant_bf16 import Int8Bf16Weight
 from tandem.engine.tune_cache import TuneCache
+
+QUANTIZED = (Int8Weight, Int8Bf16Weight)  # each computes its own products (.linear)
 
 MAX_ROUTED_ROWS = 16  # beyond this (prefill) F.linear wins everywhere we measured
 
@@ -88,9 +91,9 @@ class LinearRouter:
         self.use_mm: dict[tuple[int, int, int], bool] = {}
         self.invariant_rows = invariant_rows
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int8Bf16Weight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, Int8Weight):
+        if isinstance(weight, QUANTIZED):
             return weight.linear(x, bias, invariant=self.invariant_rows > 0)
         if self.invariant_rows:
             return invariant_linear(x, weight, bias, self.invariant_rows)
@@ -106,7 +109,7 @@ class LinearRouter:
         take what `cache` kept from an earlier load on this machine."""
         measured: dict[str, dict[int, bool]] = {}
         for copies in weights_by_shape:
-            if isinstance(copies[0], Int8Weight) or copies[0].device.type != "cpu":
+            if isinstance(copies[0], QUANTIZED) or copies[0].device.type != "cpu":
                 continue
             key = TuneCache.key(copies[0], len(copies))
             kept = cache.get(key) if cache is not None else None

@@ -16,11 +16,12 @@ from kernels import attention_cpu, int8_cpu
 from kernels.attention import attention
 from kernels.masked_attention import masked_attention
 from kernels.paged_attention import AttentionMetadata, row_attention, write_kv
+from tandem.engine import quant_bf16
 from tandem.engine.checkpoint import LlamaConfig, load_tensors
 from tandem.engine.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab
 from tandem.engine.layer_weights import LayerWeights
 from tandem.engine.linear import LinearRouter, measure_invariant_rows
-from tandem.engine.quant import Int8Weight, compute_dtype
+from tandem.engine.quant import INT8_DTYPES, compute_dtype
 from tandem.engine.rope import rope_inv_freq
 from tandem.engine.scale_cache import ScaleCache
 from tandem.engine.tune_cache import TuneCache
@@ -30,9 +31,8 @@ from tandem.models import ModelError, ModelPaths, read_hf_config
 class LlamaModel:
     """Weights plus a functional forward; the KV cache is owned by the model runner.
 
-    `dtype` is a torch float dtype, or "int8" for weight-only int8 (tandem.engine.quant): the
-    projections and the LM head are quantized, the rest (embedding lookup, norms, KV cache)
-    stays fp32.
+    `dtype` is a torch float dtype, or "int8" / "int8-bf16" for weight-only int8 (quant.py,
+    quant_bf16.py): projections and LM head quantized, lookups, norms and KV cache fp32.
 
     `batch_invariant`: every row's logits depend on its own context only, never on what else
     shares the forward (decode, verify chunk, prefill, other sessions): one padded matmul
@@ -48,10 +48,10 @@ class LlamaModel:
         dtype = compute_dtype(self.weight_dtype)
         self.dtype = dtype
         self.device = device = torch.device(device)
-        if device.type != "cpu" and (self.weight_dtype == "int8" or batch_invariant):
+        if device.type != "cpu" and (self.weight_dtype in INT8_DTYPES or batch_invariant):
             # Both are CPU kernels (the int8 GEMM, the measured BLAS padding).
-            raise ModelError(f"--dtype int8 and --batch-invariant run on the cpu only, not "
-                             f"{device}")
+            raise ModelError(f"--dtype {self.weight_dtype} and --batch-invariant run on the "
+                             f"cpu only, not {device}")
         if batch_invariant and (cfg.sliding_window or cfg.attn_softcap):
             raise ModelError("--batch-invariant does not cover sliding windows or attention "
                              "softcapping (this checkpoint has them)")
@@ -71,7 +71,7 @@ class LlamaModel:
         self.cos, self.sin = self._rope_table(None)
         # Gemma 3's sliding layers rotate with their own base
         self.local_rope = self._rope_table(cfg.local_rope) if cfg.local_rope else None
-        if self.weight_dtype == "int8":
+        if self.weight_dtype in INT8_DTYPES:
             self._quantize_int8()
 
     def _rope_table(self, rope: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,11 +111,12 @@ class LlamaModel:
         return replace(cfg, vocab_size=draft_vocab.target_vocab_size)
 
     def _quantize_int8(self) -> None:
+        kind = quant_bf16.quantizer(self.weight_dtype)
         cache = ScaleCache.default()
         for layer in self.layers:
-            layer.quantize_int8(cache)
+            layer.quantize_int8(cache, kind)
         # A tied head keeps its fp32 twin for the embedding lookup (a gather, not bandwidth-bound).
-        self.lm_head = Int8Weight.quantize(self.lm_head, cache)
+        self.lm_head = kind(self.lm_head, cache)
         # Build (or load from cache) the CPU kernel now: a first build takes a minute or two,
         # which belongs at startup, not inside the first request's engine step.
         if int8_cpu.load() is None and self.batch_invariant:

@@ -26,7 +26,8 @@ from kernels import int8_cpu
 if TYPE_CHECKING:
     from tandem.engine.scale_cache import ScaleCache
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8")
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int8-bf16")
+INT8_DTYPES = ("int8", "int8-bf16")  # int8 weights, fp32 activations or bf16 (quant_bf16.py)
 GROUP = 32
 BLOCK = 8  # output channels per packed block (kernels/csrc/int8_gemm.cpp's kBlock)
 # A longer product (a prefill) runs in slices of this many rows, so a slice of x stays in cache
@@ -40,7 +41,7 @@ def compute_dtype(weight_dtype: str) -> torch.dtype:
     """The dtype activations, norms and the KV cache use for a --dtype choice."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
-    return torch.float32 if weight_dtype == "int8" else getattr(torch, weight_dtype)
+    return torch.float32 if weight_dtype in INT8_DTYPES else getattr(torch, weight_dtype)
 
 
 def _group_for(in_features: int) -> int:

@@ -1,13 +1,15 @@
 """Weight-only int8 in the real engine step, on the real target.
 
-An int8 verifier is lossless with respect to the int8 target it serves: speculative greedy
-output equals plain greedy decoding of that same int8 model. An int8 draft model (here the
-target itself, quantized) drafting for the fp32 target changes nothing in the output and is
-accepted most of the time, since int8 moves the logits only slightly.
+An int8 verifier (either kind: fp32 or bf16 activations) is lossless with respect to the int8
+target it serves: speculative greedy output equals plain greedy decoding of that same model.
+An int8 draft model (here the target itself, quantized) drafting for the fp32 target changes
+nothing in the output and is accepted most of the time, since int8 moves the logits only
+slightly.
 """
 import pytest
 from inproc import run_sessions
 
+from kernels import int8_cpu
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.llama import LlamaModel
 from tandem.engine.model_runner import ModelRunner
@@ -46,6 +48,16 @@ def test_int8_verifier_is_lossless_for_its_own_target(int8_target, chats):
                                              Method.SUFFIX, prompts, GREEDY, 32, stop=eos)
     assert got == plain(int8_target, prompts, eos)
     assert drafted > 0 and accepted > 0  # the repeating prompt was really speculated
+
+
+@pytest.mark.skipif(int8_cpu.load_bf16() is None, reason="needs a CPU with AVX512-BF16")
+def test_int8_bf16_verifier_is_lossless_for_its_own_target(target_paths, chats):
+    model = LlamaModel.load(target_paths, "int8-bf16")
+    prompts, eos = chats
+    got, drafted, accepted, _ = run_sessions(model, {Method.SUFFIX: SuffixProposer()},
+                                             Method.SUFFIX, prompts, GREEDY, 32, stop=eos)
+    assert got == plain(model, prompts, eos)
+    assert drafted > 0 and accepted > 0
 
 
 def test_int8_draft_model_leaves_fp32_output_unchanged(target_model, int8_target, chats):

@@ -48,8 +48,9 @@ def test_gpu_host_resolution(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     assert dev.resolve_dtype("auto", "cuda:0") == "float16"  # e.g. a T4
     assert dev.resolve_dtype("float32", "cuda:0") == "float32"  # an explicit choice wins
-    with pytest.raises(ValueError, match="int8 is the CPU"):
-        dev.resolve_dtype("int8", "cuda:0")
+    for cpu_only in ("int8", "int8-bf16"):
+        with pytest.raises(ValueError, match=f"{cpu_only} is a CPU weight-only kernel"):
+            dev.resolve_dtype(cpu_only, "cuda:0")
 
 
 def test_place_picks_the_block_size_of_the_device():
@@ -119,7 +120,7 @@ TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_laye
 
 def test_cpu_only_kernels_refuse_other_devices():
     # "meta" stands in for a GPU: the refusal comes before any weight is moved.
-    for kwargs in ({"dtype": "int8"}, {"batch_invariant": True}):
+    for kwargs in ({"dtype": "int8"}, {"dtype": "int8-bf16"}, {"batch_invariant": True}):
         with pytest.raises(ModelError, match="run on the cpu only"):
             LlamaModel(TINY, _tiny_weights(TINY), device="meta", **kwargs)
 

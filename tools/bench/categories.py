@@ -46,13 +46,13 @@ def _ask(url: str, prompt: str, arm: str, tokens: int, temp: float, name: str,
 
 
 def run(passes: int = 2, tokens: int = 192, arms: tuple[str, ...] = ARMS,
-        picks: tuple[int, ...] = (), log=print, save=None) -> list[dict]:
+        picks: tuple[int, ...] = (), log=print, save=None, dtype: str = "auto") -> list[dict]:
     """Every prompt (or those in picks) x arm x pass, rotated; the rows (save(rows) after
     each prompt, so a run cut short keeps what it measured)."""
     env = {"TANDEM_VERIFIER_SUFFIX_CACHE_TOKENS": "0",
            "TANDEM_VERIFIER_ENABLE_PREFIX_CACHING": "false",
            "TANDEM_API_KEYS": ",".join(key_of(a) for a in arms)}
-    cluster = Cluster(ClusterConfig(gateway_port=free_port()), log=log, env=env,
+    cluster = Cluster(ClusterConfig(gateway_port=free_port(), dtype=dtype), log=log, env=env,
                       output=subprocess.DEVNULL)
     cluster.start()
     rows: list[dict] = []
@@ -131,16 +131,16 @@ def _plain_text(rows: list[dict], row: dict) -> str:
 
 
 def run_workload(passes: int, tokens: int, out: Path, arms: tuple[str, ...] = (),
-                 picks: tuple[int, ...] = ()) -> str:
+                 picks: tuple[int, ...] = (), dtype: str = "auto") -> str:
     arms = ("none", *[a for a in (arms or ARMS) if a != "none"])
     started = time.strftime("%Y-%m-%d %H:%M")
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(rows: list[dict]) -> None:
         out.write_text(json.dumps({"date": started, "tokens": tokens, "passes": passes,
-                                   "arms": arms, "rows": rows}, indent=2))
+                                   "arms": arms, "dtype": dtype, "rows": rows}, indent=2))
 
-    rows = run(passes, tokens, arms, picks, save=save)
+    rows = run(passes, tokens, arms, picks, save=save, dtype=dtype)
     save(rows)
     table = markdown(rows)
     print(table)
@@ -157,13 +157,14 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", default="", help="only these indices into TASKS")
     ap.add_argument("--out", default="results/categories.json")
     ap.add_argument("--report", default="", help="only print the table of a saved run")
+    ap.add_argument("--dtype", default="auto", help="the cluster's --dtype (auto, int8-bf16, ...)")
     args = ap.parse_args(argv)
     if args.report:
         print(markdown(json.loads(Path(args.report).read_text())["rows"]))
         return
     run_workload(args.passes, args.tokens, Path(args.out),
                  tuple(a for a in args.arms.split(",") if a),
-                 tuple(int(i) for i in args.prompts.split(",") if i))
+                 tuple(int(i) for i in args.prompts.split(",") if i), args.dtype)
 
 
 if __name__ == "__main__":
