@@ -123,6 +123,9 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--base", default="", help="another checkout whose plain runs beside ours")
     p.add_argument("--base-methods", default="none", help="the base's arms (comma-separated)")
+    p.add_argument("--base-dtype", default="",
+                   help="the base's --dtype (default --dtype's); with --base . this compares "
+                        "two dtypes of one checkout")
     p.add_argument("--cold", action="store_true",
                    help="no untimed pass over each rep's prompts first (the first arm of a rep "
                         "then prefills them cold, the arms after it find them cached)")
@@ -136,7 +139,8 @@ def main() -> None:
     clusters: dict[str, Cluster] = {}
     try:
         for name, root in roots.items():
-            clusters[name] = start(root, args.dtype, out.with_suffix(f".{name}.log"))
+            dtype = args.base_dtype if name == "base" and args.base_dtype else args.dtype
+            clusters[name] = start(root, dtype, out.with_suffix(f".{name}.log"))
         start_s = time.time()
         rows = run(args, clusters)
         result = {"args": vars(args), "wall_s": round(time.time() - start_s),
