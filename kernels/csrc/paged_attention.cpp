@@ -133,7 +133,7 @@ void weigh_values(const float* v, const int64_t* offs, const float* w, int64_t k
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < keys; ++j) {
-    if (w[j] == 0.0f) continue;  // a masked key (or one that underflowed): adds nothing
+    if (w[j] == 0.0f) continue;  // a key whose weight underflowed: adds nothing
     const __m512 b = _mm512_set1_ps(w[j]);
     const float* vp = v + offs[j] + off;
     for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(b, _mm512_loadu_ps(vp + 16 * c), acc[c]);
@@ -158,13 +158,23 @@ struct Scratch {
 // One row of one sequence, all its heads (each key's KV heads are read once, for the query
 // heads of their group): the softmax of its `keys` scores, then the values' sum into out.
 // `seen`, for a tree, says which of the sequence's `num_new` new tokens (the last keys) this
-// row sees; masked keys score -inf and weigh exactly 0, so a tree row that sees a chain
-// gives that chain row's bits.
+// row sees. The others are dropped from its key list, not masked: a masked key would still
+// hold a lane of the softmax's sum, so a row on a branch (siblings between its ancestors)
+// summed in another grouping than the chain of the keys it sees, and differed from that
+// chain's row in the last bit, which bf16 activations (int8-bf16) then magnified into text.
+// Compacted, a tree row gives the bits of the chain row over the same keys.
 void attend_row(const Layout& L, const float* q, float* out, const int64_t* table,
                 int64_t keys, const bool* seen, int64_t num_new, Scratch& scratch) {
   const int64_t H = L.heads, group = L.heads / L.kv_heads, D = L.dim;
-  const int64_t stride = (keys + 15) / 16 * 16;
   key_offsets(L, table, keys, scratch.offs);
+  if (seen != nullptr) {
+    const int64_t first = keys - num_new;
+    int64_t kept = first;
+    for (int64_t n = 0; n < num_new; ++n)
+      if (seen[n]) scratch.offs[kept++] = scratch.offs[first + n];
+    keys = kept;
+  }
+  const int64_t stride = (keys + 15) / 16 * 16;
   const int64_t* offs = scratch.offs.data();
   scratch.scores.resize(H * stride);
   float* scores = scratch.scores.data();
@@ -173,12 +183,6 @@ void attend_row(const Layout& L, const float* q, float* out, const int64_t* tabl
     const float* kp = L.k + offs[j];
     for (int64_t h = 0; h < H; ++h)
       scores[h * stride + j] = dot(q + h * D, kp + h / group * D, D) * L.scale;
-  }
-  if (seen != nullptr) {
-    const int64_t first = keys - num_new;
-    for (int64_t n = 0; n < num_new; ++n)
-      if (!seen[n])
-        for (int64_t h = 0; h < H; ++h) scores[h * stride + first + n] = -INFINITY;
   }
   for (int64_t h = 0; h < H; ++h) {
     float* s = scores + h * stride;

@@ -140,3 +140,24 @@ def test_a_tree_row_that_sees_a_chain_gives_the_chain_row_bits():
     got = attention_cpu.cpu_paged_attention(q, kc, vc, tree, 0.125)
     assert torch.equal(got[:3], chain[:3])  # nodes 0-1-2 are a chain
     assert not torch.equal(got[3], chain[3])  # node 3 sees 0 and itself, not 1 and 2
+
+
+@needs_kernel
+def test_a_tree_row_on_a_branch_gives_the_bits_of_the_chain_it_sees():
+    """Node 3 of [-1, 0, 0, 2] sees nodes 0, 2 and 3, with node 1 between them in the cache:
+    its bits are those of the chain row over the context and k0, k2, k3 laid out in a row."""
+    g = torch.Generator().manual_seed(7)
+    ctx, heads, kvh, dim = 20, 9, 3, 64
+    k, v = torch.randn(ctx + 4, kvh, dim, generator=g), torch.randn(ctx + 4, kvh, dim, generator=g)
+    q = torch.randn(4, heads, dim, generator=g)
+    kc, vc = torch.zeros(8, 16, kvh, dim), torch.zeros(8, 16, kvh, dim)
+    whole = build_attention_metadata([ctx + 4], [ctx + 4], [[0, 1]], 16)
+    write_kv(k, v, kc, vc, whole.slot_mapping)
+    tree = build_attention_metadata([4], [ctx + 4], [[0, 1]], 16, [ancestor_mask([-1, 0, 0, 2])])
+    got = attention_cpu.cpu_paged_attention(q, kc, vc, tree, 0.125)
+    keep = [*range(ctx), ctx, ctx + 2, ctx + 3]
+    write_kv(k[keep], v[keep], kc, vc,
+             build_attention_metadata([ctx + 3], [ctx + 3], [[4, 5]], 16).slot_mapping)
+    chain = attention_cpu.cpu_paged_attention(
+        q[[0, 2, 3]], kc, vc, build_attention_metadata([3], [ctx + 3], [[4, 5]], 16), 0.125)
+    assert torch.equal(got[2], chain[1]) and torch.equal(got[3], chain[2])
