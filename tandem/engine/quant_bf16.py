@@ -132,7 +132,10 @@ def quantize(weight: torch.Tensor,  # [out, in] float
              cache: ScaleCache | None = None) -> Int8Bf16Weight | Int8Weight:
     """One weight for --dtype int8-bf16: Int8Bf16Weight, except a weight that 8-bit codes hold
     exactly and 7-bit ones do not (a Q8 checkpoint's, as this target's tied embedding is),
-    which keeps them as Int8Weight with fp32 products rather than lose a bit."""
+    which keeps them as Int8Weight with fp32 products rather than lose a bit, as does a weight
+    whose inputs do not split into groups of 32."""
+    if weight.shape[1] % GROUP:
+        return Int8Weight.quantize(weight, cache)
     packed = Int8Bf16Weight.quantize(weight, cache)
     if packed.exact:
         return packed

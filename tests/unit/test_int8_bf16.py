@@ -68,6 +68,7 @@ def test_weights_on_a_grid_keep_it_and_8_bit_ones_stay_int8():
     assert isinstance(kept, Int8Weight) and kept.exact
     off_grid = torch.randn(64, 576)
     assert isinstance(quant_bf16.quantize(off_grid), Int8Bf16Weight)  # neither is exact
+    assert isinstance(quant_bf16.quantize(torch.randn(64, 48)), Int8Weight)  # no 32-groups
 
 
 def test_no_rows_and_bad_parts():

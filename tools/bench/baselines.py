@@ -81,8 +81,9 @@ class _ScatterHead(torch.nn.Module):
 
 
 def peer_dtype(at: Placement | None) -> torch.dtype:
-    """The transformers peers' dtype: Tandem's, except int8 (our CPU kernel): float32."""
-    if at is None or at.dtype == "int8":
+    """The transformers peers' dtype: Tandem's, except int8 and int8-bf16 (our CPU kernels):
+    float32."""
+    if at is None or at.dtype in ("int8", "int8-bf16"):
         return torch.float32
     return getattr(torch, at.dtype)
 

@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_flags(p, "TANDEM_BENCH", dtype_help=(
         "weight dtype of every model the run loads: the transformers peers, the cost timings "
         "and the cluster's verifier and draft worker: auto (float32 on cpu, bfloat16 on "
-        "cuda), float32, bfloat16, float16, int8 (cpu; the peers then stay float32)"))
+        "cuda), float32, bfloat16, float16, int8 or int8-bf16 (cpu; the peers then stay "
+        "float32)"))
     p.add_argument("--peer-threads", type=int, help="torch threads of the transformers "
                    "peers (default 1, like each worker; 0 = torch's default)")
     p.add_argument("--seed", type=int, help="send this seed with sampled Tandem requests "
