@@ -75,6 +75,41 @@ def group_scales(
     return scale
 
 
+def group_codes(
+    weight: torch.Tensor,  # [out, in] float
+    group: int,  # inputs per group (dividing in)
+    multiple: int,  # out is padded with zero rows to a multiple of this
+    levels: int,  # the largest code: 255, or 127 (int8-bf16's 7-bit codes)
+    cache: ScaleCache | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """Codes [padded, groups, group] uint8, scale and lo (the group's minimum) [padded, groups]
+    float32 with W ~= q * scale + lo, and whether that is exact up to fp32 rounding."""
+    n, k = weight.shape
+    padded = -(-n // multiple) * multiple
+    w = torch.zeros(padded, k)
+    w[:n] = weight.detach().float()
+    w = w.reshape(padded, k // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = group_scales(w, lo, hi) if cache is None else cache.scales(group_scales, w, lo, hi)
+    if levels < 255:  # a grid of more steps than the codes hold is spaced over theirs
+        scale = torch.where(hi - lo <= (levels + 1e-3) * scale, scale, (hi - lo) / levels)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant groups: q = 0
+    q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, levels).to(torch.uint8)
+    # The same arithmetic as dequantize(), element by element; min/max codes of an off-grid
+    # group miss by up to span / (2 * levels), orders of magnitude more.
+    miss = (q.float() * scale[..., None] + lo[..., None] - w).abs().max()
+    return q, scale, lo, bool(miss <= 1e-5 * w.abs().max())
+
+
+def check_scales(weight, want: tuple[int, ...]) -> None:
+    """A packed weight's scale and zero: float32 of shape `want`, else ValueError."""
+    for name in ("scale", "zero"):
+        t = getattr(weight, name)
+        if t.dtype != torch.float32 or tuple(t.shape) != want:
+            raise ValueError(f"{name} must be float32 {list(want)}, got {t.dtype} "
+                             f"{list(t.shape)}")
+
+
 @dataclass(frozen=True, eq=False)
 class Int8Weight:
     """W ~= q * scale + zero per group; stands in for a [out, in] float weight in LinearRouter.
@@ -98,36 +133,17 @@ class Int8Weight:
         blocks = self.q.shape[0]
         if not (blocks - 1) * BLOCK < self.out_features <= blocks * BLOCK:
             raise ValueError(f"out_features {self.out_features} does not fit {blocks} blocks")
-        want = (*self.q.shape[:2], BLOCK)
-        for name in ("scale", "zero"):
-            t = getattr(self, name)
-            if t.dtype != torch.float32 or tuple(t.shape) != want:
-                raise ValueError(f"{name} must be float32 {list(want)}, got {t.dtype} "
-                                 f"{list(t.shape)}")
+        check_scales(self, (*self.q.shape[:2], BLOCK))
 
     @classmethod
     def quantize(cls, weight: torch.Tensor,  # [out, in] float
                  cache: ScaleCache | None = None) -> Int8Weight:
-        n, k = weight.shape
-        group, padded = _group_for(k), -(-n // BLOCK) * BLOCK
-        w = torch.zeros(padded, k)
-        w[:n] = weight.detach().float()
-        w = w.reshape(padded, k // group, group)
-        lo, hi = w.amin(-1), w.amax(-1)
-        scale = (group_scales(w, lo, hi) if cache is None
-                 else cache.scales(group_scales, w, lo, hi))
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant groups: q = 0
-        q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, 255).to(torch.uint8)
-        # The same arithmetic as dequantize(), element by element; min/max codes of an
-        # off-grid group miss by up to span / 510, orders of magnitude more.
-        miss = (q.float() * scale[..., None] + lo[..., None] - w).abs().max()
-        exact = bool(miss <= 1e-5 * w.abs().max())
+        q, scale, lo, exact = group_codes(weight, _group_for(weight.shape[1]), BLOCK, 255, cache)
 
         def pack(t):  # [padded, groups, ...] -> [blocks, groups, ..., BLOCK]
-            t = t.reshape(padded // BLOCK, BLOCK, *t.shape[1:])
-            return t.movedim(1, -1).contiguous()
+            return t.reshape(-1, BLOCK, *t.shape[1:]).movedim(1, -1).contiguous()
 
-        return cls(pack(q), pack(scale), pack(lo), n, exact)
+        return cls(pack(q), pack(scale), pack(lo), weight.shape[0], exact)
 
     @property
     def group(self) -> int:

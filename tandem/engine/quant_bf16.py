@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import int8_cpu
-from tandem.engine.quant import GROUP, KERNEL_SLICE_ROWS, Int8Weight, group_scales
+from tandem.engine.quant import GROUP, KERNEL_SLICE_ROWS, Int8Weight, check_scales, group_codes
 from tandem.models import ModelError
 
 if TYPE_CHECKING:
@@ -51,12 +51,7 @@ class Int8Bf16Weight:
             raise ValueError(f"out_features {self.out_features} does not fit {tiles} tiles")
         if not 0 <= self.center <= LEVELS:
             raise ValueError(f"center must be a code in [0, {LEVELS}], got {self.center}")
-        want = (*self.q.shape[:2], TILE)
-        for name in ("scale", "zero"):
-            t = getattr(self, name)
-            if t.dtype != torch.float32 or tuple(t.shape) != want:
-                raise ValueError(f"{name} must be float32 {list(want)}, got {t.dtype} "
-                                 f"{list(t.shape)}")
+        check_scales(self, (*self.q.shape[:2], TILE))
 
     @classmethod
     def quantize(cls, weight: torch.Tensor,  # [out, in] float
@@ -64,30 +59,15 @@ class Int8Bf16Weight:
         n, k = weight.shape
         if k % GROUP:
             raise ValueError(f"int8-bf16 needs in_features divisible by {GROUP}, got {k}")
-        padded = -(-n // TILE) * TILE
-        w = torch.zeros(padded, k)
-        w[:n] = weight.detach().float()
-        w = w.reshape(padded, k // GROUP, GROUP)
-        lo, hi = w.amin(-1), w.amax(-1)
-        grid = (group_scales(w, lo, hi) if cache is None
-                else cache.scales(group_scales, w, lo, hi))
-        # A grid step of <= LEVELS steps stays (exact codes); anything wider is re-spaced.
-        span = hi - lo
-        scale = torch.where(span <= (LEVELS + 1e-3) * grid, grid, span / LEVELS)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, LEVELS).to(torch.uint8)
-        miss = (q.float() * scale[..., None] + lo[..., None] - w).abs().max()
-        exact = bool(miss <= 1e-5 * w.abs().max())
+        q, scale, lo, exact = group_codes(weight, GROUP, TILE, LEVELS, cache)
         center = (int(q.max()) + 1) // 2
-        zero = lo + center * scale
 
         def pack(t):  # [padded, groups, ...] -> [tiles, groups, ..., TILE]
-            return t.reshape(padded // TILE, TILE, *t.shape[1:]).movedim(1, -1).contiguous()
+            return t.reshape(-1, TILE, *t.shape[1:]).movedim(1, -1).contiguous()
 
         # codes [padded, groups, group] -> [tiles, groups, group / 2, TILE, 2]
-        codes = q.reshape(padded // TILE, TILE, k // GROUP, GROUP // 2, 2)
-        return cls(codes.permute(0, 2, 3, 1, 4).contiguous(), pack(scale), pack(zero),
-                   center, n, exact)
+        codes = q.reshape(-1, TILE, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+        return cls(codes.contiguous(), pack(scale), pack(lo + center * scale), center, n, exact)
 
     @property
     def shape(self) -> torch.Size:
