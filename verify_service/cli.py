@@ -63,11 +63,12 @@ def register(sub, colocate=None) -> None:
     add_flag(p, "--model", "TANDEM_MODEL", _DEFAULTS.model,
              help="target: default name or HF checkpoint dir")
     add_device_flags(p, "TANDEM_VERIFIER", _DEFAULTS.dtype,
-                     "target weight dtype: auto (float32 on cpu, bfloat16 on cuda), float32, "
+                     "target weight dtype: auto (cpu: int8 where the target's weights are "
+                     "exact in it, else float32; bfloat16 on cuda), float32, "
                      "bfloat16, float16, int8 (cpu weight-only, per-group scales; "
                      "activations, norms and KV cache stay fp32), int8-bf16 (int8 whose "
-                     "products round activations to bf16: ~1.7x on prefills and batches, "
-                     "cpus with AVX512-BF16)")
+                     "products round activations to bf16: ~1.6x on prefills, 1.2-1.5x on "
+                     "decode and batches; cpus with AVX512-BF16)")
     add_flag(p, "--batch-invariant", "TANDEM_VERIFIER_BATCH_INVARIANT", False, boolean,
              nargs="?", const=True, metavar="on|off",
              help="batch-invariant numerics: a session's tokens never depend on what shares "
