@@ -23,6 +23,8 @@ from tandem.envflags import add_flag
 
 DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8", "int8-bf16")
+# int8 weights on our CPU kernels: fp32 activations, or bf16 ones (tandem.engine.quant_bf16)
+INT8_DTYPES = ("int8", "int8-bf16")
 
 
 def check_device_spec(spec: str) -> str:
@@ -92,7 +94,7 @@ def resolve_dtype(spec: str, device) -> str:
         if not on_gpu:
             return "float32"
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if spec in ("int8", "int8-bf16") and on_gpu:
+    if spec in INT8_DTYPES and on_gpu:
         raise ValueError(f"dtype {spec} is a CPU weight-only kernel; on a GPU use bfloat16 or "
                          "float16")
     return spec

@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import int8_cpu
+from tandem.device import INT8_DTYPES
 
 if TYPE_CHECKING:
     from tandem.engine.scale_cache import ScaleCache
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int8-bf16")
-INT8_DTYPES = ("int8", "int8-bf16")  # int8 weights, fp32 activations or bf16 (quant_bf16.py)
 GROUP = 32
 BLOCK = 8  # output channels per packed block (kernels/csrc/int8_gemm.cpp's kBlock)
 # A longer product (a prefill) runs in slices of this many rows, so a slice of x stays in cache

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from tandem.device import Placement, synchronize
+from tandem.device import INT8_DTYPES, Placement, synchronize
 from tools.bench.stats import decode_tps
 
 PEER_METHODS = ("plain", "assisted", "prompt_lookup")
@@ -83,7 +83,7 @@ class _ScatterHead(torch.nn.Module):
 def peer_dtype(at: Placement | None) -> torch.dtype:
     """The transformers peers' dtype: Tandem's, except int8 and int8-bf16 (our CPU kernels):
     float32."""
-    if at is None or at.dtype in ("int8", "int8-bf16"):
+    if at is None or at.dtype in INT8_DTYPES:
         return torch.float32
     return getattr(torch, at.dtype)
 
