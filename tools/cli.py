@@ -166,7 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--draft-model", "TANDEM_DRAFT_MODEL", "",
              help="draft model (default: the shipped draft); with --model, one of another "
                   "tokenizer drafts only the tokens both vocabularies share")
-    add_flag(up, "--threads", "TANDEM_THREADS", 1, int, help="torch threads per worker process")
+    add_flag(up, "--threads", "TANDEM_THREADS", 1, int,
+             help="torch threads per draft worker process")
+    add_flag(up, "--verifier-threads", "TANDEM_VERIFIER_THREADS", 0, int,
+             help="torch threads per verifier, 0 = every core (its forwards of a few rows on one)")
     from tools.up_flags import add_up_spec_flags
 
     add_up_spec_flags(up)

@@ -44,7 +44,10 @@ class ClusterConfig:
     draft_model: str = ""
     eagle: str = ""  # EAGLE head directory; "" = the shipped one if present
     redis_url: str = ""
-    threads: int = 1  # per worker: a batch-1 forward keeps one core busy
+    threads: int = 1  # per draft worker: a batch-1 forward keeps one core busy
+    # A verifier's: 0 = every core, its forwards of a few rows on one (the rest is left to
+    # the event loop, gRPC and the gateway; tandem.engine.forward_threads).
+    verifier_threads: int = 0
     worker_host: str = "127.0.0.1"  # where verifiers and drafts bind and register ("::1" too)
     tls: TlsConfig | None = None  # gRPC over TLS between every process (and our checks)
     # Where the verifiers and draft workers run their models (tandem.device): "auto" passes
@@ -60,8 +63,9 @@ class ClusterConfig:
     gateway_args: tuple[str, ...] = ()  # more flags for the gateway (--chat-template)
 
     def __post_init__(self):
-        if self.num_drafts < 0 or self.num_verifiers < 1:
-            raise ValueError("need num_verifiers >= 1 and num_drafts >= 0")
+        if self.num_drafts < 0 or self.num_verifiers < 1 or min(self.threads,
+                                                                 self.verifier_threads) < 0:
+            raise ValueError("need num_verifiers >= 1, num_drafts >= 0 and threads >= 0")
         check_device_spec(self.device)
         check_dtype_spec(self.dtype)
 
@@ -153,8 +157,8 @@ class Cluster:
             self.redis_url = self.redis.url
             self.env = {**self.env, PASSWORD_ENV: password}
             self.log(f"  redis-server on {self.redis.url} (password in {PASSWORD_ENV})")
-        common = ["--redis-url", self.redis_url, "--threads", str(cfg.threads),
-                  f"--host={cfg.worker_host}", *tls_args(cfg.tls), *cfg.placement_args()]
+        common = ["--redis-url", self.redis_url, f"--host={cfg.worker_host}",
+                  *tls_args(cfg.tls), *cfg.placement_args()]
         host = _dialable(cfg.worker_host)
         # Groups start together (imports, loads overlap), each healthy before the next: draft
         # workers (verifiers link to them), then verifiers with the gateway (it needs none).
@@ -164,7 +168,8 @@ class Cluster:
             extra = self._draft_args() + list(cfg.draft_args)
             extra += ["--metrics-port", str(mport)]
             drafts.append(self._start_worker(
-                f"draft-{i}", ["draft", "--port", str(port), *common, *extra], port, mport))
+                f"draft-{i}", ["draft", "--port", str(port), "--threads", str(cfg.threads),
+                               *common, *extra], port, mport))
         self._wait_all(drafts)
         verifiers = []
         for i in range(cfg.num_verifiers):
@@ -173,8 +178,8 @@ class Cluster:
             extra += ["--metrics-port", str(mport), *self._eagle3_args()[0],
                       *cfg.verifier_args]
             verifiers.append(self._start_worker(
-                f"verifier-{i}", ["verifier", "--port", str(port), *common, *extra], port,
-                mport))
+                f"verifier-{i}", ["verifier", "--port", str(port), "--threads",
+                                  str(cfg.verifier_threads), *common, *extra], port, mport))
         gateway = self._start_gateway()
         self._wait_all(verifiers)
         self._wait(f"gateway ({self.gateway_url})", gateway,

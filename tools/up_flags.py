@@ -43,6 +43,7 @@ def up_config(args, tls=None):
     fields = dict(num_drafts=args.drafts, num_verifiers=args.verifiers, gateway_host=args.host,
                   gateway_port=args.port, model=args.model, draft_model=args.draft_model,
                   eagle=args.eagle, redis_url=env("REDIS_URL", ""), threads=args.threads,
+                  verifier_threads=args.verifier_threads,
                   tls=tls, device=args.device, dtype=args.dtype,
                   gateway_args=("--chat-template", args.chat_template) if args.chat_template
                   else ())

@@ -5,8 +5,11 @@ from __future__ import annotations
 import functools
 import logging
 
+import torch
+
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.cuda_graphs import graph_decoder
+from tandem.engine.forward_threads import ForwardThreads
 from tandem.engine.llama import LlamaModel
 from tandem.engine.medusa import load_for
 from tandem.engine.model_runner import ModelRunner
@@ -36,6 +39,8 @@ async def build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelPa
     runner = (tp.make_runner if tp else functools.partial(ModelRunner.with_memory, model))(
         config.kv_cache_mb << 20, config.block_size, keep_features=True,
         feature_layers=feature_layers(config.eagle_feature_layers, model, medusa))
+    if tp is None:
+        _use_threads(runner, config.narrow_threads, config.wide_rows)
     sched_cfg = SchedulerConfig(max_num_seqs=config.max_num_seqs, features_cached=True,
                                 prefill_chunk_tokens=config.prefill_chunk_tokens,
                                 max_spec_tokens=config.max_spec_tokens,
@@ -68,6 +73,16 @@ async def build_engine(config: VerifierConfig, model: LlamaModel, paths: ModelPa
                       kv_usage=lambda: scheduler.blocks.usage)
     return Engine(executor, scheduler, eng_cfg, model.cfg.vocab_size, metrics,
                   _history(config)), metrics
+
+
+def _use_threads(runner: ModelRunner, narrow: int, wide_rows: int) -> None:
+    """Forwards of fewer than wide_rows rows on `narrow` threads, the rest on all this
+    process has."""
+    wide = torch.get_num_threads()
+    if narrow and narrow != wide and runner.use_threads(ForwardThreads(wide, narrow,
+                                                                       wide_rows)):
+        log.info("forwards of under %d rows on %d thread(s), of more on %d", wide_rows,
+                 narrow, wide)
 
 
 def _history(config: VerifierConfig) -> HistoryDrafts | None:

@@ -24,6 +24,11 @@ class VerifierConfig:
     port: int = 0  # 0 = pick a free port
     model: str = DEFAULT_TARGET
     threads: int = 0  # torch threads, 0 = torch's default
+    # Threads of a forward of fewer than wide_rows rows (decode steps of a few sessions,
+    # short verify rounds: bound by memory, and sharing the cores with the event loop and
+    # gRPC); 0 = threads. int8 CPU targets only (tandem.engine.forward_threads).
+    narrow_threads: int = 1
+    wide_rows: int = 6
     # Target weights: auto (float32 on the cpu, bfloat16 on a GPU), float32, bfloat16,
     # float16 or int8 (cpu weight-only); device: auto (CUDA when present), cpu, cuda, cuda:N.
     dtype: str = "auto"
@@ -203,8 +208,10 @@ class VerifierConfig:
             split_host_port(self.tensor_parallel_master)
         if not 0 <= self.max_spec_tokens <= 32:
             raise ValueError(f"max_spec_tokens must be in [0, 32], got {self.max_spec_tokens}")
-        if self.max_draft_wait_ms < 0 or self.drain_grace_s < 0 or self.threads < 0:
-            raise ValueError("max_draft_wait_ms, drain_grace_s and threads must be >= 0")
+        if (self.max_draft_wait_ms < 0 or self.drain_grace_s < 0 or self.threads < 0
+                or self.narrow_threads < 0 or self.wide_rows < 1):
+            raise ValueError("max_draft_wait_ms, drain_grace_s, threads and narrow_threads "
+                             "must be >= 0, wide_rows >= 1")
         if not 0 <= self.calibrate_reps <= 100:
             raise ValueError(f"calibrate_reps must be in [0, 100], got {self.calibrate_reps}")
         if self.advertise_address:  # e.g. an unbracketed IPv6 pod IP fails here, not on dial

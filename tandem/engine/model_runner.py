@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.paged_attention import ancestor_mask, build_attention_metadata
+from tandem.engine.forward_threads import ForwardThreads, thread_invariant
 from tandem.engine.llama import LlamaModel
 
 
@@ -87,6 +88,15 @@ class ModelRunner:
         self.features = (torch.zeros(num_blocks * block_size, width,
                                      dtype=torch.float16, device=model.device)
                          if keep_features else None)
+        self.threads: ForwardThreads | None = None  # use_threads
+
+    def use_threads(self, threads: ForwardThreads) -> bool:
+        """Run each forward on threads.for_rows(its rows) threads, where the model gives the
+        same bits at any count (forward_threads.thread_invariant); whether it will."""
+        if not thread_invariant(self.model):
+            return False
+        self.threads = threads
+        return True
 
     @property
     def device(self) -> torch.device:
@@ -134,6 +144,8 @@ class ModelRunner:
         def on_device(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+        if self.threads is not None:
+            self.threads.apply(len(ids))
         keep = self.features is not None
         self._before_model(chunks, with_hidden or keep)
         out = self.model.forward(on_device(ids), on_device(positions), meta, self.kv_cache,
