@@ -45,9 +45,7 @@ class ClusterConfig:
     eagle: str = ""  # EAGLE head directory; "" = the shipped one if present
     redis_url: str = ""
     threads: int = 1  # per draft worker: a batch-1 forward keeps one core busy
-    # A verifier's: 0 = every core, its forwards of a few rows on one (the rest is left to
-    # the event loop, gRPC and the gateway; tandem.engine.forward_threads).
-    verifier_threads: int = 0
+    verifier_threads: int = 0  # 0 = every core, a few rows on one (engine/forward_threads)
     worker_host: str = "127.0.0.1"  # where verifiers and drafts bind and register ("::1" too)
     tls: TlsConfig | None = None  # gRPC over TLS between every process (and our checks)
     # Where the verifiers and draft workers run their models (tandem.device): "auto" passes
@@ -63,14 +61,12 @@ class ClusterConfig:
     gateway_args: tuple[str, ...] = ()  # more flags for the gateway (--chat-template)
 
     def __post_init__(self):
-        if self.num_drafts < 0 or self.num_verifiers < 1 or min(self.threads,
-                                                                 self.verifier_threads) < 0:
+        if min(self.num_drafts, self.threads, self.verifier_threads, self.num_verifiers - 1) < 0:
             raise ValueError("need num_verifiers >= 1, num_drafts >= 0 and threads >= 0")
         check_device_spec(self.device)
         check_dtype_spec(self.dtype)
 
-    def placement_args(self) -> list[str]:
-        """--device / --dtype for a verifier's or draft worker's command line."""
+    def placement_args(self) -> list[str]:  # --device / --dtype for a worker
         return ([] if self.device == "auto" else ["--device", self.device]) + \
             ([] if self.dtype == "auto" else ["--dtype", self.dtype])
 
@@ -165,8 +161,7 @@ class Cluster:
         drafts = []
         for i in range(cfg.num_drafts):
             port, mport = free_port(host), free_port(host)
-            extra = self._draft_args() + list(cfg.draft_args)
-            extra += ["--metrics-port", str(mport)]
+            extra = [*self._draft_args(), *cfg.draft_args, "--metrics-port", str(mport)]
             drafts.append(self._start_worker(
                 f"draft-{i}", ["draft", "--port", str(port), "--threads", str(cfg.threads),
                                *common, *extra], port, mport))
@@ -174,9 +169,8 @@ class Cluster:
         verifiers = []
         for i in range(cfg.num_verifiers):
             port, mport = free_port(host), free_port(host)
-            extra = ["--model", cfg.model] if cfg.model else []
-            extra += ["--metrics-port", str(mport), *self._eagle3_args()[0],
-                      *cfg.verifier_args]
+            extra = [*(["--model", cfg.model] if cfg.model else []), "--metrics-port",
+                     str(mport), *self._eagle3_args()[0], *cfg.verifier_args]
             verifiers.append(self._start_worker(
                 f"verifier-{i}", ["verifier", "--port", str(port), "--threads",
                                   str(cfg.verifier_threads), *common, *extra], port, mport))
