@@ -173,7 +173,8 @@ class Cluster:
                      str(mport), *self._eagle3_args()[0], *cfg.verifier_args]
             verifiers.append(self._start_worker(
                 f"verifier-{i}", ["verifier", "--port", str(port), "--threads",
-                                  str(cfg.verifier_threads), *common, *extra], port, mport))
+                                  str(cfg.verifier_threads), "--narrow-threads", "1", *common,
+                                  *extra], port, mport))
         gateway = self._start_gateway()
         self._wait_all(verifiers)
         self._wait(f"gateway ({self.gateway_url})", gateway,

@@ -27,7 +27,7 @@ _INT_FLAGS = {
     "threads": "torch CPU threads, 0 = torch's default",
     "narrow_threads": "threads of a forward of fewer than --wide-rows rows (bound by "
                       "memory): 1 leaves the other cores to the event loop, gRPC and the "
-                      "gateway; 0 = --threads; int8 CPU targets only",
+                      "gateway; 0 = --threads (off; `tandem up` passes 1); int8 CPU targets only",
     "wide_rows": "rows from which a forward runs on --threads threads",
     "kv_cache_mb": "paged KV cache budget in MiB",
     "block_size": "tokens per KV cache block, 0 = the device's (256 with flash-attn on a "

@@ -26,8 +26,9 @@ class VerifierConfig:
     threads: int = 0  # torch threads, 0 = torch's default
     # Threads of a forward of fewer than wide_rows rows (decode steps of a few sessions,
     # short verify rounds: bound by memory, and sharing the cores with the event loop and
-    # gRPC); 0 = threads. int8 CPU targets only (tandem.engine.forward_threads).
-    narrow_threads: int = 1
+    # gRPC); 0 = threads (off). int8 CPU targets only (tandem.engine.forward_threads).
+    # `tandem up` passes 1: a process of its own, sharing a host with the gateway.
+    narrow_threads: int = 0
     wide_rows: int = 6
     # Target weights: auto (float32 on the cpu, bfloat16 on a GPU), float32, bfloat16,
     # float16 or int8 (cpu weight-only); device: auto (CUDA when present), cpu, cuda, cuda:N.
