@@ -34,10 +34,15 @@ def load():
 
 
 def serves(query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether this call can run here: fp32 on the CPU, head_dim a multiple of 16, the kernel
-    built (with AVX-512: without it the reference is the faster path)."""
-    if not (query.device.type == "cpu" and query.dtype == torch.float32
-            and key_cache.dtype == torch.float32 and query.shape[-1] % 16 == 0):
+    """Whether this call can run here: on the CPU, and `takes` its dtype and head_dim."""
+    return (query.device.type == "cpu" and key_cache.dtype == query.dtype
+            and takes(query.dtype, query.shape[-1]))
+
+
+def takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """fp32 heads, head_dim a multiple of 16, the kernel built (with AVX-512: without it the
+    reference is the faster path)."""
+    if dtype != torch.float32 or head_dim % 16:
         return False
     module = load()
     return module is not None and module.built

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import attention_cpu
-from tandem.engine.layer_weights import LayerWeights
+from tandem.engine.layer_weights import named_projections
 from tandem.engine.linear import QUANTIZED
 
 
@@ -49,11 +49,9 @@ class ForwardThreads:
 def thread_invariant(model) -> bool:
     """Whether `model`'s logits are the same bits at any thread count: every projection and
     the LM head our int8 kernels, attention our CPU kernel."""
-    cfg, module = model.cfg, attention_cpu.load()
-    if (model.device.type != "cpu" or module is None or not module.built
-            or model.dtype != torch.float32 or cfg.head_dim % 16
+    cfg = model.cfg
+    if (model.device.type != "cpu" or not attention_cpu.takes(model.dtype, cfg.head_dim)
             or cfg.sliding_window or cfg.attn_softcap):  # those attend in torch
         return False
-    weights = [model.lm_head] + [getattr(layer, name) for layer in model.layers
-                                 for name in LayerWeights.PROJECTIONS]
-    return all(isinstance(w, QUANTIZED) for w in weights)
+    return all(isinstance(w, QUANTIZED)
+               for _, w in named_projections(model.layers, model.lm_head))

@@ -33,3 +33,11 @@ class LayerWeights:
         """quantize: Int8Weight's, or tandem.engine.quant_bf16.quantize for int8-bf16."""
         for name in self.PROJECTIONS:
             setattr(self, name, quantize(getattr(self, name), cache))
+
+
+def named_projections(layers: list[LayerWeights], lm_head) -> list[tuple[str, object]]:
+    """Every weight a forward multiplies by, by its checkpoint name: the LM head and each
+    layer's projections (float tensors, or their int8 forms)."""
+    return [("lm_head", lm_head)] + [(f"layers.{i}.{name}", getattr(layer, name))
+                                     for i, layer in enumerate(layers)
+                                     for name in LayerWeights.PROJECTIONS]

@@ -19,7 +19,7 @@ from kernels.paged_attention import AttentionMetadata, row_attention, write_kv
 from tandem.engine import quant_bf16
 from tandem.engine.checkpoint import LlamaConfig, load_tensors
 from tandem.engine.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab
-from tandem.engine.layer_weights import LayerWeights
+from tandem.engine.layer_weights import LayerWeights, named_projections
 from tandem.engine.linear import LinearRouter, measure_invariant_rows
 from tandem.engine.quant import INT8_DTYPES, compute_dtype
 from tandem.engine.rope import rope_inv_freq
@@ -91,10 +91,8 @@ class LlamaModel:
 
     def inexact_int8(self) -> list[str]:
         """Under int8: the weights whose codes do not reproduce the checkpoint's exactly."""
-        named = [("lm_head", self.lm_head)] + [
-            (f"layers.{i}.{name}", getattr(layer, name))
-            for i, layer in enumerate(self.layers) for name in LayerWeights.PROJECTIONS]
-        return [name for name, w in named if not getattr(w, "exact", False)]
+        return [name for name, w in named_projections(self.layers, self.lm_head)
+                if not getattr(w, "exact", False)]
 
     def _use_draft_vocab(self, cfg: LlamaConfig, draft_vocab: DraftVocab | None) -> LlamaConfig:
         """With a truncated draft vocabulary, vocab_map[i] is the target id of draft row i and
