@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from inproc import run_sessions
+from inproc import dear_verify, run_sessions
 
 from tandem.engine.eagle3 import parse_feature_layers
 from tandem.engine.generate import LocalGenerator
@@ -19,7 +19,6 @@ from tandem.models import ModelPaths
 from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
-from tandem.spec.cost import CostModel
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0)
@@ -57,7 +56,7 @@ def test_greedy_eagle3_chains_and_trees_are_identical_to_plain(tiny):
     assert link.features_rows >= sum(len(p) for p in prompts)
     row = next(iter(link.features["s0"].values()))
     assert len(row) == 2 * 3 * model.cfg.hidden_size  # float16, three layers wide
-    trees = CostModel({q: 1000.0 for q in range(1, 33)})  # every tree verified whole
+    trees = dear_verify()  # every tree verified whole
     got, drafted, _, link = _run(model, proposer, prompts, batch=1, max_spec_tokens=8,
                                  cost=trees, tree=True)
     assert got == plain and drafted > 0 and link.siblings > 0

@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from inproc import run_sessions, target_joint_top2
+from inproc import dear_verify, run_sessions, target_joint_top2
 
 from tandem.engine.generate import LocalGenerator
 from tandem.engine.model_runner import ModelRunner
@@ -14,7 +14,6 @@ from tandem.models import ModelPaths
 from tandem.proposers.eagle import EagleProposer
 from tandem.sampling_params import SamplingParams
 from tandem.spec import Method
-from tandem.spec.cost import CostModel
 
 pytestmark = pytest.mark.integration
 
@@ -99,7 +98,7 @@ def test_sampled_eagle_follows_the_target_joint_distribution(target_model, token
     # match keyed samples instead, tests/integration/test_verifier_engine.py); small batches
     # leave room to speculate; verification made dear, so no chain is priced out by its wait.
     got, drafted, accepted, _ = run(target_model, proposer, [prompt] * n, sampling, 3, batch=8,
-                                    cost=FORCE_TREES)
+                                    cost=dear_verify())
     counts = Counter(tuple(t[:2]) for t in got)
     assert set(counts) <= set(joint), set(counts) - set(joint)
     tv = 0.5 * sum(abs(counts[o] / n - p) for o, p in joint.items())
@@ -108,9 +107,8 @@ def test_sampled_eagle_follows_the_target_joint_distribution(target_model, token
     assert drafted > n // 4 and accepted < drafted  # drafts were verified, some rejected
 
 
-# Verification made dear at every size, so the cost model never finds a tree too expensive
-# next to its drafting wait: every round verifies the whole tree that arrived.
-FORCE_TREES = CostModel({q: 1000.0 for q in range(1, 33)})
+# Verification made dear at every size (dear_verify), so the cost model never finds a tree too
+# expensive next to its drafting wait: every round verifies the whole tree that arrived.
 
 
 def test_eagle_trees_are_identical_to_plain_greedy_and_seeded(target_model, tokenizer,
@@ -125,7 +123,7 @@ def test_eagle_trees_are_identical_to_plain_greedy_and_seeded(target_model, toke
         [list(p) for p in prompts], greedy, 24, eos)
     got, drafted, accepted, link = run_sessions(
         target_model, {Method.EAGLE: proposer}, Method.EAGLE, prompts, greedy, 24, stop=eos,
-        batch=1, max_spec_tokens=8, cost=FORCE_TREES, tree=True)
+        batch=1, max_spec_tokens=8, cost=dear_verify(), tree=True)
     assert got == plain
     assert link.siblings > 0 and drafted > 0 and accepted > 0  # trees really verified
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
@@ -133,7 +131,7 @@ def test_eagle_trees_are_identical_to_plain_greedy_and_seeded(target_model, toke
                             seeded, 24, stop=eos)
     got, drafted, accepted, link = run_sessions(
         target_model, {Method.EAGLE: proposer}, Method.EAGLE, prompts, seeded, 24, stop=eos,
-        batch=1, max_spec_tokens=8, cost=FORCE_TREES, tree=True)
+        batch=1, max_spec_tokens=8, cost=dear_verify(), tree=True)
     assert got == want and link.siblings > 0 and accepted > 0
 
 
@@ -146,7 +144,7 @@ def test_sampled_eagle_trees_follow_the_target_joint_distribution(target_model, 
     n = 400
     got, drafted, accepted, link = run_sessions(
         target_model, {Method.EAGLE: proposer}, Method.EAGLE, [prompt] * n, sampling, 3,
-        batch=8, cost=FORCE_TREES, tree=True)
+        batch=8, cost=dear_verify(), tree=True)
     counts = Counter(tuple(t[:2]) for t in got)
     assert set(counts) <= set(joint), set(counts) - set(joint)
     tv = 0.5 * sum(abs(counts[o] / n - p) for o, p in joint.items())

@@ -3,7 +3,7 @@ step (verify_service/drafts/history.py): no draft worker and no link at all, the
 decoding, greedy and seeded, and rounds sized by the proposal's confidence (long on a copy,
 none without a match)."""
 import pytest
-from inproc import run_sessions
+from inproc import dear_verify, run_sessions
 
 from tandem.proposers.ngram import NgramProposer
 from tandem.proposers.suffix import SuffixProposer
@@ -76,13 +76,11 @@ def test_auto_with_medusa_heads_drafts_chat_too_and_stays_lossless(
     propose, so auto drafts and keeps more there than the history alone; text unchanged,
     greedy and seeded."""
     from tandem.engine.medusa import load_for
-    from tandem.spec.cost import CostModel
 
     heads = load_for(target_model, target_paths, "auto")
     calls = []
     propose = heads.propose_batch
     heads.propose_batch = lambda h, asks: (calls.append(len(asks)), propose(h, asks))[1]
-    flat = {q: 10.0 for q in range(1, 80)}  # every node pays: the choice is by reach alone
     eos = (tokenizer.eos_token_id,)
     chat = copy_prompts[2:]
     for sampling in (GREEDY, SamplingParams(temperature=0.7, seed=5)):
@@ -90,15 +88,15 @@ def test_auto_with_medusa_heads_drafts_chat_too_and_stays_lossless(
             target_model, worker(), Method.NONE, copy_prompts, sampling, 40, stop=eos)[0]
         history_only = run_sessions(target_model, worker(), Method.AUTO, chat, sampling, 40,
                                     stop=eos, history=HistoryDrafts(8),
-                                    cost=CostModel(dict(flat)))
+                                    cost=dear_verify())
         got, drafted, accepted, link = run_sessions(
             target_model, worker(), Method.AUTO, copy_prompts, sampling, 40, stop=eos,
             history=HistoryDrafts(8), medusa=heads, max_spec_tokens=8,
-            cost=CostModel(dict(flat)))
+            cost=dear_verify())
         assert got == plain and link.proposals == 0
         with_heads = run_sessions(target_model, worker(), Method.AUTO, chat, sampling, 40,
                                   stop=eos, history=HistoryDrafts(8), medusa=heads,
-                                  max_spec_tokens=8, cost=CostModel(dict(flat)))
+                                  max_spec_tokens=8, cost=dear_verify())
         assert with_heads[0] == plain[2:]
         assert with_heads[2] > history_only[2]  # the heads' drafts were verified and kept
     assert calls

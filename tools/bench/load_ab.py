@@ -4,14 +4,15 @@ plain of this tree against plain of another checkout (`--base`), interleaved wit
   python -m tools.bench.load_ab --levels 1,4,16,32 --methods none,ngram,suffix,draft_model,auto
   python -m tools.bench.load_ab --levels 16 --methods none --base /tmp/base --reps 3
 
-Each (level, rep) runs every arm once, the arms rotated per rep so none always goes first;
+Each (level, rep) runs every arm once, in an order that turns per rep (arm_order);
 an arm's figure is its tokens over its wall time summed over the reps; ratios are to plain
 (`none`) of this tree at the same level. Before a rep's arms, one untimed plain ask of one
 token per session puts the rep's prompts in each verifier's prefix cache, so that every arm
 finds them there (`--cold`: not; then the rep's first arm alone prefilled them, 0.5-1.5 s at
 4 sessions, and with fewer reps than arms some arms never went first). Greedy, `ignore_eos`,
-the suffix caches off (every ask a first ask), one verifier and one draft worker at
---threads 1, as `tandem bench`.
+the suffix caches off (every ask a first ask), one verifier and one draft worker, as `tandem
+up` starts them. A `--base` checkout is started by its own `tandem up` (its own flags and
+defaults); `--base .` with `--base-env` runs this tree twice, under two settings.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,27 +31,46 @@ import httpx
 from tools.bench.client import chat_body, stream_chat
 from tools.bench.config import SUFFIX_CACHE_OFF, load_prompts
 from tools.bench.host import children_log_to
-from tools.launcher import Cluster, ClusterConfig, free_port
+from tools.launcher import STARTUP_TIMEOUT_S, Cluster, ClusterConfig, free_port
 
 
-class RootedCluster(Cluster):
-    """A cluster whose processes run the code of the checkout at `root`."""
+class OwnLaunch:
+    """A cluster of the checkout at `root`, started by that checkout's own `tandem up` (its
+    launcher, flags and defaults: an older checkout knows none of this tree's new flags)."""
 
-    def __init__(self, root: Path, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.root = root
+    def __init__(self, root: Path, dtype: str, log: Path, env: dict):
+        port = free_port()
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        run_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(root), **env)
+        self.output = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.cli", "up", "--port", str(port), "--dtype", dtype],
+            env=run_env, cwd=root, start_new_session=True, stdout=self.output,
+            stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S * 2
+        while "Tandem is up" not in log.read_text():  # every process healthy, not the gateway
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the cluster of {root} did not come up (see {log})")
+            time.sleep(1.0)
 
-    def _popen(self, args: list[str]) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(self.root), **self.env)
-        return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], env=env,
-                                cwd=self.root, start_new_session=True,
-                                stdout=self.output, stderr=self.output)
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # `tandem up` drains and stops its children
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.output.close()
 
 
-def start(root: Path, dtype: str, log: Path) -> Cluster:
-    cluster = RootedCluster(root, ClusterConfig(num_drafts=1, num_verifiers=1,
-                                                gateway_port=free_port(), dtype=dtype),
-                            log=lambda m: None, env=dict(SUFFIX_CACHE_OFF))
+def start(root: Path, dtype: str, log: Path, env: dict | None = None):
+    """This tree's cluster (its launcher, in process), or another checkout's (OwnLaunch)."""
+    env = {**SUFFIX_CACHE_OFF, **(env or {})}
+    if root.resolve() != Path.cwd().resolve():
+        return OwnLaunch(root, dtype, log, env)
+    cluster = Cluster(ClusterConfig(num_drafts=1, num_verifiers=1, gateway_port=free_port(),
+                                    dtype=dtype), log=lambda m: None, env=env)
     with children_log_to(log):
         cluster.start()
     return cluster
@@ -73,7 +94,17 @@ def one(url: str, prompts: list[dict], n: int, method: str, tokens: int, offset:
                for k in ("rounds", "drafted_tokens", "accepted_tokens")}}
 
 
-def run(args, clusters: dict[str, Cluster]) -> list[dict]:
+def arm_order(arms: list, rep: int) -> list:
+    """The rep's order of the arms: a rotation (each arm goes first as often as the others)
+    whose direction also turns every other rep, so that no arm always follows the same one
+    (a cyclic rotation alone keeps each arm's predecessor, and what an arm leaves behind,
+    a draft worker still busy or a learnt step curve, then always lands on the same next arm)."""
+    shift = rep % len(arms)
+    order = arms[shift:] + arms[:shift]
+    return order if (rep // len(arms)) % 2 == 0 else [order[0], *reversed(order[1:])]
+
+
+def run(args, clusters: dict) -> list[dict]:
     prompts, rows = load_prompts(), []
     arms = [("new", m) for m in args.methods] + [("base", m) for m in args.base_methods
                                                  if "base" in clusters]
@@ -82,8 +113,7 @@ def run(args, clusters: dict[str, Cluster]) -> list[dict]:
             if not args.cold:  # the rep's prompts in each verifier's prefix cache, untimed:
                 for c in clusters.values():  # else the first arm alone prefills them cold
                     one(c.gateway_url, prompts, n, "none", 1, rep * n)
-            shift = rep % len(arms)
-            for name, method in arms[shift:] + arms[:shift]:
+            for name, method in arm_order(arms, rep):
                 try:
                     r = one(clusters[name].gateway_url, prompts, n, method, args.tokens, rep * n)
                 except Exception as exc:  # recorded; the other cells still run
@@ -126,6 +156,9 @@ def main() -> None:
     p.add_argument("--base-dtype", default="",
                    help="the base's --dtype (default --dtype's); with --base . this compares "
                         "two dtypes of one checkout")
+    p.add_argument("--base-env", default="",
+                   help="KEY=VALUE,... for the base's processes; with --base . this compares "
+                        "two settings of one checkout (e.g. TANDEM_VERIFIER_WIDE_ROWS=1000)")
     p.add_argument("--cold", action="store_true",
                    help="no untimed pass over each rep's prompts first (the first arm of a rep "
                         "then prefills them cold, the arms after it find them cached)")
@@ -136,11 +169,13 @@ def main() -> None:
     args.base_methods = args.base_methods.split(",")
     out = Path(args.out)
     roots = {"new": Path.cwd(), **({"base": Path(args.base)} if args.base else {})}
-    clusters: dict[str, Cluster] = {}
+    clusters: dict = {}
     try:
         for name, root in roots.items():
             dtype = args.base_dtype if name == "base" and args.base_dtype else args.dtype
-            clusters[name] = start(root, dtype, out.with_suffix(f".{name}.log"))
+            env = dict(kv.split("=", 1) for kv in args.base_env.split(",") if kv) \
+                if name == "base" else {}
+            clusters[name] = start(root, dtype, out.with_suffix(f".{name}.log"), env)
         start_s = time.time()
         rows = run(args, clusters)
         result = {"args": vars(args), "wall_s": round(time.time() - start_s),
