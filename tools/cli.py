@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--threads", "TANDEM_THREADS", 1, int,
              help="torch threads per draft worker process")
     add_flag(up, "--verifier-threads", "TANDEM_VERIFIER_THREADS", 0, int,
-             help="torch threads per verifier, 0 = every core (its forwards of a few rows on one)")
+             help="torch threads per verifier, 0 = this host's cores shared by the verifiers "
+                  "(its forwards of a few rows on one)")
     from tools.up_flags import add_up_spec_flags
 
     add_up_spec_flags(up)

@@ -45,7 +45,7 @@ class ClusterConfig:
     eagle: str = ""  # EAGLE head directory; "" = the shipped one if present
     redis_url: str = ""
     threads: int = 1  # per draft worker: a batch-1 forward keeps one core busy
-    verifier_threads: int = 0  # 0 = every core, a few rows on one (engine/forward_threads)
+    verifier_threads: int = 0  # 0 = the cores over the verifiers; few rows on 1 (forward_threads)
     worker_host: str = "127.0.0.1"  # where verifiers and drafts bind and register ("::1" too)
     tls: TlsConfig | None = None  # gRPC over TLS between every process (and our checks)
     # Where the verifiers and draft workers run their models (tandem.device): "auto" passes
@@ -65,6 +65,10 @@ class ClusterConfig:
             raise ValueError("need num_verifiers >= 1, num_drafts >= 0 and threads >= 0")
         check_device_spec(self.device)
         check_dtype_spec(self.dtype)
+
+    def verifier_thread_count(self) -> int:  # --threads of each verifier (0: torch's default)
+        n = self.num_verifiers  # several on one host: each its share, not every core each
+        return self.verifier_threads or (0 if n == 1 else max(1, len(os.sched_getaffinity(0)) // n))
 
     def placement_args(self) -> list[str]:  # --device / --dtype for a worker
         return ([] if self.device == "auto" else ["--device", self.device]) + \
@@ -112,11 +116,6 @@ class Cluster:
         self.redis = None  # the RedisProcess we started (None when REDIS_URL was given)
         gateway = join_host_port(_dialable(config.gateway_host), config.gateway_port)
         self.gateway_url = f"http://{gateway}"
-
-    @property
-    def redis_password(self) -> str:
-        """Our own Redis's password ("" when REDIS_URL was given)."""
-        return self.redis.password if self.redis is not None else ""
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.args[name] = args
@@ -173,8 +172,8 @@ class Cluster:
                      str(mport), *self._eagle3_args()[0], *cfg.verifier_args]
             verifiers.append(self._start_worker(
                 f"verifier-{i}", ["verifier", "--port", str(port), "--threads",
-                                  str(cfg.verifier_threads), "--narrow-threads", "1", *common,
-                                  *extra], port, mport))
+                                  str(cfg.verifier_thread_count()), "--narrow-threads", "1",
+                                  *common, *extra], port, mport))
         gateway = self._start_gateway()
         self._wait_all(verifiers)
         self._wait(f"gateway ({self.gateway_url})", gateway,

@@ -134,3 +134,16 @@ def test_tandem_up_ends_with_one_line_and_status_1_when_a_child_keeps_dying(monk
     err = capsys.readouterr().err
     assert "tandem up: verifier-0 exited with code 1" in err and "Traceback" not in err
     assert Failing.stopped
+
+
+def test_verifiers_on_one_host_share_its_cores(monkeypatch):
+    """One verifier takes torch's default (every core); several split the cores between
+    them instead of each taking all of them; --verifier-threads is kept as given."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert ClusterConfig().verifier_thread_count() == 0
+    assert ClusterConfig(num_verifiers=2).verifier_thread_count() == 4
+    assert ClusterConfig(num_verifiers=3).verifier_thread_count() == 2
+    assert ClusterConfig(num_verifiers=16).verifier_thread_count() == 1
+    assert ClusterConfig(num_verifiers=2, verifier_threads=3).verifier_thread_count() == 3
