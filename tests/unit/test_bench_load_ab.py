@@ -19,3 +19,27 @@ def test_each_arm_goes_first_equally_often_and_follows_more_than_one(n):
         for a in arms:
             before = {o[o.index(a) - 1] for o in orders if o.index(a) > 0}
             assert len(before) >= 2, a
+
+
+def test_cpu_by_role_counts_a_child_under_its_role_and_the_client_apart():
+    """proc_cpu reads /proc: a child whose command line says `tools.cli verifier` shows the CPU
+    it spent under `verifier`, and the calling process its own under `client`."""
+    import subprocess
+    import sys
+    import time
+
+    from tools.bench.proc_cpu import by_role, cpu_s
+
+    spin = ("import time\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\ntime.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", spin, "-m", "tools.cli", "verifier"])
+    try:
+        deadline = time.monotonic() + 30
+        while cpu_s(child.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = by_role([child.pid])
+        assert got["verifier"] >= 0.3 and got["client"] > 0
+        assert by_role([]).keys() == {"client"}
+    finally:
+        child.kill()
+        child.wait()

@@ -31,6 +31,7 @@ import httpx
 from tools.bench.client import chat_body, stream_chat
 from tools.bench.config import SUFFIX_CACHE_OFF, load_prompts
 from tools.bench.host import children_log_to
+from tools.bench.proc_cpu import by_role
 from tools.launcher import STARTUP_TIMEOUT_S, Cluster, ClusterConfig, free_port
 
 
@@ -104,6 +105,13 @@ def arm_order(arms: list, rep: int) -> list:
     return order if (rep // len(arms)) % 2 == 0 else [order[0], *reversed(order[1:])]
 
 
+def roots_of(cluster) -> list[int]:
+    """The pids a cluster's processes hang under: our children, or its `tandem up`'s."""
+    if isinstance(cluster, OwnLaunch):
+        return [cluster.proc.pid]
+    return [p.pid for _, p in cluster.procs] + ([cluster.redis.pid] if cluster.redis else [])
+
+
 def run(args, clusters: dict) -> list[dict]:
     prompts, rows = load_prompts(), []
     arms = [("new", m) for m in args.methods] + [("base", m) for m in args.base_methods
@@ -114,10 +122,14 @@ def run(args, clusters: dict) -> list[dict]:
                 for c in clusters.values():  # else the first arm alone prefills them cold
                     one(c.gateway_url, prompts, n, "none", 1, rep * n)
             for name, method in arm_order(arms, rep):
+                before = by_role(roots_of(clusters[name])) if args.cpu else {}
                 try:
                     r = one(clusters[name].gateway_url, prompts, n, method, args.tokens, rep * n)
                 except Exception as exc:  # recorded; the other cells still run
                     r = {"error": repr(exc)[:300]}
+                if args.cpu:  # CPU seconds of each role over the arm
+                    after = by_role(roots_of(clusters[name]))
+                    r["cpu_s"] = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
                 rows.append({"tree": name, "level": n, "rep": rep, "method": method, **r})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -127,20 +139,26 @@ def summary(rows: list[dict]) -> dict:
     """tok/s per (tree, level, method) over the reps, and the ratio to this tree's plain (and
     for the base's arms, to the base's own plain when it ran)."""
     tps: dict[tuple, float] = {}
+    cpu: dict[tuple, dict[str, float]] = {}  # --cpu: each role's CPU seconds over the reps
     for key in {(r["tree"], r["level"], r["method"]) for r in rows}:
         mine = [r for r in rows if (r["tree"], r["level"], r["method"]) == key
                 and "error" not in r]
         if not mine:
             continue
         tps[key] = sum(r["tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+        for r in mine:
+            for k, v in r.get("cpu_s", {}).items():
+                cpu.setdefault(key, {})[k] = round(cpu.get(key, {}).get(k, 0.0) + v, 2)
     out = {}
-    for (tree, level, method), v in sorted(tps.items()):
+    for key, v in sorted(tps.items()):
+        tree, level, method = key
         plain = tps.get(("new", level, "none"))
         own = tps.get((tree, level, "none"))
         out[f"{tree} x{level} {method}"] = {"tok_s": round(v, 1),
                                             "vs_plain": round(v / plain, 3) if plain else None,
                                             **({"vs_own_plain": round(v / own, 3)}
-                                               if tree == "base" and own else {})}
+                                               if tree == "base" and own else {}),
+                                            **({"cpu_s": cpu[key]} if key in cpu else {})}
     return out
 
 
@@ -162,6 +180,9 @@ def main() -> None:
     p.add_argument("--cold", action="store_true",
                    help="no untimed pass over each rep's prompts first (the first arm of a rep "
                         "then prefills them cold, the arms after it find them cached)")
+    p.add_argument("--cpu", action="store_true",
+                   help="record each arm's CPU seconds per process role (verifier, draft, "
+                        "gateway, redis, client) from /proc")
     p.add_argument("--out", default="results/load_ab.json")
     args = p.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
