@@ -117,6 +117,10 @@ class Cluster:
         gateway = join_host_port(_dialable(config.gateway_host), config.gateway_port)
         self.gateway_url = f"http://{gateway}"
 
+    @property
+    def redis_password(self) -> str:  # our own Redis's ("" when REDIS_URL was given)
+        return self.redis.password if self.redis is not None else ""
+
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.args[name] = args
         proc = self._popen(args)
@@ -124,10 +128,9 @@ class Cluster:
         return proc
 
     def _popen(self, args: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "tools.cli", *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-        return subprocess.Popen(cmd, env=env, start_new_session=True,
-                                stdout=self.output, stderr=self.output)
+        return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], env=env,
+                                start_new_session=True, stdout=self.output, stderr=self.output)
 
     def _wait(self, name: str, proc: subprocess.Popen, check) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
