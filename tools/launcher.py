@@ -18,61 +18,19 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.device import check_device_spec, check_dtype_spec
 from tandem.models import DEFAULT_TARGET, resolve_model
 from tandem.netaddr import free_port, join_host_port
 from tandem.redis_conn import PASSWORD_ENV
 from tandem.tls import TlsConfig, open_sync_channel, tls_args
+from tools.cluster_config import ClusterConfig
 from tools.supervisor import ClusterFailed, RestartPolicy, restart_dead
 
 STARTUP_TIMEOUT_S = 180.0
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    num_drafts: int = 1
-    num_verifiers: int = 1
-    gateway_host: str = "127.0.0.1"  # "::" = every IPv6 and IPv4 address
-    gateway_port: int = 8000
-    model: str = ""  # "" = each role's default
-    draft_model: str = ""
-    eagle: str = ""  # EAGLE head directory; "" = the shipped one if present
-    redis_url: str = ""
-    threads: int = 1  # per draft worker: a batch-1 forward keeps one core busy
-    verifier_threads: int = 0  # 0 = the cores over the verifiers; few rows on 1 (forward_threads)
-    worker_host: str = "127.0.0.1"  # where verifiers and drafts bind and register ("::1" too)
-    tls: TlsConfig | None = None  # gRPC over TLS between every process (and our checks)
-    # Where the verifiers and draft workers run their models (tandem.device): "auto" passes
-    # nothing, so each process decides (its TANDEM_VERIFIER_DEVICE / TANDEM_DRAFT_DEVICE,
-    # else CUDA when present); anything else is passed as --device / --dtype.
-    device: str = "auto"
-    dtype: str = "auto"
-    # More flags for every verifier and draft worker (vLLM's flags and --speculative-config,
-    # tandem.vllm_compat), and the gateway's --method-preference ("" = its default).
-    verifier_args: tuple[str, ...] = ()
-    draft_args: tuple[str, ...] = ()
-    method_preference: str = ""
-    gateway_args: tuple[str, ...] = ()  # more flags for the gateway (--chat-template)
-
-    def __post_init__(self):
-        if min(self.num_drafts, self.threads, self.verifier_threads, self.num_verifiers - 1) < 0:
-            raise ValueError("need num_verifiers >= 1, num_drafts >= 0 and threads >= 0")
-        check_device_spec(self.device)
-        check_dtype_spec(self.dtype)
-
-    def verifier_thread_count(self) -> int:  # --threads of each verifier (0: torch's default)
-        n = self.num_verifiers  # several on one host: each its share, not every core each
-        return self.verifier_threads or (0 if n == 1 else max(1, len(os.sched_getaffinity(0)) // n))
-
-    def placement_args(self) -> list[str]:  # --device / --dtype for a worker
-        return ([] if self.device == "auto" else ["--device", self.device]) + \
-            ([] if self.dtype == "auto" else ["--dtype", self.dtype])
 
 
 def _dialable(host: str) -> str:
@@ -118,7 +76,8 @@ class Cluster:
         self.gateway_url = f"http://{gateway}"
 
     @property
-    def redis_password(self) -> str:  # our own Redis's ("" when REDIS_URL was given)
+    def redis_password(self) -> str:
+        """Our own Redis's password ("" when REDIS_URL was given)."""
         return self.redis.password if self.redis is not None else ""
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -128,9 +87,10 @@ class Cluster:
         return proc
 
     def _popen(self, args: list[str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "tools.cli", *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-        return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], env=env,
-                                start_new_session=True, stdout=self.output, stderr=self.output)
+        return subprocess.Popen(cmd, env=env, start_new_session=True,
+                                stdout=self.output, stderr=self.output)
 
     def _wait(self, name: str, proc: subprocess.Popen, check) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -36,7 +36,7 @@ def add_up_spec_flags(up) -> None:
 def up_config(args, tls=None):
     """`tandem up`'s ClusterConfig: its flags, vLLM's among them, then --speculative-config
     (tandem.vllm_compat) over them."""
-    from tools.launcher import ClusterConfig
+    from tools.cluster_config import ClusterConfig
 
     verifier = {"max_spec_tokens": args.max_spec_tokens, "max_model_len": args.max_model_len,
                 "max_num_seqs": args.max_num_seqs}

@@ -125,7 +125,7 @@ def test_configs_check_their_device():
     from tools.bench.config import BenchConfig, quick_config
     from tools.distill.config import DataConfig
     from tools.distill.data import placed
-    from tools.launcher import ClusterConfig
+    from tools.cluster_config import ClusterConfig
 
     assert quick_config(device="cuda:1").device == "cuda:1"
     for bad in (dict(device="tpu"), dict(dtype="fp8")):
@@ -156,7 +156,7 @@ def _spawned(config, monkeypatch) -> dict[str, list[str]]:
 
 
 def test_launcher_passes_device_and_dtype_to_verifiers_and_drafts(monkeypatch):
-    from tools.launcher import ClusterConfig
+    from tools.cluster_config import ClusterConfig
 
     cfg = ClusterConfig(num_drafts=2, num_verifiers=1, redis_url="redis://127.0.0.1:1",
                         gateway_port=1, device="cuda:1", dtype="bfloat16")
@@ -171,7 +171,7 @@ def test_launcher_passes_device_and_dtype_to_verifiers_and_drafts(monkeypatch):
 
 def test_launcher_leaves_auto_to_each_process(monkeypatch):
     """auto passes nothing: the workers' own TANDEM_*_DEVICE / _DTYPE, else their auto."""
-    from tools.launcher import ClusterConfig
+    from tools.cluster_config import ClusterConfig
 
     spawned = _spawned(ClusterConfig(redis_url="redis://127.0.0.1:1", gateway_port=1,
                                      dtype="int8"), monkeypatch)
