@@ -148,7 +148,8 @@ def summary(rows: list[dict]) -> dict:
         tps[key] = sum(r["tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
         for r in mine:
             for k, v in r.get("cpu_s", {}).items():
-                cpu.setdefault(key, {})[k] = round(cpu.get(key, {}).get(k, 0.0) + v, 2)
+                sums = cpu.setdefault(key, {})
+                sums[k] = sums.get(k, 0.0) + v
     out = {}
     for key, v in sorted(tps.items()):
         tree, level, method = key
@@ -158,7 +159,9 @@ def summary(rows: list[dict]) -> dict:
                                             "vs_plain": round(v / plain, 3) if plain else None,
                                             **({"vs_own_plain": round(v / own, 3)}
                                                if tree == "base" and own else {}),
-                                            **({"cpu_s": cpu[key]} if key in cpu else {})}
+                                            **({"cpu_s": {k: round(x, 2) for k, x in
+                                                          cpu[key].items()}}
+                                               if key in cpu else {})}
     return out
 
 
@@ -188,14 +191,16 @@ def main() -> None:
     args.levels = [int(x) for x in args.levels.split(",")]
     args.methods = args.methods.split(",")
     args.base_methods = args.base_methods.split(",")
+    base_env = [kv for kv in args.base_env.split(",") if kv]
+    if any("=" not in kv for kv in base_env):
+        p.error(f"--base-env takes KEY=VALUE,...; got {args.base_env!r}")
     out = Path(args.out)
     roots = {"new": Path.cwd(), **({"base": Path(args.base)} if args.base else {})}
     clusters: dict = {}
     try:
         for name, root in roots.items():
             dtype = args.base_dtype if name == "base" and args.base_dtype else args.dtype
-            env = dict(kv.split("=", 1) for kv in args.base_env.split(",") if kv) \
-                if name == "base" else {}
+            env = dict(kv.split("=", 1) for kv in base_env) if name == "base" else {}
             clusters[name] = start(root, dtype, out.with_suffix(f".{name}.log"), env)
         start_s = time.time()
         rows = run(args, clusters)
