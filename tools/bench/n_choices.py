@@ -10,9 +10,10 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import httpx
+
+from tools.bench import proc_cpu
 
 URL = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8130/v1/chat/completions"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -63,10 +64,7 @@ VPID = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--vpid=")), N
 
 def cpu_s() -> float:
     """The verifier's CPU seconds so far (user + system), 0 without --vpid."""
-    if VPID is None:
-        return 0.0
-    fields = Path(f"/proc/{VPID}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0 if VPID is None else proc_cpu.cpu_s(int(VPID))
 
 
 async def main():
