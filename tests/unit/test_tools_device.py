@@ -123,9 +123,9 @@ def test_bench_main_reports_a_missing_gpu_without_a_traceback(tmp_path, capsys):
 
 def test_configs_check_their_device():
     from tools.bench.config import BenchConfig, quick_config
+    from tools.cluster_config import ClusterConfig
     from tools.distill.config import DataConfig
     from tools.distill.data import placed
-    from tools.cluster_config import ClusterConfig
 
     assert quick_config(device="cuda:1").device == "cuda:1"
     for bad in (dict(device="tpu"), dict(dtype="fp8")):
