@@ -17,7 +17,12 @@ import torch
 from tandem.device import synchronize
 from tandem.engine.model_runner import ModelRunner, SeqChunk
 from tandem.proposers.medusa import MedusaProposer
-from verify_service.forward.features import eagle_features, kept_hidden, propose_trees
+from verify_service.forward.features import (
+    as_float16,
+    eagle_features,
+    kept_hidden,
+    propose_trees,
+)
 from verify_service.forward.logprobs import emitted_logprobs
 from verify_service.forward.rejection import Verdict, judge
 from verify_service.forward.step import RoundOutcome, StepInput, StepTimings
@@ -70,18 +75,20 @@ class Executor:
         what it asked for beside its tokens (logprobs, EAGLE features, Medusa's next drafts)."""
         logprobs = emitted_logprobs(inputs, found, logits)
         outcomes, hidden_at, heads = [], 0, []
+        hidden16 = (as_float16(hidden) if hidden is not None and any(
+            s.want_features and s.token_ids for s in inputs) else None)
         for s, v, lps in zip(inputs, found, logprobs):
             path = v.path
             if path != list(range(len(path))):  # a tree's path, in place
                 root = s.first_sampled_pos - 1
                 self.runner.move_kv(s.block_table, [root + 1 + j for j in path],
                                     list(range(root + 1, root + 1 + len(path))))
-            h = kept_hidden(s, path, hidden, hidden_at)
             feats = None
-            if h is not None and s.want_features:
-                feats = eagle_features(self.runner, s, h)
+            if hidden16 is not None and s.want_features and s.token_ids:
+                feats = eagle_features(self.runner, s, path, hidden16, hidden_at)
             propose = s.propose_tree and self.heads is not None and v.next_token is not None
-            if h is not None and propose:
+            h = kept_hidden(s, path, hidden, hidden_at) if propose else None
+            if h is not None:
                 heads.append((len(outcomes), h[-1]))
             outcome = RoundOutcome(v.accepted, v.next_token, v.carry, feats)
             outcomes.append(replace(outcome, logprobs=lps) if lps else outcome)

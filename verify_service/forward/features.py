@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from tandem.engine.eagle3 import parse_feature_layers
@@ -26,27 +27,43 @@ def feature_layers(spec: str, model, medusa) -> tuple[int, ...]:
     return layers
 
 
+def kept_rows(s: StepInput, path: list[int] | None) -> slice | list[int]:
+    """The input's rows whose KV the round keeps: the committed part (the root included),
+    then the accepted path; a slice where they are consecutive (a chain's: a view, no copy)."""
+    before = len(s.token_ids) - len(s.drafts)  # rows of the committed part (root incl.)
+    path = path or []
+    if path == list(range(len(path))):
+        return slice(0, before + len(path))
+    return list(range(before)) + [before + j for j in path]
+
+
 def kept_hidden(s: StepInput, path: list[int] | None, hidden: torch.Tensor | None,
                 at: int) -> torch.Tensor | None:
-    """[kept, hidden] final hidden states of the positions whose KV the round keeps: the
-    committed part (the root included), then the accepted path. None when the forward
-    returned no hidden states or this input ran no forward; `at` is its first row there."""
+    """[kept, hidden] final hidden states of the positions whose KV the round keeps (kept_rows).
+    None when the forward returned no hidden states or this input ran no forward; `at` is its
+    first row there."""
     if hidden is None or not s.token_ids:
         return None
-    before = len(s.token_ids) - len(s.drafts)  # rows of the committed part (root incl.)
-    rows = list(range(before)) + [before + j for j in (path or [])]
-    return hidden[at:at + len(s.token_ids)][rows]
+    return hidden[at:at + len(s.token_ids)][kept_rows(s, path)]
 
 
-def eagle_features(runner: ModelRunner, s: StepInput, h: torch.Tensor) -> Features:
-    """The kept positions' hidden states for the draft: a prompt's whole, its cached
-    prefix and earlier chunks too, read back from the runner's kept features (which the
-    forward just wrote this chunk's rows to)."""
-    start, h = s.start_pos, h.to(torch.float16)
-    if s.prefill and start:
-        h = runner.features_at(s.block_table, 0, start + len(s.token_ids))
-        start = 0
-    return Features(start, h.shape[1], h.cpu().numpy().tobytes())
+def as_float16(hidden: torch.Tensor) -> np.ndarray:  # [rows, width] -> the same, float16
+    """A step's hidden states in the features' wire type, converted once for every session
+    (a conversion and a copy per session cost ~10 us each: ~0.4 ms a step at 32 sessions)."""
+    return hidden.to(torch.float16).cpu().numpy()
+
+
+def eagle_features(runner: ModelRunner, s: StepInput, path: list[int] | None,
+                   hidden16: np.ndarray, at: int) -> Features:
+    """The kept positions' hidden states for the draft (`hidden16`: the step's, as_float16; `at`:
+    this input's first row there): a prompt's whole, its cached prefix and earlier chunks too,
+    read back from the runner's kept features (which the forward just wrote this chunk's rows
+    to)."""
+    if s.prefill and s.start_pos:
+        h = runner.features_at(s.block_table, 0, s.start_pos + len(s.token_ids))
+        return Features(0, h.shape[1], h.cpu().numpy().tobytes())
+    h = hidden16[at:at + len(s.token_ids)][kept_rows(s, path)]
+    return Features(s.start_pos, h.shape[1], h.tobytes())
 
 
 def propose_trees(proposer: Proposer, inputs: list[StepInput], outcomes: list[RoundOutcome],
