@@ -43,3 +43,18 @@ def test_cpu_by_role_counts_a_child_under_its_role_and_the_client_apart():
     finally:
         child.kill()
         child.wait()
+
+
+def test_bodies_are_seeded_per_session_when_sampled_and_end_at_eos_when_natural():
+    """Sampled arms must draw the same answers (a seed per session, the same in every arm);
+    --natural lets answers end at EOS, the default makes every method do the same work."""
+    from tools.bench.load_ab import bodies
+
+    prompts = [{"prompt": f"p{i}"} for i in range(3)]
+    greedy = bodies(prompts, 4, "ngram", 32, offset=2)
+    assert [b["messages"][0]["content"] for b in greedy] == ["p2", "p0", "p1", "p2"]
+    assert all(b["ignore_eos"] and "seed" not in b and b["temperature"] == 0.0 for b in greedy)
+    sampled = bodies(prompts, 4, "eagle", 32, offset=2, temperature=0.7, natural=True)
+    assert [b["seed"] for b in sampled] == [2, 3, 4, 5]
+    assert not any(b["ignore_eos"] for b in sampled)
+    assert sampled[0]["speculation"]["method"] == "eagle" and sampled[0]["max_tokens"] == 32

@@ -9,7 +9,8 @@ an arm's figure is its tokens over its wall time summed over the reps; ratios ar
 (`none`) of this tree at the same level. Before a rep's arms, one untimed plain ask of one
 token per session puts the rep's prompts in each verifier's prefix cache, so that every arm
 finds them there (`--cold`: not; then the rep's first arm alone prefilled them, 0.5-1.5 s at
-4 sessions, and with fewer reps than arms some arms never went first). Greedy, `ignore_eos`,
+4 sessions, and with fewer reps than arms some arms never went first). Greedy (`--temperature`:
+sampled, seeded per session), `ignore_eos` (`--natural`: answers end at EOS),
 the suffix caches off (every ask a first ask), one verifier and one draft worker, as `tandem
 up` starts them. A `--base` checkout is started by its own `tandem up` (its own flags and
 defaults); `--base .` with `--base-env` runs this tree twice, under two settings.
@@ -77,15 +78,26 @@ def start(root: Path, dtype: str, log: Path, env: dict | None = None):
     return cluster
 
 
-def one(url: str, prompts: list[dict], n: int, method: str, tokens: int, offset: int) -> dict:
-    """n sessions at once: their tokens, the wall time, and their rounds and drafts."""
-    bodies = [chat_body(prompts[(offset + i) % len(prompts)]["prompt"], tokens, 0.0, method, 16)
-              for i in range(n)]
+def bodies(prompts: list[dict], n: int, method: str, tokens: int, offset: int,
+           temperature: float = 0.0, natural: bool = False) -> list[dict]:
+    """The n sessions' requests. `natural`: answers end at EOS (else exactly `tokens` each);
+    sampled ones are seeded per session, so every arm draws the same answers."""
+    out = [chat_body(prompts[(offset + i) % len(prompts)]["prompt"], tokens, temperature,
+                     method, 16, seed=offset + i if temperature else None) for i in range(n)]
+    for b in out:
+        b["ignore_eos"] = not natural
+    return out
+
+
+def one(url: str, prompts: list[dict], n: int, method: str, tokens: int, offset: int,
+        temperature: float = 0.0, natural: bool = False) -> dict:
+    """n sessions at once (bodies): their tokens, the wall time, and their rounds and drafts."""
+    requests = bodies(prompts, n, method, tokens, offset, temperature, natural)
 
     async def go():
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4)) as client:
             t0 = time.perf_counter()
-            outs = await asyncio.gather(*(stream_chat(client, url, b) for b in bodies))
+            outs = await asyncio.gather(*(stream_chat(client, url, b) for b in requests))
             return outs, time.perf_counter() - t0
 
     outs, wall = asyncio.run(go())
@@ -124,7 +136,8 @@ def run(args, clusters: dict) -> list[dict]:
             for name, method in arm_order(arms, rep):
                 before = by_role(roots_of(clusters[name])) if args.cpu else {}
                 try:
-                    r = one(clusters[name].gateway_url, prompts, n, method, args.tokens, rep * n)
+                    r = one(clusters[name].gateway_url, prompts, n, method, args.tokens, rep * n,
+                            args.temperature, args.natural)
                 except Exception as exc:  # recorded; the other cells still run
                     r = {"error": repr(exc)[:300]}
                 if args.cpu:  # CPU seconds of each role over the arm
@@ -171,6 +184,10 @@ def main() -> None:
     p.add_argument("--methods", default="none,ngram,suffix,draft_model,auto")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (seeded per session: every arm draws alike)")
+    p.add_argument("--natural", action="store_true",
+                   help="answers end at EOS, --tokens at most (default: exactly --tokens)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--base", default="", help="another checkout whose plain runs beside ours")
     p.add_argument("--base-methods", default="none", help="the base's arms (comma-separated)")
