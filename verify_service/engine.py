@@ -272,7 +272,7 @@ class Engine:
                           logprobs=outcome.logprobs[:len(new)])
         if seq.finished:
             self._end(seq)
-        else:
+        elif seq.speculating:  # (plain sessions have no draft side to tell)
             self.drafts.commit(seq, start, new, outcome.features,
                               run_ahead(seq, self.scheduler, self.drafts))
 

@@ -75,25 +75,25 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, session_id: str) -> Sequence | None:
-        for seq in [*self.running, *self.waiting]:
-            if seq.session_id == session_id:
-                self.finish(seq, "abort")
-                return seq
-        return None
+        seq = next((s for s in [*self.running, *self.waiting] if s.session_id == session_id), None)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
 
     def finish(self, seq: Sequence, reason: str | None = None, error: str = "") -> None:
         if reason:
             seq.set_finished(reason, error)
         seq.sched.status = SeqStatus.FINISHED
-        for queue in (self.running, self.waiting):
-            if seq in queue:
-                queue.remove(seq)
+        for queue in [q for q in (self.running, self.waiting) if seq in q]:
+            queue.remove(seq)
         if self.blocks.has(seq.session_id):
             self.blocks.free(seq.session_id)
 
     def desired_k(self, seq: Sequence, ahead: int = 0) -> int:
         """Drafts the session may verify this round (`ahead` later), before arrivals: the plan's
         cut, but never a probe's (how what the plan priced out is measured again)."""
+        if not seq.speculating:  # (a hot path: every session, several times a step)
+            return 0
         k, cap = self._solo_k(seq, ahead), self._caps.get(  # (none yet: batch.unplanned_cap)
             seq.session_id, batch.unplanned_cap(seq, self.step_cost, self.num_sessions))
         return k if cap is None or self.probes(seq, ahead) else min(k, cap)
