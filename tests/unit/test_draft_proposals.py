@@ -99,3 +99,31 @@ def test_in_flight_proposals_and_errors_of_an_old_attach_are_stale_after_reattac
     seq, (drafts_after_stale, still_linked) = asyncio.run(main())
     assert drafts_after_stale == [] and still_linked
     assert seq.drafts == [] and seq.epoch == 2  # the current error detached it, epoch moved
+
+
+def test_a_plain_sessions_round_tells_no_draft_side_and_a_drafting_ones_does():
+    """Committing a round: a speculating session's link hears of it (its worker keeps up);
+    a plain one's round touches no draft state at all (the verifier's hot path at 32
+    sessions), yet its client still gets the round."""
+    from tandem.spec import Commit
+    from verify_service.forward.step import RoundOutcome, StepTimings
+
+    async def main():
+        engine, link = make_engine()
+        queue = engine.submit(GenerateParams(
+            session_id="plain", prompt=(1, 2, 3), committed=(),
+            sampling=SamplingParams(temperature=0.0), max_new_tokens=8,
+            stop_token_ids=frozenset(), method=Method.NONE))
+        told = []
+        commit = engine.drafts.commit
+        engine.drafts.commit = lambda seq, *a: (told.append(seq.session_id), commit(seq, *a))
+        first = engine.scheduler.schedule().scheduled  # the prefills
+        for s in first:
+            engine._apply(s, RoundOutcome([], 5), 0.0, StepTimings(1.0, 0.1))
+        return engine, link, queue, told
+
+    engine, link, queue, told = asyncio.run(main())
+    assert sorted(told) == ["a", "b"]
+    assert {c.session_id for c in link.sent if isinstance(c, Commit)} == {"a", "b"}
+    out = queue.get_nowait()
+    assert out.token_ids == [5] and engine.sessions["plain"].num_tokens == 4
