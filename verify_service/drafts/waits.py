@@ -49,10 +49,9 @@ def draft_wait_limit_ms(running: list[Sequence], scheduler: Scheduler, drafts: D
     session's late drafts cost seven others 1/8 of its allowance, not all of it)."""
     limit_ms, waiting, d = 0.0, 0, drafts
     for seq in running:
-        n = missing(seq, scheduler, d)
         linked = d.linked(seq) or seq.local.in_verifier and d.coming(seq)  # (auto opens on asking)
-        if not linked or n <= 0 or (seq.est.late_rounds >= LATE_ROUNDS_NO_WAIT
-                                    and not probing(seq)):
+        if not linked or (n := missing(seq, scheduler, d)) <= 0 or (
+                seq.est.late_rounds >= LATE_ROUNDS_NO_WAIT and not probing(seq)):
             continue  # (drafts of a session that stopped being waited for still count)
         waiting += 1  # the first draft after a commit takes longer than the next ones
         if seq.params.tree and not seq.local.in_verifier:  # a tree comes at once, when drafted

@@ -6,12 +6,12 @@ from __future__ import annotations
 import copy
 import itertools
 from collections import deque
-from dataclasses import dataclass
 
 from tandem.engine.block_manager import BlockManager, NoFreeBlocksError
 from tandem.spec.cost import CostModel, StepCost, choose_tree_size, plan_batch
 from verify_service.config import SchedulerConfig
 from verify_service.policy import batch
+from verify_service.policy.scheduled import ScheduledSeq, SchedulerOutput
 from verify_service.session.sequence import SeqStatus, Sequence
 
 EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is switched off
@@ -20,28 +20,6 @@ EXPLORE_EVERY = 16  # rounds between probes of a session whose speculation is sw
 def probing(seq: Sequence, ahead: int = 0) -> bool:
     """Whether the session's round `ahead` rounds from now is one of its periodic probes."""
     return (seq.stats.rounds + ahead) % EXPLORE_EVERY == EXPLORE_EVERY - 1
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    seq: Sequence
-    token_ids: list[int]  # new tokens whose KV is computed now
-    start_pos: int  # absolute position of token_ids[0]
-    num_drafts: int  # draft tokens verified (0: prefill or plain decode)
-    is_prefill: bool
-    wanted: int = 0  # the k the session wanted; more than num_drafts when drafts were late
-    parents: tuple[int, ...] | None = None  # the drafts' tree (None = a chain)
-    partial: bool = False  # a prefill chunk before the last: KV only, nothing sampled
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    preempted: list[Sequence]
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -54,6 +32,7 @@ class Scheduler:
         self.step_cost = step_cost or StepCost()  # whole steps: what drafts cost a batch
         self.draft_ms = (0.0, 0.0)  # a worker chain's wait: to its first draft, then each
         self._caps: dict[str, int] = {}  # this step's batch plan: drafts per session at most
+        self._solo: dict[str, int] | None = None  # _solo_k by session while schedule() runs
         self.pool = batch.AcceptancePool()  # each method's acceptance over its sessions
         # Medusa: estimated chance each node of the tree (in order) is reached under greedy;
         # and each node of its chain (the heads' top-1 tokens).
@@ -75,17 +54,19 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, session_id: str) -> Sequence | None:
-        seq = next((s for s in [*self.running, *self.waiting] if s.session_id == session_id), None)
-        if seq is not None:
-            self.finish(seq, "abort")
-        return seq
+        for seq in [*self.running, *self.waiting]:
+            if seq.session_id == session_id:
+                self.finish(seq, "abort")
+                return seq
+        return None
 
     def finish(self, seq: Sequence, reason: str | None = None, error: str = "") -> None:
         if reason:
             seq.set_finished(reason, error)
         seq.sched.status = SeqStatus.FINISHED
-        for queue in [q for q in (self.running, self.waiting) if seq in q]:
-            queue.remove(seq)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
         if self.blocks.has(seq.session_id):
             self.blocks.free(seq.session_id)
 
@@ -106,7 +87,15 @@ class Scheduler:
         return self.cost if seq.params.sampling.is_greedy else self.sampled_cost
 
     def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
-        """The k that pays for the session alone (the single-session cost curve)."""
+        """The k that pays for the session alone (the single-session cost curve); once per
+        session while schedule() runs (its plan and its batch ask for it, ~15 us a call)."""
+        if ahead or self._solo is None:
+            return self._solo_k_now(seq, ahead)
+        if (k := self._solo.get(seq.session_id)) is None:
+            k = self._solo[seq.session_id] = self._solo_k_now(seq)
+        return k
+
+    def _solo_k_now(self, seq: Sequence, ahead: int = 0) -> int:
         if not seq.speculating:
             return 0
         k_allowed, cost = self.k_allowed(seq), self.cost_of(seq)  # (k: a share under load)
@@ -173,8 +162,12 @@ class Scheduler:
         decoding = self.decoding()  # who the step just waited for, by the last plan:
         self.step_cost.asked_share = batch.asked_share(decoding, self.desired_k)  # (observe)
         self.pool.age(decoding)  # a step older, their methods' pooled evidence (batch.py)
-        self._caps = self.plan()
-        scheduled = self._schedule_running(preempted)
+        self._solo = {}  # (no session's state moves until the batch is chosen)
+        try:
+            self._caps = self.plan()
+            scheduled = self._schedule_running(preempted)
+        finally:
+            self._solo = None
         budget = self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in scheduled)
         chunks = self._schedule_chunks(budget, bool(scheduled))
         budget -= sum(len(s.token_ids) for s in chunks)
