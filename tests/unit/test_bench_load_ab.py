@@ -58,3 +58,16 @@ def test_bodies_are_seeded_per_session_when_sampled_and_end_at_eos_when_natural(
     assert [b["seed"] for b in sampled] == [2, 3, 4, 5]
     assert not any(b["ignore_eos"] for b in sampled)
     assert sampled[0]["speculation"]["method"] == "eagle" and sampled[0]["max_tokens"] == 32
+
+
+def test_reps_that_leave_the_order_unbalanced_are_named():
+    """Only a multiple of twice the arms turns the order evenly (arm_order); a 6-rep run of
+    6 arms kept each arm's predecessor, and load_ab says so rather than reporting it plainly."""
+    from tools.bench.load_ab import unbalanced
+
+    assert unbalanced(12, 6) == "" and unbalanced(24, 6) == "" and unbalanced(3, 1) == ""
+    assert "multiple of 12" in unbalanced(6, 6)
+    assert unbalanced(8, 4) == "" and unbalanced(10, 4) != ""
+    arms = ["a", "b", "c"]
+    firsts = [arm_order(arms, rep)[0] for rep in range(6)]
+    assert all(firsts.count(a) == 2 for a in arms)  # 6 = 2 x 3 reps: balanced, as it says
