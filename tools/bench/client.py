@@ -20,12 +20,14 @@ TIMEOUT_S = 600.0
 
 
 def chat_body(prompt: str, tokens: int, temperature: float, method: str, k: int,
-              seed: int | None = None, shape: str | None = None) -> dict:
+              seed: int | None = None, shape: str | None = None,
+              ignore_eos: bool = True) -> dict:
     """A streamed chat completion of exactly `tokens` tokens (ignore_eos: every method does the
-    same work, and EOS does not end a run early in one method and not in another). `shape`:
-    "chain" or "tree" for medusa and eagle; None leaves it to the verifier's default."""
+    same work, and EOS does not end a run early in one method and not in another; False: at
+    most `tokens`). `shape`: "chain" or "tree" for medusa and eagle; None leaves it to the
+    verifier's default."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": tokens, "temperature": temperature, "ignore_eos": True,
+            "max_tokens": tokens, "temperature": temperature, "ignore_eos": ignore_eos,
             "stream": True, "stream_options": {"include_usage": True},
             "speculation": {"method": method, "num_speculative_tokens": k}}
     if shape is not None:

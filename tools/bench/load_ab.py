@@ -82,11 +82,9 @@ def bodies(prompts: list[dict], n: int, method: str, tokens: int, offset: int,
            temperature: float = 0.0, natural: bool = False) -> list[dict]:
     """The n sessions' requests. `natural`: answers end at EOS (else exactly `tokens` each);
     sampled ones are seeded per session, so every arm draws the same answers."""
-    out = [chat_body(prompts[(offset + i) % len(prompts)]["prompt"], tokens, temperature,
-                     method, 16, seed=offset + i if temperature else None) for i in range(n)]
-    for b in out:
-        b["ignore_eos"] = not natural
-    return out
+    return [chat_body(prompts[(offset + i) % len(prompts)]["prompt"], tokens, temperature,
+                      method, 16, seed=offset + i if temperature else None,
+                      ignore_eos=not natural) for i in range(n)]
 
 
 def one(url: str, prompts: list[dict], n: int, method: str, tokens: int, offset: int,
