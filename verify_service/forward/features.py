@@ -37,11 +37,11 @@ def kept_rows(s: StepInput, path: list[int] | None) -> slice | list[int]:
     return list(range(before)) + [before + j for j in path]
 
 
-def kept_hidden(s: StepInput, path: list[int] | None, hidden: torch.Tensor | None,
-                at: int) -> torch.Tensor | None:
-    """[kept, hidden] final hidden states of the positions whose KV the round keeps (kept_rows).
-    None when the forward returned no hidden states or this input ran no forward; `at` is its
-    first row there."""
+def kept_hidden(s: StepInput, path: list[int] | None, hidden: torch.Tensor | np.ndarray | None,
+                at: int) -> torch.Tensor | np.ndarray | None:
+    """[kept, hidden] final hidden states of the positions whose KV the round keeps (kept_rows),
+    of the step's tensor or of its float16 copy (as_float16). None when the forward returned no
+    hidden states or this input ran no forward; `at` is its first row there."""
     if hidden is None or not s.token_ids:
         return None
     return hidden[at:at + len(s.token_ids)][kept_rows(s, path)]
@@ -62,7 +62,7 @@ def eagle_features(runner: ModelRunner, s: StepInput, path: list[int] | None,
     if s.prefill and s.start_pos:
         h = runner.features_at(s.block_table, 0, s.start_pos + len(s.token_ids))
         return Features(0, h.shape[1], h.cpu().numpy().tobytes())
-    h = hidden16[at:at + len(s.token_ids)][kept_rows(s, path)]
+    h = kept_hidden(s, path, hidden16, at)
     return Features(s.start_pos, h.shape[1], h.tobytes())
 
 
