@@ -73,9 +73,9 @@ class Scheduler:
     def desired_k(self, seq: Sequence, ahead: int = 0) -> int:
         """Drafts the session may verify this round (`ahead` later), before arrivals: the plan's
         cut, but never a probe's (how what the plan priced out is measured again)."""
-        if not seq.speculating:  # (a hot path: every session, several times a step)
-            return 0
-        k, cap = self._solo_k(seq, ahead), self._caps.get(  # (none yet: batch.unplanned_cap)
+        if not (k := self._solo_k(seq, ahead)):  # nothing to cap: plain sessions, most under
+            return 0  # load (a hot path: every session, several times a step)
+        cap = self._caps.get(  # (none yet: batch.unplanned_cap)
             seq.session_id, batch.unplanned_cap(seq, self.step_cost, self.num_sessions))
         return k if cap is None or self.probes(seq, ahead) else min(k, cap)
 
@@ -88,7 +88,7 @@ class Scheduler:
 
     def _solo_k(self, seq: Sequence, ahead: int = 0) -> int:
         """The k that pays for the session alone (the single-session cost curve); once per
-        session while schedule() runs (its plan and its batch ask for it, ~15 us a call)."""
+        session while schedule() runs (its plan and its batch ask for it, ~10 us a call)."""
         if ahead or self._solo is None:
             return self._solo_k_now(seq, ahead)
         if (k := self._solo.get(seq.session_id)) is None:
